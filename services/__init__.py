@@ -1,0 +1,1 @@
+"""dsaserve services: router, prefill and decode workers, KV transfer, registry, CLI."""
