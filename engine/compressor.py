@@ -1,0 +1,111 @@
+"""Token compressors of CSA/HCA layers: softmax-gated pooling of `rate` tokens into one entry.
+
+Each token contributes raw projections (kv, gate). Entry w pools the tokens of window w
+(positions w*rate .. (w+1)*rate-1) with softmax(gate + ape) weights, then RMS-normalises it
+and applies RoPE at the window's first position. Overlapping compressors (CSA main and
+indexer) produce 2*head_dim features per token: the first half (Ca) feeds the NEXT window's
+entry, the second half (Cb) the token's own window, so entry w pools 2*rate slots.
+
+The last tokens' raw projections live in the request's slab ring (`KVPool.comp_ring` /
+`index_ring`), so a window can close in a later step than the one that started it.
+Entries are written straight into the pool at their entry slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.norm import RMSNorm
+from engine.rope import apply_rope
+from engine.step import StepState
+
+
+class Compressor(torch.nn.Module):
+    def __init__(self, hidden: int, head_dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        feats = 2 * head_dim if overlap else head_dim
+        self.wkv = torch.nn.Linear(hidden, feats, bias=False)
+        self.wgate = torch.nn.Linear(hidden, feats, bias=False)
+        self.ape = torch.nn.Parameter(torch.zeros(rate, feats, dtype=torch.float32))  # per-slot gate bias
+        self.norm = RMSNorm(head_dim, eps)
+        self.head_dim, self.rate, self.overlap = head_dim, rate, overlap
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: StepState,
+        ring: tuple[torch.Tensor, torch.Tensor],
+        target: torch.Tensor,
+        group: str,
+        trash_slot: int,
+    ) -> None:
+        """Compress this step's rows x [N, hidden]; write completed entries into target [slots, head_dim]."""
+        kv, gate = self.wkv(x), self.wgate(x)                      # [N, feats]
+        ring_kv, ring_gate = ring                                   # [seqs, ring_rows, feats]
+        inp, D = step.inp, step.inp.num_decode
+        if D:
+            self._decode_rows(kv[:D], gate[:D], inp.positions[:D], inp.slab[:D], step, ring, target, group, trash_slot)
+        rows = ring_kv.shape[1]
+        for seg in inp.segments:
+            s, e = seg.start, seg.start + seg.num_rows
+            chunk = slice(seg.row0, seg.row0 + seg.num_rows)
+            first_w, last_w = s // self.rate, e // self.rate - 1     # windows that close in this chunk
+            if last_w >= first_w:
+                base_w = max(first_w - 1, 0) if self.overlap else first_w
+                past = torch.arange(base_w * self.rate, s, device=x.device).remainder(rows)
+                seq_kv = torch.cat((ring_kv[seg.slab, past], kv[chunk]))      # positions base_w*rate .. e-1
+                seq_gate = torch.cat((ring_gate[seg.slab, past], gate[chunk]))
+                n_win = last_w + 1 - base_w
+                win_kv = seq_kv[: n_win * self.rate].view(n_win, self.rate, -1)
+                win_gate = seq_gate[: n_win * self.rate].view(n_win, self.rate, -1)
+                windows = torch.arange(first_w, last_w + 1, device=x.device)
+                if self.overlap:
+                    if first_w == 0:  # window 0 has no predecessor: pad with a masked one
+                        win_kv = torch.cat((torch.zeros_like(win_kv[:1]), win_kv))
+                        win_gate = torch.cat((torch.zeros_like(win_gate[:1]), win_gate))
+                    prev = (win_kv[:-1], win_gate[:-1], windows >= 1)
+                    cur = (win_kv[1:], win_gate[1:])
+                else:
+                    prev, cur = None, (win_kv, win_gate)
+                entries = self._pool(cur, prev, windows * self.rate, step)
+                req = torch.full_like(windows, seg.req)
+                target.index_copy_(0, step.entry_slots(group, req, windows), entries)
+            # Keep the newest ring rows for windows that close in later steps.
+            keep = torch.arange(max(s, e - rows), e, device=x.device)
+            ring_kv[seg.slab, keep.remainder(rows)] = kv[chunk][keep - s]
+            ring_gate[seg.slab, keep.remainder(rows)] = gate[chunk][keep - s]
+
+    def _decode_rows(self, kv, gate, pos, slab, step, ring, target, group, trash_slot) -> None:
+        """One new token per request, vectorised, with shapes independent of the data."""
+        ring_kv, ring_gate = ring
+        rows = ring_kv.shape[1]
+        ring_kv[slab, pos.remainder(rows)] = kv
+        ring_gate[slab, pos.remainder(rows)] = gate
+        window = torch.div(pos, self.rate, rounding_mode="floor")                  # [D]
+        cur_rows = (window * self.rate)[:, None] + torch.arange(self.rate, device=pos.device)  # [D, rate]
+        cur = (ring_kv[slab[:, None], cur_rows.remainder(rows)], ring_gate[slab[:, None], cur_rows.remainder(rows)])
+        prev = None
+        if self.overlap:
+            prev_rows = (cur_rows - self.rate).remainder(rows)
+            prev = (ring_kv[slab[:, None], prev_rows], ring_gate[slab[:, None], prev_rows], window >= 1)
+        entries = self._pool(cur, prev, window * self.rate, step)
+        closes = (pos + 1).remainder(self.rate) == 0
+        req = torch.arange(pos.shape[0], device=pos.device)
+        slots = step.entry_slots(group, req, torch.where(closes, window, 0))
+        target.index_copy_(0, torch.where(closes, slots, trash_slot), entries)
+
+    def _pool(self, cur, prev, first_pos: torch.Tensor, step: StepState) -> torch.Tensor:
+        """cur = (kv, gate) [M, rate, feats] of the closing windows; prev = the windows before
+        them plus a [M] validity mask (overlap only) -> entries [M, head_dim]."""
+        d = self.head_dim
+        if prev is None:
+            kv, score = cur[0], cur[1] + self.ape
+        else:
+            kv = torch.cat((prev[0][..., :d], cur[0][..., d:]), dim=1)                    # [M, 2*rate, d]
+            score = torch.cat((prev[1][..., :d] + self.ape[:, :d], cur[1][..., d:] + self.ape[:, d:]), dim=1)
+            no_prev = ~prev[2]
+            score[:, : self.rate] = score[:, : self.rate].masked_fill(no_prev[:, None, None], float("-inf"))
+        weights = score.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        pooled = self.norm((kv * weights).sum(dim=1))
+        cos, sin = step.rope_tables["compress"](first_pos, pooled.dtype)
+        return apply_rope(pooled, cos, sin)

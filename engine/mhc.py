@@ -1,0 +1,70 @@
+"""Manifold-constrained hyper-connections (mHC): the residual as `hc_mult` mixed streams.
+
+Each sublayer reads one collapsed input from the streams (weights `pre`), and writes back
+`post * output + comb^T @ streams`, where `comb` is pushed towards a doubly-stochastic
+matrix by Sinkhorn iterations so the residual mixing cannot blow up across depth.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.norm import unweighted_rms_norm
+
+
+def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """[..., n, n] logits -> near doubly-stochastic matrix (row softmax, then column/row sweeps)."""
+    comb = torch.softmax(logits, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class HyperConnection(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.n, self.iters, self.hc_eps, self.norm_eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = torch.nn.Parameter(torch.zeros((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32))
+        self.base = torch.nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [N, n, D] -> (post [N, n], comb [N, n, n], collapsed input [N, D]); fp32 weights."""
+        n = self.n
+        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), self.iters, self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def merge_streams(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """streams [N, n, D], sublayer output [N, D] -> new streams: post*out + comb^T @ streams."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead(torch.nn.Module):
+    """Final collapse of the streams into one hidden state before the last norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.fn = torch.nn.Parameter(torch.zeros(n, n * cfg.hidden_size, dtype=torch.float32))
+        self.base = torch.nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.scale = torch.nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -1,0 +1,69 @@
+"""Interleaved partial RoPE on the trailing `rope_dim` channels, with optional YaRN.
+
+DeepSeek-V4 rotates consecutive channel pairs (x0, x1) of the last `rope_dim` dims of each
+head; the leading "nope" channels are untouched. Sliding-only layers use the plain "main"
+table; CSA/HCA layers, their compressors and the indexer use the YaRN "compress" table.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.config import RopeSpec
+
+
+def inverse_frequencies(spec: RopeSpec, rope_dim: int) -> torch.Tensor:
+    """[rope_dim // 2] fp32 inverse frequencies, YaRN-interpolated when `spec.factor` is set."""
+    wavelengths = spec.theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    if spec.factor is None:
+        return 1.0 / wavelengths
+    low, high = _yarn_correction_range(spec, rope_dim)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # Pairs below the ramp keep their frequency; pairs above it are interpolated by `factor`.
+    # (Written as HF writes it, so the fp32 table is bit-identical to the reference.)
+    keep = 1 - ramp
+    return 1.0 / (spec.factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep
+
+
+def _yarn_correction_range(spec: RopeSpec, dim: int) -> tuple[float, float]:
+    assert spec.original_max_position is not None
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(spec.original_max_position / (num_rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    return max(math.floor(correction_dim(spec.beta_fast)), 0), min(math.ceil(correction_dim(spec.beta_slow)), dim - 1)
+
+
+class RotaryTable(torch.nn.Module):
+    """cos/sin for arbitrary positions of one RoPE spec."""
+
+    def __init__(self, spec: RopeSpec, rope_dim: int) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.register_buffer("inv_freq", inverse_frequencies(spec, rope_dim), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> (cos, sin), each [N, rope_dim // 2] in `dtype` (rounded as the reference does)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing channel pairs of x.
+
+    x [N, ..., D]; cos/sin [N, rope_dim // 2] broadcast over the middle dims. `inverse`
+    rotates by -angle (used to undo the rotation that V picked up, since K = V).
+    """
+    half = cos.shape[-1]
+    view = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.reshape(view).float(), sin.reshape(view).float()
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :].float()
+    x0, x1 = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)

@@ -1,0 +1,161 @@
+"""The model's view of the KV state for one forward step: where rows go, what they read.
+
+A step computes N rows: first one row per decoding request, then the rows of each
+prefill chunk. Everything the layers need is derived from a few small tensors
+(`StepInputs`), so a decode step's derivations can be captured in a CUDA graph and
+replayed after refreshing those tensors in place. Derived index lists are cached per
+pool group and shared by all layers of the group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.kv_pool import KVPool
+from engine.rope import RotaryTable
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Host-side description of one prefill chunk (decode rows need none)."""
+
+    row0: int       # first row of the chunk in the step
+    start: int      # position of its first row = tokens of the request already computed
+    num_rows: int
+    slab: int
+    req: int        # index of the request in the step
+
+
+@dataclass
+class StepInputs:
+    positions: torch.Tensor             # [N] int64
+    row_req: torch.Tensor               # [N] int64, request index of each row
+    req_past: torch.Tensor              # [B] int64, tokens computed before this step
+    req_row0: torch.Tensor              # [B] int64, first row of each request
+    slab: torch.Tensor                  # [B] int64, slab row of each request
+    tables: dict[str, torch.Tensor]     # group -> [B, max_pages] int64 block tables (0-padded)
+    persist_rows: torch.Tensor          # [M] int64, rows written to the window ring after attention
+    token_ids: torch.Tensor             # [N] int64 (hash-routed MoE layers route by token id)
+    hca_width: int                      # compressed-entry columns of HCA index lists (>= max count)
+    num_decode: int                     # rows [0, num_decode) are single-token decode rows
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return self.positions.shape[0]
+
+
+def build_step_inputs(
+    pool: KVPool,
+    requests: list[tuple[int, int, int, dict[str, list[int]], list[int]]],
+    num_decode: int,
+    device: torch.device,
+) -> StepInputs:
+    """requests: (start, num_rows, slab, block tables, token ids) per request, decode ones first."""
+    positions, row_req, token_ids, persist, segments = [], [], [], [], []
+    req_past, req_row0, slabs = [], [], []
+    row = 0
+    for b, (start, n, slab, _, toks) in enumerate(requests):
+        assert len(toks) == n and (b >= num_decode or n == 1)
+        positions.extend(range(start, start + n))
+        row_req.extend([b] * n)
+        token_ids.extend(toks)
+        # Only the newest ring_len rows survive in the ring; writing only those keeps the
+        # scatter free of duplicate targets.
+        persist.extend(range(row + max(0, n - pool.ring_len), row + n))
+        req_past.append(start), req_row0.append(row), slabs.append(slab)
+        if b >= num_decode:
+            segments.append(Segment(row0=row, start=start, num_rows=n, slab=slab, req=b))
+        row += n
+    tables = {}
+    for g in pool.groups:
+        width = max(len(r[3][g]) for r in requests)
+        tables[g] = torch.tensor([r[3][g] + [0] * (width - len(r[3][g])) for r in requests], dtype=torch.int64)
+    hca = pool.groups.get("hca")
+    hca_width = max((p + 1) // hca.ratio for p in positions) if hca else 0
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+
+    return StepInputs(
+        positions=t(positions), row_req=t(row_req), req_past=t(req_past), req_row0=t(req_row0), slab=t(slabs),
+        tables={g: v.to(device, non_blocking=True) for g, v in tables.items()}, persist_rows=t(persist),
+        token_ids=t(token_ids), hca_width=hca_width, num_decode=num_decode, segments=segments,
+    )
+
+
+class StepState:
+    """StepInputs plus the pool, with per-group derived index lists computed on demand."""
+
+    def __init__(self, pool: KVPool, inputs: StepInputs, rope_tables: dict[str, RotaryTable]) -> None:
+        self.pool, self.inp, self.rope_tables = pool, inputs, rope_tables
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def rope(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [N, rope_dim // 2] of every row for the "main" or "compress" table."""
+        return self._cached(("rope", kind), lambda: self.rope_tables[kind](self.inp.positions, self.pool.dtype))
+
+    def _cached(self, key: tuple, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    # ---------------------------------------------------------------- slots
+
+    def entry_slots(self, group: str, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
+        """Slot ids of compressed entries `entry` (any shape) of requests `req` (broadcastable)."""
+        P, pool = self.pool.page_size, self.pool
+        page = self.inp.tables[group][req, pool.ring_pages + torch.div(entry, P, rounding_mode="floor")]
+        return page * P + entry.remainder(P)
+
+    def scratch_slots(self, group: str) -> torch.Tensor:
+        """[N] the scratch row of every row of this step in the slot space of `group`."""
+        return self._cached(("scratch", group), lambda: self.pool.entry_slot_base(group) + torch.arange(
+            self.inp.num_rows, device=self.inp.positions.device))
+
+    def ring_slots(self, group: str, positions: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
+        P, ring = self.pool.page_size, positions.remainder(self.pool.ring_len)
+        return self.inp.tables[group][req, torch.div(ring, P, rounding_mode="floor")] * P + ring.remainder(P)
+
+    def window_indices(self, group: str) -> torch.Tensor:
+        """[N, W] slots of each row's sliding window (positions t-W+1..t), -1 before position 0.
+
+        Keys computed in this step are read from scratch rows, older ones from the ring.
+        """
+
+        def make() -> torch.Tensor:
+            inp, W = self.inp, self.pool.cfg.sliding_window
+            keys = inp.positions[:, None] - (W - 1) + torch.arange(W, device=inp.positions.device)  # [N, W]
+            req = inp.row_req[:, None]
+            past = inp.req_past[req]
+            scratch = self.pool.entry_slot_base(group) + inp.req_row0[req] + (keys - past)
+            ring = self.ring_slots(group, keys.clamp(min=0), req)
+            slots = torch.where(keys >= past, scratch, ring)
+            return torch.where(keys >= 0, slots, -1)
+
+        return self._cached(("window", group), make)
+
+    def persist_slots(self, group: str) -> torch.Tensor:
+        """[M] ring slots for the rows in `persist_rows`."""
+        rows = self.inp.persist_rows
+        return self._cached(("persist", group),
+                            lambda: self.ring_slots(group, self.inp.positions[rows], self.inp.row_req[rows]))
+
+    def entry_counts(self, ratio: int) -> torch.Tensor:
+        """[N] compressed entries visible to each row: entry w is visible once (w+1)*ratio <= t+1."""
+        return torch.div(self.inp.positions + 1, ratio, rounding_mode="floor")
+
+    def hca_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([N, hca_width] slots of every visible HCA entry, -1 beyond; [N] counts)."""
+
+        def make() -> torch.Tensor:
+            inp = self.inp
+            counts = self.entry_counts(self.pool.groups["hca"].ratio)
+            entry = torch.arange(inp.hca_width, device=inp.positions.device)[None, :].expand(inp.num_rows, -1)
+            visible = entry < counts[:, None]
+            slots = self.entry_slots("hca", inp.row_req[:, None], torch.where(visible, entry, 0))
+            return torch.where(visible, slots, -1)
+
+        return self._cached(("hca",), make), self.entry_counts(self.pool.groups["hca"].ratio)
