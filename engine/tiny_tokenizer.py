@@ -1,0 +1,102 @@
+"""The tokenizer of the built-in tiny demo model: one token per byte plus DeepSeek's chat tokens.
+
+Byte `b` is token id `b`, so any text (and any byte sequence a random model samples) round-trips;
+then bos 256, eos 257, `<｜User｜>` 258, `<｜Assistant｜>` 259, `<think>` 260, `</think>` 261.
+The files are the ones a DeepSeek checkpoint ships (tokenizer.json, tokenizer_config.json,
+generation_config.json), so the tiny model exercises the same loading and chat-template path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+# As in DeepSeek's tokenizer.json, only bos/eos are "special" (dropped by skip_special_tokens);
+# the turn and think markers are plain added tokens, so decoded replies keep `</think>` for
+# reasoning parsers.
+CONTROL_TOKENS = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
+
+# DeepSeek's layout: bos, the system prompt(s), then `<｜User｜>q` / `<｜Assistant｜>a<eos>` turns,
+# and an open `<｜Assistant｜>` to prompt a reply. Tool turns need tokens this vocabulary lacks,
+# so the template refuses them instead of rendering something the model never saw.
+CHAT_TEMPLATE = r"""{%- set ns = namespace(system='') -%}
+{%- for message in messages if message.role in ['system', 'developer'] -%}
+    {%- set ns.system = ns.system + ('\n\n' if ns.system else '') + message.content -%}
+{%- endfor -%}
+{{- bos_token + ns.system -}}
+{%- for message in messages -%}
+    {%- if message.role == 'user' -%}
+        {{- '<｜User｜>' + message.content -}}
+    {%- elif message.role == 'assistant' -%}
+        {{- '<｜Assistant｜>' + message.content + eos_token -}}
+    {%- elif message.role not in ['system', 'developer'] -%}
+        {{- raise_exception('the tiny demo model has no ' + message.role + ' role') -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<｜Assistant｜>' -}}
+{%- endif -%}
+"""
+
+
+def write_tiny_tokenizer(out_dir: str | os.PathLike) -> int:
+    """Write the tiny tokenizer's files into `out_dir` (created if needed); return its vocab size.
+
+    The files are byte-identical on every run, so a model directory built twice hashes the same.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backend = _build_backend()
+    bos_id, eos_id = backend.token_to_id(BOS_TOKEN), backend.token_to_id(EOS_TOKEN)
+    (out / "tokenizer.json").write_text(backend.to_str(pretty=True) + "\n", encoding="utf-8")
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "bos_token": BOS_TOKEN,
+            "chat_template": CHAT_TEMPLATE,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": EOS_TOKEN,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        },
+    )
+    _write_json(out / "generation_config.json", {"bos_token_id": bos_id, "eos_token_id": eos_id})
+    return backend.get_vocab_size(with_added_tokens=True)
+
+
+def _build_backend() -> BackendTokenizer:
+    # BPE with no merges over the byte alphabet: every byte is its own token, so no <unk> exists.
+    vocab = {char: byte for byte, char in enumerate(_byte_to_unicode())}
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No regex split: with no merges it would only cost time, and it never changes the ids.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    for tokens, special in (((BOS_TOKEN, EOS_TOKEN), True), (CONTROL_TOKENS, False)):
+        backend.add_tokens([AddedToken(t, special=special, normalized=False) for t in tokens])
+    bos_id = backend.token_to_id(BOS_TOKEN)
+    # Like DeepSeek's tokenizer.json, encoding with special tokens prepends bos.
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    return backend
+
+
+def _byte_to_unicode() -> list[str]:
+    """ByteLevel's stand-in character for each byte, indexed by byte value (GPT-2's map)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    printable |= set(range(ord("®"), 256))
+    unprintable = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(unprintable)}
+    return [chars[b] for b in range(256)]
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    text = json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True)
+    path.write_text(text + "\n", encoding="utf-8")
