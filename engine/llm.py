@@ -1,0 +1,61 @@
+"""The offline API: `LLM(model_dir).generate(prompts, SamplingParams(...))` and `.score(ids)`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class Result:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str          # "stop" | "length"
+
+
+class LLM:
+    def __init__(self, model_dir: str | os.PathLike, device: str = "cpu", dtype: str = "float32", **engine_options) -> None:
+        self.engine = LLMEngine(model_dir, EngineConfig(device=device, dtype=dtype, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[Result]:
+        """Generate for every prompt (token-id list or text) in one continuous batch."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        params = params if isinstance(params, list) else [replace(params) for _ in prompts]
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompts]
+        keys = [f"offline-{i}" for i in range(len(ids))]
+        for key, prompt, p in zip(keys, ids, params):
+            self.engine.add_request(key, prompt, p)
+        tokens = {k: [] for k in keys}
+        texts = {k: [] for k in keys}
+        reasons: dict[str, str] = {}
+        try:
+            while len(reasons) < len(keys):
+                for out in self.engine.step():
+                    tokens[out.request_id] += out.new_token_ids
+                    texts[out.request_id].append(out.text)
+                    if out.finished:
+                        reasons[out.request_id] = out.finish_reason
+        finally:
+            for key in keys:
+                if key not in reasons:
+                    self.engine.abort(key)
+        return [Result(prompt_token_ids=p, token_ids=tokens[k], text="".join(texts[k]), finish_reason=reasons[k])
+                for k, p in zip(keys, ids)]
+
+    def score(self, token_ids: list[int]) -> torch.FloatTensor:
+        """Logits [T, vocab] (fp32) of one causal forward over token_ids."""
+        return self.engine.score(list(token_ids))

@@ -1,0 +1,60 @@
+"""All state of one request inside an engine: tokens, KV ownership, sampling, text."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+from engine.text_stream import TextStream
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"          # queued; holds no KV
+    RESERVED = "reserved"        # holds KV units that a transfer is filling (disaggregated decode)
+    RUNNING = "running"          # scheduled every step until it finishes
+    HELD = "held"                # finished prefill; KV pinned for a reader (disaggregated prefill)
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int              # resolved: params.max_tokens capped by the context length
+    text: TextStream
+    eos_token_ids: frozenset[int]
+    prefill_only: bool = False   # stop after the first token and hold the KV (prefill worker)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0        # tokens whose KV is in the pool
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    slab: int | None = None
+    status: Status = Status.WAITING
+    finish_reason: str | None = None    # "stop" | "length" | "abort"
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Known tokens whose KV is not computed yet (the last one's logits give the next token)."""
+        return self.num_tokens - self.num_computed
+
+    def append_token(self, token_id: int) -> str | None:
+        """Record a sampled token; returns the finish reason if the request ends with it."""
+        self.output_token_ids.append(token_id)
+        is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
+        if is_eos or token_id in self.params.stop_token_ids:
+            return "stop"
+        self.text.push(token_id)
+        if self.text.stopped:
+            return "stop"
+        if len(self.output_token_ids) >= self.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,115 @@
+"""Turns a scheduled batch into one model forward; decode-only batches replay CUDA graphs.
+
+Graphs are captured at start-up for a list of batch sizes. A batch is padded to the next
+captured size with rows that point at the pool's dummy page and slab row, so padding never
+touches a real request's state. The index lists inside a graph are as wide as the context
+length allows (block tables, HCA entries); the kernels read only each row's real length.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.kv_pool import KVPool
+from engine.model import DeepseekV4
+from engine.request import Request
+from engine.scheduler import ScheduledBatch
+from engine.step import StepInputs, build_step_inputs
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV4, pool: KVPool, device: torch.device, max_context: int) -> None:
+        self.model, self.pool, self.device, self.max_context = model, pool, torch.device(device), max_context
+        self.graphs: dict[int, _DecodeGraph] = {}
+
+    def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
+        mempool = torch.cuda.graph_pool_handle()
+        for bs in sorted(batch_sizes, reverse=True):   # largest first: the rest reuse its memory
+            self.graphs[bs] = _DecodeGraph(self, bs, mempool)
+        log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
+
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
+        """Run the step; returns the requests that sample now and their logits [len, vocab].
+
+        Advances each scheduled request's `num_computed`.
+        """
+        specs, samplers, rows = [], [], []
+        for req in batch.decode:
+            specs.append((req.num_computed, 1, req.slab, req.block_tables, [req.token_ids[req.num_computed]]))
+        for req, n in batch.prefill:
+            start = req.num_computed
+            specs.append((start, n, req.slab, req.block_tables, req.token_ids[start : start + n]))
+        row = 0
+        for req, (start, n, *_) in zip(batch.decode + [r for r, _ in batch.prefill], specs):
+            row += n
+            if start + n == req.num_tokens:   # the chunk reaches the newest token: sample after it
+                samplers.append(req)
+                rows.append(row - 1)
+        graph = self._graph_for(batch)
+        if graph is not None:
+            logits = graph.run(specs)
+        else:
+            inputs = build_step_inputs(self.pool, specs, len(batch.decode), self.device)
+            logits = self.model(self.pool, inputs, torch.tensor(rows, device=self.device))
+        for req, (_, n, *_) in zip(batch.decode + [r for r, _ in batch.prefill], specs):
+            req.num_computed += n
+        return samplers, logits
+
+    def forward_all_rows(self, specs: list[tuple], num_decode: int) -> torch.Tensor:
+        """Logits of every row of a step (scoring)."""
+        inputs = build_step_inputs(self.pool, specs, num_decode, self.device)
+        return self.model(self.pool, inputs, torch.arange(inputs.num_rows, device=self.device))
+
+    def _graph_for(self, batch: ScheduledBatch) -> _DecodeGraph | None:
+        if batch.prefill or not self.graphs:
+            return None
+        fits = [bs for bs in self.graphs if bs >= len(batch.decode)]
+        return self.graphs[min(fits)] if fits else None
+
+
+class _DecodeGraph:
+    """One captured decode step for `bs` rows, with static input buffers refreshed per replay."""
+
+    def __init__(self, runner: ModelRunner, bs: int, mempool) -> None:
+        pool, dev = runner.pool, runner.device
+        self.pool, self.bs = pool, bs
+        arange = torch.arange(bs, device=dev)
+        self.tables = {g: torch.full((bs, pool.pages_for(g, runner.max_context)), pool.dummy_pages[g],
+                                     dtype=torch.int64, device=dev) for g in pool.groups}
+        hca = pool.groups.get("hca")
+        self.inputs = StepInputs(
+            positions=torch.zeros(bs, dtype=torch.int64, device=dev), row_req=arange, req_past=torch.zeros_like(arange),
+            req_row0=arange, slab=torch.full((bs,), pool.dummy_slab, dtype=torch.int64, device=dev), tables=self.tables,
+            persist_rows=arange, token_ids=torch.zeros_like(arange),
+            hca_width=runner.max_context // hca.ratio + 1 if hca else 0, num_decode=bs,
+        )
+        forward = lambda: runner.model(pool, self.inputs, arange)  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):   # warm up: autotuning and lazy initialisation stay out of the graph
+                forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool):
+            self.logits = forward()
+
+    def run(self, specs: list[tuple]) -> torch.Tensor:
+        n, inp, pool = len(specs), self.inputs, self.pool
+        host = torch.tensor([[s[0], s[2], s[4][0]] for s in specs], dtype=torch.int64)   # position, slab, token
+        for buf, col, pad in ((inp.positions, 0, 0), (inp.slab, 1, pool.dummy_slab), (inp.token_ids, 2, 0)):
+            buf[:n].copy_(host[:, col], non_blocking=True)
+            buf[n:].fill_(pad)
+        inp.req_past.copy_(inp.positions)
+        for g, table in self.tables.items():
+            rows = [s[3][g] for s in specs]
+            width = max(len(r) for r in rows)
+            table[:n, :width].copy_(torch.tensor([r + [pool.dummy_pages[g]] * (width - len(r)) for r in rows]),
+                                    non_blocking=True)
+            table[n:].fill_(pool.dummy_pages[g])
+        self.graph.replay()
+        return self.logits[:n]
