@@ -1,0 +1,32 @@
+"""DeepSeek sparse-attention kernels: sparse-MLA decode and the lightning-indexer top-k.
+
+Public API (imports torch and triton only):
+
+    out, lse = sparse_mla_decode(q, kv, indices, sm_scale, *, d_v=512, sinks=None, lengths=None)
+    idx = indexer_topk(q, weights, k_cache, block_table, lengths, topk, *, scale)
+    slots = positions_to_slots(positions, block_table, page_size)
+
+Dispatch: CUDA tensors run the Triton kernels (kernels.sparse_mla, kernels.indexer: no host
+sync, shape-only allocations, so decode steps can be captured in CUDA graphs); CPU tensors run
+the plain-torch references (kernels.reference, exact in fp32). Force a backend with
+
+    with kernels.use_backend("triton"):      # or "reference", "naive"
+        out, lse = kernels.sparse_mla_decode(...)
+
+Without CUDA, "triton" runs in Triton's interpreter (kernels.env sets TRITON_INTERPRET=1 when
+this package is imported first). ``kernels.naive`` holds the "before" kernels for benchmarks.
+"""
+
+from kernels import env  # noqa: F401  (must precede the kernel modules: picks interpreter mode)
+from kernels import naive, reference
+from kernels.dispatch import indexer_topk, sparse_mla_decode, use_backend
+from kernels.paging import positions_to_slots
+
+__all__ = [
+    "indexer_topk",
+    "naive",
+    "positions_to_slots",
+    "reference",
+    "sparse_mla_decode",
+    "use_backend",
+]

@@ -1,0 +1,95 @@
+"""Public entry points: pick Triton for CUDA tensors and the torch reference for CPU tensors.
+
+Tests and benchmarks force a backend with ``use_backend("triton" | "reference" | "naive")``;
+without CUDA the Triton kernels run in Triton's interpreter (kernels.env).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+
+from kernels import indexer, naive, reference, sparse_mla
+
+Backend = Literal["triton", "reference", "naive"]
+_forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("kernels_backend",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend | None) -> Iterator[None]:
+    """Run the enclosed calls on one backend (None: choose by device again)."""
+    assert backend in ("triton", "reference", "naive", None), backend
+    token = _forced.set(backend)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def _backend(t: torch.Tensor) -> Backend:
+    return _forced.get() or ("triton" if t.is_cuda else "reference")
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    *,
+    d_v: int = 512,
+    sinks: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA attention of each row's query heads over its own list of KV slots.
+
+    q        [B, H, D] bf16 (fp16/fp32/float64 accepted; float64 on the reference only); H a
+             multiple of 16, D = d_v + rope width (512 or 576 with d_v = 512).
+    kv       [S, D], q's dtype: one row per slot of a layer's pool, one KV head shared by all
+             query heads; K = the whole row, V = its first d_v columns.
+    indices  [B, K] int32 slot ids; -1 (or any id outside [0, S)) is skipped, anywhere.
+    sm_scale softmax scale applied to q . K.
+    sinks    [H] fp32 or None: per-head sink logit added to the softmax denominator.
+    lengths  [B] int32 or None: only indices[b, :lengths[b]] are read; no work past them.
+
+    Returns out [B, H, d_v] in q's dtype, out[b, h] = sum_j p_j V_j with
+    p_j = exp(s_j) / (sum_i exp(s_i) + exp(sinks[h])), s_j = sm_scale * q[b, h] . K_j over the
+    valid j, and lse [B, H] fp32 = natural log of sum_j exp(s_j) (sink excluded). A row with no
+    valid index gives out = 0 and lse = -inf. Decode (B requests) and prefill (B prompt tokens,
+    each with its own index list) use the same call.
+    """
+    impl = {"triton": sparse_mla.sparse_mla_decode, "reference": reference.sparse_mla_decode,
+            "naive": naive.sparse_mla_decode}[_backend(q)]
+    return impl(q, kv, indices, sm_scale, d_v=d_v, sinks=sinks, lengths=lengths)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    topk: int,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """Lightning-indexer top-k over each row's real context.
+
+    q           [B, Hi, Di] indexer queries (RoPE applied), k_cache's dtype.
+    weights     [B, Hi] fp32.
+    k_cache     [num_pages, P, Di] paged keys.
+    block_table [B, max_pages] int32; lengths [B] int32.
+
+    Entry j of row b (j < lengths[b]) is k_cache[block_table[b, j // P], j % P], scored
+    sum_h weights[b, h] * relu(q[b, h] . k_j) * scale. Returns int32 [B, topk]: the positions j
+    of the top-topk scores in any order (ties broken arbitrarily); when lengths[b] <= topk,
+    0..lengths[b]-1 then -1, without scoring. Map positions to slot ids with
+    kernels.positions_to_slots. Work and memory scaling of the CUDA path: kernels.indexer.
+    """
+    impl = {"triton": indexer.indexer_topk, "reference": reference.indexer_topk,
+            "naive": naive.indexer_topk}[_backend(q)]
+    return impl(q, weights, k_cache, block_table, lengths, topk, scale=scale)

@@ -1,0 +1,180 @@
+"""Lightning-indexer top-k over paged keys, capped to each request's real context (Triton).
+
+Entry j of request b is ``k_cache[block_table[b, j // P], j % P]``, its score
+``scale * sum_h weights[b, h] * relu(q[b, h] . k_j)``. Rows with lengths[b] <= topk return
+0..len-1 (padded with -1) without scoring.
+
+Two kernels, grid fixed by (B, splits) and never by the block table's width:
+1. ``_score_kernel`` (B, splits): the programs of a row take its tiles of BLOCK_N entries in turn,
+   only up to lengths[b]; each scores a tile on tensor cores ([Hi, Di] x [Di, BLOCK_N]) and
+   appends the entries that beat its running floor to its own candidate segment. When the
+   segment is nearly full it keeps its top-k in place (radix select) and raises the floor to
+   the k-th score, so later tiles mostly append nothing.
+2. ``_merge_kernel`` (B,): radix select of the row's top-k over its splits' candidates.
+   With one split the score kernel does this itself and the merge is not launched.
+
+How it scales, for B rows, topk = k, splits = S, cap = k + max(k, BLOCK_N):
+- work: sum_b lengths[b] x Hi x Di x 2 FLOP and as many key reads, plus a few passes over at most
+  S x cap candidates per row; nothing for entries past lengths[b] or rows with lengths[b] <= k.
+- memory: candidates B x S x cap x 8 bytes (int32 key + position) and B x S counts, plus the
+  [B, k] output; independent of the configured maximum context (block_table's width) and of the
+  pool size. S depends on B only (about two programs per SM), so a decode graph keeps it.
+No host synchronisation: the call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.env import INTERPRET, dot_precision, num_sms
+from kernels.radix_select import compact_top, float_to_key, radix_threshold
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    block_n: int  # entries scored per step
+    num_splits: int  # programs per row
+    select_block: int  # candidates per step of the radix select
+    num_warps: int
+    num_stages: int
+
+
+def default_config(batch: int, device: torch.device) -> IndexerConfig:
+    """Shape-only choice: about two programs per SM, at most 16 splits per row."""
+    num_splits = max(1, min(triton.cdiv(2 * num_sms(device), batch), 16))
+    return IndexerConfig(64, num_splits, 1024, 4, 2)
+
+
+@triton.jit
+def _emit_row(keys, pos, counts, n, idx_row, topk, cap, num_splits, SELECT_BLOCK: tl.constexpr):
+    """Write row's output: 0..n-1 and -1 padding when n <= topk, else the top-k positions."""
+    if n > topk:
+        threshold, take_equal = radix_threshold(keys, counts, num_splits, cap, topk, SELECT_BLOCK)
+        compact_top(keys, pos, counts, num_splits, cap, threshold, take_equal, keys, idx_row,
+                    False, SELECT_BLOCK)
+    else:
+        for start in range(0, topk, SELECT_BLOCK):
+            offs = start + tl.arange(0, SELECT_BLOCK)
+            tl.store(idx_row + offs, tl.where(offs < n, offs, -1), mask=offs < topk)
+
+
+@triton.jit
+def _score_kernel(
+    q_ptr, w_ptr, kc_ptr, bt_ptr, len_ptr, key_ptr, pos_ptr, cnt_ptr, idx_ptr,  #
+    stride_qb, stride_qh, stride_wb, stride_kp, stride_ks, stride_bt, stride_ib,  #
+    n_heads, head_dim, page_size, topk, cap, scale, num_splits,  #
+    BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,  #
+    EMIT: tl.constexpr, SELECT_BLOCK: tl.constexpr,  #
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+):
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    n = tl.load(len_ptr + b)
+    row_keys = key_ptr + b * num_splits * cap  # this row's candidate segments
+    row_pos = pos_ptr + b * num_splits * cap
+    row_cnt = cnt_ptr + b * num_splits
+    if n > topk:
+        keys, pos, count_ptr = row_keys + split * cap, row_pos + split * cap, row_cnt + split
+        heads = tl.arange(0, BLOCK_HI)
+        dims = tl.arange(0, BLOCK_DI)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=(heads < n_heads)[:, None] & (dims < head_dim)[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        w = tl.load(w_ptr + b * stride_wb + heads, mask=heads < n_heads, other=0.0)  # [BLOCK_HI]
+        count = 0
+        floor = tl.zeros([], tl.uint32)  # keys <= floor cannot enter this split's top-k
+        for tile in range(split, tl.cdiv(n, BLOCK_N), num_splits):
+            j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            valid = j < n
+            page = tl.load(bt_ptr + b * stride_bt + j // page_size, mask=valid, other=0)
+            rows = kc_ptr + page.to(tl.int64) * stride_kp + (j % page_size) * stride_ks
+            k = tl.load(rows[:, None] + dims[None, :],
+                        mask=valid[:, None] & (dims < head_dim)[None, :], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_HI, BLOCK_N]
+            score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale  # [BLOCK_N]
+            key = float_to_key(score)
+            keep = (valid & (key > floor)).to(tl.int32)
+            dst = count + tl.cumsum(keep, 0) - keep
+            tl.store(keys + dst, key.to(tl.int32, bitcast=True), mask=keep != 0)
+            tl.store(pos + dst, j, mask=keep != 0)
+            count += tl.sum(keep, 0)
+            if count > cap - BLOCK_N:  # no room for another tile: keep the top-k only
+                tl.store(count_ptr, count)
+                tl.debug_barrier()
+                floor, take_equal = radix_threshold(keys, count_ptr, 1, cap, topk, SELECT_BLOCK)
+                compact_top(keys, pos, count_ptr, 1, cap, floor, take_equal, keys, pos, True,
+                            SELECT_BLOCK)
+                count = topk
+                tl.debug_barrier()
+        tl.store(count_ptr, count)
+    if EMIT:  # a single split: this program holds the row's only candidates
+        tl.debug_barrier()
+        _emit_row(row_keys, row_pos, row_cnt, n, idx_ptr + b * stride_ib, topk, cap, 1,
+                  SELECT_BLOCK)
+
+
+@triton.jit
+def _merge_kernel(key_ptr, pos_ptr, cnt_ptr, len_ptr, idx_ptr, stride_ib, topk, cap, num_splits,
+                  SELECT_BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    _emit_row(key_ptr + b * num_splits * cap, pos_ptr + b * num_splits * cap,
+              cnt_ptr + b * num_splits, tl.load(len_ptr + b), idx_ptr + b * stride_ib, topk, cap,
+              num_splits, SELECT_BLOCK)
+
+
+def check_indexer_args(q, weights, k_cache, block_table, lengths) -> None:
+    """Validate shapes and dtypes (no data read)."""
+    batch, n_heads, head_dim = q.shape
+    assert weights.shape == (batch, n_heads) and weights.dtype == torch.float32
+    assert k_cache.dim() == 3 and k_cache.shape[2] == head_dim and k_cache.dtype == q.dtype
+    assert block_table.dim() == 2 and block_table.shape[0] == batch
+    assert block_table.dtype == torch.int32 and lengths.dtype == torch.int32
+    assert lengths.shape == (batch,)
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    lengths: torch.Tensor,
+    topk: int,
+    *,
+    scale: float,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """Triton indexer top-k; semantics in kernels.dispatch.indexer_topk."""
+    check_indexer_args(q, weights, k_cache, block_table, lengths)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
+    batch, n_heads, head_dim = q.shape
+    cfg = config or default_config(batch, q.device)
+    cap = topk + max(topk, cfg.block_n)  # top-k kept + room for at least one more tile
+    dev = q.device
+    keys = torch.empty(batch, cfg.num_splits, cap, dtype=torch.int32, device=dev)
+    pos = torch.empty(batch, cfg.num_splits, cap, dtype=torch.int32, device=dev)
+    counts = torch.empty(batch, cfg.num_splits, dtype=torch.int32, device=dev)
+    idx = torch.empty(batch, topk, dtype=torch.int32, device=dev)  # [B, topk]
+    _score_kernel[(batch, cfg.num_splits)](
+        q, weights, k_cache, block_table, lengths, keys, pos, counts, idx,
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
+        block_table.stride(0), idx.stride(0),
+        n_heads, head_dim, k_cache.shape[1], topk, cap, scale, cfg.num_splits,
+        BLOCK_HI=max(16, triton.next_power_of_2(n_heads)),
+        BLOCK_DI=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=cfg.block_n, EMIT=cfg.num_splits == 1, SELECT_BLOCK=cfg.select_block,
+        UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.num_splits > 1:
+        _merge_kernel[(batch,)](keys, pos, counts, lengths, idx, idx.stride(0), topk, cap,
+                                cfg.num_splits, SELECT_BLOCK=cfg.select_block,
+                                num_warps=cfg.num_warps)
+    return idx
