@@ -1,0 +1,139 @@
+"""Inputs, float64 yardsticks and error measures for the kernel tests (tests/test_kernels_*.py).
+
+Inputs are adversarial by default: holes (-1 and out-of-range slot ids) anywhere in the index
+lists, ragged lengths including 0, rows with no valid index, values with a random offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import reference
+
+
+def gpu_test(fn):
+    """Real-shape test: marked `gpu`, skipped without CUDA."""
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    return pytest.mark.gpu(skip(fn))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| over the finite part of ref (0 when ref is all zero)."""
+    out, ref = out.double(), ref.double()
+    finite = torch.isfinite(ref)
+    assert torch.equal(finite, torch.isfinite(out)), "inf/nan pattern differs"
+    diff = (out - ref)[finite].norm().item()
+    scale = ref[finite].norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+@dataclass
+class DecodeCase:
+    q: torch.Tensor  # [B, H, D]
+    kv: torch.Tensor  # [S, D]
+    indices: torch.Tensor  # [B, K] int32
+    lengths: torch.Tensor | None  # [B] int32
+    sinks: torch.Tensor | None  # [H] fp32
+    sm_scale: float
+    d_v: int
+
+    def run(self, fn):
+        return fn(self.q, self.kv, self.indices, self.sm_scale, d_v=self.d_v, sinks=self.sinks,
+                  lengths=self.lengths)
+
+    def reference64(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float64 answer on the same (already rounded) input values."""
+        return reference.sparse_mla_decode(
+            self.q.double(), self.kv.double(), self.indices, self.sm_scale, d_v=self.d_v,
+            sinks=self.sinks, lengths=self.lengths)
+
+
+def decode_case(batch: int, heads: int, dim: int, num_idx: int, *, slots: int = 300,
+                d_v: int = 512, sinks: bool = True, ragged: bool = True,
+                dtype: torch.dtype = torch.float32, device: str = "cpu",
+                seed: int = 0) -> DecodeCase:
+    """Row 0 is empty (length 0 or all holes), row 1 has only holes, the rest are ragged."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, dim, generator=g) + 0.1 * torch.randn(1, generator=g)
+    kv = torch.randn(slots, dim, generator=g) + 0.1 * torch.randn(1, generator=g)
+    indices = torch.randint(0, slots, (batch, num_idx), generator=g, dtype=torch.int32)
+    holes = torch.rand(batch, num_idx, generator=g) < 0.2
+    junk = torch.tensor([-1, -1, -1, -7, slots, slots + 5], dtype=torch.int32)
+    indices[holes] = junk[torch.randint(0, len(junk), (int(holes.sum()),), generator=g)]
+    indices[min(1, batch - 1)] = -1
+    lengths = None
+    if ragged:
+        lengths = torch.randint(0, num_idx + 1, (batch,), generator=g, dtype=torch.int32)
+        lengths[0] = 0
+        lengths[-1] = num_idx
+    else:
+        indices[0] = -1
+    sink = torch.randn(heads, generator=g) if sinks else None
+    to = dict(device=device)
+    return DecodeCase(
+        q.to(dtype=dtype, **to), kv.to(dtype=dtype, **to), indices.to(**to),
+        None if lengths is None else lengths.to(**to), None if sink is None else sink.to(**to),
+        dim**-0.5, d_v)
+
+
+@dataclass
+class IndexerCase:
+    q: torch.Tensor  # [B, Hi, Di]
+    weights: torch.Tensor  # [B, Hi] fp32
+    k_cache: torch.Tensor  # [num_pages, P, Di]
+    block_table: torch.Tensor  # [B, max_pages] int32
+    lengths: torch.Tensor  # [B] int32
+    topk: int
+    scale: float
+
+    def run(self, fn):
+        return fn(self.q, self.weights, self.k_cache, self.block_table, self.lengths, self.topk,
+                  scale=self.scale)
+
+    def scores64(self) -> torch.Tensor:
+        """float64 scores of every position up to the block table's width, [B, W]."""
+        width = self.block_table.shape[1] * self.k_cache.shape[1]
+        return reference.indexer_scores(self.q.double(), self.weights.double(),
+                                        self.k_cache.double(), self.block_table, width,
+                                        self.scale)
+
+
+def indexer_case(lengths: list[int], *, topk: int, heads: int = 16, head_dim: int = 32,
+                 page_size: int = 4, max_pages: int | None = None, spare_pages: int = 7,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 seed: int = 0) -> IndexerCase:
+    """Each row gets distinct random pages of a shared pool; table entries past a row's
+    pages point at random pages too (they must never be read)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    max_pages = max_pages or max(1, -(-max(lengths) // page_size))
+    num_pages = batch * max_pages + spare_pages
+    table = torch.randperm(num_pages, generator=g)[: batch * max_pages].view(batch, max_pages)
+    q = torch.randn(batch, heads, head_dim, generator=g)
+    weights = torch.randn(batch, heads, generator=g)
+    k_cache = torch.randn(num_pages, page_size, head_dim, generator=g)
+    to = dict(device=device)
+    return IndexerCase(q.to(dtype=dtype, **to), weights.to(**to),
+                       k_cache.to(dtype=dtype, **to), table.to(dtype=torch.int32, **to),
+                       torch.tensor(lengths, dtype=torch.int32, **to), topk, head_dim**-0.5)
+
+
+def check_topk(idx: torch.Tensor, case: IndexerCase, tol: float) -> None:
+    """Rows with length <= topk: exactly 0..len-1 then -1. Longer rows: topk distinct positions
+    below the length whose scores are the top-topk scores (ties may pick either entry)."""
+    scores = case.scores64()
+    assert idx.shape == (len(case.lengths), case.topk) and idx.dtype == torch.int32
+    for b, n in enumerate(case.lengths.tolist()):
+        row = idx[b].cpu().long()
+        if n <= case.topk:
+            want = torch.where(torch.arange(case.topk) < n, torch.arange(case.topk), -1)
+            assert torch.equal(row, want), f"row {b} (len {n}): {row.tolist()}"
+            continue
+        assert row.min() >= 0 and row.max() < n and row.unique().numel() == case.topk, b
+        got = scores[b, row].sort().values
+        want = scores[b, :n].topk(case.topk).values.sort().values
+        err = (got - want).abs().max().item() / want.abs().max().clamp(min=1e-30).item()
+        assert err <= tol, f"row {b} (len {n}): picked scores off by {err:.2e}"

@@ -1,0 +1,94 @@
+"""indexer_topk and positions_to_slots: Triton (interpreter on CPU, compiled on CUDA), naive and
+reference against float64 scores. CPU cases are tiny; topk = 8 with 16-entry tiles makes the
+score programs cut their candidates to the top-k several times per row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import indexer, naive, reference
+from kernels.indexer import IndexerConfig
+from tests.kernels_cases import check_topk, gpu_test, indexer_case
+
+TOPK = 8
+LENGTHS = [0, 1, TOPK - 1, TOPK, TOPK + 1, 37, 100, 5]  # ragged, incl. 0 and the topk edge
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_picks_the_top_scores(num_splits, dtype):
+    case = indexer_case(LENGTHS, topk=TOPK, dtype=dtype, seed=num_splits)
+    cfg = IndexerConfig(16, num_splits, 32, 4, 1)
+    idx = case.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
+    check_topk(idx, case, 1e-6 if dtype == torch.float32 else 1e-5)
+
+
+def test_triton_ties_and_negative_scores():
+    """All-zero weights tie every entry; negative weights give negative scores (key order)."""
+    case = indexer_case([60, 45, 50], topk=TOPK, page_size=8, seed=3)
+    case.weights[0] = 0.0
+    case.weights[1] = -case.weights[1].abs()
+    idx = case.run(lambda *a, **k: indexer.indexer_topk(*a, **k,
+                                                        config=IndexerConfig(16, 2, 16, 4, 1)))
+    check_topk(idx, case, 1e-6)
+
+
+def test_triton_ignores_table_entries_past_the_length():
+    """Entries past a row's length may point at pages that do not exist: never read."""
+    case = indexer_case([20, 3], topk=TOPK, max_pages=64)
+    case.block_table[:, 6:] = 1 << 30
+    check_topk(case.run(indexer.indexer_topk), case, 1e-6)
+
+
+@pytest.mark.parametrize("impl", [reference.indexer_topk, naive.indexer_topk],
+                         ids=["reference", "naive"])
+def test_torch_versions_pick_the_top_scores(impl):
+    case = indexer_case(LENGTHS, topk=TOPK, max_pages=30, seed=7)
+    check_topk(case.run(impl), case, 1e-6)
+
+
+def test_dispatch_picks_reference_on_cpu_and_can_be_forced():
+    case = indexer_case([3, 30], topk=TOPK)
+    assert torch.equal(case.run(kernels.indexer_topk), case.run(reference.indexer_topk))
+    with kernels.use_backend("triton"):
+        check_topk(case.run(kernels.indexer_topk), case, 1e-6)
+
+
+def test_positions_to_slots_maps_through_the_table():
+    table = torch.tensor([[5, 2, 9], [1, 0, 3]], dtype=torch.int32)
+    pos = torch.tensor([[0, 3, 4, 11, -1], [-1, -1, 7, 8, 2]], dtype=torch.int32)
+    want = torch.tensor([[20, 23, 8, 39, -1], [-1, -1, 3, 12, 6]], dtype=torch.int32)
+    assert torch.equal(kernels.positions_to_slots(pos, table, 4), want)
+
+
+def test_default_config_depends_on_batch_only():
+    dev = torch.device("cpu")  # 4 "SMs" under the interpreter
+    assert indexer.default_config(1, dev).num_splits == 8
+    assert indexer.default_config(4096, dev).num_splits == 1
+
+
+# ---- real shapes on CUDA -------------------------------------------------------------------
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_real_shapes(dtype):
+    lengths = [0, 100, 512, 513, 3000, 8192, 20000, 65536]
+    case = indexer_case(lengths, topk=512, heads=64, head_dim=128, page_size=64, dtype=dtype,
+                        device="cuda", max_pages=4096)
+    check_topk(case.run(kernels.indexer_topk), case, 1e-6 if dtype == torch.float32 else 1e-3)
+
+
+@gpu_test
+def test_cuda_graph_replay_follows_new_lengths():
+    case = indexer_case([700, 5000, 9000, 200], topk=512, heads=64, head_dim=128,
+                        page_size=64, dtype=torch.bfloat16, device="cuda", max_pages=256)
+    case.run(kernels.indexer_topk)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        idx = case.run(kernels.indexer_topk)
+    case.lengths.copy_(torch.tensor([16000, 300, 513, 9999], dtype=torch.int32))
+    graph.replay()
+    check_topk(idx, case, 1e-3)

@@ -1,0 +1,102 @@
+"""sparse_mla_decode: Triton (interpreter on CPU, compiled on CUDA), naive and reference against
+a float64 reference. CPU cases are tiny: the interpreter costs ~20 ms per program instance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import naive, reference, sparse_mla
+from kernels.sparse_mla import DecodeConfig
+from tests.kernels_cases import decode_case, gpu_test, rel_err
+
+# Tolerances (relative error): fp32 arithmetic lands far under 1e-5; bf16 operands of the PV
+# product (p is rounded to bf16) land near 3e-3; lse comes from fp32 QK sums.
+TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-2, 1e-4)}
+
+
+def check(case, out, lse, dtype=torch.float32):
+    ref_out, ref_lse = case.reference64()
+    out_tol, lse_tol = TOL[dtype]
+    assert out.dtype == case.q.dtype and out.shape == ref_out.shape
+    assert lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+    assert rel_err(out, ref_out) < out_tol
+    assert rel_err(lse, ref_lse) < lse_tol
+    empty = torch.isneginf(ref_lse)
+    assert bool(empty.any()), "case should hold rows without a valid index"
+    assert torch.equal(out[empty].float(), torch.zeros_like(out[empty].float()))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["single-pass", "split-k"])
+@pytest.mark.parametrize("heads,dim", [(16, 512), (16, 576), (64, 512), (64, 576)])
+def test_triton_matches_float64(heads, dim, num_splits):
+    case = decode_case(4, heads, dim, 37, sinks=dim == 576, seed=heads + dim + num_splits)
+    cfg = DecodeConfig(min(heads, 64), 16, num_splits, 4, 1)
+    check(case, *case.run(lambda *a, **k: sparse_mla.sparse_mla_decode(*a, **k, config=cfg)))
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_triton_without_lengths_bf16(sinks):
+    case = decode_case(3, 32, 576, 20, sinks=sinks, ragged=False, dtype=torch.bfloat16)
+    cfg = DecodeConfig(16, 16, 2, 4, 1)  # two head tiles per row
+    out, lse = case.run(lambda *a, **k: sparse_mla.sparse_mla_decode(*a, **k, config=cfg))
+    check(case, out, lse, torch.bfloat16)
+
+
+def test_naive_matches_float64():
+    case = decode_case(3, 16, 576, 21)
+    check(case, *case.run(naive.sparse_mla_decode))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_float64(dtype):
+    case = decode_case(5, 16, 576, 50, dtype=dtype)
+    check(case, *case.run(reference.sparse_mla_decode), dtype)
+
+
+def test_dispatch_picks_reference_on_cpu_and_can_be_forced():
+    case = decode_case(2, 16, 512, 9)
+    want = case.run(reference.sparse_mla_decode)
+    assert all(torch.equal(a, b) for a, b in zip(case.run(kernels.sparse_mla_decode), want))
+    with kernels.use_backend("naive"):
+        with kernels.use_backend("triton"):
+            out, _ = case.run(kernels.sparse_mla_decode)
+        assert rel_err(out, want[0]) < 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(case.run(kernels.sparse_mla_decode), want))
+
+
+def test_default_config_follows_shapes_only():
+    dev = torch.device("cpu")  # 4 "SMs" under the interpreter
+    assert sparse_mla.default_config(1, 64, 640, dev).num_splits > 1
+    assert sparse_mla.default_config(4096, 64, 640, dev).num_splits == 1  # prefill rows
+    assert sparse_mla.default_config(1, 64, 100, dev).num_splits == 1  # too few entries
+    assert sparse_mla.default_config(2, 48, 640, dev).block_h == 16
+
+
+# ---- real shapes on CUDA -------------------------------------------------------------------
+
+
+@gpu_test
+@pytest.mark.parametrize("batch,heads,dim,num_idx", [
+    (1, 64, 512, 640), (64, 64, 512, 640), (16, 128, 576, 2048), (2048, 64, 512, 640),
+], ids=["v4-b1", "v4-b64", "v32-b16", "prefill-rows"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_real_shapes(batch, heads, dim, num_idx, dtype):
+    case = decode_case(batch, heads, dim, num_idx, slots=1 << 20, dtype=dtype, device="cuda")
+    check(case, *case.run(kernels.sparse_mla_decode), dtype)
+
+
+@gpu_test
+def test_cuda_graph_replay_follows_new_inputs():
+    """No host sync: the call captures into a graph, and replays read the new lengths."""
+    case = decode_case(8, 64, 512, 640, slots=1 << 16, dtype=torch.bfloat16, device="cuda")
+    case.run(kernels.sparse_mla_decode)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = case.run(kernels.sparse_mla_decode)
+    case.lengths.copy_(torch.randint(0, 641, (8,), device="cuda", dtype=torch.int32))
+    case.indices.copy_(torch.randint(-1, 1 << 16, (8, 640), device="cuda", dtype=torch.int32))
+    graph.replay()
+    want_out, want_lse = case.run(kernels.sparse_mla_decode)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
