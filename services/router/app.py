@@ -1,0 +1,188 @@
+"""The router's FastAPI app: OpenAI routes, /health, /metrics, and the objects they share.
+
+A request goes: API key -> body validation -> model name -> chat template + tokenize -> context
+check -> admission -> prefill worker (policy) -> Prefill -> first token out -> Decode stream.
+"""
+
+from __future__ import annotations
+
+import hmac
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+
+from services.metrics import exposition
+from services.registry import RegistryWatcher
+
+from .admission import Admission
+from .config import RouterConfig
+from .errors import APIError, install_handlers
+from .metrics import RequestCounter, RequestTimer, RouterMetrics
+from .model import ServedModel
+from .pd import Generation, PDFlow
+from .responses import ChatShape, Shape, TextShape
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .selection import WorkerSelector
+from .streaming import EventStream, answer
+from .workers import WorkerClients
+
+
+@dataclass(frozen=True)
+class RouterState:
+    config: RouterConfig
+    model: ServedModel
+    metrics: RouterMetrics
+    watcher: RegistryWatcher
+    clients: WorkerClients
+    admission: Admission
+    selector: WorkerSelector
+    flow: PDFlow
+
+
+def create_app(config: RouterConfig, rng: random.Random | None = None) -> FastAPI:
+    """Build the app; the registry watcher starts and stops with the app's lifespan."""
+    model = ServedModel.load(config.model_dir, config.served_model_name)
+    metrics = RouterMetrics(CollectorRegistry())
+    watcher = RegistryWatcher(config.redis_url, config.registry_ttl_s)
+    clients = WorkerClients(config.cluster_token)
+    admission = Admission(config.max_inflight, config.max_queue)
+    metrics.track_admission(lambda: admission.waiting, lambda: admission.inflight)
+    selector = WorkerSelector(watcher, model.name, config.policy, clients.inflight, rng)
+    state = RouterState(
+        config, model, metrics, watcher, clients, admission, selector, PDFlow(selector, clients)
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await watcher.start()
+        try:
+            yield
+        finally:
+            await watcher.stop()
+            await clients.close()
+
+    app = FastAPI(title="dsaserve router", lifespan=lifespan)
+    app.state.router = state
+    install_handlers(app)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    app.include_router(_v1)
+    app.include_router(_ops)
+    return app
+
+
+def _state(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+async def _require_api_key(request: Request) -> None:
+    keys = _state(request).config.api_keys
+    if not keys:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    presented = token.strip().encode()
+    # compare_digest on every key: the time taken must not reveal how much of a key matched.
+    valid = [hmac.compare_digest(presented, key.encode()) for key in keys]
+    if scheme.lower() != "bearer" or not any(valid):
+        raise APIError(
+            401,
+            "Missing or invalid API key: send 'Authorization: Bearer <key>' with a key the "
+            "router was given (--api-key).",
+            code="invalid_api_key",
+        )
+
+
+_v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key)])
+_ops = APIRouter()
+
+
+@_v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _generate(request, body, ChatShape, "chatcmpl", "messages")
+
+
+@_v1.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _generate(request, body, TextShape, "cmpl", "prompt")
+
+
+async def _generate(
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    shape_type: type[Shape],
+    id_prefix: str,
+    prompt_param: str,
+) -> Response:
+    arrival = time.monotonic()
+    st = _state(request)
+    st.model.check_name(body.model)
+    prompt_ids = await st.model.prompt_ids(body)
+    max_tokens = st.model.max_tokens(len(prompt_ids), body.requested_max_tokens(), prompt_param)
+    timeout_s = st.config.request_timeout_s
+    await st.admission.acquire(arrival + timeout_s - time.monotonic())
+    gen = Generation(
+        request_id=f"{id_prefix}-{uuid.uuid4().hex}",
+        prompt_ids=prompt_ids,
+        sampling=body.sampling(max_tokens),
+        deadline=arrival + timeout_s,
+        timeout_s=timeout_s,
+        timer=RequestTimer(st.metrics, arrival),
+    )
+    events = st.flow.generate(gen)
+    try:
+        first = await anext(events)  # prefill happens here, so its errors keep their HTTP status
+    except BaseException:
+        st.admission.release()
+        raise
+    shape = shape_type(gen.request_id, st.model.name, body.include_usage)
+    if body.stream:
+        # From here the stream owns the admission slot and the generation.
+        return EventStream(events, first, shape, request.state, st.admission.release)
+    try:
+        return await answer(events, first, shape, request)
+    finally:
+        await events.aclose()
+        st.admission.release()
+
+
+@_v1.get("/models")
+async def models(request: Request) -> dict[str, Any]:
+    model = _state(request).model
+    card = {
+        "id": model.name,
+        "object": "model",
+        "created": model.created,
+        "owned_by": "dsaserve",
+        "root": model.path,
+        "max_model_len": model.context_length,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@_ops.get("/health")
+async def health(request: Request) -> JSONResponse:
+    st = _state(request)
+    reason = st.selector.unavailable_reason()
+    body: dict[str, Any] = {
+        "status": "ok" if reason is None else "unavailable",
+        "model": st.model.name,
+        "workers": {role: len(st.selector.live(role)) for role in ("prefill", "decode")},
+    }
+    if reason is not None:
+        body["message"] = reason
+    return JSONResponse(body, status_code=200 if reason is None else 503)
+
+
+@_ops.get("/metrics")
+async def metrics(request: Request) -> Response:
+    st = _state(request)
+    st.metrics.set_live_workers(lambda role: len(st.selector.live(role)))
+    content, content_type = exposition(st.metrics.registry)
+    return Response(content, media_type=content_type)

@@ -1,0 +1,243 @@
+"""One request through the disaggregated path: Prefill on one worker, Decode stream on another.
+
+`PDFlow.generate` is an async generator of `Token` and `Finish` events, so streaming and
+non-streaming answers share one flow. Its cleanup runs however it ends (finish, error, the
+consumer closing it, cancellation) and never awaits, because it may run under cancellation:
+an unfinished Decode call is cancelled (the decode worker frees on cancellation), and a prefill
+worker that may still hold the request's KV gets an `Abort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection
+from dataclasses import dataclass
+from typing import TypeAlias, TypeVar
+
+import grpc
+
+from services.registry import WorkerRecord
+from services.rpc import pb
+
+from .errors import APIError, from_grpc, timeout_error
+from .metrics import RequestTimer
+from .selection import WorkerSelector
+from .workers import WorkerClients
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    reason: str  # "stop" | "length"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Event = Token | Finish
+DecodeCall: TypeAlias = grpc.aio.UnaryStreamCall
+
+# Prefill statuses that mean the worker refused the request and holds nothing for it.
+_REFUSED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNAUTHENTICATED,
+}
+_FINISH_REASONS: dict[int, str] = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass(frozen=True)
+class Generation:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: pb.SamplingParams
+    deadline: float  # time.monotonic() by which the request must be done
+    timeout_s: float  # the configured total, for messages
+    timer: RequestTimer
+
+    def remaining(self, where: str) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise timeout_error(self.timeout_s, where)
+        return left
+
+
+class PDFlow:
+    def __init__(self, selector: WorkerSelector, clients: WorkerClients) -> None:
+        self._selector = selector
+        self._clients = clients
+
+    async def generate(self, gen: Generation) -> AsyncGenerator[Event, None]:
+        prefill_worker, first = await self._retry_once(
+            "prefill", self._selector.prefill, lambda w: self._prefill(w, gen)
+        )
+        gen.timer.token()
+        finished = False  # once True, nobody holds KV for this request any more
+        try:
+            if first.text:
+                yield Token(first.text)
+            if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen)
+                finished = True
+                yield finish
+                return
+            decode_worker, (call, response) = await self._retry_once(
+                "decode",
+                lambda exclude: self._selector.decode(prefill_worker.layout_hash, exclude),
+                lambda w: self._open_decode(w, gen, first),
+            )
+            try:
+                with self._clients.busy(decode_worker.worker_id):
+                    while response is not grpc.aio.EOF:
+                        event = self._event(response, decode_worker, gen)
+                        if isinstance(event, Finish):
+                            finished = True
+                            await self._drain(call)  # end the call cleanly, not by cancelling
+                            yield event
+                            return
+                        if event is not None:
+                            yield event
+                        response = await self._read(call, decode_worker)
+                raise APIError(
+                    500,
+                    f"decode worker {decode_worker.address} ended the stream "
+                    "without a finish reason",
+                    cause="protocol",
+                )
+            finally:
+                call.cancel()  # no-op once the call is complete
+        finally:
+            if not finished:
+                self._clients.abort_later(prefill_worker, gen.request_id)
+
+    def _event(
+        self, response: pb.DecodeResponse, worker: WorkerRecord, gen: Generation
+    ) -> Event | None:
+        """What one Decode message means for the client (None: nothing to send)."""
+        kind = response.WhichOneof("kind")
+        if kind == "chunk":
+            gen.timer.token()
+            return Token(response.chunk.text) if response.chunk.text else None
+        if kind == "done":
+            return self._finish(response.done.finish_reason, response.done.usage, worker, gen)
+        if kind == "error":
+            message = f"decode worker {worker.address}: {response.error.message}"
+            raise APIError(500, message, cause=response.error.cause or "decode_error")
+        raise APIError(
+            500, f"decode worker {worker.address} sent an empty message", cause="protocol"
+        )
+
+    async def _retry_once(
+        self,
+        role: str,
+        pick: Callable[[Collection[str]], WorkerRecord],
+        call: Callable[[WorkerRecord], Awaitable[T]],
+    ) -> tuple[WorkerRecord, T]:
+        """Run `call` on a picked worker; if it is UNAVAILABLE, once more on another one.
+
+        Safe only because a failed call produced nothing the client has seen.
+        """
+        tried: set[str] = set()
+        last: APIError | None = None
+        for _ in range(2):
+            try:
+                worker = pick(tried)
+            except APIError:
+                if last is not None:
+                    raise last from None  # the worker's own failure says more than "none left"
+                raise
+            tried.add(worker.worker_id)
+            try:
+                return worker, await call(worker)
+            except grpc.aio.AioRpcError as e:
+                last = from_grpc(e, role, worker.address)
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise last from None
+                log.warning(
+                    "%s worker %s unavailable (%s); retrying on another",
+                    role,
+                    worker.address,
+                    e.details(),
+                )
+        assert last is not None
+        raise last
+
+    async def _prefill(self, worker: WorkerRecord, gen: Generation) -> pb.PrefillResponse:
+        request = pb.PrefillRequest(
+            request_id=gen.request_id, prompt_token_ids=gen.prompt_ids, sampling=gen.sampling
+        )
+        timeout = gen.remaining("before prefill")
+        with self._clients.busy(worker.worker_id):
+            try:
+                return await self._clients.prefill(worker.address).Prefill(
+                    request, timeout=timeout, metadata=self._clients.metadata
+                )
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in _REFUSED:  # e.g. a deadline: the KV may be pinned by now
+                    self._clients.abort_later(worker, gen.request_id)
+                raise
+            except asyncio.CancelledError:  # the client left while the worker was prefilling
+                self._clients.abort_later(worker, gen.request_id)
+                raise
+
+    async def _open_decode(
+        self, worker: WorkerRecord, gen: Generation, first: pb.PrefillResponse
+    ) -> tuple[DecodeCall, pb.DecodeResponse]:
+        """Start the Decode stream and read its first message, so a dead worker fails here."""
+        request = pb.DecodeRequest(
+            request_id=gen.request_id,
+            prompt_token_ids=gen.prompt_ids,
+            first_token_id=first.first_token_id,
+            sampling=gen.sampling,
+            kv=first.kv,
+        )
+        call = self._clients.decode(worker.address).Decode(
+            request, timeout=gen.remaining("before decode"), metadata=self._clients.metadata
+        )
+        try:
+            return call, await call.read()
+        except BaseException:
+            call.cancel()
+            raise
+
+    @staticmethod
+    async def _drain(call: DecodeCall) -> None:
+        """Read to the end after `done`; bounded by the call's deadline."""
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            while await call.read() is not grpc.aio.EOF:
+                pass
+
+    @staticmethod
+    async def _read(call: DecodeCall, worker: WorkerRecord) -> pb.DecodeResponse:
+        try:
+            return await call.read()
+        except grpc.aio.AioRpcError as e:
+            raise from_grpc(e, "decode", worker.address) from None
+
+    @staticmethod
+    def _finish(reason: int, usage: pb.Usage, worker: WorkerRecord, gen: Generation) -> Finish:
+        if reason == pb.FINISH_REASON_ABORT:
+            raise APIError(
+                503,
+                f"{worker.role} worker {worker.address} aborted the request; retry it.",
+                cause="worker_abort",
+            )
+        if reason not in _FINISH_REASONS:
+            raise APIError(
+                500,
+                f"{worker.role} worker {worker.address} sent unknown finish reason {reason}",
+                cause="protocol",
+            )
+        gen.timer.finish(usage.prompt_tokens, usage.completion_tokens)
+        return Finish(_FINISH_REASONS[reason], usage.prompt_tokens, usage.completion_tokens)

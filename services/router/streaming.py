@@ -1,0 +1,134 @@
+"""Turning a generation's events into an HTTP answer: an SSE stream, or one JSON object.
+
+Both paths notice a client that goes away and close the event generator, which cancels the
+Decode call and aborts the prefill (see pd.py). Errors after the 200 went out are sent as
+`data: {"error": ...}` followed by `data: [DONE]`, as vLLM does, in valid JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+from starlette.datastructures import State
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from .errors import APIError
+from .metrics import CLIENT_CLOSED
+from .pd import Event, Finish, Token
+from .responses import Shape
+
+log = logging.getLogger(__name__)
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return (
+        b"data: "
+        + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        + b"\n\n"
+    )
+
+
+def client_closed() -> APIError:
+    return APIError(
+        CLIENT_CLOSED,
+        "The client closed the connection before the answer was complete.",
+        cause="client_disconnect",
+    )
+
+
+class EventStream(StreamingResponse):
+    """`text/event-stream` over a generation; `on_close` runs once, however the stream ends."""
+
+    def __init__(
+        self,
+        events: AsyncGenerator[Event, None],
+        first: Event,
+        shape: Shape,
+        state: State,
+        on_close: Callable[[], None],
+    ) -> None:
+        self._events = events
+        self._state = state
+        self._on_close = on_close
+        self._complete = False
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(self._body(first, shape), media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Starlette stops iterating when the client disconnects but closes neither generator.
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._events.aclose()
+            if not self._complete and getattr(self._state, "failure", None) is None:
+                self._state.failure = client_closed()
+            self._on_close()
+
+    async def _body(self, first: Event, shape: Shape) -> AsyncIterator[bytes]:
+        try:
+            for chunk in shape.opening_chunks():
+                yield sse(chunk)
+            yield _event_chunks(first, shape)
+            async for event in self._events:
+                yield _event_chunks(event, shape)
+        except APIError as e:
+            self._state.failure = e
+            yield sse(e.body())
+        except Exception as e:  # a bug must still end the stream in a way clients understand
+            log.exception("stream failed")
+            self._state.failure = APIError(500, f"Internal router error: {type(e).__name__}: {e}")
+            yield sse(self._state.failure.body())
+        self._complete = True
+        yield DONE
+
+
+async def answer(
+    events: AsyncGenerator[Event, None], first: Event, shape: Shape, request: Request
+) -> Response:
+    """The whole answer as one JSON object; stops the generation if the client disconnects."""
+    collecting = asyncio.ensure_future(_collect(first, events))
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        # Bounded: the generation's gRPC calls carry the request's deadline.
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not collecting.done():
+            collecting.cancel()
+            await asyncio.wait({collecting})  # its cleanup never awaits, so this returns at once
+    if collecting.cancelled():
+        request.state.failure = client_closed()
+        return Response(status_code=CLIENT_CLOSED)
+    text, finish = collecting.result()  # re-raises an APIError from the flow
+    return JSONResponse(shape.answer(text, finish))
+
+
+def _event_chunks(event: Event, shape: Shape) -> bytes:
+    if isinstance(event, Token):
+        return sse(shape.text_chunk(event.text))
+    usage = sse(shape.usage_chunk(event)) if shape.include_usage else b""
+    return sse(shape.finish_chunk(event)) + usage
+
+
+async def _collect(first: Event, events: AsyncGenerator[Event, None]) -> tuple[str, Finish]:
+    parts = []
+    event = first
+    while isinstance(event, Token):
+        parts.append(event.text)
+        event = await anext(events)  # the flow always ends with Finish or raises
+    return "".join(parts), event
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

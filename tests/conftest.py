@@ -1,0 +1,172 @@
+"""Shared fixtures: real services on free loopback ports, each wait bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import openai
+import pytest
+import pytest_asyncio
+import redis
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from services.router.config import RouterConfig
+
+REDIS_START_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_redis(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--logfile",
+            str(log),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                client.ping()
+                return proc, url
+            except redis.ConnectionError:
+                time.sleep(0.02)  # polling a readiness condition, bounded by the deadline
+    finally:
+        client.close()
+    proc.kill()
+    proc.wait(timeout=5)
+    tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
+    raise RuntimeError(f"redis-server on port {port} did not start: {tail}")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A private redis-server (no persistence) for the session; yields its URL."""
+    if shutil.which("redis-server") is None:
+        pytest.fail(
+            "redis-server is not on PATH; install Redis (e.g. apt-get install redis-server)"
+        )
+    log = tmp_path_factory.mktemp("redis") / "redis.log"
+    try:
+        proc, url = _start_redis(log)
+    except RuntimeError:  # the free port was taken in between: one more try on a new port
+        proc, url = _start_redis(log)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(redis_server: str) -> str:
+    """The session's redis-server with an empty database, for tests that need a clean registry."""
+    client = redis.Redis.from_url(redis_server, socket_timeout=5)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return redis_server
+
+
+# ---------------------------------------------------------------- router
+
+
+@pytest.fixture
+def router_model_dir(tmp_path: Path) -> Path:
+    """A model dir the router can serve: config.json (64-token context) + the tiny tokenizer."""
+    from engine.tiny_tokenizer import write_tiny_tokenizer
+
+    model_dir = tmp_path / "tiny-router-model"
+    write_tiny_tokenizer(model_dir)
+    (model_dir / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    return model_dir
+
+
+@dataclass
+class RunningRouter:
+    url: str  # http://127.0.0.1:<port>
+    app: FastAPI
+    clients: list[openai.AsyncOpenAI] = field(default_factory=list)
+
+    async def refresh_registry(self) -> None:
+        """See registry changes now instead of at the watcher's next periodic refresh."""
+        await self.app.state.router.watcher.refresh()
+
+    def openai(self, api_key: str = "none") -> openai.AsyncOpenAI:
+        """An official OpenAI client for this router (no retries; closed at teardown)."""
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+        self.clients.append(client)
+        return client
+
+
+@pytest_asyncio.fixture
+async def start_router() -> AsyncIterator[Callable[[RouterConfig], Awaitable[RunningRouter]]]:
+    """Start routers on free ports inside the test's event loop (real HTTP via uvicorn)."""
+    import uvicorn  # imported here so one broken service cannot stop every test from collecting
+
+    from services.router.app import create_app
+
+    running: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
+    routers: list[RunningRouter] = []
+
+    async def start(config: RouterConfig) -> RunningRouter:
+        app = create_app(config)
+        port = free_port()
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        task = asyncio.create_task(server.serve())
+        running.append((server, task))
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if task.done():
+                task.result()  # raises the startup error
+                pytest.fail("uvicorn exited during startup")
+            if time.monotonic() > deadline:
+                pytest.fail("router did not start within 10 s")
+            await asyncio.sleep(0.01)  # polling a readiness flag, bounded by the deadline
+        routers.append(RunningRouter(f"http://127.0.0.1:{port}", app))
+        return routers[-1]
+
+    yield start
+    for client in (c for router in routers for c in router.clients):
+        await client.close()
+    for server, _ in running:
+        server.should_exit = True
+    await asyncio.wait_for(
+        asyncio.gather(*(task for _, task in running), return_exceptions=True), timeout=15
+    )

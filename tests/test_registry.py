@@ -1,0 +1,190 @@
+"""services.registry against a real redis-server: records, heartbeats, TTL expiry, the watcher."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.registry import (
+    RegistryWatcher,
+    WorkerLoad,
+    WorkerRecord,
+    WorkerRegistration,
+    worker_key,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def record(
+    worker_id: str, role: str = "prefill", model: str = "m", layout: str = "L1"
+) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=role,  # type: ignore[arg-type]
+        address=f"127.0.0.1:{5000 + len(worker_id)}",
+        model=model,
+        layout_hash=layout,
+        nixl_agent=f"agent-{worker_id}",
+    )
+
+
+async def wait_until(
+    condition: Callable[[], bool], timeout_s: float, poll_s: float = 0.02
+) -> float:
+    """Poll until `condition()` holds; return the seconds it took, fail after `timeout_s`."""
+    start = time.monotonic()
+    while not condition():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(poll_s)
+    return time.monotonic() - start
+
+
+def test_record_json_round_trip_ignores_unknown_keys() -> None:
+    rec = dataclasses.replace(
+        record("w1"), load=WorkerLoad(running=3, waiting=1, free_blocks=7, total_blocks=9, held=2)
+    )
+    data = json.loads(rec.to_json())
+    assert data["load"] == {
+        "running": 3,
+        "waiting": 1,
+        "free_blocks": 7,
+        "total_blocks": 9,
+        "held": 2,
+    }
+    data["future_field"] = {"x": 1}
+    data["load"]["future_load"] = 5
+    assert WorkerRecord.from_json(json.dumps(data)) == rec
+
+
+def test_record_rejects_unknown_role() -> None:
+    data = json.loads(record("w1").to_json()) | {"role": "router"}
+    with pytest.raises(ValueError, match="role"):
+        WorkerRecord.from_json(json.dumps(data))
+
+
+@pytest.mark.asyncio
+async def test_registration_writes_with_ttl_and_refreshes_load(redis_url: str) -> None:
+    beats = itertools.count()
+    reg = WorkerRegistration(
+        redis_url, record("w1"), lambda: WorkerLoad(running=next(beats)), ttl_s=0.6
+    )
+    client = aioredis.Redis.from_url(redis_url)
+    await reg.start()
+    try:
+        assert 0 < await client.pttl(worker_key("w1")) <= 600
+
+        async def load_running() -> int:
+            raw = await client.get(worker_key("w1"))
+            return WorkerRecord.from_json(raw).load.running
+
+        deadline = time.monotonic() + 5
+        while await load_running() < 2:  # two heartbeats after the first write
+            assert time.monotonic() < deadline, "heartbeat never refreshed the load"
+            await asyncio.sleep(0.02)
+    finally:
+        await reg.stop()
+    assert await client.exists(worker_key("w1")) == 0  # stop() deletes at once
+    await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_watcher_filters_by_role_and_model(redis_url: str) -> None:
+    regs = [
+        WorkerRegistration(redis_url, rec, WorkerLoad)
+        for rec in (record("p1"), record("d1", role="decode"), record("p2", model="other"))
+    ]
+    watcher = RegistryWatcher(redis_url)
+    for reg in regs:
+        await reg.start()
+    await watcher.start()
+    try:
+        assert [w.worker_id for w in watcher.workers("prefill")] == ["p1", "p2"]
+        assert [w.worker_id for w in watcher.workers("prefill", model="m")] == ["p1"]
+        assert [w.worker_id for w in watcher.workers("decode", model="m")] == ["d1"]
+        await regs[0].stop()
+        await watcher.refresh()
+        assert watcher.workers("prefill", model="m") == []
+    finally:
+        await watcher.stop()
+        for reg in regs:
+            await reg.stop()
+
+
+@pytest.mark.asyncio
+async def test_watcher_skips_malformed_entries(redis_url: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    await client.set(worker_key("junk"), b"{not json")
+    await client.set(worker_key("good"), record("good").to_json())
+    watcher = RegistryWatcher(redis_url)
+    await watcher.start()
+    try:
+        assert [w.worker_id for w in watcher.workers("prefill")] == ["good"]
+    finally:
+        await watcher.stop()
+        await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_watcher_start_fails_fast_without_redis(unused_tcp_port: int) -> None:
+    watcher = RegistryWatcher(f"redis://127.0.0.1:{unused_tcp_port}/0", ttl_s=1.0)
+    with pytest.raises((ConnectionError, OSError, aioredis.ConnectionError)):
+        await asyncio.wait_for(watcher.start(), timeout=5)
+
+
+_WORKER_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, sys
+    from services.registry import WorkerLoad, WorkerRecord, WorkerRegistration
+
+    async def main():
+        rec = WorkerRecord("killed", "decode", "127.0.0.1:1", "m", "L1", "agent-killed")
+        await WorkerRegistration(sys.argv[1], rec, WorkerLoad, ttl_s=float(sys.argv[2])).start()
+        print("registered", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.asyncio
+async def test_killed_worker_leaves_the_snapshot_within_two_ttls(redis_url: str) -> None:
+    ttl_s = 1.5
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _WORKER_SCRIPT,
+        redis_url,
+        str(ttl_s),
+        stdout=asyncio.subprocess.PIPE,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    watcher = RegistryWatcher(redis_url, ttl_s=ttl_s)
+    try:
+        assert await asyncio.wait_for(proc.stdout.readline(), timeout=20) == b"registered\n"
+        await watcher.start()
+        assert [w.worker_id for w in watcher.workers("decode")] == ["killed"]
+        proc.send_signal(signal.SIGKILL)  # no stop(): the key is left to expire
+        await asyncio.wait_for(proc.wait(), timeout=10)
+        took = await wait_until(lambda: not watcher.workers("decode"), timeout_s=5 * ttl_s)
+        assert took <= 2 * ttl_s
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await watcher.stop()

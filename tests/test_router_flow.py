@@ -1,0 +1,489 @@
+"""The prefill -> decode flow through the router, against scripted gRPC workers (no model).
+
+`ScriptedWorker` speaks the real wire contract (proto/dsaserve.proto) from a script, so these
+tests pin the router's side: SSE format, usage, error mapping, retries, and that every exit path
+cancels Decode and aborts the prefill. End-to-end tests against real workers live elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+import pytest_asyncio
+
+from services.registry import WorkerLoad, WorkerRecord, WorkerRegistration
+from services.router.config import RouterConfig
+from services.router.workers import TOKEN_METADATA_KEY
+from services.rpc import grpc_api, pb
+
+MODEL = "tiny-router-model"
+TOKEN = "secret-token"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}  # 5 prompt tokens
+WAIT_S = 10.0  # bound on every wait for a worker-side event
+
+
+@dataclass
+class ScriptedWorker(grpc_api.PrefillServicer, grpc_api.DecodeServicer):
+    """Both worker roles from a script: first text from Prefill, then chunks, then done."""
+
+    first_text: str = "He"
+    chunks: tuple[str, ...] = ("llo", " world")
+    prefill_finish: int = pb.FINISH_REASON_UNSPECIFIED
+    prefill_status: grpc.StatusCode | None = None
+    decode_error: str | None = None
+    hold_decode: asyncio.Event | None = None  # Decode waits on it after its chunks
+    prefill_requests: list[pb.PrefillRequest] = field(default_factory=list)
+    decode_requests: list[pb.DecodeRequest] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    abort_seen: asyncio.Event = field(default_factory=asyncio.Event)
+    decode_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def _check_token(self, context: grpc.aio.ServicerContext) -> None:
+        if dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) != TOKEN:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster token")
+
+    async def Prefill(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> pb.PrefillResponse:
+        await self._check_token(context)
+        self.prefill_requests.append(request)
+        if self.prefill_status is not None:
+            await context.abort(self.prefill_status, f"scripted {self.prefill_status.name}")
+        usage = pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=1)
+        if self.prefill_finish:
+            return pb.PrefillResponse(
+                first_token_id=72,
+                text=self.first_text,
+                finish_reason=self.prefill_finish,
+                usage=usage,
+            )
+        kv = pb.KVHandle(
+            worker_id="scripted",
+            agent_name="agent",
+            layout_hash="L1",
+            num_tokens=len(request.prompt_token_ids),
+        )
+        return pb.PrefillResponse(first_token_id=72, text=self.first_text, kv=kv, usage=usage)
+
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeResponse]:
+        await self._check_token(context)
+        self.decode_requests.append(request)
+        try:
+            for text in self.chunks:
+                yield pb.DecodeResponse(chunk=pb.DecodeChunk(token_ids=[1], text=text))
+            if self.hold_decode is not None:
+                await self.hold_decode.wait()
+        except asyncio.CancelledError:
+            self.decode_cancelled.set()
+            raise
+        if self.decode_error is not None:
+            yield pb.DecodeResponse(
+                error=pb.DecodeError(message=self.decode_error, cause="transfer")
+            )
+            return
+        usage = pb.Usage(
+            prompt_tokens=len(request.prompt_token_ids), completion_tokens=1 + len(self.chunks)
+        )
+        yield pb.DecodeResponse(
+            done=pb.DecodeDone(finish_reason=pb.FINISH_REASON_STOP, usage=usage)
+        )
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        await self._check_token(context)
+        self.aborted.append(request.request_id)
+        self.abort_seen.set()
+        return pb.AbortResponse(found=True)
+
+
+Serve = Callable[..., Awaitable[ScriptedWorker]]
+
+
+@pytest_asyncio.fixture
+async def serve(redis_url: str) -> AsyncIterator[Serve]:
+    """Run a ScriptedWorker on a free port and register it (`address`: register a dead one)."""
+    servers: list[grpc.aio.Server] = []
+    regs: list[WorkerRegistration] = []
+
+    async def start(
+        role: str, worker_id: str, *, load: int = 0, address: str | None = None, **script: Any
+    ) -> ScriptedWorker:
+        worker = ScriptedWorker(**script)
+        if address is None:
+            server = grpc.aio.server()
+            grpc_api.add_PrefillServicer_to_server(worker, server)
+            grpc_api.add_DecodeServicer_to_server(worker, server)
+            address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            servers.append(server)
+        rec = WorkerRecord(worker_id, role, address, MODEL, "L1", "agent")  # type: ignore[arg-type]
+        reg = WorkerRegistration(redis_url, rec, lambda: WorkerLoad(running=load))
+        await reg.start()
+        regs.append(reg)
+        return worker
+
+    yield start
+    for reg in regs:
+        await reg.stop()
+    for server in servers:
+        await server.stop(grace=None)
+
+
+@pytest_asyncio.fixture
+async def make_router(
+    start_router: Any, router_model_dir: Path, redis_url: str
+) -> Callable[..., Awaitable[Any]]:
+    async def make(**config: Any) -> Any:
+        router = await start_router(
+            RouterConfig(str(router_model_dir), redis_url, cluster_token=TOKEN, **config)
+        )
+        await router.refresh_registry()
+        return router
+
+    return make
+
+
+async def sse_events(response: httpx.Response) -> list[Any]:
+    """The `data:` payloads of an SSE response, JSON-decoded except the final [DONE]."""
+    events = []
+    async for line in response.aiter_lines():
+        if line.startswith("data: "):
+            payload = line.removeprefix("data: ")
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        else:
+            assert line == "", f"unexpected SSE line {line!r}"
+    return events
+
+
+async def wait_for(event: asyncio.Event) -> None:
+    await asyncio.wait_for(event.wait(), timeout=WAIT_S)
+
+
+async def metric(router: Any, name: str) -> float:
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        text = (await http.get("/metrics")).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+# ---------------------------------------------------------------- happy paths
+
+
+@pytest.mark.asyncio
+async def test_streamed_chat_follows_openai_sse(serve: Serve, make_router: Any) -> None:
+    await serve("prefill", "p1")
+    await serve("decode", "d1")
+    router = await make_router()
+    body = CHAT | {"stream": True, "stream_options": {"include_usage": True}}
+    async with (
+        httpx.AsyncClient(base_url=router.url) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = await sse_events(r)
+
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {(c["id"], c["created"], c["model"], c["object"]) for c in chunks} == {
+        (chunks[0]["id"], chunks[0]["created"], MODEL, "chat.completion.chunk")
+    }
+    assert chunks[0]["id"].startswith("chatcmpl-")
+    assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [
+        {"role": "assistant", "content": ""},
+        {"content": "He"},
+        {"content": "llo"},
+        {"content": " world"},
+        {},
+    ]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [
+        None,
+        None,
+        None,
+        None,
+        "stop",
+    ]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+@pytest.mark.asyncio
+async def test_openai_client_plain_and_streamed(serve: Serve, make_router: Any) -> None:
+    await serve("prefill", "p1")
+    await serve("decode", "d1")
+    router = await make_router()
+    client = router.openai()
+
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    assert chat.choices[0].message.content == "Hello world"
+    assert chat.choices[0].finish_reason == "stop"
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens) == (
+        5,
+        3,
+        8,
+    )
+
+    text = await client.completions.create(model=MODEL, prompt="hi")
+    assert text.object == "text_completion" and text.id.startswith("cmpl-")
+    assert text.choices[0].text == "Hello world"
+    assert text.usage.prompt_tokens == 3  # bos + 2 bytes: a text prompt gets special tokens
+
+    stream = await client.completions.create(model=MODEL, prompt=[1, 2, 3], stream=True)
+    pieces = [(c.choices[0].text, c.choices[0].finish_reason) async for c in stream]
+    assert pieces == [("He", None), ("llo", None), (" world", None), ("", "stop")]
+
+
+@pytest.mark.asyncio
+async def test_request_fields_reach_the_workers(serve: Serve, make_router: Any) -> None:
+    prefill = await serve("prefill", "p1")
+    decode = await serve("decode", "d1")
+    router = await make_router()
+    body = CHAT | {
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "seed": -1,
+        "stop": "\n",
+        "ignore_eos": True,
+    }
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+        assert (
+            await http.post("/v1/chat/completions", json=CHAT | {"max_tokens": 9, "top_k": -1})
+        ).status_code == 200
+
+    sent = prefill.prefill_requests[0]
+    assert list(sent.prompt_token_ids) == [256, 258, ord("h"), ord("i"), 259]
+    s = sent.sampling
+    assert (round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (0.5, 0.9, 7, 2**64 - 1)
+    assert (list(s.stop), s.ignore_eos, s.max_tokens) == (
+        ["\n"],
+        True,
+        64 - 5,
+    )  # default: rest of the context
+    later = prefill.prefill_requests[1].sampling
+    assert (later.max_tokens, later.top_k, later.HasField("temperature")) == (9, 0, False)
+
+    decoded = decode.decode_requests[0]
+    assert decoded.request_id == sent.request_id and decoded.first_token_id == 72
+    assert decoded.kv.layout_hash == "L1" and list(decoded.prompt_token_ids) == list(
+        sent.prompt_token_ids
+    )
+    assert prefill.aborted == []
+
+
+@pytest.mark.asyncio
+async def test_prefill_that_finishes_skips_decode(serve: Serve, make_router: Any) -> None:
+    prefill = await serve("prefill", "p1", first_text="X", prefill_finish=pb.FINISH_REASON_LENGTH)
+    decode = await serve("decode", "d1")
+    router = await make_router()
+    client = router.openai()
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert (chat.choices[0].message.content, chat.choices[0].finish_reason) == ("X", "length")
+    assert decode.decode_requests == [] and prefill.aborted == []
+
+
+# ---------------------------------------------------------------- failures
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.FAILED_PRECONDITION, 500),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
+async def test_prefill_grpc_status_maps_to_http(
+    serve: Serve, make_router: Any, code: grpc.StatusCode, status: int
+) -> None:
+    await serve("prefill", "p1", prefill_status=code)
+    await serve("decode", "d1")
+    router = await make_router()
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT | {"stream": True})
+    assert response.status_code == status
+    error = response.json()["error"]
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+        assert f"scripted {code.name}" in error["message"]  # the worker's own words
+
+
+@pytest.mark.asyncio
+async def test_wrong_cluster_token_is_explained(
+    serve: Serve, start_router: Any, router_model_dir: Path, redis_url: str
+) -> None:
+    await serve("prefill", "p1")
+    await serve("decode", "d1")
+    router = await start_router(
+        RouterConfig(str(router_model_dir), redis_url, cluster_token="wrong")
+    )
+    await router.refresh_registry()
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 500 and "--cluster-token" in response.json()["error"]["message"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_unavailable_worker_is_retried_on_another(
+    serve: Serve, make_router: Any, unused_tcp_port: int, role: str
+) -> None:
+    # least_load tries the idle-looking dead worker first; nothing listens on its port.
+    await serve(role, "dead", load=0, address=f"127.0.0.1:{unused_tcp_port}")
+    live = await serve(role, "live", load=5)
+    other = await serve("decode" if role == "prefill" else "prefill", "other")
+    router = await make_router()
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello world"
+    requests = live.prefill_requests if role == "prefill" else live.decode_requests
+    assert len(requests) == 1
+    assert live.aborted == [] and other.aborted == []
+
+
+@pytest.mark.asyncio
+async def test_only_unavailable_workers_is_503(
+    serve: Serve, make_router: Any, unused_tcp_port: int
+) -> None:
+    await serve("prefill", "dead", address=f"127.0.0.1:{unused_tcp_port}")
+    await serve("decode", "d1")
+    router = await make_router()
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503
+    assert f"127.0.0.1:{unused_tcp_port}" in response.json()["error"]["message"]
+
+
+@pytest.mark.asyncio
+async def test_decode_error_after_streaming_began(serve: Serve, make_router: Any) -> None:
+    prefill = await serve("prefill", "p1")
+    await serve("decode", "d1", decode_error="NIXL read failed")
+    router = await make_router()
+    async with (
+        httpx.AsyncClient(base_url=router.url) as http,
+        http.stream("POST", "/v1/chat/completions", json=CHAT | {"stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        events = await sse_events(r)
+    assert events[-1] == "[DONE]"
+    error = events[-2]["error"]
+    assert "NIXL read failed" in error["message"] and error["type"] == "server_error"
+    assert [e["choices"][0]["delta"].get("content") for e in events[1:-2]] == [
+        "He",
+        "llo",
+        " world",
+    ]
+    await wait_for(prefill.abort_seen)  # the KV may still be pinned on the prefill side
+    assert prefill.aborted == [events[0]["id"]]
+    assert await metric(router, 'dsaserve_router_failures_total{cause="transfer"}') == 1
+
+
+@pytest.mark.asyncio
+async def test_stream_disconnect_cancels_decode_and_aborts_prefill(
+    serve: Serve, make_router: Any
+) -> None:
+    hold = asyncio.Event()
+    prefill = await serve("prefill", "p1")
+    decode = await serve("decode", "d1", hold_decode=hold)
+    router = await make_router()
+    try:
+        async with (
+            httpx.AsyncClient(base_url=router.url) as http,
+            http.stream("POST", "/v1/chat/completions", json=CHAT | {"stream": True}) as r,
+        ):
+            lines = r.aiter_lines()
+            while "world" not in await asyncio.wait_for(anext(lines), WAIT_S):
+                pass
+        # Leaving the block closed the connection mid-stream.
+        await wait_for(decode.decode_cancelled)
+        await wait_for(prefill.abort_seen)
+        assert prefill.aborted == [decode.decode_requests[0].request_id]
+        await wait_metric_zero(router, "dsaserve_router_inflight_requests")
+        assert (
+            await metric(router, 'dsaserve_router_failures_total{cause="client_disconnect"}') == 1
+        )
+    finally:
+        hold.set()
+
+
+@pytest.mark.asyncio
+async def test_non_streaming_disconnect_cancels_decode(serve: Serve, make_router: Any) -> None:
+    hold = asyncio.Event()
+    prefill = await serve("prefill", "p1")
+    decode = await serve("decode", "d1", hold_decode=hold)
+    router = await make_router()
+    try:
+        async with httpx.AsyncClient(base_url=router.url) as http:
+            request = asyncio.ensure_future(http.post("/v1/chat/completions", json=CHAT))
+            deadline = time.monotonic() + WAIT_S
+            while not decode.decode_requests:
+                assert not request.done(), request.result()
+                assert time.monotonic() < deadline, "Decode was never called"
+                await asyncio.sleep(0.01)  # polling for the decode call to start
+            request.cancel()  # the client gives up: httpx closes the connection
+        await wait_for(decode.decode_cancelled)
+        await wait_for(prefill.abort_seen)
+        await wait_metric_zero(router, "dsaserve_router_inflight_requests")
+    finally:
+        hold.set()
+
+
+@pytest.mark.asyncio
+async def test_request_timeout_is_504(serve: Serve, make_router: Any) -> None:
+    hold = asyncio.Event()
+    await serve("prefill", "p1")
+    decode = await serve("decode", "d1", hold_decode=hold)
+    router = await make_router(request_timeout_s=1.0)
+    try:
+        async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+            response = await http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 504 and "timed out" in response.json()["error"]["message"]
+        await wait_for(decode.decode_cancelled)
+    finally:
+        hold.set()
+
+
+@pytest.mark.asyncio
+async def test_full_admission_queue_is_429(serve: Serve, make_router: Any) -> None:
+    hold = asyncio.Event()
+    await serve("prefill", "p1")
+    await serve("decode", "d1", hold_decode=hold)
+    router = await make_router(max_inflight=1, max_queue=0)
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        async with http.stream(
+            "POST", "/v1/chat/completions", json=CHAT | {"stream": True}
+        ) as first:
+            assert first.status_code == 200  # headers are out: it holds the only slot
+            second = await http.post("/v1/chat/completions", json=CHAT)
+            assert second.status_code == 429 and second.json()["error"]["code"] == "queue_full"
+            hold.set()
+            assert (await sse_events(first))[-1] == "[DONE]"
+        third = await http.post("/v1/chat/completions", json=CHAT)  # the slot is free again
+        assert third.status_code == 200
+
+
+async def wait_metric_zero(router: Any, name: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while await metric(router, name) != 0:
+        assert time.monotonic() < deadline, f"{name} did not return to 0"
+        await asyncio.sleep(0.02)
