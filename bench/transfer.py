@@ -1,0 +1,341 @@
+"""KV transfer throughput: one 32K-token DeepSeek-V4-Flash request state, pulled with one READ.
+
+A "prefill" process holds the request's pages in its pools; this process ("decode") reserves
+its own pages and pulls them with `KVTransfer.read` (one NIXL READ), against torch copying the
+same bytes. Page ids on both sides come from a LIFO free-list allocator after churn, so they
+are scattered as in service. Descriptors travel over a multiprocessing pipe (no Redis needed).
+
+Request state: 43 layers with HF's default layer types (2 HCA, then HCA/CSA interleaved:
+20 CSA, 23 HCA), bf16, pages of 64 rows or entries:
+  every layer   window ring 128 rows x 512                 -> group "swa", 2 pages
+  CSA layers    32K/4 entries x 512 + indexer keys x 128   -> group "csa", 128 pages
+  HCA layers    32K/128 entries x 512                      -> group "hca", 4 pages
+Two pool layouts, with the same bytes per page id:
+  per-layer  one region per layer and kind ("csa.3.kv"); descriptors = runs x layers
+  fused      one region per kind, all layers in a unit ("csa.kv", unit [20, 64, 512]);
+             descriptors = runs, each 20x larger
+Rows: "nixl READ" (each timed from validation to DONE, bytes checked exactly once),
+"torch scattered" (index_select + index_copy_ of the same pages, one process), "torch
+contiguous" (one copy_ of the same byte count: the ceiling). GB/s counts bytes moved once.
+
+CPU, two processes over loopback (UCX's default transports, i.e. cma for the data):
+    .venv/bin/python bench/transfer.py --device cpu      # -> bench/results/cpu-transfer.json
+
+Two GPUs of one host: prefill on cuda:0, decode on cuda:1, against torch's cuda:0 -> cuda:1
+copy. UCX_TLS defaults to cuda_ipc,cuda_copy,tcp (without cuda_ipc, GPU memory crawls through
+the host). The GPU machine has torch and numpy but no NIXL and no network, so carry the
+nixl-cu13 wheel (59 MB; the device tool's working-tree limit is 64 MiB):
+  1. here, in the repo root (.whl/ is git-ignored):
+       .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+         --implementation cp --platform manylinux_2_28_x86_64 -d .whl nixl-cu13==1.5.1
+  2. device run, kind nvidia-h200-x2, carry [".whl"], command:
+       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+         --target /tmp/site .whl/nixl_cu13-*.whl && export PYTHONPATH=/tmp/site || exit;
+       PYTHONUNBUFFERED=1 python3 bench/transfer.py --device cuda --out $OUT/h200x2-transfer.json
+  3. copy the returned JSON to bench/results/h200x2-transfer.json and commit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs as a script from anywhere
+
+from services.transfer import KVTransfer, Region, _nixl  # noqa: E402
+
+LAYERS, WINDOW, HEAD, INDEX_HEAD, PAGE = 43, 128, 512, 128, 64
+CSA_RATE, HCA_RATE = 4, 128
+# HF DeepseekV4Config's default schedule for 43 layers.
+LAYER_TYPES = ["hca"] * 2 + ["csa" if i % 2 else "hca" for i in range(LAYERS - 2)]
+
+Layout = list[tuple[str, str, tuple[int, ...]]]  # (region name, group, unit shape)
+
+
+def layout(kind: str) -> Layout:
+    """Region table of one worker's pools; every unit is one page of bf16."""
+    page = (PAGE, HEAD)
+    csa = [i for i, t in enumerate(LAYER_TYPES) if t == "csa"]
+    hca = [i for i, t in enumerate(LAYER_TYPES) if t == "hca"]
+    if kind == "fused":
+        return [
+            ("swa.kv", "swa", (LAYERS, *page)),
+            ("csa.kv", "csa", (len(csa), *page)),
+            ("csa.idx", "csa", (len(csa), PAGE, INDEX_HEAD)),
+            ("hca.kv", "hca", (len(hca), *page)),
+        ]
+    regions = [(f"swa.{i}.kv", "swa", page) for i in range(LAYERS)]
+    for i in csa:
+        regions += [(f"csa.{i}.kv", "csa", page), (f"csa.{i}.idx", "csa", (PAGE, INDEX_HEAD))]
+    return regions + [(f"hca.{i}.kv", "hca", page) for i in hca]
+
+
+def request_pages(tokens: int) -> dict[str, int]:
+    return {
+        "swa": WINDOW // PAGE,
+        "csa": tokens // CSA_RATE // PAGE,
+        "hca": tokens // HCA_RATE // PAGE,
+    }
+
+
+def churned_ids(units: int, n: int, seed: int) -> list[int]:
+    """The ids a LIFO free-list allocator (as engine's BlockAllocator) gives a request of n
+    units after other requests of random sizes have come and gone ~8 times over the pool."""
+    rng = np.random.default_rng(seed)
+    free, live, handed = list(range(units - 1, -1, -1)), [], 0
+    while handed < 8 * units:
+        if live and (len(free) < units // 4 or rng.random() < 0.5):
+            free.extend(live.pop(int(rng.integers(len(live)))))
+        else:
+            k = min(int(rng.integers(1, max(2, units // 16))), len(free))
+            live.append([free.pop() for _ in range(k)])
+            handed += k
+    while len(free) < n:
+        free.extend(live.pop(int(rng.integers(len(live)))))
+    return [free.pop() for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout's pools and the request's page ids on both sides."""
+
+    kind: str
+    regions: Layout
+    units: dict[str, int]  # group -> pool units (same on both sides)
+    remote: dict[str, list[int]]  # group -> the request's units at the prefill side
+    local: dict[str, list[int]]  # group -> the units decode reserved for it
+
+    @classmethod
+    def make(cls, kind: str, tokens: int, pool_factor: int) -> Case:
+        pages = request_pages(tokens)
+        units = {g: n * pool_factor for g, n in pages.items()}
+        remote = {g: churned_ids(units[g], n, seed=1) for g, n in pages.items()}
+        local = {g: churned_ids(units[g], n, seed=2) for g, n in pages.items()}
+        return cls(kind, layout(kind), units, remote, local)
+
+
+def make_pools(case: Case, device: torch.device, fill: bool) -> dict[str, torch.Tensor]:
+    """One side's pools; with fill, each unit holds `pattern` (so decode can check its bytes)."""
+    pools = {}
+    for k, (name, group, shape) in enumerate(case.regions):
+        t = torch.zeros((case.units[group], *shape), dtype=torch.bfloat16, device=device)
+        if fill:
+            rows = t.view(torch.int16).view(t.shape[0], -1)  # [units, unit elements]
+            for first in range(0, t.shape[0], 64):  # in chunks: a fused unit has ~700K elements
+                ids = torch.arange(first, min(first + 64, t.shape[0]), device=device)
+                rows[first : first + ids.numel()] = pattern(k, ids, rows.shape[1])
+        pools[name] = t
+    return pools
+
+
+def pattern(region: int, ids: torch.Tensor, elems: int) -> torch.Tensor:
+    """Known contents of units `ids` of region number `region`: [len(ids), elems] int16."""
+    col = torch.arange(elems, device=ids.device, dtype=torch.int32)
+    return ((ids.to(torch.int32)[:, None] * 7919 + region * 104729 + col) % 32749).to(torch.int16)
+
+
+def regions_of(case: Case, pools: dict[str, torch.Tensor]) -> list[Region]:
+    return [Region(name, group, pools[name]) for name, group, _ in case.regions]
+
+
+def prefill_main(case: Case, device: str, pipe: Connection) -> None:
+    """The prefill side: fill pools, send the descriptor, then count notifications until decode
+    says how many to expect; answer with the count once all arrived (or after 60 s)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    pools = make_pools(case, dev, fill=True)
+    with KVTransfer(f"bench-prefill-{case.kind}", regions_of(case, pools)) as transfer:
+        pipe.send(transfer.descriptor())
+        notes, expected, deadline = 0, None, time.monotonic() + 600
+        while time.monotonic() < deadline and (expected is None or notes < expected):
+            notes += len(transfer.notifications())
+            if expected is None and pipe.poll(0.001):
+                expected, deadline = pipe.recv(), time.monotonic() + 60
+        pipe.send(notes)
+
+
+def synchronizer(*devices: torch.device) -> Callable[[], None]:
+    """Waits for queued work on the CUDA devices among `devices` (CPU work is synchronous)."""
+    cuda = {d for d in devices if d.type == "cuda"}
+
+    def sync() -> None:
+        for d in cuda:
+            torch.cuda.synchronize(d)
+
+    return sync
+
+
+def timed(fn: Callable[[], object], iters: int, sync: Callable[[], None]) -> list[float]:
+    """Seconds of each of `iters` calls, after one untimed warm-up call."""
+    fn()  # warm-up: connection set-up, allocations, first touch of pages
+    sync()
+    out = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def row(kind: str, method: str, nbytes: int, descs: int | None, seconds: list[float]) -> dict:
+    med, best = statistics.median(seconds), min(seconds)
+    return {
+        "layout": kind,
+        "method": method,
+        "bytes": nbytes,
+        "descriptors": descs,
+        "median_s": med,
+        "best_s": best,
+        "gbps_median": nbytes / med / 1e9,
+        "gbps_best": nbytes / best / 1e9,
+    }
+
+
+def nixl_row(case: Case, iters: int, src: torch.device, dst: torch.device) -> dict:
+    """READs by this process from a spawned prefill process, checked for exact bytes."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    prefill = ctx.Process(target=prefill_main, args=(case, str(src), theirs))
+    prefill.start()
+    try:
+        pools = make_pools(case, dst, fill=False)
+        with KVTransfer(f"bench-decode-{case.kind}", regions_of(case, pools)) as transfer:
+            if not ours.poll(120):
+                raise TimeoutError("the prefill process sent no descriptor within 120 s")
+            peer = transfer.add_peer(ours.recv())
+            stats = []
+
+            def read() -> None:
+                r = transfer.read(peer, case.remote, case.local, notify=b"bench", timeout_s=60)
+                stats.append(r)
+
+            seconds = timed(read, iters, synchronizer(dst))
+            verify(case, pools)
+        ours.send(len(stats))
+        if not ours.poll(90) or ours.recv() != len(stats):
+            raise RuntimeError("the prefill side did not get one notification per READ")
+    finally:
+        prefill.join(60)
+        if prefill.is_alive():
+            prefill.kill()
+    return row(case.kind, "nixl READ", stats[-1].bytes, stats[-1].descriptors, seconds)
+
+
+def verify(case: Case, pools: dict[str, torch.Tensor]) -> None:
+    for k, (name, group, _) in enumerate(case.regions):
+        t = pools[name]
+        local = torch.tensor(case.local[group], device=t.device)
+        got = t.view(torch.int16).view(t.shape[0], -1)[local]
+        want = pattern(k, torch.tensor(case.remote[group], device=t.device), got.shape[1])
+        if not torch.equal(got, want):
+            raise AssertionError(f"region {name}: the READ delivered wrong bytes")
+
+
+def torch_rows(
+    case: Case, iters: int, src_dev: torch.device, dst_dev: torch.device, nbytes: int
+) -> list[dict]:
+    """The same pages moved by torch in one process, and the same byte count in one copy."""
+    src, dst = make_pools(case, src_dev, fill=False), make_pools(case, dst_dev, fill=False)
+    r_idx = {g: torch.tensor(ids, device=src_dev) for g, ids in case.remote.items()}
+    l_idx = {g: torch.tensor(ids, device=dst_dev) for g, ids in case.local.items()}
+
+    def scattered() -> None:  # gather on the source device, one copy across, scatter there
+        for name, group, _ in case.regions:
+            pages = src[name].index_select(0, r_idx[group]).to(dst_dev, non_blocking=True)
+            dst[name].index_copy_(0, l_idx[group], pages)
+
+    flat_src = torch.empty(nbytes, dtype=torch.uint8, device=src_dev)
+    flat_dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+
+    def contiguous() -> None:
+        flat_dst.copy_(flat_src, non_blocking=True)
+
+    sync = synchronizer(src_dev, dst_dev)
+    return [
+        row(case.kind, "torch scattered", nbytes, None, timed(scattered, iters, sync)),
+        row(case.kind, "torch contiguous", nbytes, None, timed(contiguous, iters, sync)),
+    ]
+
+
+def config(args: argparse.Namespace, load: float) -> dict:
+    cuda = args.device == "cuda"
+    return {
+        "device": args.device,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(2)] if cuda else None,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "load_avg_1m_at_start": load,  # the CPU machine is shared: a high load skews CPU rows
+        "torch": torch.__version__,
+        "nixl": _nixl._api.__name__,
+        "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
+        "tokens": args.tokens,
+        "page": PAGE,
+        "layer_types": LAYER_TYPES,
+        "request_pages": request_pages(args.tokens),
+        "pool_factor": args.pool_factor,
+        "iters": args.iters,
+        "command": " ".join(["python", *sys.argv]),
+    }
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"{'layout':10} {'method':17} {'MiB':>6} {'descs':>6} {'median ms':>10} "
+          f"{'GB/s':>7} {'best GB/s':>10}")
+    for r in results:
+        descs = "" if r["descriptors"] is None else r["descriptors"]
+        print(f"{r['layout']:10} {r['method']:17} {r['bytes'] / 2**20:6.1f} {descs:>6} "
+              f"{r['median_s'] * 1e3:10.2f} {r['gbps_median']:7.2f} {r['gbps_best']:10.2f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--layouts", default="per-layer,fused", help="comma-separated subset")
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--pool-factor", type=int, default=4, help="pool units = request pages x this")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", type=Path, help="default: bench/results/<cpu|h200x2>-transfer.json")
+    args = p.parse_args()
+
+    if args.device == "cuda":
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("--device cuda needs two GPUs of one host")
+        os.environ.setdefault("UCX_TLS", "cuda_ipc,cuda_copy,tcp")  # the prefill inherits it
+        src, dst = torch.device("cuda:0"), torch.device("cuda:1")
+        torch.cuda.set_device(dst)  # UCX registers decode's pools in this device's context
+    else:
+        src = dst = torch.device("cpu")
+    load = os.getloadavg()[0]
+    results = []
+    for kind in args.layouts.split(","):
+        case = Case.make(kind, args.tokens, args.pool_factor)
+        results.append(nixl_row(case, args.iters, src, dst))
+        results += torch_rows(case, args.iters, src, dst, results[-1]["bytes"])
+
+    print_table(results)
+    tag = "h200x2" if args.device == "cuda" else "cpu"
+    out = args.out or Path(__file__).parent / "results" / f"{tag}-transfer.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"config": config(args, load), "results": results}, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

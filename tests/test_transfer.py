@@ -1,0 +1,293 @@
+"""KV transfer over real NIXL (UCX, host memory, loopback) between two processes.
+
+The "prefill" side is a spawned process holding CPU pools with seeded contents; it publishes its
+descriptor to a private redis-server and forwards every notification it gets to the test. The
+test process is the "decode" side: it fetches the descriptor from Redis and READs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio
+import torch
+
+from services.transfer import (
+    KVTransfer,
+    Region,
+    TransferError,
+    fetch_descriptor,
+    publish_descriptor,
+)
+
+# Region name -> (group, unit shape); bf16 throughout. Units per group differ per worker, as pools
+# are sized per worker.
+LAYOUT = {
+    "swa.0.kv": ("swa", (64, 32)),  # unit: 64 rows x 32 = 4 KiB
+    "csa.0.kv": ("csa", (64, 32)),  # 4 KiB
+    "csa.0.idx": ("csa", (64, 8)),  # 1 KiB, indexed by the same csa page ids
+    "slab": ("slab", (96,)),  # one per-request state row, 192 B
+}
+PREFILL_UNITS = {"swa": 8, "csa": 16, "slab": 4}
+DECODE_UNITS = {"swa": 6, "csa": 12, "slab": 3}
+PREFILL_SEED, DECODE_SEED = 1, 2
+WAIT_S = 60.0  # bound on process start-up and on any notification
+
+
+def _pools(seed: int, units: dict[str, int], layout: dict = LAYOUT) -> dict[str, torch.Tensor]:
+    """Pools with seeded random bytes, so either process can rebuild the other's contents."""
+    g = torch.Generator().manual_seed(seed)
+    pools = {}
+    for name, (group, shape) in layout.items():
+        t = torch.empty((units[group], *shape), dtype=torch.bfloat16)
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+        pools[name] = t
+    return pools
+
+
+def _regions(pools: dict[str, torch.Tensor], layout: dict = LAYOUT) -> list[Region]:
+    return [Region(name, layout[name][0], pools[name]) for name in layout]
+
+
+def _prefill_main(agent: str, redis_port: int, commands: mp.Queue, events: mp.Queue) -> None:
+    """The prefill side: publish, then forward notifications until told to stop (or 2 min pass)."""
+    with KVTransfer(agent, _regions(_pools(PREFILL_SEED, PREFILL_UNITS))) as transfer:
+        asyncio.run(_publish(redis_port, transfer))
+        events.put(("ready", agent))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for note in transfer.notifications():
+                events.put(note)
+            try:
+                if commands.get(timeout=0.01) == "stop":
+                    return
+            except queue.Empty:
+                pass
+
+
+async def _publish(port: int, transfer: KVTransfer) -> None:
+    async with redis.asyncio.Redis(port=port) as r:
+        await publish_descriptor(r, transfer, ttl_s=60)
+
+
+async def _fetch(port: int, agent: str) -> bytes | None:
+    async with redis.asyncio.Redis(port=port) as r:
+        return await fetch_descriptor(r, agent)
+
+
+class Prefill:
+    """A running prefill process and the queues to it."""
+
+    def __init__(self, agent: str, redis_port: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.agent, self.commands, self.events = agent, ctx.Queue(), ctx.Queue()
+        args = (agent, redis_port, self.commands, self.events)
+        self.process = ctx.Process(target=_prefill_main, args=args)
+        self.process.start()
+        assert self.next_event() == ("ready", agent)
+
+    def next_event(self) -> tuple[str, bytes] | tuple[str, str]:
+        return self.events.get(timeout=WAIT_S)
+
+    def pause(self) -> None:
+        """SIGSTOP, then wait until every thread has stopped (delivery is asynchronous)."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        deadline = time.monotonic() + WAIT_S
+        while not all(_stopped(t) for t in tasks.iterdir()):
+            assert time.monotonic() < deadline, "the process did not stop"
+
+    def kill(self) -> None:
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(WAIT_S)
+        assert self.process.exitcode == -signal.SIGKILL
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.commands.put("stop")
+            self.process.join(WAIT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(WAIT_S)
+
+
+def _stopped(task: Path) -> bool:
+    # /proc/<pid>/task/<tid>/stat reads "tid (comm) STATE ..."; comm may hold spaces.
+    try:
+        return task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0] in "tT"
+    except FileNotFoundError:  # the thread exited
+        return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def redis_port() -> Iterator[int]:
+    port = _free_port()
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
+    argv += ["--save", "", "--appendonly", "no"]  # nothing on disk
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_timeout=1)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise
+    yield port
+    client.close()
+    server.terminate()
+    server.wait(10)
+
+
+@pytest.fixture(scope="module")
+def prefill(redis_port: int) -> Iterator[Prefill]:
+    p = Prefill("prefill-0", redis_port)
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def decode(request: pytest.FixtureRequest) -> Iterator[tuple[KVTransfer, dict[str, torch.Tensor]]]:
+    pools = _pools(DECODE_SEED, DECODE_UNITS)
+    with KVTransfer(f"decode-{request.node.name}", _regions(pools)) as transfer:
+        yield transfer, pools
+
+
+def _connect(transfer: KVTransfer, redis_port: int, agent: str) -> str:
+    descriptor = asyncio.run(_fetch(redis_port, agent))
+    assert descriptor is not None
+    return transfer.add_peer(descriptor)
+
+
+def test_read_scattered_units_and_notify(prefill: Prefill, decode, redis_port: int) -> None:
+    transfer, pools = decode
+    peer = _connect(transfer, redis_port, prefill.agent)
+    assert peer == prefill.agent
+    assert transfer.add_peer(asyncio.run(_fetch(redis_port, prefill.agent))) == peer  # idempotent
+    with redis.Redis(port=redis_port) as r:
+        assert r.pttl(f"dsaserve:nixl:{prefill.agent}") > 0  # published with a TTL
+    assert asyncio.run(_fetch(redis_port, "nobody")) is None
+
+    remote = {"csa": [9, 3, 4, 5, 14], "swa": [6, 5, 1], "slab": [2]}
+    local = {"csa": [0, 7, 8, 9, 2], "swa": [4, 3, 0], "slab": [1]}
+    stats = transfer.read(peer, remote, local, notify=b"req-1:release", timeout_s=10)
+
+    theirs, before = _pools(PREFILL_SEED, PREFILL_UNITS), _pools(DECODE_SEED, DECODE_UNITS)
+    for name, (group, _) in LAYOUT.items():
+        got, want = pools[name].view(torch.uint8), theirs[name].view(torch.uint8)
+        untouched = before[name].view(torch.uint8)
+        assert torch.equal(got[local[group]], want[remote[group]]), name
+        rest = [u for u in range(DECODE_UNITS[group]) if u not in local[group]]
+        assert torch.equal(got[rest], untouched[rest]), f"{name}: units outside the read changed"
+    # csa: runs 9->0, 3..5->7..9, 14->2 in two regions; swa: 1->0 and the reversed pairs
+    # 6->4, 5->3, which merge into 5..6->3..4; slab: one.
+    assert stats.descriptors == 3 * 2 + 2 + 1
+    assert stats.bytes == 5 * (4096 + 1024) + 3 * 4096 + 192
+    assert prefill.next_event() == (transfer.agent_name, b"req-1:release")
+
+
+def test_invalid_reads_raise_before_posting(prefill: Prefill, decode, redis_port: int) -> None:
+    transfer, pools = decode
+    before = {name: t.clone() for name, t in pools.items()}
+    peer = _connect(transfer, redis_port, prefill.agent)
+    bad = [
+        ({"csa": [PREFILL_UNITS["csa"]]}, {"csa": [0]}, "out of range"),  # one past the peer's pool
+        ({"csa": [0]}, {"csa": [DECODE_UNITS["csa"]]}, "out of range"),  # 12 here, 16 there
+        ({"csa": [0]}, {"csa": [-1]}, "out of range"),
+        ({"csa": [0, 1]}, {"csa": [0]}, "2 remote units but 1 local"),
+        ({"csa": [0, 1]}, {"csa": [3, 3]}, "repeats"),
+        ({"mla": [0]}, {"mla": [0]}, "unknown group"),
+        ({"csa": [0]}, {"swa": [0]}, "groups"),
+        ({"csa": [0.5]}, {"csa": [0]}, "integers"),
+    ]
+    for remote, local, message in bad:
+        with pytest.raises(TransferError, match=message):
+            transfer.read(peer, remote, local, notify=b"must-not-arrive", timeout_s=10)
+    with pytest.raises(TransferError, match="unknown peer"):
+        transfer.read("nobody", {"csa": [0]}, {"csa": [0]}, notify=b"x", timeout_s=10)
+    for name, t in pools.items():
+        assert torch.equal(t.view(torch.uint8), before[name].view(torch.uint8)), name
+
+    # Nothing was posted: the first notification the peer sees is this read's.
+    transfer.read(peer, {"slab": [0]}, {"slab": [0]}, notify=b"after-invalid", timeout_s=10)
+    assert prefill.next_event() == (transfer.agent_name, b"after-invalid")
+    # An empty read moves nothing but still releases the peer's units.
+    stats = transfer.read(peer, {"csa": []}, {"csa": []}, notify=b"empty", timeout_s=10)
+    assert (stats.bytes, stats.descriptors) == (0, 0)
+    assert prefill.next_event() == (transfer.agent_name, b"empty")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"csa.0.idx": ("csa", (64, 16))}, "'csa.0.idx' has 2048 unit bytes here, 1024 there"),
+        ({"csa.0.idx": ("hca", (64, 8))}, "'csa.0.idx' is in group 'hca' here but 'csa' there"),
+        ({"csa.1.kv": ("csa", (64, 32))}, "'csa.1.kv' is missing at the peer"),
+        ({"slab": None}, "the peer has region 'slab', which is missing here"),
+    ],
+)
+def test_mismatched_layout_raises(
+    prefill: Prefill, redis_port: int, change: dict, message: str
+) -> None:
+    layout = {name: spec for name, spec in {**LAYOUT, **change}.items() if spec is not None}
+    pools = _pools(DECODE_SEED, {**DECODE_UNITS, "hca": 4}, layout)
+    with KVTransfer("decode-other-layout", _regions(pools, layout)) as transfer:
+        with pytest.raises(TransferError, match=f"mismatch with peer 'prefill-0': .*{message}"):
+            _connect(transfer, redis_port, prefill.agent)
+        with pytest.raises(TransferError, match="malformed"):
+            transfer.add_peer(b'{"format": "something else"}')
+
+
+def test_dead_peer_raises_within_timeout(decode, redis_port: int) -> None:
+    transfer, _ = decode
+    doomed = Prefill("prefill-doomed", redis_port)
+    try:
+        peer = _connect(transfer, redis_port, doomed.agent)
+        transfer.read(peer, {"csa": [1]}, {"csa": [1]}, notify=b"alive", timeout_s=10)
+        doomed.kill()
+        for _ in range(2):  # and the connection stays failed, without hanging
+            start = time.monotonic()
+            with pytest.raises(TransferError):
+                transfer.read(peer, {"csa": [2]}, {"csa": [2]}, notify=b"dead", timeout_s=5)
+            assert time.monotonic() - start < 5  # UCX reported the death; no wait for the timeout
+        transfer.remove_peer(peer)
+    finally:
+        doomed.stop()
+
+
+def test_hung_peer_times_out(redis_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Over TCP a READ needs the peer's UCX progress, so a stopped (not dead) peer never answers:
+    # the READ must end at the timeout, with its in-flight handle released.
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX when each agent below creates its backend
+    hung = Prefill("prefill-hung", redis_port)
+    try:
+        with KVTransfer("decode-tcp", _regions(_pools(DECODE_SEED, DECODE_UNITS))) as transfer:
+            peer = _connect(transfer, redis_port, hung.agent)
+            transfer.read(peer, {"csa": [1]}, {"csa": [1]}, notify=b"alive", timeout_s=10)
+            hung.pause()
+            start = time.monotonic()
+            with pytest.raises(TransferError, match="did not finish within 2 s"):
+                transfer.read(peer, {"csa": [2]}, {"csa": [2]}, notify=b"hung", timeout_s=2)
+            assert time.monotonic() - start < 2 + 1
+    finally:
+        hung.kill()
