@@ -1,0 +1,110 @@
+"""Locust load test: users chatting with a dsaserve router over streaming OpenAI chat.
+
+    DSASERVE_API_KEY=... locust --config loadtest/disagg.conf            # headless, topology disagg
+    DSASERVE_API_KEY=... locust -f loadtest/locustfile.py -H http://127.0.0.1:8000   # web UI
+
+Each user sends one request after another (closed loop), so `-u N` is the concurrency. Locust's
+own timer stops at the response headers of a stream, so each request measures itself and reports
+  "chat (stream)"   end-to-end latency, response_length = output tokens, failures with the cause
+  "ttft"            time to first token (METRIC)
+  "itl"             mean gap between tokens of the request, i.e. TPOT (METRIC)
+A 200 whose stream carries `data: {"error": ...}`, ends without `data: [DONE]`, or (with
+ignore_eos) produces fewer than --max-tokens tokens counts as a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from locust import FastHttpUser, constant, events, task
+
+try:
+    from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
+    from loadtest.prompts import load_tokenizer, make_prompt
+except ImportError:  # `locust -f loadtest/locustfile.py` puts this folder, not the repo, on sys.path
+    from openai_stream import StreamRecord, auth_headers, chat_payload  # type: ignore[no-redef]
+    from prompts import load_tokenizer, make_prompt  # type: ignore[no-redef]
+
+
+@events.init_command_line_parser.add_listener
+def _add_arguments(parser: Any) -> None:
+    group = parser.add_argument_group("dsaserve chat", "request shape (also settable in a --config file)")
+    group.add_argument("--model", default="dsaserve-tiny", env_var="DSASERVE_SERVED_MODEL_NAME", help="served model name")
+    group.add_argument("--prompt-tokens", type=int, default=128, help="prompt length: words, tokens with --tokenizer")
+    group.add_argument("--max-tokens", type=int, default=64, help="output length (exact unless --no-ignore-eos)")
+    group.add_argument("--tokenizer", default="", help="tokenizer.json or model folder, for exact prompt lengths")
+    group.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS; short outputs are fine")
+    group.add_argument("--chat-path", default="/v1/chat/completions")
+
+
+def _lines(stream: Any) -> Iterator[str]:
+    # readline returns as soon as one line is in; read(n) would wait for n bytes and smear TTFT.
+    while line := stream.readline(b"\n"):
+        yield line.decode("utf-8", "replace")
+
+
+def _metric(name: str, seconds: float, length: int = 0) -> None:
+    events.request.fire(
+        request_type="METRIC", name=name, response_time=seconds * 1000.0, response_length=length,
+        exception=None, context={},
+    )
+
+
+class ChatStreamUser(FastHttpUser):
+    wait_time = constant(0)
+    # Long generations outlast Locust's 60 s default; a retry would hide a failure and skew load.
+    network_timeout = 600.0
+    connection_timeout = 10.0
+    max_retries = 0
+
+    def on_start(self) -> None:
+        opts = self.environment.parsed_options
+        self.opts = opts
+        # The key comes from the environment, never the command line (visible in `ps`).
+        self.headers = {
+            **auth_headers(os.environ.get("DSASERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")),
+            # Locust asks for gzip by default; a compressed SSE body could not be read line by line.
+            "Accept-Encoding": "identity",
+        }
+        self.rng = random.Random()
+        self.tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+
+    @task
+    def chat(self) -> None:
+        opts = self.opts
+        ignore_eos = not opts.no_ignore_eos
+        prompt = make_prompt(opts.prompt_tokens, self.rng, self.tokenizer)
+        payload = chat_payload(opts.model, prompt, opts.max_tokens, ignore_eos=ignore_eos)
+        record = StreamRecord(start=time.perf_counter())
+        with self.client.post(
+            opts.chat_path, json=payload, headers=self.headers, stream=True, catch_response=True, name="chat (stream)"
+        ) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:200]}")
+                return
+            try:
+                for line in _lines(resp.stream):
+                    record.feed(line, time.perf_counter())
+                    if record.error:
+                        break
+            except Exception as e:  # connection dropped mid-stream
+                record.error = f"{type(e).__name__}: {e}"
+            record.finish(time.perf_counter())
+            # Report the whole request, not time-to-headers, under the request's own name.
+            resp.request_meta["response_time"] = (record.latency or 0.0) * 1000.0
+            resp.request_meta["response_length"] = record.output_tokens
+            if not record.ok:
+                resp.failure(record.error)
+                return
+            if ignore_eos and record.output_tokens != opts.max_tokens:
+                resp.failure(f"got {record.output_tokens} tokens, asked for exactly {opts.max_tokens}")
+                return
+            resp.success()
+        if record.ttft is not None:
+            _metric("ttft", record.ttft, record.prompt_tokens or 0)
+        if record.itl:
+            _metric("itl", sum(record.itl) / len(record.itl), record.output_tokens)
