@@ -71,7 +71,8 @@ def build_step_inputs(
         row += n
     tables = {}
     for g in pool.groups:
-        width = max(len(r[3][g]) for r in requests)
+        # At least one entry page column, so lookups of masked entries (-1 -> 0) stay in bounds.
+        width = max(pool.ring_pages + 1, *(len(r[3][g]) for r in requests))
         tables[g] = torch.tensor([r[3][g] + [0] * (width - len(r[3][g])) for r in requests], dtype=torch.int64)
     hca = pool.groups.get("hca")
     hca_width = max((p + 1) // hca.ratio for p in positions) if hca else 0
