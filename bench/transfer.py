@@ -23,7 +23,7 @@ CPU, two processes over loopback (UCX's default transports, i.e. cma for the dat
 
 Two GPUs of one host: prefill on cuda:0, decode on cuda:1, against torch's cuda:0 -> cuda:1
 copy. UCX_TLS defaults to cuda_ipc,cuda_copy,tcp (without cuda_ipc, GPU memory crawls through
-the host). The GPU machine has torch and numpy but no NIXL and no network, so carry the
+the host); set UCX_TLS in the environment to try others. The GPU machine has torch and numpy but no NIXL and no network, so carry the
 nixl-cu13 wheel (59 MB; the device tool's working-tree limit is 64 MiB):
   1. here, in the repo root (.whl/ is git-ignored):
        .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
