@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -39,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `loadtest` importable fro
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload  # noqa: E402
-from loadtest.prompts import load_tokenizer, make_prompt  # noqa: E402
+from loadtest.prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt  # noqa: E402
 
 
 @dataclass
@@ -55,6 +56,7 @@ class BenchConfig:
     endpoint: str = "/v1/chat/completions"
     ignore_eos: bool = True
     tokenizer: str | None = None  # tokenizer.json or model folder, for exact prompt lengths
+    calibrate: bool = True  # without a tokenizer, size prompts from the server's token counts
     seed: int = 0
     timeout_s: float = 600.0
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
@@ -136,8 +138,15 @@ def summarize(
         "wrong_output_len": None
         if expected_output_len is None
         else sum(r.output_tokens != expected_output_len for r in ok),
-        "errors": dict(Counter(r.error or "unknown" for r in failed).most_common(10)),
+        "errors": dict(Counter(_error_kind(r.error) for r in failed).most_common(10)),
     }
+
+
+def _error_kind(error: str | None) -> str:
+    # Group "prompt has 797 tokens" with "prompt has 802 tokens": one cause, not one line per
+    # request. The HTTP status in front stays.
+    status, rest = re.match(r"(HTTP \d+: )?(.*)", error or "unknown", re.S).groups()
+    return (status or "") + re.sub(r"\d+", "N", rest)
 
 
 def arrival_gaps(n: int, rate: float, rng: random.Random) -> list[float]:
@@ -179,10 +188,26 @@ async def resolve_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
     return resp.json()["data"][0]["id"]
 
 
+async def prompt_words(client: httpx.AsyncClient, cfg: BenchConfig, model: str, rng: random.Random) -> int:
+    """Words per prompt for `input_len` tokens, measured with two 1-token probe requests.
+
+    Falls back to one word per token (with a warning) if the probes fail. The probes also open
+    the first connection, so that cost stays out of the measured run.
+    """
+    probe_cfg = dataclasses.replace(cfg, output_len=1)
+    probes = []
+    for words in PROBE_WORDS:
+        record = await send_request(client, probe_cfg, model, make_prompt(words, rng))
+        if not record.ok or record.prompt_tokens is None:
+            print(f"warning: no prompt calibration ({record.error or 'no usage'}); --input-len counts words", file=sys.stderr)
+            return cfg.input_len
+        probes.append((words, record.prompt_tokens))
+    return calibrated_words(cfg.input_len, probes)
+
+
 async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    prompts = [make_prompt(cfg.input_len, rng, tokenizer) for _ in range(cfg.num_prompts)]
     gaps = arrival_gaps(cfg.num_prompts, cfg.request_rate, rng)
     gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     # httpx pools 100 connections by default, which would silently cap concurrency; proxies from
@@ -191,6 +216,10 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
     async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits, trust_env=False) as client:
         model = await resolve_model(client, cfg)
+        words = cfg.input_len
+        if tokenizer is None and cfg.calibrate:
+            words = await prompt_words(client, cfg, model, rng)
+        prompts = [make_prompt(words, rng, tokenizer) for _ in range(cfg.num_prompts)]
 
         async def one(prompt: str) -> StreamRecord:
             if gate is None:
@@ -210,7 +239,7 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     result: dict[str, Any] = {
         "tool": "loadtest/bench_serving.py",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": {**cfg.public(), "model": model},
+        "config": {**cfg.public(), "model": model, "prompt_words": None if tokenizer else words},
         "summary": summarize(records, duration, cfg.percentiles, cfg.output_len if cfg.ignore_eos else None),
     }
     if cfg.save_details:
@@ -265,12 +294,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf (default) = all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--input-len", type=int, default=128, help="prompt words (tokens with --tokenizer)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (see --tokenizer, --no-calibrate)")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens, exact with ignore_eos")
     p.add_argument("--api-key", default=None, help="default: $DSASERVE_API_KEY, else $OPENAI_API_KEY")
     p.add_argument("--endpoint", default="/v1/chat/completions")
     p.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json or model folder for exact prompt lengths")
+    p.add_argument("--no-calibrate", action="store_true", help="count --input-len in words, send no probe requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--percentiles", default="50,90,99")
@@ -294,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         endpoint=a.endpoint,
         ignore_eos=not a.no_ignore_eos,
         tokenizer=a.tokenizer,
+        calibrate=not a.no_calibrate,
         seed=a.seed,
         timeout_s=a.timeout,
         percentiles=tuple(float(p) for p in a.percentiles.split(",")),

@@ -9,32 +9,41 @@ own timer stops at the response headers of a stream, so each request measures it
   "ttft"            time to first token (METRIC)
   "itl"             mean gap between tokens of the request, i.e. TPOT (METRIC)
 A 200 whose stream carries `data: {"error": ...}`, ends without `data: [DONE]`, or (with
-ignore_eos) produces fewer than --max-tokens tokens counts as a failure.
+ignore_eos) produces other than --max-tokens tokens counts as a failure.
+
+Prompt length: without --tokenizer, the first user sends two 1-token probes ("prompt calibration")
+and sizes every prompt from the server's token counts, as bench_serving.py does.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from gevent.lock import Semaphore
 from locust import FastHttpUser, constant, events, task
 
 try:
     from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
-    from loadtest.prompts import load_tokenizer, make_prompt
+    from loadtest.prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt
 except ImportError:  # `locust -f loadtest/locustfile.py` puts this folder, not the repo, on sys.path
     from openai_stream import StreamRecord, auth_headers, chat_payload  # type: ignore[no-redef]
-    from prompts import load_tokenizer, make_prompt  # type: ignore[no-redef]
+    from prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt  # type: ignore[no-redef]
+
+log = logging.getLogger(__name__)
+_calibration = Semaphore()
+_prompt_words: int | None = None  # set once per Locust process by the first user
 
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser: Any) -> None:
     group = parser.add_argument_group("dsaserve chat", "request shape (also settable in a --config file)")
     group.add_argument("--model", default="dsaserve-tiny", env_var="DSASERVE_SERVED_MODEL_NAME", help="served model name")
-    group.add_argument("--prompt-tokens", type=int, default=128, help="prompt length: words, tokens with --tokenizer")
+    group.add_argument("--prompt-tokens", type=int, default=128, help="prompt length in tokens")
     group.add_argument("--max-tokens", type=int, default=64, help="output length (exact unless --no-ignore-eos)")
     group.add_argument("--tokenizer", default="", help="tokenizer.json or model folder, for exact prompt lengths")
     group.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS; short outputs are fine")
@@ -62,8 +71,7 @@ class ChatStreamUser(FastHttpUser):
     max_retries = 0
 
     def on_start(self) -> None:
-        opts = self.environment.parsed_options
-        self.opts = opts
+        self.opts = self.environment.parsed_options
         # The key comes from the environment, never the command line (visible in `ps`).
         self.headers = {
             **auth_headers(os.environ.get("DSASERVE_API_KEY") or os.environ.get("OPENAI_API_KEY")),
@@ -71,21 +79,37 @@ class ChatStreamUser(FastHttpUser):
             "Accept-Encoding": "identity",
         }
         self.rng = random.Random()
-        self.tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+        self.tokenizer = load_tokenizer(self.opts.tokenizer) if self.opts.tokenizer else None
+        self.words = self.opts.prompt_tokens if self.tokenizer else self._calibrated_words()
 
-    @task
-    def chat(self) -> None:
-        opts = self.opts
-        ignore_eos = not opts.no_ignore_eos
-        prompt = make_prompt(opts.prompt_tokens, self.rng, self.tokenizer)
-        payload = chat_payload(opts.model, prompt, opts.max_tokens, ignore_eos=ignore_eos)
+    def _calibrated_words(self) -> int:
+        global _prompt_words
+        with _calibration:  # one user probes, the others wait for its answer
+            if _prompt_words is None:
+                probes = []
+                for words in PROBE_WORDS:
+                    record = self._stream(make_prompt(words, self.rng), 1, "prompt calibration")
+                    if not record.ok or record.prompt_tokens is None:
+                        log.warning("no prompt calibration (%s): --prompt-tokens counts words", record.error or "no usage")
+                        _prompt_words = self.opts.prompt_tokens
+                        break
+                    probes.append((words, record.prompt_tokens))
+                else:
+                    _prompt_words = calibrated_words(self.opts.prompt_tokens, probes)
+            return _prompt_words
+
+    def _stream(self, prompt: str, max_tokens: int, name: str) -> StreamRecord:
+        """One streamed request, reported under `name` with its end-to-end time."""
+        ignore_eos = not self.opts.no_ignore_eos
+        payload = chat_payload(self.opts.model, prompt, max_tokens, ignore_eos=ignore_eos)
         record = StreamRecord(start=time.perf_counter())
         with self.client.post(
-            opts.chat_path, json=payload, headers=self.headers, stream=True, catch_response=True, name="chat (stream)"
+            self.opts.chat_path, json=payload, headers=self.headers, stream=True, catch_response=True, name=name
         ) as resp:
             if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {(resp.text or '')[:200]}")
-                return
+                record.error = f"HTTP {resp.status_code}: {(resp.text or '')[:200]}"
+                resp.failure(record.error)
+                return record
             try:
                 for line in _lines(resp.stream):
                     record.feed(line, time.perf_counter())
@@ -94,16 +118,23 @@ class ChatStreamUser(FastHttpUser):
             except Exception as e:  # connection dropped mid-stream
                 record.error = f"{type(e).__name__}: {e}"
             record.finish(time.perf_counter())
-            # Report the whole request, not time-to-headers, under the request's own name.
+            # Report the whole request, not time-to-headers.
             resp.request_meta["response_time"] = (record.latency or 0.0) * 1000.0
             resp.request_meta["response_length"] = record.output_tokens
-            if not record.ok:
+            if record.ok and ignore_eos and record.output_tokens != max_tokens:
+                record.error = f"got {record.output_tokens} tokens, asked for exactly {max_tokens}"
+            if record.error:
                 resp.failure(record.error)
-                return
-            if ignore_eos and record.output_tokens != opts.max_tokens:
-                resp.failure(f"got {record.output_tokens} tokens, asked for exactly {opts.max_tokens}")
-                return
-            resp.success()
+            else:
+                resp.success()
+        return record
+
+    @task
+    def chat(self) -> None:
+        prompt = make_prompt(self.words, self.rng, self.tokenizer)
+        record = self._stream(prompt, self.opts.max_tokens, "chat (stream)")
+        if not record.ok:
+            return
         if record.ttft is not None:
             _metric("ttft", record.ttft, record.prompt_tokens or 0)
         if record.itl:

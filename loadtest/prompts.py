@@ -1,10 +1,11 @@
 """Synthetic prompts of a chosen length, different for every request.
 
 Random words, so no two requests share a prefix (a prefix cache would otherwise make TTFT look
-better than real traffic gets). Without a tokenizer the length is counted in words, which is close
-to tokens for BPE vocabularies but not for byte-level ones (the tiny demo model: one token per
-byte); with `--tokenizer` the prompt is cut to the exact token count. Either way the reports use
-the server's own `usage.prompt_tokens`.
+better than real traffic gets). A word is about one token in BPE vocabularies but several in
+byte-level ones (the tiny demo model: one token per byte), so lengths are made right in one of
+three ways: a local tokenizer cuts the prompt to the exact count; else the server's token counts
+for two probe prompts give tokens per word (`calibrated_words`); else words stand for tokens.
+Either way the reports use the server's own `usage.prompt_tokens`.
 """
 
 from __future__ import annotations
@@ -51,3 +52,18 @@ def make_prompt(length: int, rng: random.Random, tokenizer: tuple[Tokenizer, Cal
     # Words are >= 1 token each, so `length` words always cover `length` tokens; keep the first ones.
     ids = encode(" ".join(rng.choice(_WORDS) for _ in range(length)))
     return decode(ids[:length])
+
+
+PROBE_WORDS = (8, 40)
+
+
+def calibrated_words(target_tokens: int, probes: list[tuple[int, int]]) -> int:
+    """Words for `target_tokens` prompt tokens, from (words, server prompt_tokens) of two probes.
+
+    The difference of the two cancels the chat template's fixed tokens, leaving tokens per word.
+    """
+    (w1, t1), (w2, t2) = probes
+    per_word = (t2 - t1) / (w2 - w1)
+    if per_word <= 0:
+        raise ValueError(f"probe prompts of {w1} and {w2} words gave {t1} and {t2} tokens")
+    return max(1, round(target_tokens / per_word))

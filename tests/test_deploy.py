@@ -401,11 +401,15 @@ sys.meta_path.insert(0, _RouterImage())
 
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])
 def test_cli_help_lists_every_contract_flag(role: str) -> None:
-    if not (ROOT / "services/cli.py").exists():
+    if (ROOT / "services/cli.py").exists():
+        start = f"from services.cli import main\nsys.argv = ['dsaserve', {role!r}, '--help']\nsys.exit(main())"
+    elif role == "router" and (ROOT / "services/router/main.py").exists():  # before the CLI lands
+        start = "import runpy\nsys.argv = ['dsaserve router', '--help']\nrunpy.run_module('services.router.main', run_name='__main__')"
+    else:
         pytest.skip("services/cli.py is not written yet")
     blocker = _NO_TORCH if role == "router" else ""
-    code = f"{blocker}\nimport sys\nfrom services.cli import main\nsys.argv = ['dsaserve', {role!r}, '--help']\nsys.exit(main())"
+    code = f"{blocker}\nimport sys\n{start}"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in sorted(FLAGS[role]):
-        assert f"--{flag}" in out.stdout, f"`dsaserve {role} --help` has no --{flag}"
+        assert re.search(rf"--{flag}(?![\w-])", out.stdout), f"`dsaserve {role} --help` has no --{flag}"

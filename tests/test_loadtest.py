@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))  # loadtest/ is a tool folder of the repo, not an 
 from loadtest import bench_serving as bench  # noqa: E402
 from loadtest import report  # noqa: E402
 from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload  # noqa: E402
-from loadtest.prompts import load_tokenizer, make_prompt  # noqa: E402
+from loadtest.prompts import calibrated_words, load_tokenizer, make_prompt  # noqa: E402
 
 
 def chunk(content: str | None = None, usage: dict | None = None, role: bool = False) -> str:
@@ -132,6 +132,15 @@ def test_summarize_recorded_run() -> None:
     assert s["concurrency"] == pytest.approx((0.14 + 0.28 + 0.42) / 2.0)
 
 
+def test_errors_are_grouped_by_cause() -> None:
+    records = []
+    for tokens in (797, 802):
+        r = StreamRecord(start=0.0)
+        r.error = f"HTTP 400: the prompt has {tokens} tokens"
+        records.append(r)
+    assert bench.summarize(records, 1.0)["errors"] == {"HTTP 400: the prompt has N tokens": 2}
+
+
 def test_summarize_flags_short_outputs_and_empty_runs() -> None:
     s = bench.summarize([recorded(0.0, 0.1, [0.01], tokens=2)], 1.0, expected_output_len=64)
     assert s["wrong_output_len"] == 1
@@ -164,6 +173,15 @@ def test_prompt_lengths(tmp_path: Path) -> None:
     prompt = make_prompt(50, random.Random(1), loaded)
     assert len(prompt.encode()) == 50 == len(loaded[0](prompt))
     assert len(prompt.split()) < 50
+
+
+def test_calibration_from_server_token_counts() -> None:
+    # Byte-level server: 8 words -> 60 tokens, 40 words -> 252 (template overhead 12, 6 per word).
+    assert calibrated_words(128, [(8, 60), (40, 252)]) == 21
+    assert calibrated_words(1, [(8, 60), (40, 252)]) == 1
+    assert calibrated_words(100, [(8, 11), (40, 43)]) == 100  # BPE-like: one token per word
+    with pytest.raises(ValueError):
+        calibrated_words(100, [(8, 40), (40, 40)])
 
 
 # --- the client end to end, against nothing -------------------------------------------------------
