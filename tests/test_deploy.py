@@ -9,6 +9,7 @@ real `--help`, with the router run as its image runs it: without torch.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -385,6 +386,48 @@ def test_k8s_renders_the_disagg_topology(tmp_path: Path, overlay: str) -> None:
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for d in deployments.values()
             for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
     assert refs == {secret["metadata"]["name"]}  # the generator's hashed name reached every user
+
+
+# --- Grafana -------------------------------------------------------------------------------------
+
+
+def _dashboard_metrics() -> set[str]:
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/dsaserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    return {m for e in exprs for m in re.findall(r"dsaserve_\w+", e)}
+
+
+def test_dashboard_is_provisionable() -> None:
+    dashboard = json.loads((DEPLOY / "grafana/dashboards/dsaserve.json").read_text())
+    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dsaserve.yml").read_text())["providers"][0]
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    for panel in panels:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+            assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
+    # compose mounts grafana/dashboards where the provider looks, and Prometheus where the datasource points.
+    grafana = load_compose(COMPOSE)["grafana"]
+    assert f"./grafana/dashboards:{provider['options']['path']}:ro" in grafana["volumes"]
+    assert datasource["url"] == "http://prometheus:9090"
+    assert {"dsaserve_kv_blocks_free", "dsaserve_kv_blocks_total", "dsaserve_router_time_to_first_token_seconds_bucket"} <= _dashboard_metrics()
+
+
+def test_dashboard_reads_what_the_router_exports() -> None:
+    if not (ROOT / "services/router/metrics.py").exists():
+        pytest.skip("services/router/metrics.py is not written yet")
+    sys.path.insert(0, str(ROOT))
+    from prometheus_client import CollectorRegistry
+
+    from services.router.metrics import RouterMetrics
+
+    registry = CollectorRegistry()
+    RouterMetrics(registry)
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
+    exported = {m.name + suffix for m in registry.collect() for suffix in suffixes.get(m.type, [""])}
+    wanted = {m for m in _dashboard_metrics() if m.startswith("dsaserve_router_")}
+    assert wanted and wanted <= exported, sorted(wanted - exported)
 
 
 # --- the real CLI, once it exists ------------------------------------------------------------------
