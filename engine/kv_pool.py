@@ -80,7 +80,7 @@ class KVPool:
         pages = plan_pages(cfg, kv_cfg, _esize(dtype))
         self.groups: dict[str, PoolGroup] = {}
         for name, (kind, layers) in layer_kinds.items():
-            n = pages[name]
+            n = pages[name] + 1  # + one dummy page (below)
             self.groups[name] = PoolGroup(
                 name=name,
                 layers=layers,
@@ -91,7 +91,11 @@ class KVPool:
                 index_k={i: self._zeros(n * P + 1, cfg.index_head_dim) for i in layers} if kind == CSA else {},
             )
         self.group_of_layer = [GROUP_OF_KIND[k] for k in cfg.layer_types]
-        self.slab = BlockAllocator(kv_cfg.max_num_seqs)
+        self.slab = BlockAllocator(kv_cfg.max_num_seqs + 1)
+        # Padding rows of a captured decode batch read and write a dummy page and slab row
+        # that no request ever owns.
+        self.dummy_pages = {g: grp.allocator.allocate(1)[0] for g, grp in self.groups.items()}
+        self.dummy_slab = self.slab.allocate(1)[0]
         # Compressor rings, per layer: raw (kv, gate) projections of the most recent tokens.
         # Overlapping (CSA) compressors keep two windows, the others one.
         self.comp_ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -100,7 +104,8 @@ class KVPool:
             for ring, width in _compressor_rings(cfg, i):
                 rows, feats = ring_shape(cfg, i, width)
                 target = self.comp_ring if ring == "comp" else self.index_ring
-                target[i] = (self._zeros(kv_cfg.max_num_seqs, rows, feats), self._zeros(kv_cfg.max_num_seqs, rows, feats))
+                target[i] = (self._zeros(kv_cfg.max_num_seqs + 1, rows, feats),
+                             self._zeros(kv_cfg.max_num_seqs + 1, rows, feats))
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
@@ -127,9 +132,10 @@ class KVPool:
         """Most computed tokens one request can hold, limited by the smallest group."""
         cap = 1 << 62
         for g in self.groups.values():
+            usable = g.num_pages - 1
             if g.ratio:
-                cap = min(cap, (g.num_pages - self.ring_pages) * self.page_size * g.ratio + g.ratio - 1)
-            elif g.num_pages < self.ring_pages:
+                cap = min(cap, (usable - self.ring_pages) * self.page_size * g.ratio + g.ratio - 1)
+            elif usable < self.ring_pages:
                 cap = 0
         return cap
 
@@ -139,7 +145,8 @@ class KVPool:
 
     @property
     def num_total_pages(self) -> int:
-        return sum(g.num_pages for g in self.groups.values())
+        """Pages requests can own (the dummy pages excluded)."""
+        return sum(g.num_pages - 1 for g in self.groups.values())
 
     # ---------------------------------------------------------------- transfer / layout
 

@@ -36,7 +36,7 @@ class HyperConnection(torch.nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [N, n, D] -> (post [N, n], comb [N, n, n], collapsed input [N, D]); fp32 weights."""
         n = self.n
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
@@ -65,6 +65,6 @@ class HyperHead(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

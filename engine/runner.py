@@ -54,7 +54,7 @@ class ModelRunner:
             logits = graph.run(specs)
         else:
             inputs = build_step_inputs(self.pool, specs, len(batch.decode), self.device)
-            logits = self.model(self.pool, inputs, torch.tensor(rows, device=self.device))
+            logits = self.model(self.pool, inputs, torch.tensor(rows, dtype=torch.int64, device=self.device))
         for req, (_, n, *_) in zip(batch.decode + [r for r, _ in batch.prefill], specs):
             req.num_computed += n
         return samplers, logits

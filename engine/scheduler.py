@@ -34,6 +34,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}   # every request holding a place here, by id
+        self.num_preemptions = 0
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -111,6 +112,7 @@ class Scheduler:
         """Free req's KV and queue it first; its tokens so far are recomputed on re-admission."""
         self.running.remove(req)
         self.free_kv(req)
+        self.num_preemptions += 1
         req.num_computed = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)

@@ -44,6 +44,7 @@ class WeightsError(ValueError):
 class _Target:
     param: str                  # our parameter / buffer name
     index: tuple = ()           # sub-slice of it that this checkpoint tensor fills
+    source: str = ""            # the checkpoint name it comes from, as missing-tensor errors show it
 
 
 def canonical_target(name: str, inter: int) -> _Target:
@@ -54,10 +55,21 @@ def canonical_target(name: str, inter: int) -> _Target:
     if m:
         prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
         if w == "w2":
-            return _Target(f"{prefix}.w2", (e,))
+            return _Target(f"{prefix}.w2", (e,), name)
         rows = slice(0, inter) if w == "w1" else slice(inter, 2 * inter)  # w13 = [gate | up]
-        return _Target(f"{prefix}.w13", (e, rows))
-    return _Target(name)
+        return _Target(f"{prefix}.w13", (e, rows), name)
+    return _Target(name, (), name)
+
+
+def _expected_sources(param: str, num_experts: int) -> list[str]:
+    """The checkpoint names (release naming) that together fill `param`."""
+    if param.endswith(".experts.w13"):
+        prefix = param.removesuffix(".w13")
+        return [f"{prefix}.{e}.{w}.weight" for e in range(num_experts) for w in ("w1", "w3")]
+    if param.endswith(".experts.w2"):
+        prefix = param.removesuffix(".w2")
+        return [f"{prefix}.{e}.w2.weight" for e in range(num_experts)]
+    return [param]
 
 
 def checkpoint_files(model_dir: str | os.PathLike) -> list[str]:
@@ -98,9 +110,7 @@ def load_weights(model: DeepseekV4, model_dir: str | os.PathLike) -> None:
     cfg = model.cfg
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     state = {k: v for k, v in state.items() if not k.startswith("rope_tables.")}
-    expected_chunks = {k: (cfg.num_experts if k.endswith(".w2") else 2 * cfg.num_experts)
-                       if ".ffn.experts." in k else 1 for k in state}
-    filled: dict[str, int] = {}
+    filled: set[str] = set()   # checkpoint names (release naming) copied into the model
     unexpected, misshaped = [], []
     files = checkpoint_files(model_dir)
     total = sum(os.path.getsize(f) for f in files)
@@ -120,17 +130,18 @@ def load_weights(model: DeepseekV4, model_dir: str | os.PathLike) -> None:
                     shape = tuple(src.get_shape())
                     if shape != tuple(dest.shape):
                         misshaped.append(f"{key}: checkpoint {list(shape)}, model expects {list(dest.shape)}")
+                        filled.add(target.source)   # present, just wrong: reported once, above
                         continue
                     tensor = f.get_tensor(key)
                     with torch.no_grad():
                         dest.copy_(tensor)
-                    filled[target.param] = filled.get(target.param, 0) + 1
+                    filled.add(target.source)
                     bar.update(tensor.numel() * tensor.element_size())
     if cfg.tie_word_embeddings and "head.weight" not in filled and "embed.weight" in filled:
         with torch.no_grad():
             model.head.weight.copy_(model.embed.weight)
-        filled["head.weight"] = 1
-    missing = [k for k, n in expected_chunks.items() if filled.get(k, 0) < n]
+        filled.add("head.weight")
+    missing = [s for k in state for s in _expected_sources(k, cfg.num_experts) if s not in filled]
     if missing or unexpected or misshaped:
         raise WeightsError(_report(model_dir, missing, unexpected, misshaped))
 
