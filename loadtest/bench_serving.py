@@ -71,7 +71,7 @@ class BenchConfig:
         return out
 
 
-# --- statistics (pure functions over recorded timings) -------------------------------------------
+# --- statistics (pure functions over recorded timings) --------------------------------------------
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -150,7 +150,7 @@ def _error_kind(error: str | None) -> str:
 
 
 def arrival_gaps(n: int, rate: float, rng: random.Random) -> list[float]:
-    """Seconds to wait before each request: none at rate inf, else exponential (Poisson arrivals)."""
+    """Seconds to wait before each request: none at rate inf, else exponential (Poisson)."""
     if math.isinf(rate):
         return [0.0] * n
     if rate <= 0:
@@ -158,14 +158,18 @@ def arrival_gaps(n: int, rate: float, rng: random.Random) -> list[float]:
     return [rng.expovariate(rate) for _ in range(n)]
 
 
-# --- the run -------------------------------------------------------------------------------------
+# --- the run --------------------------------------------------------------------------------------
 
 
-async def send_request(client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str) -> StreamRecord:
+async def send_request(
+    client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str
+) -> StreamRecord:
     payload = chat_payload(model, prompt, cfg.output_len, ignore_eos=cfg.ignore_eos)
     record = StreamRecord(start=time.perf_counter())
     try:
-        async with client.stream("POST", cfg.endpoint, json=payload, headers=auth_headers(cfg.api_key)) as resp:
+        async with client.stream(
+            "POST", cfg.endpoint, json=payload, headers=auth_headers(cfg.api_key)
+        ) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
                 record.error = f"HTTP {resp.status_code}: {body[:200]}"
@@ -188,7 +192,9 @@ async def resolve_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
     return resp.json()["data"][0]["id"]
 
 
-async def prompt_words(client: httpx.AsyncClient, cfg: BenchConfig, model: str, rng: random.Random) -> int:
+async def prompt_words(
+    client: httpx.AsyncClient, cfg: BenchConfig, model: str, rng: random.Random
+) -> int:
     """Words per prompt for `input_len` tokens, measured with two 1-token probe requests.
 
     Falls back to one word per token (with a warning) if the probes fail. The probes also open
@@ -199,7 +205,11 @@ async def prompt_words(client: httpx.AsyncClient, cfg: BenchConfig, model: str, 
     for words in PROBE_WORDS:
         record = await send_request(client, probe_cfg, model, make_prompt(words, rng))
         if not record.ok or record.prompt_tokens is None:
-            print(f"warning: no prompt calibration ({record.error or 'no usage'}); --input-len counts words", file=sys.stderr)
+            print(
+                f"warning: no prompt calibration ({record.error or 'no usage'}); "
+                "--input-len counts words",
+                file=sys.stderr,
+            )
             return cfg.input_len
         probes.append((words, record.prompt_tokens))
     return calibrated_words(cfg.input_len, probes)
@@ -212,9 +222,13 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     # httpx pools 100 connections by default, which would silently cap concurrency; proxies from
     # the environment (trust_env) would be measured along with the server.
-    limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
+    limits = httpx.Limits(
+        max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency
+    )
     timeout = httpx.Timeout(cfg.timeout_s, connect=10.0)
-    async with httpx.AsyncClient(base_url=cfg.base_url, timeout=timeout, limits=limits, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        base_url=cfg.base_url, timeout=timeout, limits=limits, trust_env=False
+    ) as client:
         model = await resolve_model(client, cfg)
         words = cfg.input_len
         if tokenizer is None and cfg.calibrate:
@@ -229,7 +243,7 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
 
         start = time.perf_counter()
         tasks = []
-        for prompt, gap in zip(prompts, gaps):
+        for prompt, gap in zip(prompts, gaps, strict=True):
             if gap:
                 await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(one(prompt)))
@@ -240,11 +254,16 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "tool": "loadtest/bench_serving.py",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {**cfg.public(), "model": model, "prompt_words": None if tokenizer else words},
-        "summary": summarize(records, duration, cfg.percentiles, cfg.output_len if cfg.ignore_eos else None),
+        "summary": summarize(
+            records, duration, cfg.percentiles, cfg.output_len if cfg.ignore_eos else None
+        ),
     }
     if cfg.save_details:
         result["requests"] = [
-            {k: getattr(r, k) for k in ("ttft", "latency", "output_tokens", "prompt_tokens", "itl", "error")}
+            {
+                k: getattr(r, k)
+                for k in ("ttft", "latency", "output_tokens", "prompt_tokens", "itl", "error")
+            }
             for r in records
         ]
     return result
@@ -256,7 +275,7 @@ def run_benchmark(config: BenchConfig | dict[str, Any]) -> dict[str, Any]:
     return asyncio.run(arun_benchmark(cfg))
 
 
-# --- command line --------------------------------------------------------------------------------
+# --- command line ---------------------------------------------------------------------------------
 
 
 def format_summary(result: dict[str, Any]) -> str:
@@ -276,37 +295,65 @@ def format_summary(result: dict[str, Any]) -> str:
         ("Mean concurrency", f"{s['concurrency']:.2f}"),
     ]
     lines = [f"{' Serving Benchmark Result ':=^60}"] + [f"{k + ':':<44}{v}" for k, v in rows]
-    for key, title in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E latency")):
+    for key, title in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT"),
+        ("itl_ms", "ITL"),
+        ("e2e_ms", "E2E latency"),
+    ):
         lines.append(f"{' ' + title + ' (ms) ':-^60}")
         for stat, value in s[key].items():
             lines.append(f"{stat:<44}{'-' if value is None else f'{value:.2f}'}")
     if s["wrong_output_len"]:
-        lines.append(f"WARNING: {s['wrong_output_len']} requests did not produce --output-len tokens")
+        lines.append(
+            f"WARNING: {s['wrong_output_len']} requests did not produce --output-len tokens"
+        )
     for error, count in s["errors"].items():
         lines.append(f"error x{count}: {error}")
     return "\n".join(lines + ["=" * 60])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the first id from GET /v1/models")
     p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="req/s, Poisson; inf (default) = all at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="req/s, Poisson; inf (default) = all at once",
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (see --tokenizer, --no-calibrate)")
+    p.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens (see --tokenizer, --no-calibrate)"
+    )
     p.add_argument("--output-len", type=int, default=64, help="max_tokens, exact with ignore_eos")
-    p.add_argument("--api-key", default=None, help="default: $DSASERVE_API_KEY, else $OPENAI_API_KEY")
+    p.add_argument(
+        "--api-key", default=None, help="default: $DSASERVE_API_KEY, else $OPENAI_API_KEY"
+    )
     p.add_argument("--endpoint", default="/v1/chat/completions")
     p.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json or model folder for exact prompt lengths")
-    p.add_argument("--no-calibrate", action="store_true", help="count --input-len in words, send no probe requests")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.json or model folder for exact prompt lengths"
+    )
+    p.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="count --input-len in words, send no probe requests",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--percentiles", default="50,90,99")
-    p.add_argument("--label", default=None, help="name of this run in reports (default: the file name)")
+    p.add_argument(
+        "--label", default=None, help="name of this run in reports (default: the file name)"
+    )
     p.add_argument("--output", default=None, help="write the result JSON here")
-    p.add_argument("--save-details", action="store_true", help="include per-request timings in the JSON")
+    p.add_argument(
+        "--save-details", action="store_true", help="include per-request timings in the JSON"
+    )
     return p.parse_args(argv)
 
 

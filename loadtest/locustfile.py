@@ -30,7 +30,9 @@ from locust import FastHttpUser, constant, events, task
 try:
     from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
     from loadtest.prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt
-except ImportError:  # `locust -f loadtest/locustfile.py` puts this folder, not the repo, on sys.path
+except (
+    ImportError
+):  # `locust -f loadtest/locustfile.py` puts this folder, not the repo, on sys.path
     from openai_stream import StreamRecord, auth_headers, chat_payload  # type: ignore[no-redef]
     from prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt  # type: ignore[no-redef]
 
@@ -41,12 +43,27 @@ _prompt_words: int | None = None  # set once per Locust process by the first use
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser: Any) -> None:
-    group = parser.add_argument_group("dsaserve chat", "request shape (also settable in a --config file)")
-    group.add_argument("--model", default="dsaserve-tiny", env_var="DSASERVE_SERVED_MODEL_NAME", help="served model name")
+    group = parser.add_argument_group(
+        "dsaserve chat", "request shape (also settable in a --config file)"
+    )
+    group.add_argument(
+        "--model",
+        default="dsaserve-tiny",
+        env_var="DSASERVE_SERVED_MODEL_NAME",
+        help="served model name",
+    )
     group.add_argument("--prompt-tokens", type=int, default=128, help="prompt length in tokens")
-    group.add_argument("--max-tokens", type=int, default=64, help="output length (exact unless --no-ignore-eos)")
-    group.add_argument("--tokenizer", default="", help="tokenizer.json or model folder, for exact prompt lengths")
-    group.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS; short outputs are fine")
+    group.add_argument(
+        "--max-tokens", type=int, default=64, help="output length (exact unless --no-ignore-eos)"
+    )
+    group.add_argument(
+        "--tokenizer", default="", help="tokenizer.json or model folder, for exact prompt lengths"
+    )
+    group.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let the model stop at EOS; short outputs are fine",
+    )
     group.add_argument("--chat-path", default="/v1/chat/completions")
 
 
@@ -58,8 +75,12 @@ def _lines(stream: Any) -> Iterator[str]:
 
 def _metric(name: str, seconds: float, length: int = 0) -> None:
     events.request.fire(
-        request_type="METRIC", name=name, response_time=seconds * 1000.0, response_length=length,
-        exception=None, context={},
+        request_type="METRIC",
+        name=name,
+        response_time=seconds * 1000.0,
+        response_length=length,
+        exception=None,
+        context={},
     )
 
 
@@ -90,7 +111,10 @@ class ChatStreamUser(FastHttpUser):
                 for words in PROBE_WORDS:
                     record = self._stream(make_prompt(words, self.rng), 1, "prompt calibration")
                     if not record.ok or record.prompt_tokens is None:
-                        log.warning("no prompt calibration (%s): --prompt-tokens counts words", record.error or "no usage")
+                        log.warning(
+                            "no prompt calibration (%s): --prompt-tokens counts words",
+                            record.error or "no usage",
+                        )
                         _prompt_words = self.opts.prompt_tokens
                         break
                     probes.append((words, record.prompt_tokens))
@@ -104,7 +128,12 @@ class ChatStreamUser(FastHttpUser):
         payload = chat_payload(self.opts.model, prompt, max_tokens, ignore_eos=ignore_eos)
         record = StreamRecord(start=time.perf_counter())
         with self.client.post(
-            self.opts.chat_path, json=payload, headers=self.headers, stream=True, catch_response=True, name=name
+            self.opts.chat_path,
+            json=payload,
+            headers=self.headers,
+            stream=True,
+            catch_response=True,
+            name=name,
         ) as resp:
             if resp.status_code != 200:
                 record.error = f"HTTP {resp.status_code}: {(resp.text or '')[:200]}"

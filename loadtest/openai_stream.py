@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def chat_payload(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True) -> dict[str, Any]:
+def chat_payload(
+    model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True
+) -> dict[str, Any]:
     """A streaming chat request with a fixed output length.
 
     `ignore_eos` (a vLLM/SGLang extension dsaserve honours) plus `max_tokens` makes every request
@@ -31,7 +33,7 @@ def chat_payload(model: str, prompt: str, max_tokens: int, *, ignore_eos: bool =
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
-    # DSASERVE_API_KEY may hold several comma-separated keys (the router accepts any): use the first.
+    # DSASERVE_API_KEY may hold several comma-separated keys (the router takes any): the first.
     key = (api_key or "").split(",")[0].strip()
     return {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -118,4 +120,3 @@ def _error_message(error: Any) -> str:
     if isinstance(error, dict):
         return str(error.get("message") or error)
     return str(error)
-

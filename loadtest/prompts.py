@@ -44,12 +44,16 @@ def load_tokenizer(path: str | None) -> tuple[Tokenizer, Callable[[list[int]], s
     )
 
 
-def make_prompt(length: int, rng: random.Random, tokenizer: tuple[Tokenizer, Callable[[list[int]], str]] | None = None) -> str:
+def make_prompt(
+    length: int,
+    rng: random.Random,
+    tokenizer: tuple[Tokenizer, Callable[[list[int]], str]] | None = None,
+) -> str:
     """`length` words, or `length` tokens when a tokenizer is given."""
     if tokenizer is None:
         return " ".join(rng.choice(_WORDS) for _ in range(length))
     encode, decode = tokenizer
-    # Words are >= 1 token each, so `length` words always cover `length` tokens; keep the first ones.
+    # Words are >= 1 token each, so `length` words cover `length` tokens: keep the first ones.
     ids = encode(" ".join(rng.choice(_WORDS) for _ in range(length)))
     return decode(ids[:length])
 

@@ -1,6 +1,6 @@
 """Turn bench_serving result JSONs into one markdown table (and a PNG plot if matplotlib is there).
 
-    python loadtest/report.py results/disagg-*.json --output results/disagg.md --plot results/disagg.png
+python loadtest/report.py results/disagg-*.json --output results/disagg.md --plot results/disagg.png
 """
 
 from __future__ import annotations
@@ -58,7 +58,10 @@ def render_markdown(runs: Sequence[tuple[str, dict[str, Any]]]) -> str:
         ]
         row += [_num(s[section].get(key)) for _, section, key in COLUMNS]
         lines.append("| " + " | ".join(row) + " |")
-    note = "\nLatencies over successful requests, measured by the client; in / out: prompt length, max_tokens.\n"
+    note = (
+        "\nLatencies over successful requests, measured by the client; "
+        "in / out: prompt length, max_tokens.\n"
+    )
     return "\n".join(lines) + "\n" + note
 
 
@@ -104,7 +107,9 @@ def plot(runs: Sequence[tuple[str, dict[str, Any]]], path: str | Path) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("results", nargs="+", help="result JSONs from bench_serving.py --output")
     p.add_argument("--output", help="write the markdown here (default: stdout)")
     p.add_argument("--plot", help="also write a PNG plot here (needs matplotlib)")

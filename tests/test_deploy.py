@@ -29,15 +29,16 @@ K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "docker-compose.gpu.yml"
 
-_WORKER = {
-    "model", "host", "port", "advertise-host", "worker-id", "redis-url", "device", "dtype",
-    "kv-cache-memory", "context-length", "max-num-seqs", "lease-seconds", "metrics-port", "cluster-token",
-}
+# The flags of each subcommand, as the services' contract lists them.
+_WORKER = set(
+    "model host port advertise-host worker-id redis-url device dtype kv-cache-memory "
+    "context-length max-num-seqs lease-seconds metrics-port cluster-token".split()
+)
 FLAGS = {
-    "router": {
-        "host", "port", "model", "served-model-name", "redis-url", "api-key", "policy",
-        "max-inflight", "max-queue", "cluster-token", "registry-ttl",
-    },
+    "router": set(
+        "host port model served-model-name redis-url api-key policy max-inflight max-queue "
+        "cluster-token registry-ttl".split()
+    ),
     "prefill": _WORKER,
     "decode": _WORKER,
     "make-tiny-model": set(),
@@ -47,7 +48,11 @@ CHOICES = {
     "device": {"cpu", "cuda"},
     "dtype": {"float32", "bfloat16"},
 }
-ENV = {"DSASERVE_CLUSTER_TOKEN": "test-token", "DSASERVE_API_KEY": "k1,k2", "DSASERVE_MODEL_DIR": "/srv/ckpt"}
+ENV = {
+    "DSASERVE_CLUSTER_TOKEN": "test-token",
+    "DSASERVE_API_KEY": "k1,k2",
+    "DSASERVE_MODEL_DIR": "/srv/ckpt",
+}
 
 
 # --- helpers --------------------------------------------------------------------------------------
@@ -65,7 +70,11 @@ def dsaserve_commands(argv: list[str]) -> list[list[str]]:
                 segments.append(segment)
             else:
                 segment.append(token)
-        return [s[1:] if s[:1] == ["exec"] else s for s in segments if s[:1] == ["dsaserve"] or s[:2] == ["exec", "dsaserve"]]
+        return [
+            s[1:] if s[:1] == ["exec"] else s
+            for s in segments
+            if s[:1] == ["dsaserve"] or s[:2] == ["exec", "dsaserve"]
+        ]
     return [argv] if argv[:1] == ["dsaserve"] else []
 
 
@@ -104,11 +113,16 @@ def env_problems(env: dict[str, Any], roles: list[str]) -> list[str]:
     for name, value in env.items():
         if not name.startswith("DSASERVE_"):
             continue
-        flag = name[len("DSASERVE_"):].lower().replace("_", "-")
+        flag = name[len("DSASERVE_") :].lower().replace("_", "-")
         for role in roles:
             if flag not in FLAGS[role]:
                 problems.append(f"{role}: {name} is not a flag of `dsaserve {role}`")
-        if flag in CHOICES and isinstance(value, str) and "$" not in value and value not in CHOICES[flag]:
+        if (
+            flag in CHOICES
+            and isinstance(value, str)
+            and "$" not in value
+            and value not in CHOICES[flag]
+        ):
             problems.append(f"{name}={value} not in {sorted(CHOICES[flag])}")
     return problems
 
@@ -161,41 +175,67 @@ def container_role(container: dict[str, Any]) -> list[str]:
     argv = (container.get("command") or []) + (container.get("args") or [])
     if argv[:2] and argv[0] == "dsaserve" and argv[1] in ("router", "prefill", "decode"):
         return [argv[1]]
-    return {"router": ["router"], "worker": ["prefill", "decode"]}.get(container.get("name", ""), [])
+    return {"router": ["router"], "worker": ["prefill", "decode"]}.get(
+        container.get("name", ""), []
+    )
 
 
 def literal_env(container: dict[str, Any]) -> dict[str, Any]:
     return {e["name"]: e.get("value") for e in container.get("env") or []}
 
 
-# --- compose ---------------------------------------------------------------------------------------
+# --- compose --------------------------------------------------------------------------------------
 
 
-def _docker_compose(*args: str, env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _docker_compose(
+    *args: str, env: dict[str, str], tmp_path: Path
+) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("docker-compose")
     if exe is None:
-        pytest.skip("docker-compose is not installed (apt-get install -y --no-install-recommends docker-compose)")
+        pytest.skip(
+            "docker-compose is not installed "
+            "(apt-get install -y --no-install-recommends docker-compose)"
+        )
     # An empty env file, so a developer's deploy/.env cannot change the outcome.
     empty = tmp_path / "empty.env"
     empty.write_text("")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DSASERVE_")}
     return subprocess.run(
-        [exe, "--env-file", str(empty), *args], env={**clean, **env}, capture_output=True, text=True, timeout=60
+        [exe, "--env-file", str(empty), *args],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
 def test_compose_config_validates(tmp_path: Path) -> None:
     base = _docker_compose("-f", str(COMPOSE), "config", "-q", env=ENV, tmp_path=tmp_path)
     assert base.returncode == 0, base.stderr
-    gpu = _docker_compose("-f", str(COMPOSE), "-f", str(COMPOSE_GPU), "config", "-q", env=ENV, tmp_path=tmp_path)
+    gpu = _docker_compose(
+        "-f", str(COMPOSE), "-f", str(COMPOSE_GPU), "config", "-q", env=ENV, tmp_path=tmp_path
+    )
     assert gpu.returncode == 0, gpu.stderr
-    profile = _docker_compose("-f", str(COMPOSE), "--profile", "observability", "config", "--services", env=ENV, tmp_path=tmp_path)
+    profile = _docker_compose(
+        "-f",
+        str(COMPOSE),
+        "--profile",
+        "observability",
+        "config",
+        "--services",
+        env=ENV,
+        tmp_path=tmp_path,
+    )
     assert profile.returncode == 0, profile.stderr
-    assert {"redis", "model-init", "router", "prefill", "decode", "prometheus", "grafana"} <= set(profile.stdout.split())
+    assert {"redis", "model-init", "router", "prefill", "decode", "prometheus", "grafana"} <= set(
+        profile.stdout.split()
+    )
 
 
 def test_compose_refuses_to_run_without_secrets(tmp_path: Path) -> None:
-    result = _docker_compose("-f", str(COMPOSE), "config", "-q", env={"DSASERVE_API_KEY": "k"}, tmp_path=tmp_path)
+    result = _docker_compose(
+        "-f", str(COMPOSE), "config", "-q", env={"DSASERVE_API_KEY": "k"}, tmp_path=tmp_path
+    )
     assert result.returncode != 0
     assert "DSASERVE_CLUSTER_TOKEN" in result.stderr
 
@@ -204,31 +244,48 @@ def test_compose_commands_use_only_contract_flags() -> None:
     found: dict[str, int] = {}
     problems: list[str] = []
     for files in ((COMPOSE,), (COMPOSE, COMPOSE_GPU)):
-        for name, svc in load_compose(*files).items():
+        for svc in load_compose(*files).values():
             command = svc.get("command") or []
-            command = shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
+            command = (
+                shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
+            )
             for cmd in dsaserve_commands(command):
                 found[cmd[1]] = found.get(cmd[1], 0) + 1
                 problems += command_problems(cmd)
-                problems += env_problems(compose_env(svc), [cmd[1]] if cmd[1] in ("router", "prefill", "decode") else [])
+                problems += env_problems(
+                    compose_env(svc), [cmd[1]] if cmd[1] in ("router", "prefill", "decode") else []
+                )
     assert not problems, problems
     assert set(found) == {"router", "prefill", "decode", "make-tiny-model"}, found
 
 
 def test_compose_ports_healthchecks_and_mounts_agree() -> None:
     services = load_compose(COMPOSE)
-    scrape = {job["job_name"]: job for job in yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())["scrape_configs"]}
-    for name, port_flag in (("router", "--port"), ("prefill", "--metrics-port"), ("decode", "--metrics-port")):
+    scrape = {
+        job["job_name"]: job
+        for job in yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())[
+            "scrape_configs"
+        ]
+    }
+    for name, port_flag in (
+        ("router", "--port"),
+        ("prefill", "--metrics-port"),
+        ("decode", "--metrics-port"),
+    ):
         svc = services[name]
         port = flag_value([str(c) for c in svc["command"]], port_flag)
         assert port, f"{name} sets no {port_flag}"
-        assert f"127.0.0.1:{port}/" in " ".join(svc["healthcheck"]["test"]), f"{name} healthcheck port"
+        assert f"127.0.0.1:{port}/" in " ".join(svc["healthcheck"]["test"]), (
+            f"{name} healthcheck port"
+        )
         sd = scrape[name]["dns_sd_configs"][0]
         assert sd["names"] == [name] and str(sd["port"]) == port, f"prometheus job {name}"
         deps = svc["depends_on"]
         assert deps["redis"]["condition"] == "service_healthy"
         assert deps["model-init"]["condition"] == "service_completed_successfully"
-    assert services["router"]["ports"][0].endswith(":" + flag_value([str(c) for c in services["router"]["command"]], "--port"))
+    assert services["router"]["ports"][0].endswith(
+        ":" + flag_value([str(c) for c in services["router"]["command"]], "--port")
+    )
     for name, svc in services.items():
         for volume in svc.get("volumes") or []:
             source = volume.split(":")[0]
@@ -238,7 +295,7 @@ def test_compose_ports_healthchecks_and_mounts_agree() -> None:
         assert compose_env(services[name])["UCX_TLS"] == "tcp"  # cma/shm cannot cross containers
 
 
-# --- Dockerfiles -----------------------------------------------------------------------------------
+# --- Dockerfiles ----------------------------------------------------------------------------------
 
 
 def _copy_sources(dockerfile: Path) -> list[str]:
@@ -253,7 +310,11 @@ def _copy_sources(dockerfile: Path) -> list[str]:
 @pytest.mark.parametrize("image", ["router", "worker"])
 def test_dockerfile_copies_exist_and_pass_the_dockerignore(image: str) -> None:
     dockerfile = DEPLOY / f"Dockerfile.{image}"
-    allowed = {line[1:].rstrip("/") for line in (DEPLOY / f"Dockerfile.{image}.dockerignore").read_text().splitlines() if line.startswith("!")}
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (DEPLOY / f"Dockerfile.{image}.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
     sources = _copy_sources(dockerfile)
     assert sources
     for source in sources:
@@ -263,9 +324,20 @@ def test_dockerfile_copies_exist_and_pass_the_dockerignore(image: str) -> None:
 
 def test_router_image_has_no_torch() -> None:
     requirements = (DEPLOY / "requirements-serve.txt").read_text()
-    pins = dict(line.split("==") for line in requirements.splitlines() if line and not line.startswith("#"))
+    pins = dict(
+        line.split("==") for line in requirements.splitlines() if line and not line.startswith("#")
+    )
     assert set(pins) == {
-        "fastapi", "uvicorn", "grpcio", "protobuf", "redis", "prometheus-client", "tokenizers", "jinja2", "pydantic", "httpx",
+        "fastapi",
+        "uvicorn",
+        "grpcio",
+        "protobuf",
+        "redis",
+        "prometheus-client",
+        "tokenizers",
+        "jinja2",
+        "pydantic",
+        "httpx",
     }
     assert all(re.fullmatch(r"\d+(\.\d+)+", v) for v in pins.values()), pins
     router = (DEPLOY / "Dockerfile.router").read_text()
@@ -280,36 +352,62 @@ def test_worker_entrypoint_fills_address_and_id(tmp_path: Path) -> None:
     fake.chmod(0o755)
     path = f"{tmp_path}:{Path(sys.executable).parent}:{os.environ['PATH']}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSASERVE_")}
-    out = subprocess.run([str(script), "dsaserve", "decode", "--max-num-seqs", "4"], env={**env, "PATH": path},
-                         capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    out = subprocess.run(
+        [str(script), "dsaserve", "decode", "--max-num-seqs", "4"],
+        env={**env, "PATH": path},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout.strip()
     host, worker_id, args = out.split("|")
     assert re.fullmatch(r"\d+\.\d+\.\d+\.\d+", host), out
     assert worker_id.startswith("decode-") and len(worker_id) > len("decode-")
     assert args == "decode --max-num-seqs 4"
-    preset = {**env, "PATH": path, "DSASERVE_ADVERTISE_HOST": "10.1.2.3", "DSASERVE_WORKER_ID": "w7"}
-    out = subprocess.run([str(script), "dsaserve", "prefill"], env=preset, capture_output=True, text=True, timeout=30, check=True)
+    preset = {
+        **env,
+        "PATH": path,
+        "DSASERVE_ADVERTISE_HOST": "10.1.2.3",
+        "DSASERVE_WORKER_ID": "w7",
+    }
+    out = subprocess.run(
+        [str(script), "dsaserve", "prefill"],
+        env=preset,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     assert out.stdout.startswith("10.1.2.3|w7|")
 
 
-# --- Kubernetes ------------------------------------------------------------------------------------
+# --- Kubernetes -----------------------------------------------------------------------------------
 
 
 def test_k8s_manifests_parse_and_kustomizations_reference_existing_files() -> None:
     kustomizations = sorted(K8S.rglob("kustomization.yaml"))
     assert {p.parent.relative_to(K8S).as_posix() for p in kustomizations} >= {
-        "base", "base/worker", "base/prefill", "base/decode", "overlays/gpu",
+        "base",
+        "base/worker",
+        "base/prefill",
+        "base/decode",
+        "overlays/gpu",
     }
     for path, doc in k8s_docs():
         assert doc.get("kind") and doc.get("apiVersion"), f"{path}: not a k8s object"
     for path in kustomizations:
         k = yaml.safe_load(path.read_text())
-        refs = list(k.get("resources") or []) + [p["path"] for p in k.get("patches") or [] if "path" in p]
+        refs = list(k.get("resources") or []) + [
+            p["path"] for p in k.get("patches") or [] if "path" in p
+        ]
         for ref in refs:
             assert (path.parent / ref).exists(), f"{path}: {ref} does not exist"
         for generator in k.get("secretGenerator") or []:
             for env_file in generator.get("envs") or []:
                 # The real file is git-ignored; the example documents its keys.
-                assert (path.parent / f"{env_file}.example").exists(), f"{path}: no {env_file}.example"
+                assert (path.parent / f"{env_file}.example").exists(), (
+                    f"{path}: no {env_file}.example"
+                )
 
 
 def test_k8s_commands_and_env_use_only_contract_flags() -> None:
@@ -324,7 +422,9 @@ def test_k8s_commands_and_env_use_only_contract_flags() -> None:
                 for cmd in dsaserve_commands(argv):
                     found.add(cmd[1])
                     problems += [f"{path.name}: {p}" for p in command_problems(cmd)]
-                problems += [f"{path.name}: {p}" for p in env_problems(literal_env(c), container_role(c))]
+                problems += [
+                    f"{path.name}: {p}" for p in env_problems(literal_env(c), container_role(c))
+                ]
     # envFrom: the shared ConfigMap reaches the router and both worker roles.
     problems += env_problems(config_keys, ["router", "prefill", "decode"])
     assert not problems, problems
@@ -340,9 +440,14 @@ def test_k8s_worker_ports_and_probes_agree() -> None:
     assert int(env["DSASERVE_PORT"]) == ports["grpc"]
     assert int(env["DSASERVE_METRICS_PORT"]) == ports["metrics"]
     assert env["UCX_TLS"] == "tcp"
-    probes = {kind: worker[kind]["httpGet"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    probes = {
+        kind: worker[kind]["httpGet"]
+        for kind in ("startupProbe", "livenessProbe", "readinessProbe")
+    }
     assert {p["port"] for p in probes.values()} == {"metrics"}
-    assert probes["livenessProbe"]["path"] == "/live" and probes["readinessProbe"]["path"] == "/ready"
+    assert (
+        probes["livenessProbe"]["path"] == "/live" and probes["readinessProbe"]["path"] == "/ready"
+    )
     # Model load must fit in the startup budget, not trip liveness.
     startup = worker["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
@@ -350,7 +455,9 @@ def test_k8s_worker_ports_and_probes_agree() -> None:
     (router_c,) = next(router)["spec"]["template"]["spec"]["containers"]
     assert int(flag_value(router_c["args"], "--port")) == router_c["ports"][0]["containerPort"]
     assert router_c["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert router_c["livenessProbe"]["httpGet"]["path"] != "/health"  # no workers must not mean restarts
+    assert (
+        router_c["livenessProbe"]["httpGet"]["path"] != "/health"
+    )  # no workers must not mean restarts
 
 
 def _render(tmp_path: Path, overlay: str) -> list[dict[str, Any]]:
@@ -360,7 +467,9 @@ def _render(tmp_path: Path, overlay: str) -> list[dict[str, Any]]:
     tree = tmp_path / "k8s"
     shutil.copytree(K8S, tree)
     (tree / "base/secrets.env").write_text("cluster-token=t\napi-keys=k1\n")
-    out = subprocess.run([kubectl, "kustomize", str(tree / overlay)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [kubectl, "kustomize", str(tree / overlay)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
@@ -380,15 +489,24 @@ def test_k8s_renders_the_disagg_topology(tmp_path: Path, overlay: str) -> None:
     # Every Service selects the pods of exactly one Deployment.
     for svc in (d for d in docs if d["kind"] == "Service"):
         selector = svc["spec"]["selector"].items()
-        matches = [n for n, d in deployments.items() if selector <= d["spec"]["template"]["metadata"]["labels"].items()]
+        matches = [
+            n
+            for n, d in deployments.items()
+            if selector <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert matches == [svc["metadata"]["name"]], (svc["metadata"]["name"], matches)
     secret = next(d for d in docs if d["kind"] == "Secret")
-    refs = {e["valueFrom"]["secretKeyRef"]["name"] for d in deployments.values()
-            for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+    refs = {
+        e["valueFrom"]["secretKeyRef"]["name"]
+        for d in deployments.values()
+        for c in d["spec"]["template"]["spec"]["containers"]
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
     assert refs == {secret["metadata"]["name"]}  # the generator's hashed name reached every user
 
 
-# --- Grafana -------------------------------------------------------------------------------------
+# --- Grafana --------------------------------------------------------------------------------------
 
 
 def _dashboard_metrics() -> set[str]:
@@ -399,19 +517,27 @@ def _dashboard_metrics() -> set[str]:
 
 def test_dashboard_is_provisionable() -> None:
     dashboard = json.loads((DEPLOY / "grafana/dashboards/dsaserve.json").read_text())
-    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
-    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/dsaserve.yml").read_text())["providers"][0]
+    datasource = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"][0]
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/dashboards/dsaserve.yml").read_text()
+    )["providers"][0]
     panels = dashboard["panels"]
     assert len({p["id"] for p in panels}) == len(panels)
     for panel in panels:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
             assert panel["targets"] and all(t["expr"] for t in panel["targets"]), panel["title"]
-    # compose mounts grafana/dashboards where the provider looks, and Prometheus where the datasource points.
+    # compose mounts the dashboards where the provider looks; the datasource points at Prometheus.
     grafana = load_compose(COMPOSE)["grafana"]
     assert f"./grafana/dashboards:{provider['options']['path']}:ro" in grafana["volumes"]
     assert datasource["url"] == "http://prometheus:9090"
-    assert {"dsaserve_kv_blocks_free", "dsaserve_kv_blocks_total", "dsaserve_router_time_to_first_token_seconds_bucket"} <= _dashboard_metrics()
+    assert {
+        "dsaserve_kv_blocks_free",
+        "dsaserve_kv_blocks_total",
+        "dsaserve_router_time_to_first_token_seconds_bucket",
+    } <= _dashboard_metrics()
 
 
 def test_dashboard_reads_what_the_router_exports() -> None:
@@ -425,12 +551,14 @@ def test_dashboard_reads_what_the_router_exports() -> None:
     registry = CollectorRegistry()
     RouterMetrics(registry)
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"], "gauge": [""]}
-    exported = {m.name + suffix for m in registry.collect() for suffix in suffixes.get(m.type, [""])}
+    exported = {
+        m.name + suffix for m in registry.collect() for suffix in suffixes.get(m.type, [""])
+    }
     wanted = {m for m in _dashboard_metrics() if m.startswith("dsaserve_router_")}
     assert wanted and wanted <= exported, sorted(wanted - exported)
 
 
-# --- the real CLI, once it exists ------------------------------------------------------------------
+# --- the real CLI, once it exists -----------------------------------------------------------------
 
 _NO_TORCH = """
 import importlib.abc, sys
@@ -445,14 +573,26 @@ sys.meta_path.insert(0, _RouterImage())
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])
 def test_cli_help_lists_every_contract_flag(role: str) -> None:
     if (ROOT / "services/cli.py").exists():
-        start = f"from services.cli import main\nsys.argv = ['dsaserve', {role!r}, '--help']\nsys.exit(main())"
+        start = (
+            "from services.cli import main\n"
+            f"sys.argv = ['dsaserve', {role!r}, '--help']\n"
+            "sys.exit(main())"
+        )
     elif role == "router" and (ROOT / "services/router/main.py").exists():  # before the CLI lands
-        start = "import runpy\nsys.argv = ['dsaserve router', '--help']\nrunpy.run_module('services.router.main', run_name='__main__')"
+        start = (
+            "import runpy\n"
+            "sys.argv = ['dsaserve router', '--help']\n"
+            "runpy.run_module('services.router.main', run_name='__main__')"
+        )
     else:
         pytest.skip("services/cli.py is not written yet")
     blocker = _NO_TORCH if role == "router" else ""
     code = f"{blocker}\nimport sys\n{start}"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in sorted(FLAGS[role]):
-        assert re.search(rf"--{flag}(?![\w-])", out.stdout), f"`dsaserve {role} --help` has no --{flag}"
+        assert re.search(rf"--{flag}(?![\w-])", out.stdout), (
+            f"`dsaserve {role} --help` has no --{flag}"
+        )

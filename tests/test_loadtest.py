@@ -30,11 +30,21 @@ from loadtest.prompts import calibrated_words, load_tokenizer, make_prompt  # no
 def chunk(content: str | None = None, usage: dict | None = None, role: bool = False) -> str:
     delta = {"role": "assistant"} if role else {"content": content}
     choices = [] if usage else [{"index": 0, "delta": delta, "finish_reason": None}]
-    return "data: " + json.dumps({"object": "chat.completion.chunk", "choices": choices, "usage": usage})
+    return "data: " + json.dumps(
+        {"object": "chat.completion.chunk", "choices": choices, "usage": usage}
+    )
 
 
-def recorded(start: float, ttft: float, gaps: list[float], *, tokens: int | None = None, prompt: int = 10, tail: float = 0.0) -> StreamRecord:
-    """Replay a stream: role chunk, one content chunk per token at the given times, usage, [DONE]."""
+def recorded(
+    start: float,
+    ttft: float,
+    gaps: list[float],
+    *,
+    tokens: int | None = None,
+    prompt: int = 10,
+    tail: float = 0.0,
+) -> StreamRecord:
+    """Replay a stream: role chunk, one content chunk per token at the given times, usage, DONE."""
     r = StreamRecord(start=start)
     r.feed(chunk(role=True), start + ttft / 2)
     t = start + ttft
@@ -43,14 +53,17 @@ def recorded(start: float, ttft: float, gaps: list[float], *, tokens: int | None
         t += gap
         r.feed(chunk("b"), t)
     n = len(gaps) + 1 if tokens is None else tokens
-    r.feed(chunk(usage={"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}), t)
+    r.feed(
+        chunk(usage={"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}),
+        t,
+    )
     r.feed("", t)
     r.feed("data: [DONE]", t + tail)
     r.finish(t + tail + 5.0)  # the body closing later must not stretch E2E
     return r
 
 
-# --- one stream ------------------------------------------------------------------------------------
+# --- one stream -----------------------------------------------------------------------------------
 
 
 def test_stream_record_times_content_chunks_and_trusts_usage() -> None:
@@ -73,8 +86,18 @@ def test_stream_without_usage_counts_chunks() -> None:
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
-        ([chunk("x"), 'data: {"error": {"message": "decode worker lost", "code": 503}}', "data: [DONE]"], "decode worker lost"),
-        ([chunk("x"), "data: {'error': {'message': 'bad'}}"], "unparseable"),  # SGLang's Python-repr error
+        (
+            [
+                chunk("x"),
+                'data: {"error": {"message": "decode worker lost", "code": 503}}',
+                "data: [DONE]",
+            ],
+            "decode worker lost",
+        ),
+        (
+            [chunk("x"), "data: {'error': {'message': 'bad'}}"],
+            "unparseable",
+        ),  # SGLang's Python-repr error
         ([chunk("x"), chunk("y")], "before data: [DONE]"),
     ],
 )
@@ -95,7 +118,7 @@ def test_payload_and_auth() -> None:
     assert auth_headers(None) == {} and auth_headers("") == {}
 
 
-# --- statistics ------------------------------------------------------------------------------------
+# --- statistics -----------------------------------------------------------------------------------
 
 
 def test_percentile_matches_numpy_linear() -> None:
@@ -164,7 +187,9 @@ def test_prompt_lengths(tmp_path: Path) -> None:
     # One token per byte, like the tiny demo model: a word is several tokens, so the tokenizer
     # path must cut the prompt rather than count words.
     alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[])
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     tok.save(str(tmp_path / "tokenizer.json"))
@@ -192,7 +217,13 @@ def test_run_benchmark_counts_connection_failures() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block exits: connections are refused
     result = bench.run_benchmark(
-        {"base_url": f"http://127.0.0.1:{port}", "model": "m", "num_prompts": 4, "max_concurrency": 2, "api_key": "secret"}
+        {
+            "base_url": f"http://127.0.0.1:{port}",
+            "model": "m",
+            "num_prompts": 4,
+            "max_concurrency": 2,
+            "api_key": "secret",
+        }
     )
     s = result["summary"]
     assert (s["completed"], s["failed"]) == (0, 4)
@@ -202,9 +233,23 @@ def test_run_benchmark_counts_connection_failures() -> None:
 
 
 def test_bench_serving_runs_as_a_script() -> None:
-    out = subprocess.run([sys.executable, "loadtest/bench_serving.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "loadtest/bench_serving.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
-    for flag in ("--base-url", "--num-prompts", "--request-rate", "--max-concurrency", "--input-len", "--output-len", "--output"):
+    for flag in (
+        "--base-url",
+        "--num-prompts",
+        "--request-rate",
+        "--max-concurrency",
+        "--input-len",
+        "--output-len",
+        "--output",
+    ):
         assert flag in out.stdout
 
 
@@ -247,9 +292,17 @@ def test_report_plot_is_optional(tmp_path: Path) -> None:
 # --- locust ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args", [["-f", "loadtest/locustfile.py"], ["--config", "loadtest/disagg.conf"]])
+@pytest.mark.parametrize(
+    "args", [["-f", "loadtest/locustfile.py"], ["--config", "loadtest/disagg.conf"]]
+)
 def test_locust_loads_the_locustfile_and_scenario(args: list[str]) -> None:
     # --config also validates every key of the scenario file against Locust's and our options.
-    out = subprocess.run([sys.executable, "-m", "locust", *args, "--list"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "locust", *args, "--list"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "ChatStreamUser" in out.stdout
