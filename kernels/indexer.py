@@ -38,15 +38,21 @@ from kernels.radix_select import compact_top, float_to_key, radix_threshold
 class IndexerConfig:
     block_n: int  # entries scored per step
     num_splits: int  # programs per row
+    room: int  # candidates a split may append between two top-k cuts
     select_block: int  # candidates per step of the radix select
     num_warps: int
     num_stages: int
 
 
+PAGE_IDS = 128  # page ids loaded per round of the score loop
+
+
 def default_config(batch: int, device: torch.device) -> IndexerConfig:
-    """Shape-only choice: about two programs per SM, at most 16 splits per row."""
+    """Shape-only choice: about two programs per SM, at most 16 splits per row; room for 2048
+    candidates per split unless the batch is large (prefill rows), to bound the scratch."""
     num_splits = max(1, min(triton.cdiv(2 * num_sms(device), batch), 16))
-    return IndexerConfig(64, num_splits, 1024, 4, 2)
+    room = 2048 if batch * num_splits <= 4096 else 512
+    return IndexerConfig(128, num_splits, room, 1024, 8, 3)
 
 
 @triton.jit
@@ -66,9 +72,10 @@ def _emit_row(keys, pos, counts, n, idx_row, topk, cap, num_splits, SELECT_BLOCK
 def _score_kernel(
     q_ptr, w_ptr, kc_ptr, bt_ptr, len_ptr, key_ptr, pos_ptr, cnt_ptr, idx_ptr,  #
     stride_qb, stride_qh, stride_wb, stride_kp, stride_ks, stride_bt, stride_ib,  #
-    n_heads, head_dim, page_size, topk, cap, scale, num_splits,  #
+    n_heads, page_size, topk, cap, scale, num_splits,  #
     BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    EMIT: tl.constexpr, SELECT_BLOCK: tl.constexpr,  #
+    PAGE_IDS: tl.constexpr, ROUND_TILES: tl.constexpr, EMIT: tl.constexpr,  #
+    SELECT_BLOCK: tl.constexpr,  #
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -82,30 +89,42 @@ def _score_kernel(
         heads = tl.arange(0, BLOCK_HI)
         dims = tl.arange(0, BLOCK_DI)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                    mask=(heads < n_heads)[:, None] & (dims < head_dim)[None, :], other=0.0)
+                    mask=(heads < n_heads)[:, None], other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
         w = tl.load(w_ptr + b * stride_wb + heads, mask=heads < n_heads, other=0.0)  # [BLOCK_HI]
+        # this split's share of the row: a contiguous range of whole tiles
+        per_split = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, n)
         count = 0
         floor = tl.zeros([], tl.uint32)  # keys <= floor cannot enter this split's top-k
-        for tile in range(split, tl.cdiv(n, BLOCK_N), num_splits):
-            j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            valid = j < n
-            page = tl.load(bt_ptr + b * stride_bt + j // page_size, mask=valid, other=0)
-            rows = kc_ptr + page.to(tl.int64) * stride_kp + (j % page_size) * stride_ks
-            k = tl.load(rows[:, None] + dims[None, :],
-                        mask=valid[:, None] & (dims < head_dim)[None, :], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_HI, BLOCK_N]
-            score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale  # [BLOCK_N]
-            key = float_to_key(score)
-            keep = (valid & (key > floor)).to(tl.int32)
-            dst = count + tl.cumsum(keep, 0) - keep
-            tl.store(keys + dst, key.to(tl.int32, bitcast=True), mask=keep != 0)
-            tl.store(pos + dst, j, mask=keep != 0)
-            count += tl.sum(keep, 0)
-            if count > cap - BLOCK_N:  # no room for another tile: keep the top-k only
+        for r0 in range(start, end, ROUND_TILES * BLOCK_N):
+            # One round: the page ids of its ROUND_TILES tiles in one load, then a pipelined
+            # loop whose key loads take their page ids from registers (tl.gather) instead of
+            # waiting on an index load. A round always fits in the candidate segment.
+            page0 = r0 // page_size
+            page_offs = page0 + tl.arange(0, PAGE_IDS)
+            pages = tl.load(bt_ptr + b * stride_bt + page_offs,
+                            mask=page_offs <= (end - 1) // page_size, other=0)  # [PAGE_IDS]
+            for t0 in range(r0, tl.minimum(end, r0 + ROUND_TILES * BLOCK_N), BLOCK_N):
+                j = t0 + tl.arange(0, BLOCK_N)
+                valid = j < end
+                page = tl.gather(pages, tl.where(valid, j // page_size - page0, 0), 0)
+                rows = kc_ptr + page.to(tl.int64) * stride_kp + (j % page_size) * stride_ks
+                # a row-only mask keeps 16-byte copies, which lets the loop pipeline them
+                k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [HI, BLOCK_N]
+                score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale  # [BLOCK_N]
+                key = float_to_key(score)
+                keep = (valid & (key > floor)).to(tl.int32)
+                dst = count + tl.cumsum(keep, 0) - keep
+                tl.store(keys + dst, key.to(tl.int32, bitcast=True), mask=keep != 0)
+                tl.store(pos + dst, j, mask=keep != 0)
+                count += tl.sum(keep, 0)
+            if count > cap - ROUND_TILES * BLOCK_N:  # no room for another round: cut to top-k
                 tl.store(count_ptr, count)
                 tl.debug_barrier()
                 floor, take_equal = radix_threshold(keys, count_ptr, 1, cap, topk, SELECT_BLOCK)
@@ -137,6 +156,7 @@ def check_indexer_args(q, weights, k_cache, block_table, lengths) -> None:
     assert block_table.dim() == 2 and block_table.shape[0] == batch
     assert block_table.dtype == torch.int32 and lengths.dtype == torch.int32
     assert lengths.shape == (batch,)
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"Di = {head_dim}: a power of two"
 
 
 def indexer_topk(
@@ -156,7 +176,11 @@ def indexer_topk(
     k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
     batch, n_heads, head_dim = q.shape
     cfg = config or default_config(batch, q.device)
-    cap = topk + max(topk, cfg.block_n)  # top-k kept + room for at least one more tile
+    page_size = k_cache.shape[1]
+    assert cfg.block_n <= PAGE_IDS * page_size, "a tile must span at most PAGE_IDS pages"
+    # tiles per round: their pages fit in PAGE_IDS ids, their entries in the room
+    round_tiles = max(1, min((PAGE_IDS - 1) * page_size, cfg.room) // cfg.block_n)
+    cap = topk + round_tiles * cfg.block_n  # the kept top-k + one round
     dev = q.device
     keys = torch.empty(batch, cfg.num_splits, cap, dtype=torch.int32, device=dev)
     pos = torch.empty(batch, cfg.num_splits, cap, dtype=torch.int32, device=dev)
@@ -166,10 +190,12 @@ def indexer_topk(
         q, weights, k_cache, block_table, lengths, keys, pos, counts, idx,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
         block_table.stride(0), idx.stride(0),
-        n_heads, head_dim, k_cache.shape[1], topk, cap, scale, cfg.num_splits,
+        n_heads, page_size, topk, cap, scale, cfg.num_splits,
         BLOCK_HI=max(16, triton.next_power_of_2(n_heads)),
-        BLOCK_DI=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=cfg.block_n, EMIT=cfg.num_splits == 1, SELECT_BLOCK=cfg.select_block,
+        BLOCK_DI=head_dim,
+        BLOCK_N=cfg.block_n, PAGE_IDS=PAGE_IDS,
+        ROUND_TILES=round_tiles,
+        EMIT=cfg.num_splits == 1, SELECT_BLOCK=cfg.select_block,
         UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -25,6 +25,9 @@ from kernels.env import INTERPRET, dot_precision, num_sms
 from kernels.softmax import LOG2E, finalize, normalize, softmax_step
 
 
+IDX_CHUNK = 512  # slot ids loaded at once; tiles take theirs from registers
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     block_h: int  # heads per program: 64 lets one wgmma cover them
@@ -52,7 +55,8 @@ def _sparse_mla_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_ls,  #
     num_slots, num_idx, qk_scale, head_tiles, num_splits,  #
     D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    SPLIT: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_SINKS: tl.constexpr,  #
+    IDX_CHUNK: tl.constexpr, SPLIT: tl.constexpr,  #
+    HAS_LENGTHS: tl.constexpr, HAS_SINKS: tl.constexpr,  #
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
 ):
     # head tiles of one request are adjacent in launch order, so they share gathered rows in L2
@@ -82,24 +86,29 @@ def _sparse_mla_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        slot = tl.load(idx_ptr + b * stride_ib + offs_n, mask=offs_n < end, other=-1)
-        valid = (slot >= 0) & (slot < num_slots)  # [BLOCK_N]
-        kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-        kv_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None], other=0.0)  # K and V
-        if UPCAST:
-            kv_nope = kv_nope.to(tl.float32)
-        s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
-        if D_ROPE > 0:
-            k_rope = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None], other=0.0)
+    idx_row = idx_ptr + b * stride_ib
+    for c0 in range(start, end, IDX_CHUNK):
+        # slot ids of many tiles in one load; tiles take theirs from registers (tl.gather), so
+        # the pipelined KV gathers below never wait on an index load
+        offs_c = c0 + tl.arange(0, IDX_CHUNK)
+        chunk = tl.load(idx_row + offs_c, mask=offs_c < end, other=-1)  # [IDX_CHUNK]
+        for t0 in range(0, tl.minimum(end - c0, IDX_CHUNK), BLOCK_N):
+            slot = tl.gather(chunk, t0 + tl.arange(0, BLOCK_N), 0)  # [BLOCK_N]
+            valid = (slot >= 0) & (slot < num_slots)
+            kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
+            kv_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None], other=0.0)  # K, V
             if UPCAST:
-                k_rope = k_rope.to(tl.float32)
-            s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        p, alpha, m, l = softmax_step(s, m, l)
-        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc=acc * alpha[:, None],
-                     input_precision=DOT_PRECISION)
+                kv_nope = kv_nope.to(tl.float32)
+            s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
+            if D_ROPE > 0:
+                k_rope = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None], other=0.0)
+                if UPCAST:
+                    k_rope = k_rope.to(tl.float32)
+                s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=DOT_PRECISION)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            p, alpha, m, l = softmax_step(s, m, l)
+            acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc=acc * alpha[:, None],
+                         input_precision=DOT_PRECISION)
 
     o, lse2 = normalize(acc, m, l)
     o_rows = (o_ptr + b * stride_ob + split * stride_os + heads[:, None] * stride_oh
@@ -194,7 +203,7 @@ def sparse_mla_decode(
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), lse_buf.stride(0), lse_buf.stride(1),
         kv.shape[0], num_idx, sm_scale * LOG2E, head_tiles, cfg.num_splits,
-        D_V=d_v, D_ROPE=d_rope, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        D_V=d_v, D_ROPE=d_rope, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IDX_CHUNK=IDX_CHUNK,
         SPLIT=cfg.num_splits > 1, HAS_LENGTHS=lengths is not None, HAS_SINKS=sinks is not None,
         UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

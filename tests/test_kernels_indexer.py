@@ -20,9 +20,17 @@ LENGTHS = [0, 1, TOPK - 1, TOPK, TOPK + 1, 37, 100, 5]  # ragged, incl. 0 and th
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_picks_the_top_scores(num_splits, dtype):
     case = indexer_case(LENGTHS, topk=TOPK, dtype=dtype, seed=num_splits)
-    cfg = IndexerConfig(16, num_splits, 32, 4, 1)
+    cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1)
     idx = case.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
     check_topk(idx, case, 1e-6 if dtype == torch.float32 else 1e-5)
+
+
+def test_triton_rows_longer_than_one_round_of_page_ids(monkeypatch):
+    monkeypatch.setattr(indexer, "PAGE_IDS", 8)  # 8 page ids per round: one 16-entry tile
+    case = indexer_case([100, 61, 9], topk=TOPK, seed=5)
+    idx = case.run(lambda *a, **k: indexer.indexer_topk(*a, **k,
+                                                        config=IndexerConfig(16, 2, 64, 32, 4, 1)))
+    check_topk(idx, case, 1e-6)
 
 
 def test_triton_ties_and_negative_scores():
@@ -31,7 +39,7 @@ def test_triton_ties_and_negative_scores():
     case.weights[0] = 0.0
     case.weights[1] = -case.weights[1].abs()
     idx = case.run(lambda *a, **k: indexer.indexer_topk(*a, **k,
-                                                        config=IndexerConfig(16, 2, 16, 4, 1)))
+                                                        config=IndexerConfig(16, 2, 16, 16, 4, 1)))
     check_topk(idx, case, 1e-6)
 
 

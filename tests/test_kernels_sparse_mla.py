@@ -36,6 +36,13 @@ def test_triton_matches_float64(heads, dim, num_splits):
     check(case, *case.run(lambda *a, **k: sparse_mla.sparse_mla_decode(*a, **k, config=cfg)))
 
 
+def test_triton_index_list_longer_than_one_chunk(monkeypatch):
+    monkeypatch.setattr(sparse_mla, "IDX_CHUNK", 32)
+    case = decode_case(3, 16, 512, 150, seed=11)
+    cfg = DecodeConfig(16, 16, 2, 4, 1)
+    check(case, *case.run(lambda *a, **k: sparse_mla.sparse_mla_decode(*a, **k, config=cfg)))
+
+
 @pytest.mark.parametrize("sinks", [False, True])
 def test_triton_without_lengths_bf16(sinks):
     case = decode_case(3, 32, 576, 20, sinks=sinks, ragged=False, dtype=torch.bfloat16)
