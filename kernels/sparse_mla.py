@@ -45,7 +45,7 @@ def default_config(batch: int, heads: int, num_idx: int, device: torch.device,
     programs = batch * (heads // block_h)
     # split until about two programs per SM, keeping >= 128 entries per split
     num_splits = max(1, min(triton.cdiv(2 * num_sms(device), programs), num_idx // 128, 32))
-    return DecodeConfig(block_h, 16 if wide else 32, num_splits, 8 if block_h == 64 else 4, 2)
+    return DecodeConfig(block_h, 16 if wide else 32, num_splits, 8 if block_h == 64 else 4, 3)
 
 
 @triton.jit
