@@ -154,6 +154,10 @@ class LLMEngine:
         self.scheduler.finish(req, "abort")
         return True
 
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 

@@ -22,6 +22,7 @@ from engine.tiny_tokenizer import write_tiny_tokenizer
 from engine.weights import build_model
 
 TINY_VERSION = 1
+TINY_MODEL_NAME = "dsaserve-tiny-v4"
 
 
 def tiny_config(vocab_size: int) -> dict:
@@ -125,7 +126,8 @@ def _split_experts(tensors: dict[str, torch.Tensor], inter: int) -> dict[str, to
 
 def default_tiny_model_dir() -> Path:
     """The tiny model under the user cache directory, made on first use."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsaserve" / f"tiny-v4-{TINY_VERSION}"
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsaserve" / f"v{TINY_VERSION}"
+    cache = root / TINY_MODEL_NAME   # the directory's name is the served model id
     if not (cache / "model.safetensors").exists():
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))

@@ -22,8 +22,8 @@ from services.flags import env_defaults
 COMMANDS = {
     "up": ("services.up", "add_arguments", "run", "run the whole stack locally"),
     "router": ("services.router.main", "add_arguments", "run", "the OpenAI-compatible HTTP router"),
-    "prefill": ("services.worker_main", "add_prefill_arguments", "run_prefill", "a prefill worker (gRPC)"),
-    "decode": ("services.worker_main", "add_decode_arguments", "run_decode", "a decode worker (gRPC)"),
+    "prefill": ("services.worker", "add_prefill_arguments", "run_prefill", "a prefill worker (gRPC)"),
+    "decode": ("services.worker", "add_decode_arguments", "run_decode", "a decode worker (gRPC)"),
     "generate": ("engine.cli", "add_generate_arguments", "run_generate", "generate offline with the engine"),
     "make-tiny-model": ("engine.cli", "add_make_tiny_model_arguments", "run_make_tiny_model",
                         "write the built-in tiny DeepSeek-V4 checkpoint"),

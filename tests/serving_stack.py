@@ -1,0 +1,133 @@
+"""Real dsaserve processes for end-to-end tests: workers and a router as subprocesses.
+
+Every wait polls a readiness condition under a deadline; processes are killed at teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from services.rpc import grpc_api, pb
+from tests.conftest import free_port
+
+TOKEN = "e2e-cluster-token"
+START_TIMEOUT_S = 120.0
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
+    """Poll `condition()` until it returns a truthy value; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)   # polling a condition, bounded by the deadline
+
+
+def _http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+@dataclass
+class Proc:
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    port: int
+    metrics_port: int = 0
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"{self.name} exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def load(self) -> pb.LoadResponse:
+        stub = grpc_api.PrefillStub if self.name.startswith("prefill") else grpc_api.DecodeStub
+        with grpc.insecure_channel(self.address) as channel:
+            return stub(channel).Load(pb.LoadRequest(), metadata=[("x-dsaserve-cluster-token", TOKEN)], timeout=5)
+
+    def all_kv_free(self) -> bool:
+        load = self.load()
+        return load.free_blocks == load.total_blocks and load.running == load.waiting == load.held == 0
+
+
+@dataclass
+class Stack:
+    model: Path
+    redis_url: str
+    workdir: Path
+    ttl: float = 6.0
+    procs: list[Proc] = field(default_factory=list)
+
+    def _spawn(self, name: str, argv: list[str], port: int, metrics_port: int = 0) -> Proc:
+        log = self.workdir / f"{name}.log"
+        env = {**os.environ, "DSASERVE_CLUSTER_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log.open("w"),
+                                stderr=subprocess.STDOUT, env=env)
+        self.procs.append(Proc(name, proc, log, port, metrics_port))
+        return self.procs[-1]
+
+    def worker(self, role: str, *extra: str) -> Proc:
+        port, metrics_port = free_port(), free_port()
+        name = f"{role}-{len(self.procs)}"
+        return self._spawn(name, [role, "--model", str(self.model), "--redis-url", self.redis_url,
+                                  "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+                                  "--worker-id", name, "--registry-ttl", str(self.ttl),
+                                  "--kv-cache-memory", str(64 << 20), "--max-num-seqs", "32",
+                                  "--max-num-batched-tokens", "1024", *extra], port, metrics_port)
+
+    def router(self, *extra: str) -> Proc:
+        port = free_port()
+        return self._spawn("router", ["router", "--model", str(self.model), "--redis-url", self.redis_url,
+                                      "--host", "127.0.0.1", "--port", str(port),
+                                      "--registry-ttl", str(self.ttl), *extra], port)
+
+    def wait_ready(self, *procs: Proc) -> None:
+        def ready() -> bool:
+            for p in procs:
+                p.check_alive()
+            return all(_http_status(f"http://127.0.0.1:{p.metrics_port}/ready") == 200 for p in procs if p.metrics_port)
+
+        wait_for(ready, START_TIMEOUT_S, "workers to become ready")
+
+    def wait_healthy(self, router: Proc) -> str:
+        url = f"http://127.0.0.1:{router.port}"
+
+        def healthy() -> bool:
+            for p in self.procs:
+                p.check_alive()
+            return _http_status(url + "/health") == 200
+
+        wait_for(healthy, START_TIMEOUT_S, "the router to report healthy")
+        return url
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.proc.poll() is None:
+                p.proc.terminate()
+        for p in self.procs:
+            try:
+                p.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait(timeout=10)

@@ -1,0 +1,177 @@
+"""The disaggregated stack end to end: real redis-server, real NIXL over loopback, real gRPC
+and HTTP, each service its own process, and the official OpenAI client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from engine.tiny_model import make_tiny_model
+from tests.serving_stack import Stack, wait_for
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "dsaserve-tiny-v4")
+
+
+@pytest.fixture(scope="module")
+def stack(model, redis_server, tmp_path_factory):
+    """One prefill worker, one decode worker and a router."""
+    s = Stack(model, redis_server, tmp_path_factory.mktemp("stack"))
+    try:
+        workers = [s.worker("prefill"), s.worker("decode")]
+        router = s.router()
+        s.wait_ready(*workers)
+        s.url = s.wait_healthy(router)
+        s.prefill, s.decode = workers
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def client(stack):
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _offline(model, messages, max_tokens: int) -> dict:
+    """`dsaserve generate --chat` in its own process, greedy."""
+    out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", str(model), "--chat",
+                          json.dumps(messages), "--max-tokens", str(max_tokens), "--temperature", "0", "--json"],
+                         capture_output=True, text=True, check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _assert_workers_idle(stack) -> None:
+    for worker in (stack.prefill, stack.decode):
+        wait_for(worker.all_kv_free, 20, f"{worker.name} to free all KV")
+
+
+def test_chat_completion_equals_offline_generation(stack, client, model):
+    offline = _offline(model, MESSAGES, 24)
+    res = client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=24, temperature=0)
+    assert res.choices[0].message.content == offline["text"]
+    assert res.choices[0].finish_reason == offline["finish_reason"]
+    assert res.usage.completion_tokens == len(offline["token_ids"])
+    stream = client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == len(offline["token_ids"]) and chunks[-1].choices == []
+    _assert_workers_idle(stack)
+
+
+def test_text_completion_with_stop_string(stack, client, model):
+    full = client.completions.create(model=model.name, prompt="Once upon a time", max_tokens=40, temperature=0)
+    text = full.choices[0].text
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    cut = client.completions.create(model=model.name, prompt="Once upon a time", max_tokens=40, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_streams_equal_their_sequential_answers(stack, client, model):
+    prompts = [[{"role": "user", "content": f"Question {i}: " + "why? " * (i % 5)}] for i in range(16)]
+
+    def ask(messages, stream: bool) -> str:
+        if not stream:
+            r = client.chat.completions.create(model=model.name, messages=messages, max_tokens=20, temperature=0)
+            return r.choices[0].message.content
+        chunks = client.chat.completions.create(model=model.name, messages=messages, max_tokens=20, temperature=0,
+                                                stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    sequential = [ask(p, stream=False) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        concurrent_answers = list(pool.map(lambda p: ask(p, stream=True), prompts))
+    assert concurrent_answers == sequential
+    _assert_workers_idle(stack)
+
+
+def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, model):
+    body = {"model": model.name, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    for _ in range(3):
+        with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            events = [next(lines) for _ in range(6)]   # a few chunks in, then hang up
+            assert any('"content"' in e for e in events)
+    _assert_workers_idle(stack)
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 10}, 400, "context"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, 400, "top_p"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+    ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "no-such-model"),
+])
+def test_errors_have_openai_bodies(stack, model, body, status, fragment):
+    r = httpx.post(stack.url + "/v1/chat/completions", json={"model": model.name, **body}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] and {"message", "type", "param", "code"} <= error.keys()
+    _assert_workers_idle(stack)
+
+
+def test_metrics_of_every_process(stack):
+    for worker in (stack.prefill, stack.decode):
+        text = httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=10).text
+        assert "dsaserve_kv_blocks_free" in text and "dsaserve_requests_running" in text
+    decode_text = httpx.get(f"http://127.0.0.1:{stack.decode.metrics_port}/metrics", timeout=10).text
+    transferred = [line for line in decode_text.splitlines() if line.startswith("dsaserve_kv_transfer_bytes_total")]
+    assert transferred and float(transferred[0].split()[-1]) > 0
+    router_text = httpx.get(stack.url + "/metrics", timeout=10).text
+    assert "dsaserve_router_time_to_first_token_seconds_bucket" in router_text
+
+
+def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis_server, tmp_path):
+    """SIGKILL a decode worker mid-stream: that stream ends with an error event (no hang), the
+    worker drops out of routing, and new requests go to the surviving decode worker."""
+    # A registry of its own (Redis database 1): the module's stack is still registered in 0.
+    s = Stack(model, redis_server.rsplit("/", 1)[0] + "/1", tmp_path, ttl=2.0)
+    try:
+        prefill, doomed, survivor = s.worker("prefill"), s.worker("decode"), s.worker("decode")
+        router = s.router("--policy", "round_robin")
+        s.wait_ready(prefill, doomed, survivor)
+        url = s.wait_healthy(router)
+        body = {"model": model.name, "messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            victim = wait_for(lambda: next((w for w in (doomed, survivor) if w.load().running), None), 30,
+                              "the stream to run on a decode worker")
+            os.kill(victim.proc.pid, signal.SIGKILL)
+            rest = [e for e in lines if e]   # must end, not hang
+        errors = [json.loads(e[6:]) for e in rest if e.startswith("data: {") and '"error"' in e]
+        assert errors and errors[0]["error"]["message"] and rest[-1] == "data: [DONE]"
+        alive = survivor if victim is doomed else doomed
+
+        def decode_workers_routed() -> int:
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            line = next(ln for ln in metrics.splitlines() if ln.startswith('dsaserve_router_live_workers{role="decode"}'))
+            return int(float(line.split()[-1]))
+
+        wait_for(lambda: decode_workers_routed() == 1, 4 * s.ttl, "the killed worker to leave routing")
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            for _ in range(4):
+                res = c.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=8, temperature=0)
+                assert res.choices[0].finish_reason == "length"
+        wait_for(alive.all_kv_free, 20, "the survivor to free all KV")
+        wait_for(prefill.all_kv_free, 20, "prefill to free all KV (the dead reader's lease included)")
+    finally:
+        s.stop()
