@@ -5,15 +5,15 @@ Entry j of request b is ``k_cache[block_table[b, j // P], j % P]``, its score
 0..len-1 (padded with -1) without scoring.
 
 Two kernels, grid fixed by (B, splits) and never by the block table's width:
-1. ``_score_kernel`` (B, splits): the programs of a row take its tiles of BLOCK_N entries in turn,
-   only up to lengths[b]; each scores a tile on tensor cores ([Hi, Di] x [Di, BLOCK_N]) and
-   appends the entries that beat its running floor to its own candidate segment. When the
-   segment is nearly full it keeps its top-k in place (radix select) and raises the floor to
-   the k-th score, so later tiles mostly append nothing.
+1. ``_score_kernel`` (B, splits): each program takes an equal contiguous share of the row's
+   first lengths[b] entries, scores it tile by tile on tensor cores ([Hi, Di] x [Di, BLOCK_N])
+   and appends the entries that beat its running floor to its own candidate segment. When the
+   segment has no room for another tile it keeps its top-k in place (radix select) and raises
+   the floor to the k-th score, so later tiles mostly append nothing.
 2. ``_merge_kernel`` (B,): radix select of the row's top-k over its splits' candidates.
    With one split the score kernel does this itself and the merge is not launched.
 
-How it scales, for B rows, topk = k, splits = S, cap = k + max(k, BLOCK_N):
+How it scales, for B rows, topk = k, splits = S, cap = k + max(room, BLOCK_N):
 - work: sum_b lengths[b] x Hi x Di x 2 FLOP and as many key reads, plus a few passes over at most
   S x cap candidates per row; nothing for entries past lengths[b] or rows with lengths[b] <= k.
 - memory: candidates B x S x cap x 8 bytes (int32 key + position) and B x S counts, plus the
@@ -44,15 +44,12 @@ class IndexerConfig:
     num_stages: int
 
 
-PAGE_IDS = 128  # page ids loaded per round of the score loop
-
-
 def default_config(batch: int, device: torch.device) -> IndexerConfig:
     """Shape-only choice: about two programs per SM, at most 16 splits per row; room for 2048
     candidates per split unless the batch is large (prefill rows), to bound the scratch."""
     num_splits = max(1, min(triton.cdiv(2 * num_sms(device), batch), 16))
     room = 2048 if batch * num_splits <= 4096 else 512
-    return IndexerConfig(128, num_splits, room, 1024, 8, 3)
+    return IndexerConfig(128, num_splits, room, 1024, 8, 1)
 
 
 @triton.jit
@@ -74,8 +71,7 @@ def _score_kernel(
     stride_qb, stride_qh, stride_wb, stride_kp, stride_ks, stride_bt, stride_ib,  #
     n_heads, page_size, topk, cap, scale, num_splits,  #
     BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    PAGE_IDS: tl.constexpr, ROUND_TILES: tl.constexpr, EMIT: tl.constexpr,  #
-    SELECT_BLOCK: tl.constexpr,  #
+    EMIT: tl.constexpr, SELECT_BLOCK: tl.constexpr,  #
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -99,32 +95,24 @@ def _score_kernel(
         end = tl.minimum(start + per_split, n)
         count = 0
         floor = tl.zeros([], tl.uint32)  # keys <= floor cannot enter this split's top-k
-        for r0 in range(start, end, ROUND_TILES * BLOCK_N):
-            # One round: the page ids of its ROUND_TILES tiles in one load, then a pipelined
-            # loop whose key loads take their page ids from registers (tl.gather) instead of
-            # waiting on an index load. A round always fits in the candidate segment.
-            page0 = r0 // page_size
-            page_offs = page0 + tl.arange(0, PAGE_IDS)
-            pages = tl.load(bt_ptr + b * stride_bt + page_offs,
-                            mask=page_offs <= (end - 1) // page_size, other=0)  # [PAGE_IDS]
-            for t0 in range(r0, tl.minimum(end, r0 + ROUND_TILES * BLOCK_N), BLOCK_N):
-                j = t0 + tl.arange(0, BLOCK_N)
-                valid = j < end
-                page = tl.gather(pages, tl.where(valid, j // page_size - page0, 0), 0)
-                rows = kc_ptr + page.to(tl.int64) * stride_kp + (j % page_size) * stride_ks
-                # a row-only mask keeps 16-byte copies, which lets the loop pipeline them
-                k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-                if UPCAST:
-                    k = k.to(tl.float32)
-                logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [HI, BLOCK_N]
-                score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale  # [BLOCK_N]
-                key = float_to_key(score)
-                keep = (valid & (key > floor)).to(tl.int32)
-                dst = count + tl.cumsum(keep, 0) - keep
-                tl.store(keys + dst, key.to(tl.int32, bitcast=True), mask=keep != 0)
-                tl.store(pos + dst, j, mask=keep != 0)
-                count += tl.sum(keep, 0)
-            if count > cap - ROUND_TILES * BLOCK_N:  # no room for another round: cut to top-k
+        for t0 in range(start, end, BLOCK_N):
+            j = t0 + tl.arange(0, BLOCK_N)
+            valid = j < end
+            page = tl.load(bt_ptr + b * stride_bt + j // page_size, mask=valid, other=0)
+            rows = kc_ptr + page.to(tl.int64) * stride_kp + (j % page_size) * stride_ks
+            # a row-only mask keeps the key loads 16 bytes wide
+            k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+            logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_HI, BLOCK_N]
+            score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale  # [BLOCK_N]
+            key = float_to_key(score)
+            keep = (valid & (key > floor)).to(tl.int32)
+            dst = count + tl.cumsum(keep, 0) - keep
+            tl.store(keys + dst, key.to(tl.int32, bitcast=True), mask=keep != 0)
+            tl.store(pos + dst, j, mask=keep != 0)
+            count += tl.sum(keep, 0)
+            if count > cap - BLOCK_N:  # no room for another tile: keep the top-k only
                 tl.store(count_ptr, count)
                 tl.debug_barrier()
                 floor, take_equal = radix_threshold(keys, count_ptr, 1, cap, topk, SELECT_BLOCK)
@@ -177,10 +165,7 @@ def indexer_topk(
     batch, n_heads, head_dim = q.shape
     cfg = config or default_config(batch, q.device)
     page_size = k_cache.shape[1]
-    assert cfg.block_n <= PAGE_IDS * page_size, "a tile must span at most PAGE_IDS pages"
-    # tiles per round: their pages fit in PAGE_IDS ids, their entries in the room
-    round_tiles = max(1, min((PAGE_IDS - 1) * page_size, cfg.room) // cfg.block_n)
-    cap = topk + round_tiles * cfg.block_n  # the kept top-k + one round
+    cap = topk + max(cfg.room, cfg.block_n)  # the kept top-k + room for at least one tile
     dev = q.device
     keys = torch.empty(batch, cfg.num_splits, cap, dtype=torch.int32, device=dev)
     pos = torch.empty(batch, cfg.num_splits, cap, dtype=torch.int32, device=dev)
@@ -193,8 +178,7 @@ def indexer_topk(
         n_heads, page_size, topk, cap, scale, cfg.num_splits,
         BLOCK_HI=max(16, triton.next_power_of_2(n_heads)),
         BLOCK_DI=head_dim,
-        BLOCK_N=cfg.block_n, PAGE_IDS=PAGE_IDS,
-        ROUND_TILES=round_tiles,
+        BLOCK_N=cfg.block_n,
         EMIT=cfg.num_splits == 1, SELECT_BLOCK=cfg.select_block,
         UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -25,7 +25,8 @@ from kernels.env import INTERPRET, dot_precision, num_sms
 from kernels.softmax import LOG2E, finalize, normalize, softmax_step
 
 
-IDX_CHUNK = 512  # slot ids loaded at once; tiles take theirs from registers
+# Most slot ids one program loads (once, into registers): longer index lists get more splits.
+IDX_CHUNK_MAX = 2048
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ def default_config(batch: int, heads: int, num_idx: int, device: torch.device,
     wide = dtype.itemsize > 2  # fp32 (tests): small tiles, to fit shared memory
     block_h = 16 if wide else next(b for b in (64, 32, 16) if heads % b == 0)
     programs = batch * (heads // block_h)
-    # split until about two programs per SM, keeping >= 128 entries per split
-    num_splits = max(1, min(triton.cdiv(2 * num_sms(device), programs), num_idx // 128, 32))
+    # one program per SM fits (shared memory), so split while the grid stays one wave, keeping
+    # >= 128 entries per split
+    num_splits = max(1, min(num_sms(device) // programs, num_idx // 128, 32))
     return DecodeConfig(block_h, 16 if wide else 32, num_splits, 8 if block_h == 64 else 4, 3)
 
 
@@ -86,29 +88,28 @@ def _sparse_mla_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
-    idx_row = idx_ptr + b * stride_ib
-    for c0 in range(start, end, IDX_CHUNK):
-        # slot ids of many tiles in one load; tiles take theirs from registers (tl.gather), so
-        # the pipelined KV gathers below never wait on an index load
-        offs_c = c0 + tl.arange(0, IDX_CHUNK)
-        chunk = tl.load(idx_row + offs_c, mask=offs_c < end, other=-1)  # [IDX_CHUNK]
-        for t0 in range(0, tl.minimum(end - c0, IDX_CHUNK), BLOCK_N):
-            slot = tl.gather(chunk, t0 + tl.arange(0, BLOCK_N), 0)  # [BLOCK_N]
-            valid = (slot >= 0) & (slot < num_slots)
-            kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-            kv_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None], other=0.0)  # K, V
+    # All of this program's slot ids in one load (the wrapper sizes IDX_CHUNK to hold them);
+    # tiles take theirs from registers (tl.gather), so the pipelined KV gathers below never
+    # wait on an index load.
+    offs_c = start + tl.arange(0, IDX_CHUNK)
+    chunk = tl.load(idx_ptr + b * stride_ib + offs_c, mask=offs_c < end, other=-1)
+    for t0 in range(0, end - start, BLOCK_N):
+        slot = tl.gather(chunk, t0 + tl.arange(0, BLOCK_N), 0)  # [BLOCK_N]
+        valid = (slot >= 0) & (slot < num_slots)
+        kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
+        kv_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None], other=0.0)  # K and V
+        if UPCAST:
+            kv_nope = kv_nope.to(tl.float32)
+        s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
+        if D_ROPE > 0:
+            k_rope = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None], other=0.0)
             if UPCAST:
-                kv_nope = kv_nope.to(tl.float32)
-            s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
-            if D_ROPE > 0:
-                k_rope = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None], other=0.0)
-                if UPCAST:
-                    k_rope = k_rope.to(tl.float32)
-                s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=DOT_PRECISION)
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            p, alpha, m, l = softmax_step(s, m, l)
-            acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc=acc * alpha[:, None],
-                         input_precision=DOT_PRECISION)
+                k_rope = k_rope.to(tl.float32)
+            s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=DOT_PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        p, alpha, m, l = softmax_step(s, m, l)
+        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc=acc * alpha[:, None],
+                     input_precision=DOT_PRECISION)
 
     o, lse2 = normalize(acc, m, l)
     o_rows = (o_ptr + b * stride_ob + split * stride_os + heads[:, None] * stride_oh
@@ -186,35 +187,39 @@ def sparse_mla_decode(
     batch, heads, _ = q.shape
     num_idx = indices.shape[1]
     cfg = config or default_config(batch, heads, num_idx, q.device, q.dtype)
+    # every program's share of the index list must fit its one load of slot ids
+    num_splits = max(cfg.num_splits, triton.cdiv(num_idx, IDX_CHUNK_MAX))
+    share = triton.cdiv(triton.cdiv(num_idx, num_splits), cfg.block_n) * cfg.block_n
     head_tiles = heads // cfg.block_h
     out = torch.empty(batch, heads, d_v, dtype=q.dtype, device=q.device)  # [B, H, d_v]
     lse = torch.empty(batch, heads, dtype=torch.float32, device=q.device)  # [B, H]
-    if cfg.num_splits == 1:
+    if num_splits == 1:
         o_buf, lse_buf = out.unsqueeze(1), lse.unsqueeze(1)
     else:
-        o_buf = torch.empty(batch, cfg.num_splits, heads, d_v, dtype=torch.float32,
+        o_buf = torch.empty(batch, num_splits, heads, d_v, dtype=torch.float32,
                             device=q.device)  # [B, splits, H, d_v]
-        lse_buf = torch.empty(batch, cfg.num_splits, heads, dtype=torch.float32,
+        lse_buf = torch.empty(batch, num_splits, heads, dtype=torch.float32,
                               device=q.device)  # [B, splits, H]
     dummy = lse  # stands in for absent optional pointers; never read
-    _sparse_mla_kernel[(batch * head_tiles, cfg.num_splits)](
+    _sparse_mla_kernel[(batch * head_tiles, num_splits)](
         q, kv, indices, dummy if lengths is None else lengths, dummy if sinks is None else sinks,
         o_buf, lse_buf,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), lse_buf.stride(0), lse_buf.stride(1),
-        kv.shape[0], num_idx, sm_scale * LOG2E, head_tiles, cfg.num_splits,
-        D_V=d_v, D_ROPE=d_rope, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IDX_CHUNK=IDX_CHUNK,
-        SPLIT=cfg.num_splits > 1, HAS_LENGTHS=lengths is not None, HAS_SINKS=sinks is not None,
+        kv.shape[0], num_idx, sm_scale * LOG2E, head_tiles, num_splits,
+        D_V=d_v, D_ROPE=d_rope, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        IDX_CHUNK=triton.next_power_of_2(max(share, cfg.block_n)),
+        SPLIT=num_splits > 1, HAS_LENGTHS=lengths is not None, HAS_SINKS=sinks is not None,
         UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.num_splits > 1:
+    if num_splits > 1:
         block_h = 16
         _combine_kernel[(batch * heads // block_h,)](
             o_buf, lse_buf, dummy if sinks is None else sinks, out, lse,
             o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
             lse_buf.stride(0), lse_buf.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), heads // block_h, cfg.num_splits,
+            out.stride(0), out.stride(1), lse.stride(0), heads // block_h, num_splits,
             D_V=d_v, BLOCK_H=block_h, HAS_SINKS=sinks is not None,
             num_warps=4,
         )

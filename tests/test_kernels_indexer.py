@@ -25,14 +25,6 @@ def test_triton_picks_the_top_scores(num_splits, dtype):
     check_topk(idx, case, 1e-6 if dtype == torch.float32 else 1e-5)
 
 
-def test_triton_rows_longer_than_one_round_of_page_ids(monkeypatch):
-    monkeypatch.setattr(indexer, "PAGE_IDS", 8)  # 8 page ids per round: one 16-entry tile
-    case = indexer_case([100, 61, 9], topk=TOPK, seed=5)
-    idx = case.run(lambda *a, **k: indexer.indexer_topk(*a, **k,
-                                                        config=IndexerConfig(16, 2, 64, 32, 4, 1)))
-    check_topk(idx, case, 1e-6)
-
-
 def test_triton_ties_and_negative_scores():
     """All-zero weights tie every entry; negative weights give negative scores (key order)."""
     case = indexer_case([60, 45, 50], topk=TOPK, page_size=8, seed=3)

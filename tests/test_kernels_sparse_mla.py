@@ -36,10 +36,10 @@ def test_triton_matches_float64(heads, dim, num_splits):
     check(case, *case.run(lambda *a, **k: sparse_mla.sparse_mla_decode(*a, **k, config=cfg)))
 
 
-def test_triton_index_list_longer_than_one_chunk(monkeypatch):
-    monkeypatch.setattr(sparse_mla, "IDX_CHUNK", 32)
+def test_triton_long_index_list_gets_more_splits(monkeypatch):
+    monkeypatch.setattr(sparse_mla, "IDX_CHUNK_MAX", 32)  # 150 entries: at least 5 splits
     case = decode_case(3, 16, 512, 150, seed=11)
-    cfg = DecodeConfig(16, 16, 2, 4, 1)
+    cfg = DecodeConfig(16, 16, 1, 4, 1)
     check(case, *case.run(lambda *a, **k: sparse_mla.sparse_mla_decode(*a, **k, config=cfg)))
 
 

@@ -1,0 +1,409 @@
+"""H200 benchmark of the kernels package: sparse-MLA decode and the lightning-indexer top-k.
+
+    python -m bench.kernels --only decode --out bench/results/h200-kernels.json
+    python -m bench.kernels --only indexer --out bench/results/h200-kernels.json  # merged in
+
+A run measures the two ceilings (device-to-device copy bandwidth, bf16 matmul rate), checks
+every timed Triton variant against the float64 reference, then times each shape against the
+naive kernels and plain torch, and a few other tile/split configs at the target shapes. The two
+halves run as separate processes so a fault in one cannot poison the other's CUDA context.
+Times are medians of CUDA-event-timed CUDA-graph replays; each replay cycles through several
+input sets so gathered rows do not sit in L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+
+import kernels
+from kernels import indexer, naive, sparse_mla
+from kernels.indexer import IndexerConfig
+from kernels.sparse_mla import DecodeConfig
+
+DEV = torch.device("cuda")
+ANCHOR_TORCH_V4_B64_MS = 0.120  # ../shared/reference/gpu-anchors.md, plain torch, same shape
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+
+BUDGET_MS = 200.0  # timed replays per measurement
+
+
+def time_ms(fn, arg_sets: list[tuple], graph: bool = True) -> float:
+    """Median ms per call; one timed unit calls fn once per arg set (rotating inputs)."""
+    fn(*arg_sets[0])  # compile / warm up outside any capture
+    torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for args in arg_sets:
+                fn(*args)
+        unit = g.replay
+    else:
+        def unit():
+            for args in arg_sets:
+                fn(*args)
+    unit()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    unit()
+    end.record()
+    end.synchronize()
+    reps = int(min(200, max(5, BUDGET_MS / max(start.elapsed_time(end), 1e-3))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        unit()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(arg_sets))
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate on random data."""
+    src = torch.randn(1 << 30, device=DEV, dtype=torch.float32)  # 4 GiB
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src), [()], graph=False)
+    a, b = (torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    mm_ms = time_ms(lambda: a @ b, [()], graph=False)
+    return {"copy_GBps": 2 * (1 << 32) / copy_ms / 1e6,
+            "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+
+
+# ---- decode --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    name: str
+    batch: int
+    heads: int
+    dim: int
+    num_idx: int
+    sinks: bool
+
+    @property
+    def flop(self) -> float:
+        return 2.0 * self.batch * self.heads * self.num_idx * (self.dim + 512)
+
+    @property
+    def gathered_bytes(self) -> float:
+        return 2.0 * self.batch * self.num_idx * self.dim
+
+
+POOL_SLOTS = 1 << 22  # 4M slots: gathered rows are spread over 4+ GB, far beyond L2
+SETS = 4
+
+
+def decode_inputs(shape: DecodeShape, pool: torch.Tensor) -> list[tuple]:
+    sets = []
+    for _ in range(SETS):
+        q = torch.randn(shape.batch, shape.heads, shape.dim, device=DEV, dtype=torch.bfloat16)
+        idx = torch.randint(0, POOL_SLOTS, (shape.batch, shape.num_idx), device=DEV,
+                            dtype=torch.int32)
+        lengths = torch.full((shape.batch,), shape.num_idx, device=DEV, dtype=torch.int32)
+        sinks = torch.randn(shape.heads, device=DEV) if shape.sinks else None
+        sets.append((q, pool, idx, lengths, sinks))
+    return sets
+
+
+def torch_decode(q, kv, idx, lengths, sinks):
+    """Plain torch, as in the anchor: gather + einsum + softmax + einsum in bf16, no masking."""
+    rows = kv[idx]  # [B, K, D]
+    s = torch.einsum("bhd,bkd->bhk", q, rows).float() * q.shape[-1] ** -0.5
+    return torch.einsum("bhk,bkd->bhd", torch.softmax(s, -1).to(q.dtype), rows[..., :512])
+
+
+def triton_decode(cfg: DecodeConfig | None):
+    def run(q, kv, idx, lengths, sinks):
+        return sparse_mla.sparse_mla_decode(q, kv, idx, q.shape[-1] ** -0.5, sinks=sinks,
+                                            lengths=lengths, config=cfg)
+    return run
+
+
+def naive_decode(q, kv, idx, lengths, sinks):
+    return naive.sparse_mla_decode(q, kv, idx, q.shape[-1] ** -0.5, sinks=sinks, lengths=lengths)
+
+
+def decode_error(run, q, kv, idx, lengths, sinks) -> float:
+    """Relative error of out vs float64 on a holey, ragged variant of the timed inputs (at most
+    256 rows: the float64 gather of a prefill-sized batch would take ~10 GB)."""
+    q, idx, lengths = q[:256], idx[:256].clone(), lengths[:256]
+    idx[torch.rand(idx.shape, device=DEV) < 0.1] = -1
+    lengths = torch.randint(0, idx.shape[1] + 1, lengths.shape, device=DEV, dtype=torch.int32)
+    out, _ = run(q, kv, idx, lengths, sinks)
+    # float64 over the used rows only: the whole pool in float64 would take ~19 GB
+    used, local = torch.unique(idx.long().clamp(min=0), return_inverse=True)
+    local = local.int().masked_fill(idx < 0, -1)
+    ref, _ = kernels.reference.sparse_mla_decode(q.double(), kv[used].double(), local,
+                                                 q.shape[-1] ** -0.5, sinks=sinks, lengths=lengths)
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def bench_decode(shapes, configs, hw, with_baselines: bool) -> list[dict]:
+    rows = []
+    pools = {}
+    for shape in shapes:
+        if shape.dim not in pools:
+            pools.clear()
+            torch.cuda.empty_cache()
+            pools[shape.dim] = torch.randn(POOL_SLOTS, shape.dim, device=DEV,
+                                           dtype=torch.bfloat16)
+        sets = decode_inputs(shape, pools[shape.dim])
+        base = {}
+        if with_baselines:
+            base["naive_us"] = 1e3 * time_ms(naive_decode, sets)
+            base["torch_us"] = 1e3 * time_ms(torch_decode, sets)
+        for cfg in configs(shape):
+            run = triton_decode(cfg)
+            used = cfg or sparse_mla.default_config(shape.batch, shape.heads, shape.num_idx, DEV)
+            try:
+                err = decode_error(run, *sets[0])
+                us = 1e3 * time_ms(run, sets)
+            except Exception as e:  # a variant may not fit (shared memory): note, go on
+                print(f"{shape.name} B={shape.batch} {used}: {type(e).__name__} {e}"[:300])
+                continue
+            row = {"shape": shape.name, "B": shape.batch, "H": shape.heads, "D": shape.dim,
+                   "K": shape.num_idx, "config": dataclasses.asdict(used), "rel_err": err,
+                   "us": us, "eager_us": 1e3 * time_ms(run, sets, graph=False),
+                   "TFLOPs": shape.flop / us / 1e6, "GBps": shape.gathered_bytes / us / 1e3}
+            row["share_matmul"] = row["TFLOPs"] / hw["bf16_matmul_TFLOPs"]
+            row["share_copy"] = row["GBps"] / hw["copy_GBps"]
+            row.update(base)
+            if base:
+                row["x_naive"] = base["naive_us"] / us
+                row["x_torch"] = base["torch_us"] / us
+            rows.append(row)
+            print_decode_row(row)
+    return rows
+
+
+def print_decode_row(r: dict) -> None:
+    c = r["config"]
+    cfg = (f"h{c['block_h']} n{c['block_n']} s{c['num_splits']} w{c['num_warps']}"
+           f" st{c['num_stages']}")
+    extra = ""
+    if "x_naive" in r:
+        extra = (f" naive {r['naive_us']:8.1f} torch {r['torch_us']:7.1f}"
+                 f"  x{r['x_naive']:5.1f} naive x{r['x_torch']:4.1f} torch")
+    print(f"{r['shape']:>10} B={r['B']:<5} {cfg:<24} err {r['rel_err']:.1e} {r['us']:8.1f} us"
+          f" (eager {r['eager_us']:7.1f}) {r['TFLOPs']:6.1f} TF/s {r['GBps']:6.0f} GB/s"
+          f" {100 * r['share_matmul']:4.1f}% mm {100 * r['share_copy']:4.1f}% bw{extra}",
+          flush=True)
+
+
+# ---- indexer -------------------------------------------------------------------------------
+
+HI, DI, TOPK, PAGE = 64, 128, 512, 64
+
+
+def indexer_inputs(batch: int, real: int, max_ctx: int) -> list[tuple]:
+    """SETS input sets over disjoint page ranges of one pool; every row holds `real` entries;
+    table entries past them point at random pages (only the padded naive version reads them)."""
+    pages = real // PAGE
+    pool = torch.randn(SETS * batch * pages, PAGE, DI, device=DEV, dtype=torch.bfloat16)
+    lengths = torch.full((batch,), real, device=DEV, dtype=torch.int32)
+    sets = []
+    for s in range(SETS):
+        own = s * batch * pages + torch.randperm(batch * pages, device=DEV).view(batch, pages)
+        table = torch.randint(0, pool.shape[0], (batch, max_ctx // PAGE), device=DEV,
+                              dtype=torch.int32)
+        table[:, :pages] = own.int()
+        q = torch.randn(batch, HI, DI, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(batch, HI, device=DEV)
+        sets.append((q, w, pool, table, lengths))
+    return sets
+
+
+def triton_indexer(cfg: IndexerConfig | None):
+    def run(q, w, kc, table, lengths):
+        return indexer.indexer_topk(q, w, kc, table, lengths, TOPK, scale=DI**-0.5, config=cfg)
+    return run
+
+
+def naive_indexer(width: int | None):
+    def run(q, w, kc, table, lengths):
+        return naive.indexer_topk(q, w, kc, table, lengths, TOPK, scale=DI**-0.5,
+                                  max_context=width)
+    return run
+
+
+def indexer_error(run, q, w, kc, table, lengths) -> float:
+    """Worst relative gap between picked and true top-k scores (sorted), in fp32 scores."""
+    idx = run(q, w, kc, table, lengths).long()
+    scores = kernels.reference.indexer_scores(q, w, kc, table, int(lengths.max()), DI**-0.5)
+    got = scores.gather(1, idx).sort(1).values
+    want = scores.topk(TOPK, dim=1).values.sort(1).values
+    assert bool((idx.sort(1).values.diff(dim=1) > 0).all()), "repeated positions"
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def bench_indexer(cases, configs, with_baselines: bool) -> list[dict]:
+    rows = []
+    for batch, real, max_ctx in cases:
+        torch.cuda.empty_cache()
+        sets = indexer_inputs(batch, real, max_ctx)
+        base = {}
+        if with_baselines:
+            base["naive_padded_ms"] = time_ms(naive_indexer(None), sets, graph=False)
+            base["torch_real_ms"] = time_ms(naive_indexer(real), sets, graph=False)
+        for cfg in configs(batch):
+            run = triton_indexer(cfg)
+            used = cfg or indexer.default_config(batch, DEV)
+            try:
+                err, ms = indexer_error(run, *sets[0]), time_ms(run, sets)
+            except Exception as e:  # a variant may not fit: note, go on
+                print(f"idx B={batch} real={real} {used}: {type(e).__name__} {e}"[:300])
+                continue
+            row = {"B": batch, "real": real, "max": max_ctx, "config": dataclasses.asdict(used),
+                   "score_rel_err": err, "ms": ms, "eager_ms": time_ms(run, sets, graph=False)}
+            row["key_GBps"] = batch * real * DI * 2 / row["ms"] / 1e6
+            row.update(base)
+            rows.append(row)
+            print_indexer_row(row)
+        del sets
+    return rows
+
+
+def print_indexer_row(r: dict) -> None:
+    c = r["config"]
+    cfg = (f"n{c['block_n']} s{c['num_splits']} r{c['room']} sel{c['select_block']}"
+           f" w{c['num_warps']} st{c['num_stages']}")
+    extra = ""
+    if "naive_padded_ms" in r:
+        extra = f" naive(padded) {r['naive_padded_ms']:8.3f} torch(real) {r['torch_real_ms']:7.3f}"
+    print(f"idx B={r['B']:<3} real={r['real']:<6} max={r['max']:<6} {cfg:<28} err "
+          f"{r['score_rel_err']:.1e} {r['ms']:7.4f} ms (eager {r['eager_ms']:7.4f})"
+          f" {r['key_GBps']:6.0f} GB/s{extra}", flush=True)
+
+
+# ---- runs ----------------------------------------------------------------------------------
+
+V4 = [DecodeShape("v4-flash", b, 64, 512, 640, True) for b in (1, 4, 16, 64, 128)]
+V32 = [DecodeShape("v3.2", b, 128, 576, 2048, False) for b in (1, 16, 64, 128)]
+PREFILL = [DecodeShape("v4-prefill", 4096, 64, 512, 640, True)]
+INDEXER_CASES = [(b, real, mx) for b in (1, 32, 64) for mx in (8192, 262144)
+                 for real in (1024, 8192, 65536) if real <= mx]
+
+
+def decode_alternatives(shape: DecodeShape):
+    """Other tile shapes and split counts, timed beside the default at the target shapes."""
+    tiles = [(64, 32, 8, 3), (64, 32, 8, 4), (64, 16, 8, 4)]
+    splits = (1, 2, 3, 4) if shape.heads == 64 else (1, 2)
+    return [DecodeConfig(h, n, s, w, st) for h, n, w, st in tiles for s in splits]
+
+
+def indexer_alternatives(batch: int):
+    return [IndexerConfig(n, s, room, sel, w, 1)
+            for n, w in [(128, 8), (64, 4)] for s in (4, 9, 16) for room, sel in
+            [(2048, 1024), (512, 1024), (2048, 2048)]]
+
+
+def kernel_breakdown(fn, args: tuple) -> dict[str, float]:
+    """us per call of each CUDA kernel that fn launches (torch profiler, 20 calls)."""
+    fn(*args)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            fn(*args)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if total > 0:
+            out[e.key[:60]] = total / 20
+    for name, us in sorted(out.items(), key=lambda kv: -kv[1])[:4]:
+        print(f"    {us:9.1f} us  {name}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", help="write the JSON here (merged into it if it exists)")
+    ap.add_argument("--only", choices=["decode", "indexer"], help="one half of the run")
+    args = ap.parse_args()
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(DEV)
+    hw = ceilings()
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton "
+          f"{triton.__version__}: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul "
+          f"{hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    result = {}
+    if args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            result = json.load(f)
+    result.setdefault("runs", []).append({
+        "command": "python -m bench.kernels " + " ".join(sys.argv[1:]), "device": props.name,
+        "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "ceilings": hw})
+    result["timing"] = ("median ms per call over CUDA-graph replays (eager: plain launches), "
+                        f"{SETS} rotating input sets, KV pool {POOL_SLOTS} slots")
+
+    def save() -> None:  # after each section, so a run cut short keeps what it measured
+        result["runs"][-1]["wall_s"] = time.time() - t0
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+
+    if args.only != "indexer":
+        pool = torch.randn(POOL_SLOTS, 512, device=DEV, dtype=torch.bfloat16)
+        print("kernel breakdown, V4-Flash B=64, default config:")
+        result["breakdown_v4_b64"] = kernel_breakdown(triton_decode(None),
+                                                      decode_inputs(V4[3], pool)[0])
+        del pool
+        result["decode"] = bench_decode(V4 + V32 + PREFILL, lambda s: [None], hw, True)
+        summarize_decode(result["decode"])
+        save()
+        print("alternatives:")
+        result["decode_alternatives"] = bench_decode([V4[3], V32[2]], decode_alternatives, hw,
+                                                     False)
+        save()
+    if args.only != "decode":
+        print("kernel breakdown, indexer B=32 real 8K, default config:")
+        result["breakdown_idx_b32"] = kernel_breakdown(triton_indexer(None),
+                                                       indexer_inputs(32, 8192, 262144)[0])
+        result["indexer"] = bench_indexer(INDEXER_CASES, lambda b: [None], True)
+        summarize_indexer(result["indexer"])
+        save()
+        print("alternatives:")
+        result["indexer_alternatives"] = bench_indexer([(32, 8192, 262144)],
+                                                       indexer_alternatives, False)
+        save()
+
+
+def summarize_decode(rows: list[dict]) -> None:
+    """The issue's decode targets, from the default-config rows."""
+    for r in rows:
+        if r["shape"] == "v4-flash" and r["B"] == 64:
+            print(f"target V4-Flash B=64: x{r['x_torch']:.1f} plain torch (>= 6), "
+                  f"x{r['x_naive']:.1f} naive (>= 30); anchor torch {ANCHOR_TORCH_V4_B64_MS} ms "
+                  f"-> x{ANCHOR_TORCH_V4_B64_MS * 1e3 / r['us']:.1f}")
+        if r["shape"] == "v3.2" and r["B"] == 64:
+            print(f"target V3.2 B=64: {r['TFLOPs']:.0f} TFLOP/s (>= 250)")
+
+
+def summarize_indexer(rows: list[dict]) -> None:
+    """Ratio max 262K / max 8K at equal batch and real length, written into the 262K rows."""
+    by_key = {(r["B"], r["real"], r["max"]): r for r in rows}
+    for (b, real, mx), r in by_key.items():
+        small = by_key.get((b, real, 8192))
+        if mx == 262144 and small:
+            r["ratio_262K_over_8K"] = r["ms"] / small["ms"]
+            print(f"target idx B={b:<3} real={real:<6} max 262K / max 8K = "
+                  f"{r['ratio_262K_over_8K']:.3f} (<= 1.05)")
+        if (b, real, mx) == (32, 8192, 262144):
+            print(f"target idx B=32 real 8K: {r['ms']:.4f} ms (<= 0.1)")
+
+
+if __name__ == "__main__":
+    main()
