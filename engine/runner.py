@@ -79,7 +79,7 @@ class _DecodeGraph:
         self.pool, self.bs = pool, bs
         arange = torch.arange(bs, device=dev)
         self.tables = {g: torch.full((bs, pool.pages_for(g, runner.max_context)), pool.dummy_pages[g],
-                                     dtype=torch.int64, device=dev) for g in pool.groups}
+                                     dtype=torch.int32, device=dev) for g in pool.groups}
         hca = pool.groups.get("hca")
         self.inputs = StepInputs(
             positions=torch.zeros(bs, dtype=torch.int64, device=dev), row_req=arange, req_past=torch.zeros_like(arange),
@@ -108,8 +108,8 @@ class _DecodeGraph:
         for g, table in self.tables.items():
             rows = [s[3][g] for s in specs]
             width = max(len(r) for r in rows)
-            table[:n, :width].copy_(torch.tensor([r + [pool.dummy_pages[g]] * (width - len(r)) for r in rows]),
-                                    non_blocking=True)
+            table[:n, :width].copy_(torch.tensor([r + [pool.dummy_pages[g]] * (width - len(r)) for r in rows],
+                                                 dtype=torch.int32), non_blocking=True)
             table[n:].fill_(pool.dummy_pages[g])
         self.graph.replay()
         return self.logits[:n]

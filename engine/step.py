@@ -35,7 +35,7 @@ class StepInputs:
     req_past: torch.Tensor              # [B] int64, tokens computed before this step
     req_row0: torch.Tensor              # [B] int64, first row of each request
     slab: torch.Tensor                  # [B] int64, slab row of each request
-    tables: dict[str, torch.Tensor]     # group -> [B, max_pages] int64 block tables (0-padded)
+    tables: dict[str, torch.Tensor]     # group -> [B, max_pages] int32 block tables (0-padded)
     persist_rows: torch.Tensor          # [M] int64, rows written to the window ring after attention
     token_ids: torch.Tensor             # [N] int64 (hash-routed MoE layers route by token id)
     hca_width: int                      # compressed-entry columns of HCA index lists (>= max count)
@@ -73,7 +73,7 @@ def build_step_inputs(
     for g in pool.groups:
         # At least one entry page column, so lookups of masked entries (-1 -> 0) stay in bounds.
         width = max(pool.ring_pages + 1, *(len(r[3][g]) for r in requests))
-        tables[g] = torch.tensor([r[3][g] + [0] * (width - len(r[3][g])) for r in requests], dtype=torch.int64)
+        tables[g] = torch.tensor([r[3][g] + [0] * (width - len(r[3][g])) for r in requests], dtype=torch.int32)
     hca = pool.groups.get("hca")
     hca_width = max((p + 1) // hca.ratio for p in positions) if hca else 0
 
@@ -108,7 +108,7 @@ class StepState:
     def entry_slots(self, group: str, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Slot ids of compressed entries `entry` (any shape) of requests `req` (broadcastable)."""
         P, pool = self.pool.page_size, self.pool
-        page = self.inp.tables[group][req, pool.ring_pages + torch.div(entry, P, rounding_mode="floor")]
+        page = self.inp.tables[group][req, pool.ring_pages + torch.div(entry, P, rounding_mode="floor")].long()
         return page * P + entry.remainder(P)
 
     def scratch_slots(self, group: str) -> torch.Tensor:
@@ -118,7 +118,7 @@ class StepState:
 
     def ring_slots(self, group: str, positions: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
         P, ring = self.pool.page_size, positions.remainder(self.pool.ring_len)
-        return self.inp.tables[group][req, torch.div(ring, P, rounding_mode="floor")] * P + ring.remainder(P)
+        return self.inp.tables[group][req, torch.div(ring, P, rounding_mode="floor")].long() * P + ring.remainder(P)
 
     def window_indices(self, group: str) -> torch.Tensor:
         """[N, W] slots of each row's sliding window (positions t-W+1..t), -1 before position 0.

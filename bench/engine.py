@@ -1,0 +1,301 @@
+"""H200 benchmark of the engine's decode step on a V4-Flash-width model slice.
+
+    python -m bench.engine --out bench/results/h200-engine.json
+
+The slice has V4-Flash's real widths (hidden 4096, 64 heads x 512, q_lora 1024, 8 output
+groups, indexer 64 x 128 with top-512, window 128, CSA rate 4, HCA rate 128, mHC x4, vocab
+129280) and a few layers of each kind with fewer experts so it fits one GPU; weights are
+random bf16. Requests get a synthetic KV history of the stated context (random pool
+contents: attention cost does not depend on the values), then decode with the engine's own
+scheduler, runner (CUDA graphs) and sampler.
+
+One run:
+1. checks the Triton path against the plain-torch reference inside the engine (prefill chunk
+   and a graph-replayed decode step, logits relative error);
+2. decode tokens/s at concurrency 1, 16, 64 and context 4K, 32K;
+3. the "before" configuration at concurrency 64: naive decode kernel (one program per
+   (request, head), no tensor cores) and an indexer that scores a buffer padded to the
+   configured maximum (1M tokens = 262K compressed entries) with fp32 matmuls;
+4. prefill tokens/s;
+5. the per-kernel-class time of one decode step (torch profiler) against each class's
+   roofline floor (bytes at the measured copy bandwidth, FLOPs at the measured matmul rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from contextlib import nullcontext
+
+import torch
+
+import kernels
+from bench.kernels import ceilings
+from engine.config import ModelConfig
+from engine.kv_pool import KVCacheConfig, KVPool
+from engine.request import Request, Status
+from engine.runner import ModelRunner
+from engine.sampler import sample
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledBatch, Scheduler
+from engine.step import build_step_inputs
+from engine.weights import build_model
+
+DEV = torch.device("cuda")
+MAX_CONTEXT = 1 << 20          # V4-Flash's max_position_embeddings: the "configured maximum"
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
+LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+          "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
+
+
+def slice_config(num_experts: int) -> ModelConfig:
+    return ModelConfig.from_hf({
+        "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": len(LAYERS),
+        "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8,
+        "o_lora_rank": 1024, "sliding_window": 128, "layer_types": LAYERS,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        "num_hash_layers": 2, "n_routed_experts": num_experts, "num_experts_per_tok": 6,
+        "moe_intermediate_size": 2048, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+        "max_position_embeddings": MAX_CONTEXT,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
+    })
+
+
+def random_model(cfg: ModelConfig):
+    model = build_model(cfg, torch.bfloat16, DEV)
+    gen = torch.Generator(DEV).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
+            elif not name.endswith("scale") and "norm" not in name:
+                p.normal_(0, 0.1, generator=gen)
+        for layer in model.layers:
+            gate = layer.ffn.gate
+            if gate.hashed:
+                gate.tid2eid.copy_(torch.randint(0, cfg.num_experts, gate.tid2eid.shape, device=DEV, generator=gen))
+    return model
+
+
+class Bench:
+    def __init__(self, cfg: ModelConfig, max_seqs: int, kv_bytes: int) -> None:
+        self.cfg = cfg
+        self.model = random_model(cfg)
+        self.pool = KVPool(cfg, KVCacheConfig(memory_bytes=kv_bytes, page_size=64, max_num_seqs=max_seqs,
+                                              max_num_batched_tokens=8192), dtype=torch.bfloat16, device=DEV)
+        gen = torch.Generator(DEV).manual_seed(1)
+        for group in self.pool.groups.values():   # a synthetic history: any values will do
+            for t in list(group.kv.values()) + list(group.index_k.values()):
+                t.normal_(0, 1, generator=gen)
+        self.runner = ModelRunner(self.model, self.pool, DEV, MAX_CONTEXT)
+        self.scheduler = Scheduler(self.pool, 8192)
+
+    def requests(self, n: int, context: int) -> list[Request]:
+        """n requests that have `context` tokens computed and one sampled token to decode next."""
+        reqs = []
+        for i in range(n):
+            r = Request(request_id=f"r{i}", prompt_token_ids=[7] * context, params=GREEDY, max_tokens=1 << 20,
+                        text=None, eos_token_ids=frozenset())
+            assert self.scheduler.try_allocate(r, context + 1), "KV pool too small for the benchmark"
+            r.num_computed, r.output_token_ids, r.status = context, [11], Status.RUNNING
+            self.scheduler.running.append(r)
+            self.scheduler.requests[r.request_id] = r
+            reqs.append(r)
+        return reqs
+
+    def release(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.scheduler.finish(r, "abort")
+
+    def decode_step(self) -> None:
+        samplers, logits = self.runner.execute(self.scheduler.schedule())
+        for r, t in zip(samplers, sample(logits, [r.params for r in samplers], [0] * len(samplers))):
+            r.output_token_ids.append(t)
+
+    def decode_tokens_per_s(self, n: int, context: int, steps: int) -> tuple[float, float]:
+        reqs = self.requests(n, context)
+        for _ in range(3):
+            self.decode_step()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            self.decode_step()      # ends in the sampler's host sync
+            times.append(time.perf_counter() - t0)
+        self.release(reqs)
+        step_s = statistics.median(times)
+        return n / step_s, step_s * 1e3
+
+
+def check_against_reference(bench: Bench) -> dict:
+    """Logits of the Triton path vs the plain-torch reference on the same state."""
+    out = {}
+    reqs = bench.requests(4, 3000)
+    specs = [(r.num_computed, 1, r.slab, r.block_tables, [11]) for r in reqs]
+    inp = build_step_inputs(bench.pool, specs, len(specs), DEV)
+    rows = torch.arange(len(specs), device=DEV)
+    with kernels.use_backend("reference"):
+        ref = bench.model(bench.pool, inp, rows)
+    graph = bench.runner.graphs[min(b for b in bench.runner.graphs if b >= len(specs))]
+    got = graph.run(specs)
+    out["decode_graph_vs_reference_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+    bench.release(reqs)
+    [r] = bench.requests(1, 0)
+    r.prompt_token_ids = torch.randint(0, bench.cfg.vocab_size, (2048,)).tolist()
+    assert bench.scheduler.try_allocate(r, 2049)
+    spec = [(0, 2048, r.slab, r.block_tables, r.prompt_token_ids)]
+    inp = build_step_inputs(bench.pool, spec, 0, DEV)
+    last = torch.tensor([2047], device=DEV)
+    with kernels.use_backend("reference"):
+        ref = bench.model(bench.pool, inp, last)
+    got = bench.model(bench.pool, inp, last)
+    out["prefill_2048_vs_reference_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+    bench.release([r])
+    return out
+
+
+def prefill_tokens_per_s(bench: Bench, length: int) -> float:
+    [r] = bench.requests(1, 0)
+    r.prompt_token_ids = torch.randint(0, bench.cfg.vocab_size, (length,)).tolist()
+    r.output_token_ids = []
+    assert bench.scheduler.try_allocate(r, length + 1)
+    batch = ScheduledBatch(prefill=[(r, length)])
+    bench.runner.execute(batch)   # warm-up (compiles the prefill shapes)
+    torch.cuda.synchronize()
+    r.num_computed = 0
+    t0 = time.perf_counter()
+    bench.runner.execute(batch)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    bench.release([r])
+    return length / dt
+
+
+KERNEL_CLASSES = (
+    ("attention", ("sparse_mla", "_decode", "combine")),
+    ("indexer", ("_score_kernel", "_merge_kernel", "indexer", "radix")),
+    ("moe", ("grouped", "Grouped")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Gemm")),
+)
+
+
+def kernel_class(name: str) -> str:
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in name for k in keys):
+            return cls
+    return "elementwise"
+
+
+def profile_step_classes(bench: Bench, n: int, context: int) -> dict[str, float]:
+    """Milliseconds per kernel class of one eager decode step (median of 3)."""
+    reqs = bench.requests(n, context)
+    graphs, bench.runner.graphs = bench.runner.graphs, {}
+    for _ in range(2):
+        bench.decode_step()
+    per_step = []
+    for _ in range(3):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            bench.decode_step()
+            torch.cuda.synchronize()
+        acc: dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                acc[kernel_class(e.name)] = acc.get(kernel_class(e.name), 0.0) + e.device_time_total / 1e3
+        per_step.append(acc)
+    bench.runner.graphs = graphs
+    bench.release(reqs)
+    return {k: statistics.median(s.get(k, 0.0) for s in per_step) for k in {k for s in per_step for k in s}}
+
+
+def floors_ms(cfg: ModelConfig, model, n: int, context: int, hw: dict) -> dict[str, float]:
+    """Roofline floor per kernel class of one decode step: max(bytes / copy BW, FLOPs / matmul rate)."""
+    bw, rate = hw["copy_GBps"] * 1e6, hw["bf16_matmul_TFLOPs"] * 1e9     # bytes/ms, FLOP/ms
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".ffn.experts." in name)
+    dense = sum(p.numel() for name, p in model.named_parameters()
+                if p.dim() == 2 and ".ffn.experts." not in name and not name.startswith("embed"))
+    active_expert = experts * cfg.num_experts_per_tok / cfg.num_experts
+    kinds = cfg.layer_types
+    n_csa, n_hca = kinds.count("compressed_sparse_attention"), kinds.count("heavily_compressed_attention")
+    W, D, H = cfg.sliding_window, cfg.head_dim, cfg.num_heads
+    keys = (len(kinds) * W + n_csa * cfg.index_topk + n_hca * context // 128)     # KV rows per request
+    entries = n_csa * context // 4                                               # indexer keys per request
+    touched = min(1.0, n * cfg.num_experts_per_tok / cfg.num_experts)             # share of experts read
+    classes = {
+        "gemm": (2 * dense, 2 * dense * n),
+        "moe": (2 * experts * touched, 2 * active_expert * n),
+        "attention": (n * keys * D * 2, n * keys * 2 * H * 2 * D),
+        "indexer": (n * entries * cfg.index_head_dim * 2, n * entries * 2 * cfg.index_n_heads * cfg.index_head_dim),
+    }
+    return {k: max(b / bw, f / rate) for k, (b, f) in classes.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--experts", type=int, default=16)
+    args = parser.parse_args()
+    hw = ceilings()
+    cfg = slice_config(args.experts)
+    bench = Bench(cfg, max_seqs=72, kv_bytes=8 << 30)
+    bench.runner.capture_decode_graphs([1, 16, 64])
+    result: dict = {"hardware": hw, "config": {"layers": LAYERS, "experts": args.experts,
+                                               "params_B": sum(p.numel() for p in bench.model.parameters()) / 1e9,
+                                               "max_context": MAX_CONTEXT}}
+    result["correctness"] = check_against_reference(bench)
+    print("correctness:", result["correctness"], flush=True)
+    rows = []
+    for context in (4096, 32768):
+        for n in (1, 16, 64):
+            tps, ms = bench.decode_tokens_per_s(n, context, args.steps)
+            rows.append({"config": "dsaserve", "concurrency": n, "context": context, "tok_s": tps, "step_ms": ms})
+            print(rows[-1], flush=True)
+    classes = profile_step_classes(bench, 64, 32768)
+    floors = floors_ms(cfg, bench.model, 64, 32768, hw)
+    result["prefill_tok_s"] = {str(L): prefill_tokens_per_s(bench, L) for L in (2048, 8192)}
+    print("prefill:", result["prefill_tok_s"], flush=True)
+    fast_runner, bench.runner = bench.runner, ModelRunner(bench.model, bench.pool, DEV, MAX_CONTEXT)
+    with kernels.use_backend("naive"):
+        bench.runner.capture_decode_graphs([64])
+        for context in (4096, 32768):
+            tps, ms = bench.decode_tokens_per_s(64, context, max(3, args.steps // 4))
+            rows.append({"config": "before (naive kernels, indexer padded to 1M tokens)", "concurrency": 64,
+                         "context": context, "tok_s": tps, "step_ms": ms})
+            print(rows[-1], flush=True)
+    bench.runner = fast_runner
+    result["decode"] = rows
+    result["step_classes_ms_c64_32k"] = classes
+    result["floors_ms_c64_32k"] = floors
+    for context in (4096, 32768):
+        after = next(r for r in rows if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == context)
+        naive = next(r for r in rows if r["config"] != "dsaserve" and r["context"] == context)
+        result[f"speedup_vs_before_c64_{context}"] = after["tok_s"] / naive["tok_s"]
+    step = next(r for r in rows if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == 32768)
+    result["step_over_floor_c64_32k"] = step["step_ms"] / sum(floors.values())
+    print_table(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def print_table(result: dict) -> None:
+    hw = result["hardware"]
+    print(f"\nH200: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s; "
+          f"slice {result['config']['params_B']:.2f} B params; correctness {result['correctness']}")
+    print(f"{'config':52s} {'conc':>4s} {'ctx':>6s} {'tok/s':>9s} {'step ms':>8s}")
+    for r in result["decode"]:
+        print(f"{r['config']:52s} {r['concurrency']:4d} {r['context']:6d} {r['tok_s']:9.1f} {r['step_ms']:8.3f}")
+    print("speed-up vs before at c=64:", {k: round(v, 1) for k, v in result.items() if k.startswith("speedup")})
+    print("prefill tok/s:", {k: round(v) for k, v in result["prefill_tok_s"].items()})
+    total = sum(result["step_classes_ms_c64_32k"].values())
+    print(f"decode step c=64 ctx=32K by kernel class (eager, total {total:.3f} ms) vs roofline floor:")
+    for k, v in sorted(result["step_classes_ms_c64_32k"].items(), key=lambda kv: -kv[1]):
+        floor = result["floors_ms_c64_32k"].get(k)
+        print(f"  {k:12s} {v:7.3f} ms {100 * v / total:5.1f}%  floor {floor if floor is None else round(floor, 3)}")
+    print(f"graph step / sum of floors: {result['step_over_floor_c64_32k']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
