@@ -299,15 +299,13 @@ INDEXER_CASES = [(b, real, mx) for b in (1, 32, 64) for mx in (8192, 262144)
 
 def decode_alternatives(shape: DecodeShape):
     """Other tile shapes and split counts, timed beside the default at the target shapes."""
-    tiles = [(64, 32, 8, 3), (64, 32, 8, 4), (64, 16, 8, 4)]
-    splits = (1, 2, 3, 4) if shape.heads == 64 else (1, 2)
+    tiles = [(64, 32, 8, 3), (64, 16, 8, 4)]
+    splits = (1, 2, 4) if shape.heads == 64 else (1, 2)
     return [DecodeConfig(h, n, s, w, st) for h, n, w, st in tiles for s in splits]
 
 
 def indexer_alternatives(batch: int):
-    return [IndexerConfig(n, s, room, sel, w, 1)
-            for n, w in [(128, 8), (64, 4)] for s in (4, 9, 16) for room, sel in
-            [(2048, 1024), (512, 1024), (2048, 2048)]]
+    return [IndexerConfig(128, s, room, 1024, 8, 1) for s in (4, 9, 16) for room in (2048, 512)]
 
 
 def kernel_breakdown(fn, args: tuple) -> dict[str, float]:
