@@ -6,9 +6,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -128,10 +130,16 @@ def test_errors_have_openai_bodies(stack, model, body, status, fragment):
     _assert_workers_idle(stack)
 
 
-def test_metrics_of_every_process(stack):
-    for worker in (stack.prefill, stack.decode):
-        text = httpx.get(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=10).text
-        assert "dsaserve_kv_blocks_free" in text and "dsaserve_requests_running" in text
+def test_metrics_of_every_process(stack, client, model):
+    client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=4)   # at least one KV pull
+    worker_text = "".join(httpx.get(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10).text
+                          for w in (stack.prefill, stack.decode))
+    dashboard = (Path(__file__).resolve().parent.parent / "deploy/grafana/dashboards/dsaserve.json").read_text()
+    worker_series = {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"dsaserve_[a-z_]+", dashboard)
+                     if not m.startswith("dsaserve_router_")}
+    assert worker_series, "the dashboard reads no worker series"
+    for name in worker_series:   # every worker series the Grafana dashboard reads exists
+        assert f"\n{name}" in worker_text or f"# HELP {name} " in worker_text, name
     decode_text = httpx.get(f"http://127.0.0.1:{stack.decode.metrics_port}/metrics", timeout=10).text
     transferred = [line for line in decode_text.splitlines() if line.startswith("dsaserve_kv_transfer_bytes_total")]
     assert transferred and float(transferred[0].split()[-1]) > 0
