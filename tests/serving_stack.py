@@ -35,7 +35,7 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)   # polling a condition, bounded by the deadline
 
 
-def _http_status(url: str) -> int | None:
+def http_status(url: str) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status
@@ -106,7 +106,7 @@ class Stack:
         def ready() -> bool:
             for p in procs:
                 p.check_alive()
-            return all(_http_status(f"http://127.0.0.1:{p.metrics_port}/ready") == 200 for p in procs if p.metrics_port)
+            return all(http_status(f"http://127.0.0.1:{p.metrics_port}/ready") == 200 for p in procs if p.metrics_port)
 
         wait_for(ready, START_TIMEOUT_S, "workers to become ready")
 
@@ -116,7 +116,7 @@ class Stack:
         def healthy() -> bool:
             for p in self.procs:
                 p.check_alive()
-            return _http_status(url + "/health") == 200
+            return http_status(url + "/health") == 200
 
         wait_for(healthy, START_TIMEOUT_S, "the router to report healthy")
         return url

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from engine.tiny_model import make_tiny_model
-from tests.serving_stack import Stack, wait_for
+from tests.serving_stack import Stack, http_status, wait_for
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
 
@@ -181,5 +181,38 @@ def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis
                 assert res.choices[0].finish_reason == "length"
         wait_for(alive.all_kv_free, 20, "the survivor to free all KV")
         wait_for(prefill.all_kv_free, 20, "prefill to free all KV (the dead reader's lease included)")
+    finally:
+        s.stop()
+
+
+def test_api_keys_and_admission_limit_with_real_workers(stack, model, tmp_path):
+    """A second router over the same workers, with an API key and room for one request only."""
+    r = stack.router("--api-key", "k-123", "--max-inflight", "1", "--max-queue", "0")
+    url = stack.wait_healthy(r)
+    chat = {"model": model.name, "messages": MESSAGES, "max_tokens": 4}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        res = httpx.post(url + "/v1/chat/completions", json=chat, headers=headers, timeout=30)
+        assert res.status_code == 401 and "API key" in res.json()["error"]["message"]
+    auth = {"Authorization": "Bearer k-123"}
+    long = {**chat, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=long, headers=auth, timeout=60) as held:
+        lines = held.iter_lines()
+        next(lines)   # the one admitted request is streaming now
+        res = httpx.post(url + "/v1/chat/completions", json=chat, headers=auth, timeout=30)
+        assert res.status_code == 429 and res.json()["error"]["message"]
+    ok = httpx.post(url + "/v1/chat/completions", json=chat, headers=auth, timeout=60)
+    assert ok.status_code == 200, ok.text
+    r.proc.terminate()
+    _assert_workers_idle(stack)
+
+
+def test_router_without_workers_answers_503(model, redis_server, tmp_path):
+    s = Stack(model, redis_server.rsplit("/", 1)[0] + "/2", tmp_path)   # an empty registry
+    try:
+        r = s.router()
+        url = f"http://127.0.0.1:{r.port}"
+        wait_for(lambda: r.check_alive() or http_status(url + "/health") == 503, 60, "the router to answer")
+        res = httpx.post(url + "/v1/chat/completions", json={"model": model.name, "messages": MESSAGES}, timeout=30)
+        assert res.status_code == 503 and "prefill" in res.json()["error"]["message"]
     finally:
         s.stop()
