@@ -190,6 +190,9 @@ def sparse_mla_decode(
     # every program's share of the index list must fit its one load of slot ids
     num_splits = max(cfg.num_splits, triton.cdiv(num_idx, IDX_CHUNK_MAX))
     share = triton.cdiv(triton.cdiv(num_idx, num_splits), cfg.block_n) * cfg.block_n
+    # at least one slot id per thread: a smaller (thread-replicated) tl.gather source faulted
+    # on the H200 (illegal address, Triton 3.6)
+    idx_chunk = triton.next_power_of_2(max(share, 32 * cfg.num_warps))
     head_tiles = heads // cfg.block_h
     out = torch.empty(batch, heads, d_v, dtype=q.dtype, device=q.device)  # [B, H, d_v]
     lse = torch.empty(batch, heads, dtype=torch.float32, device=q.device)  # [B, H]
@@ -208,7 +211,7 @@ def sparse_mla_decode(
         o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), lse_buf.stride(0), lse_buf.stride(1),
         kv.shape[0], num_idx, sm_scale * LOG2E, head_tiles, num_splits,
         D_V=d_v, D_ROPE=d_rope, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-        IDX_CHUNK=triton.next_power_of_2(max(share, cfg.block_n)),
+        IDX_CHUNK=idx_chunk,
         SPLIT=num_splits > 1, HAS_LENGTHS=lengths is not None, HAS_SINKS=sinks is not None,
         UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
