@@ -94,7 +94,9 @@ def _sparse_mla_kernel(
     offs_c = start + tl.arange(0, IDX_CHUNK)
     chunk = tl.load(idx_ptr + b * stride_ib + offs_c, mask=offs_c < end, other=-1)
     for t0 in range(0, end - start, BLOCK_N):
-        slot = tl.gather(chunk, t0 + tl.arange(0, BLOCK_N), 0)  # [BLOCK_N]
+        # clamped: the pipeliner runs the gather for iterations past the end (their loads are
+        # predicated off), and an index past the chunk faulted on the H200
+        slot = tl.gather(chunk, tl.minimum(t0 + tl.arange(0, BLOCK_N), IDX_CHUNK - 1), 0)
         valid = (slot >= 0) & (slot < num_slots)
         kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
         kv_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None], other=0.0)  # K and V
@@ -190,8 +192,7 @@ def sparse_mla_decode(
     # every program's share of the index list must fit its one load of slot ids
     num_splits = max(cfg.num_splits, triton.cdiv(num_idx, IDX_CHUNK_MAX))
     share = triton.cdiv(triton.cdiv(num_idx, num_splits), cfg.block_n) * cfg.block_n
-    # at least one slot id per thread: a smaller (thread-replicated) tl.gather source faulted
-    # on the H200 (illegal address, Triton 3.6)
+    # a power of two, at least one slot id per thread
     idx_chunk = triton.next_power_of_2(max(share, 32 * cfg.num_warps))
     head_tiles = heads // cfg.block_h
     out = torch.empty(batch, heads, d_v, dtype=q.dtype, device=q.device)  # [B, H, d_v]
