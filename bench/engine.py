@@ -200,9 +200,10 @@ def profile_step_classes(bench: Bench, n: int, context: int) -> dict[str, float]
             bench.decode_step()
             torch.cuda.synchronize()
         acc: dict[str, float] = {}
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                acc[kernel_class(e.name)] = acc.get(kernel_class(e.name), 0.0) + e.device_time_total / 1e3
+        for e in prof.key_averages():   # kernels carry their own time; CPU ops carry none
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+            if us:
+                acc[kernel_class(e.key)] = acc.get(kernel_class(e.key), 0.0) + us / 1e3
         per_step.append(acc)
     bench.runner.graphs = graphs
     bench.release(reqs)
