@@ -27,7 +27,7 @@ import argparse
 import json
 import statistics
 import time
-from contextlib import nullcontext
+import traceback
 
 import torch
 
@@ -45,6 +45,7 @@ from engine.weights import build_model
 
 DEV = torch.device("cuda")
 MAX_CONTEXT = 1 << 20          # V4-Flash's max_position_embeddings: the "configured maximum"
+BEFORE = "before (naive kernels, indexer padded to 1M tokens)"
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
           "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
@@ -244,58 +245,83 @@ def main() -> None:
     bench.runner.capture_decode_graphs([1, 16, 64])
     result: dict = {"hardware": hw, "config": {"layers": LAYERS, "experts": args.experts,
                                                "params_B": sum(p.numel() for p in bench.model.parameters()) / 1e9,
-                                               "max_context": MAX_CONTEXT}}
-    result["correctness"] = check_against_reference(bench)
-    print("correctness:", result["correctness"], flush=True)
-    rows = []
-    for context in (4096, 32768):
-        for n in (1, 16, 64):
-            tps, ms = bench.decode_tokens_per_s(n, context, args.steps)
-            rows.append({"config": "dsaserve", "concurrency": n, "context": context, "tok_s": tps, "step_ms": ms})
-            print(rows[-1], flush=True)
-    classes = profile_step_classes(bench, 64, 32768)
-    floors = floors_ms(cfg, bench.model, 64, 32768, hw)
-    result["prefill_tok_s"] = {str(L): prefill_tokens_per_s(bench, L) for L in (2048, 8192)}
-    print("prefill:", result["prefill_tok_s"], flush=True)
-    fast_runner, bench.runner = bench.runner, ModelRunner(bench.model, bench.pool, DEV, MAX_CONTEXT)
-    with kernels.use_backend("naive"):
-        bench.runner.capture_decode_graphs([64])
+                                               "max_context": MAX_CONTEXT}, "decode": [], "errors": {}}
+
+    def phase(name: str, fn) -> None:
+        """Run one part; a failure is recorded and the rest still runs (one GPU call, all answers)."""
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - reported in the table and the JSON
+            result["errors"][name] = traceback.format_exc()
+            print(f"{name} failed:\n{result['errors'][name]}", flush=True)
+
+    def correctness() -> None:
+        result["correctness"] = check_against_reference(bench)
+        print("correctness:", result["correctness"], flush=True)
+
+    def decode(config: str, concurrency: tuple[int, ...], steps: int) -> None:
         for context in (4096, 32768):
-            tps, ms = bench.decode_tokens_per_s(64, context, max(3, args.steps // 4))
-            rows.append({"config": "before (naive kernels, indexer padded to 1M tokens)", "concurrency": 64,
-                         "context": context, "tok_s": tps, "step_ms": ms})
-            print(rows[-1], flush=True)
-    bench.runner = fast_runner
-    result["decode"] = rows
-    result["step_classes_ms_c64_32k"] = classes
-    result["floors_ms_c64_32k"] = floors
+            for n in concurrency:
+                tps, ms = bench.decode_tokens_per_s(n, context, steps)
+                result["decode"].append({"config": config, "concurrency": n, "context": context, "tok_s": tps,
+                                         "step_ms": ms})
+                print(result["decode"][-1], flush=True)
+
+    def classes() -> None:
+        result["step_classes_ms_c64_32k"] = profile_step_classes(bench, 64, 32768)
+        result["floors_ms_c64_32k"] = floors_ms(cfg, bench.model, 64, 32768, hw)
+
+    def prefill() -> None:
+        result["prefill_tok_s"] = {str(n): prefill_tokens_per_s(bench, n) for n in (2048, 8192)}
+        print("prefill:", result["prefill_tok_s"], flush=True)
+
+    def before() -> None:
+        fast_runner, bench.runner = bench.runner, ModelRunner(bench.model, bench.pool, DEV, MAX_CONTEXT)
+        try:
+            with kernels.use_backend("naive"):
+                bench.runner.capture_decode_graphs([64])
+                decode(BEFORE, (64,), max(3, args.steps // 4))
+        finally:
+            bench.runner = fast_runner
+
+    phase("correctness", correctness)
+    phase("decode", lambda: decode("dsaserve", (1, 16, 64), args.steps))
+    phase("classes", classes)
+    phase("prefill", prefill)
+    phase("before", before)
+    rows = result["decode"]
     for context in (4096, 32768):
-        after = next(r for r in rows if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == context)
-        naive = next(r for r in rows if r["config"] != "dsaserve" and r["context"] == context)
-        result[f"speedup_vs_before_c64_{context}"] = after["tok_s"] / naive["tok_s"]
-    step = next(r for r in rows if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == 32768)
-    result["step_over_floor_c64_32k"] = step["step_ms"] / sum(floors.values())
-    print_table(result)
+        after = [r for r in rows if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == context]
+        naive = [r for r in rows if r["config"] == BEFORE and r["context"] == context]
+        if after and naive:
+            result[f"speedup_vs_before_c64_{context}"] = after[0]["tok_s"] / naive[0]["tok_s"]
+    step = [r for r in rows if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == 32768]
+    if step and "floors_ms_c64_32k" in result:
+        result["step_over_floor_c64_32k"] = step[0]["step_ms"] / sum(result["floors_ms_c64_32k"].values())
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+    print_table(result)
 
 
 def print_table(result: dict) -> None:
     hw = result["hardware"]
     print(f"\nH200: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s; "
-          f"slice {result['config']['params_B']:.2f} B params; correctness {result['correctness']}")
+          f"slice {result['config']['params_B']:.2f} B params; correctness {result.get('correctness')}; "
+          f"failed phases: {sorted(result['errors']) or 'none'}")
     print(f"{'config':52s} {'conc':>4s} {'ctx':>6s} {'tok/s':>9s} {'step ms':>8s}")
     for r in result["decode"]:
         print(f"{r['config']:52s} {r['concurrency']:4d} {r['context']:6d} {r['tok_s']:9.1f} {r['step_ms']:8.3f}")
     print("speed-up vs before at c=64:", {k: round(v, 1) for k, v in result.items() if k.startswith("speedup")})
-    print("prefill tok/s:", {k: round(v) for k, v in result["prefill_tok_s"].items()})
+    print("prefill tok/s:", {k: round(v) for k, v in result.get("prefill_tok_s", {}).items()})
+    if "step_classes_ms_c64_32k" not in result:
+        return
     total = sum(result["step_classes_ms_c64_32k"].values())
     print(f"decode step c=64 ctx=32K by kernel class (eager, total {total:.3f} ms) vs roofline floor:")
     for k, v in sorted(result["step_classes_ms_c64_32k"].items(), key=lambda kv: -kv[1]):
         floor = result["floors_ms_c64_32k"].get(k)
         print(f"  {k:12s} {v:7.3f} ms {100 * v / total:5.1f}%  floor {floor if floor is None else round(floor, 3)}")
-    print(f"graph step / sum of floors: {result['step_over_floor_c64_32k']:.2f}")
+    print(f"graph step / sum of floors: {result.get('step_over_floor_c64_32k', float('nan')):.2f}")
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class EngineLoop:
                     for out in engine.step():
                         self._publish(out)
                 self._snapshot()
-        except BaseException as e:  # noqa: BLE001 - recorded, reported by health checks
+        except BaseException as e:  # recorded; the worker watchdog reports it
             log.exception("engine thread died")
             self.failure = e
             for loop, q in list(self._subscribers.values()):
@@ -128,7 +128,7 @@ class EngineLoop:
             if fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(self.engine))
-                except Exception as e:  # noqa: BLE001 - handed to the caller
+                except Exception as e:  # handed to the caller
                     fut.set_exception(e)
 
     def _publish(self, out: RequestOutput) -> None:

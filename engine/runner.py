@@ -87,7 +87,7 @@ class _DecodeGraph:
             persist_rows=arange, token_ids=torch.zeros_like(arange),
             hca_width=runner.max_context // hca.ratio + 1 if hca else 0, num_decode=bs,
         )
-        forward = lambda: runner.model(pool, self.inputs, arange)  # noqa: E731
+        forward = lambda: runner.model(pool, self.inputs, arange)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

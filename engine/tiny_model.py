@@ -92,7 +92,7 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
 def _init(name: str, t: torch.Tensor, gen: torch.Generator, raw: dict) -> torch.Tensor:
     if name.endswith("tid2eid"):
         return torch.randint(0, raw["n_routed_experts"], t.shape, generator=gen, dtype=torch.int64)
-    if name.endswith("norm.weight") or name.endswith(".scale"):
+    if name.endswith(("norm.weight", ".scale")):
         return 1 + 0.1 * torch.randn(t.shape, generator=gen)
     if t.dim() == 1:   # sinks, gate biases, mHC biases
         return 0.5 * torch.randn(t.shape, generator=gen)

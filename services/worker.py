@@ -28,7 +28,12 @@ from engine.engine_loop import EngineLoop
 from engine.sampling import SamplingParams
 from engine.tiny_model import default_tiny_model_dir
 from services.metrics import exposition
-from services.registry import DEFAULT_TTL_S, WorkerLoad, WorkerRecord, WorkerRegistration
+from services.registry import (
+    DEFAULT_TTL_S,
+    WorkerLoad,
+    WorkerRecord,
+    WorkerRegistration,
+)
 from services.rpc import pb
 from services.transfer import KVTransfer, Region, publish_descriptor
 from services.worker_metrics import WorkerMetrics
@@ -216,7 +221,7 @@ def _start_probe_server(host: str, port: int, worker: Worker) -> ThreadingHTTPSe
     """/metrics (Prometheus), /live (the process answers), /ready (registered, engine alive)."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:  # http.server calls it by this name
             if self.path == "/metrics":
                 body, ctype = exposition(worker.metrics.registry)
                 status = 200
