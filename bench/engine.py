@@ -85,7 +85,8 @@ class Bench:
         self.cfg = cfg
         self.model = random_model(cfg)
         self.pool = KVPool(cfg, KVCacheConfig(memory_bytes=kv_bytes, page_size=64, max_num_seqs=max_seqs,
-                                              max_num_batched_tokens=8192), dtype=torch.bfloat16, device=DEV)
+                                              max_num_batched_tokens=8192), dtype=torch.bfloat16, device=DEV,
+                           max_context=MAX_CONTEXT)
         gen = torch.Generator(DEV).manual_seed(1)
         for group in self.pool.groups.values():   # a synthetic history: any values will do
             for t in list(group.kv.values()) + list(group.index_k.values()):
@@ -134,7 +135,7 @@ def check_against_reference(bench: Bench) -> dict:
     """Logits of the Triton path vs the plain-torch reference on the same state."""
     out = {}
     reqs = bench.requests(4, 3000)
-    specs = [(r.num_computed, 1, r.slab, r.block_tables, [11]) for r in reqs]
+    specs = [(r.num_computed, 1, r.slab, [11]) for r in reqs]
     inp = build_step_inputs(bench.pool, specs, len(specs), DEV)
     rows = torch.arange(len(specs), device=DEV)
     with kernels.use_backend("reference"):
@@ -146,7 +147,7 @@ def check_against_reference(bench: Bench) -> dict:
     [r] = bench.requests(1, 0)
     r.prompt_token_ids = torch.randint(0, bench.cfg.vocab_size, (2048,)).tolist()
     assert bench.scheduler.try_allocate(r, 2049)
-    spec = [(0, 2048, r.slab, r.block_tables, r.prompt_token_ids)]
+    spec = [(0, 2048, r.slab, r.prompt_token_ids)]
     inp = build_step_inputs(bench.pool, spec, 0, DEV)
     last = torch.tensor([2047], device=DEV)
     with kernels.use_backend("reference"):

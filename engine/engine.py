@@ -90,7 +90,7 @@ class LLMEngine:
         load_weights(self.model, model_dir)
         kv_cfg = KVCacheConfig(memory_bytes=self._kv_budget(), page_size=config.page_size,
                                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
-        self.pool = KVPool(cfg, kv_cfg, dtype=dtype, device=self.device)
+        self.pool = KVPool(cfg, kv_cfg, dtype=dtype, device=self.device, max_context=self.context_length)
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, self.device, self.context_length)
         log.info("KV pool: %d pages (%s), one request up to %d tokens, layout %s", self.pool.num_total_pages,
@@ -242,7 +242,7 @@ class LLMEngine:
             for start in range(0, len(token_ids), step):
                 part = token_ids[start : start + step]
                 chunks.append(self.runner.forward_all_rows(
-                    [(start, len(part), req.slab, req.block_tables, part)], 0))
+                    [(start, len(part), req.slab, part)], 0))
             return torch.cat(chunks)
         finally:
             self.scheduler.free_kv(req)

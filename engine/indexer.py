@@ -37,7 +37,7 @@ class Indexer(torch.nn.Module):
         num_pages = pool.groups["csa"].num_pages
         k_cache = keys[: num_pages * pool.page_size].view(num_pages, pool.page_size, self.head_dim)
         lengths = step.entry_counts(self.rate).to(torch.int32)                            # [N]
-        entry_tables = inp.tables["csa"][:, pool.ring_pages:]                             # [B, pages]
+        entry_tables = step.table("csa")[:, pool.ring_pages:]                             # [B, pages]
         # Decode rows are requests 0..D-1 in order; a prefill chunk's rows share one table,
         # broadcast without copying.
         parts = [(slice(0, inp.num_decode), entry_tables[: inp.num_decode])] if inp.num_decode else []

@@ -70,7 +70,8 @@ class PoolGroup:
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, kv_cfg: KVCacheConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, kv_cfg: KVCacheConfig, *, dtype: torch.dtype, device: torch.device,
+                 max_context: int | None = None) -> None:
         self.cfg, self.kv_cfg, self.dtype, self.device = cfg, kv_cfg, dtype, torch.device(device)
         self.page_size = P = kv_cfg.page_size
         self.ring_pages = math.ceil(cfg.sliding_window / P)
@@ -96,6 +97,14 @@ class KVPool:
         # that no request ever owns.
         self.dummy_pages = {g: grp.allocator.allocate(1)[0] for g, grp in self.groups.items()}
         self.dummy_slab = self.slab.allocate(1)[0]
+        # Device copies of every request's block tables, one row per slab row, written when
+        # pages are allocated: a step gathers its rows on the device instead of rebuilding
+        # [batch, pages] tables on the host each step (that would cost O(context) per step).
+        max_context = max_context or cfg.max_position_embeddings
+        self.block_tables = {
+            g: torch.full((kv_cfg.max_num_seqs + 1, min(grp.num_pages, self.pages_for(g, max_context))),
+                          self.dummy_pages[g], dtype=torch.int32, device=self.device)
+            for g, grp in self.groups.items()}
         # Compressor rings, per layer: raw (kv, gate) projections of the most recent tokens.
         # Overlapping (CSA) compressors keep two windows, the others one.
         self.comp_ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -117,6 +126,10 @@ class KVPool:
         ratio = self.groups[group].ratio
         entries = num_tokens // ratio if ratio else 0
         return self.ring_pages + math.ceil(entries / self.page_size)
+
+    def write_block_table(self, slab: int, group: str, first: int, pages: list[int]) -> None:
+        """Record pages[i] as page `first + i` of the request in slab row `slab`."""
+        self.block_tables[group][slab, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
 
     def entry_slot_base(self, group: str) -> int:
         """First scratch row of every `kv[layer]` of `group` (rows before it are pages)."""

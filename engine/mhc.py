@@ -12,16 +12,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.norm import unweighted_rms_norm
-
-
-def sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """[..., n, n] logits -> near doubly-stochastic matrix (row softmax, then column/row sweeps)."""
-    comb = torch.softmax(logits, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+from kernels import hc_weights
 
 
 class HyperConnection(torch.nn.Module):
@@ -35,14 +26,9 @@ class HyperConnection(torch.nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [N, n, D] -> (post [N, n], comb [N, n, n], collapsed input [N, D]); fp32 weights."""
-        n = self.n
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre_w, post_w, comb_w = F.linear(flat, self.fn.float()).split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_s, post_s, comb_s = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = sinkhorn(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), self.iters, self.hc_eps)
+        mixes = F.linear(flat, self.fn.float())                                  # [N, (2 + n) * n]
+        pre, post, comb = hc_weights(mixes, self.base, self.scale, self.n, self.iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 

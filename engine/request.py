@@ -37,6 +37,13 @@ class Request:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens(self, start: int, n: int) -> list[int]:
+        """token_ids[start:start + n] without building the whole list (decode steps stay O(1))."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : start - p + n]
+        return self.prompt_token_ids[start : start + n] + self.output_token_ids[: max(0, start + n - p)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -4,6 +4,8 @@ Graphs are captured at start-up for a list of batch sizes. A batch is padded to 
 captured size with rows that point at the pool's dummy page and slab row, so padding never
 touches a real request's state. The index lists inside a graph are as wide as the context
 length allows (block tables, HCA entries); the kernels read only each row's real length.
+Block tables are gathered on the device from the pool's per-slab copy, so a replay only
+refreshes positions, slab rows and token ids.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ class ModelRunner:
         """
         specs, samplers, rows = [], [], []
         for req in batch.decode:
-            specs.append((req.num_computed, 1, req.slab, req.block_tables, [req.token_ids[req.num_computed]]))
+            specs.append((req.num_computed, 1, req.slab, req.tokens(req.num_computed, 1)))
         for req, n in batch.prefill:
             start = req.num_computed
-            specs.append((start, n, req.slab, req.block_tables, req.token_ids[start : start + n]))
+            specs.append((start, n, req.slab, req.tokens(start, n)))
         row = 0
         for req, (start, n, *_) in zip(batch.decode + [r for r, _ in batch.prefill], specs):
             row += n
@@ -78,12 +80,10 @@ class _DecodeGraph:
         pool, dev = runner.pool, runner.device
         self.pool, self.bs = pool, bs
         arange = torch.arange(bs, device=dev)
-        self.tables = {g: torch.full((bs, pool.pages_for(g, runner.max_context)), pool.dummy_pages[g],
-                                     dtype=torch.int32, device=dev) for g in pool.groups}
         hca = pool.groups.get("hca")
         self.inputs = StepInputs(
             positions=torch.zeros(bs, dtype=torch.int64, device=dev), row_req=arange, req_past=torch.zeros_like(arange),
-            req_row0=arange, slab=torch.full((bs,), pool.dummy_slab, dtype=torch.int64, device=dev), tables=self.tables,
+            req_row0=arange, slab=torch.full((bs,), pool.dummy_slab, dtype=torch.int64, device=dev),
             persist_rows=arange, token_ids=torch.zeros_like(arange),
             hca_width=runner.max_context // hca.ratio + 1 if hca else 0, num_decode=bs,
         )
@@ -100,16 +100,10 @@ class _DecodeGraph:
 
     def run(self, specs: list[tuple]) -> torch.Tensor:
         n, inp, pool = len(specs), self.inputs, self.pool
-        host = torch.tensor([[s[0], s[2], s[4][0]] for s in specs], dtype=torch.int64)   # position, slab, token
+        host = torch.tensor([[s[0], s[2], s[3][0]] for s in specs], dtype=torch.int64)   # position, slab, token
         for buf, col, pad in ((inp.positions, 0, 0), (inp.slab, 1, pool.dummy_slab), (inp.token_ids, 2, 0)):
             buf[:n].copy_(host[:, col], non_blocking=True)
             buf[n:].fill_(pad)
         inp.req_past.copy_(inp.positions)
-        for g, table in self.tables.items():
-            rows = [s[3][g] for s in specs]
-            width = max(len(r) for r in rows)
-            table[:n, :width].copy_(torch.tensor([r + [pool.dummy_pages[g]] * (width - len(r)) for r in rows],
-                                                 dtype=torch.int32), non_blocking=True)
-            table[n:].fill_(pool.dummy_pages[g])
         self.graph.replay()
         return self.logits[:n]

@@ -132,7 +132,10 @@ class Scheduler:
                 return False
         for g, n in need.items():
             if n > 0:
-                req.block_tables.setdefault(g, []).extend(pool.groups[g].allocator.allocate(n))
+                pages = pool.groups[g].allocator.allocate(n)
+                table = req.block_tables.setdefault(g, [])
+                pool.write_block_table(req.slab, g, len(table), pages)
+                table.extend(pages)
         return True
 
     def free_kv(self, req: Request) -> None:

@@ -34,8 +34,7 @@ class StepInputs:
     row_req: torch.Tensor               # [N] int64, request index of each row
     req_past: torch.Tensor              # [B] int64, tokens computed before this step
     req_row0: torch.Tensor              # [B] int64, first row of each request
-    slab: torch.Tensor                  # [B] int64, slab row of each request
-    tables: dict[str, torch.Tensor]     # group -> [B, max_pages] int32 block tables (0-padded)
+    slab: torch.Tensor                  # [B] int64, slab row of each request (its block tables' row)
     persist_rows: torch.Tensor          # [M] int64, rows written to the window ring after attention
     token_ids: torch.Tensor             # [N] int64 (hash-routed MoE layers route by token id)
     hca_width: int                      # compressed-entry columns of HCA index lists (>= max count)
@@ -49,15 +48,15 @@ class StepInputs:
 
 def build_step_inputs(
     pool: KVPool,
-    requests: list[tuple[int, int, int, dict[str, list[int]], list[int]]],
+    requests: list[tuple[int, int, int, list[int]]],
     num_decode: int,
     device: torch.device,
 ) -> StepInputs:
-    """requests: (start, num_rows, slab, block tables, token ids) per request, decode ones first."""
+    """requests: (start, num_rows, slab, token ids) per request, decode ones first."""
     positions, row_req, token_ids, persist, segments = [], [], [], [], []
     req_past, req_row0, slabs = [], [], []
     row = 0
-    for b, (start, n, slab, _, toks) in enumerate(requests):
+    for b, (start, n, slab, toks) in enumerate(requests):
         assert len(toks) == n and (b >= num_decode or n == 1)
         positions.extend(range(start, start + n))
         row_req.extend([b] * n)
@@ -69,11 +68,6 @@ def build_step_inputs(
         if b >= num_decode:
             segments.append(Segment(row0=row, start=start, num_rows=n, slab=slab, req=b))
         row += n
-    tables = {}
-    for g in pool.groups:
-        # At least one entry page column, so lookups of masked entries (-1 -> 0) stay in bounds.
-        width = max(pool.ring_pages + 1, *(len(r[3][g]) for r in requests))
-        tables[g] = torch.tensor([r[3][g] + [0] * (width - len(r[3][g])) for r in requests], dtype=torch.int32)
     hca = pool.groups.get("hca")
     hca_width = max((p + 1) // hca.ratio for p in positions) if hca else 0
 
@@ -82,7 +76,7 @@ def build_step_inputs(
 
     return StepInputs(
         positions=t(positions), row_req=t(row_req), req_past=t(req_past), req_row0=t(req_row0), slab=t(slabs),
-        tables={g: v.to(device, non_blocking=True) for g, v in tables.items()}, persist_rows=t(persist),
+        persist_rows=t(persist),
         token_ids=t(token_ids), hca_width=hca_width, num_decode=num_decode, segments=segments,
     )
 
@@ -105,10 +99,14 @@ class StepState:
 
     # ---------------------------------------------------------------- slots
 
+    def table(self, group: str) -> torch.Tensor:
+        """[B, max_pages] int32 block tables of this step's requests (from the pool's device copy)."""
+        return self._cached(("table", group), lambda: self.pool.block_tables[group].index_select(0, self.inp.slab))
+
     def entry_slots(self, group: str, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Slot ids of compressed entries `entry` (any shape) of requests `req` (broadcastable)."""
         P, pool = self.pool.page_size, self.pool
-        page = self.inp.tables[group][req, pool.ring_pages + torch.div(entry, P, rounding_mode="floor")].long()
+        page = self.table(group)[req, pool.ring_pages + torch.div(entry, P, rounding_mode="floor")].long()
         return page * P + entry.remainder(P)
 
     def scratch_slots(self, group: str) -> torch.Tensor:
@@ -118,7 +116,7 @@ class StepState:
 
     def ring_slots(self, group: str, positions: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
         P, ring = self.pool.page_size, positions.remainder(self.pool.ring_len)
-        return self.inp.tables[group][req, torch.div(ring, P, rounding_mode="floor")].long() * P + ring.remainder(P)
+        return self.table(group)[req, torch.div(ring, P, rounding_mode="floor")].long() * P + ring.remainder(P)
 
     def window_indices(self, group: str) -> torch.Tensor:
         """[N, W] slots of each row's sliding window (positions t-W+1..t), -1 before position 0.

@@ -5,6 +5,7 @@ Public API (imports torch and triton only):
     out, lse = sparse_mla_decode(q, kv, indices, sm_scale, *, d_v=512, sinks=None, lengths=None)
     idx = indexer_topk(q, weights, k_cache, block_table, lengths, topk, *, scale)
     slots = positions_to_slots(positions, block_table, page_size)
+    pre, post, comb = hc_weights(mixes, base, scale, n, iters, eps)      # mHC stream mixing
 
 Dispatch: CUDA tensors run the Triton kernels (kernels.sparse_mla, kernels.indexer: no host
 sync, shape-only allocations, so decode steps can be captured in CUDA graphs); CPU tensors run
@@ -19,10 +20,11 @@ this package is imported first). ``kernels.naive`` holds the "before" kernels fo
 
 from kernels import env  # noqa: F401  (must precede the kernel modules: picks interpreter mode)
 from kernels import naive, reference
-from kernels.dispatch import indexer_topk, sparse_mla_decode, use_backend
+from kernels.dispatch import hc_weights, indexer_topk, sparse_mla_decode, use_backend
 from kernels.paging import positions_to_slots
 
 __all__ = [
+    "hc_weights",
     "indexer_topk",
     "naive",
     "positions_to_slots",

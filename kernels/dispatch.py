@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from kernels import indexer, naive, reference, sparse_mla
+from kernels import indexer, mhc, naive, reference, sparse_mla
 
 Backend = Literal["triton", "reference", "naive"]
 _forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("kernels_backend",
@@ -93,3 +93,15 @@ def indexer_topk(
     impl = {"triton": indexer.indexer_topk, "reference": reference.indexer_topk,
             "naive": naive.indexer_topk}[_backend(q)]
     return impl(q, weights, k_cache, block_table, lengths, topk, scale=scale)
+
+
+def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC weights from projected mixes [R, (2+n)*n] fp32: pre [R, n], post [R, n], comb [R, n, n].
+
+    pre = sigmoid(m[:n]*scale[0] + base[:n]) + eps; post = 2*sigmoid(m[n:2n]*scale[1] + base[n:2n]);
+    comb = row softmax of m[2n:].view(n, n)*scale[2] + base[2n:], plus eps, then `iters` Sinkhorn
+    sweeps (columns first, ending on columns). The naive backend is the reference here.
+    """
+    impl = mhc.hc_weights if _backend(mixes) == "triton" else reference.hc_weights
+    return impl(mixes, base, scale, n, iters, eps)

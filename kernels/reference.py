@@ -104,3 +104,19 @@ def indexer_topk(
                             width, scale)
     out[long_rows] = pick_topk(scores, lengths[long_rows], topk)
     return out
+
+
+def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference mHC weights; semantics in kernels.mhc (the exact order of HF transformers' ops)."""
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels
+
 from engine.config import ModelConfig
 from engine.kv_pool import KVCacheConfig, KVPool
-from engine.mhc import sinkhorn
 from engine.rope import inverse_frequencies
 from engine.step import StepState, build_step_inputs
 from engine.weights import build_model, load_weights
@@ -32,14 +33,21 @@ def _pool(cfg: ModelConfig, page_size: int = 4) -> KVPool:
                                      max_num_batched_tokens=128), dtype=torch.float32, device=torch.device("cpu"))
 
 
-def test_sinkhorn_is_doubly_stochastic_and_matches_hf(pair):
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_sinkhorn_is_doubly_stochastic_and_matches_hf(pair, backend):
     hf, ours, cfg = pair
-    logits = torch.randn(5, cfg.hc_mult, cfg.hc_mult)
-    comb = sinkhorn(logits, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    n = cfg.hc_mult
+    mixes = torch.randn(37, (2 + n) * n)
+    base, scale = torch.randn((2 + n) * n), torch.rand(3) + 0.5
+    with kernels.use_backend(backend):
+        pre, post, comb = kernels.hc_weights(mixes, base, scale, n, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    ref = kernels.reference.hc_weights(mixes, base, scale, n, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+    for a, b in zip((pre, post, comb), ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # The sweeps end on the columns: those sum to 1 exactly, the rows nearly.
-    assert torch.allclose(comb.sum(-2), torch.ones(5, cfg.hc_mult), atol=1e-5)
-    assert torch.allclose(comb.sum(-1), torch.ones(5, cfg.hc_mult), atol=2e-2)
-    assert (comb > 0).all()
+    assert torch.allclose(comb.sum(-2), torch.ones(37, n), atol=1e-5)
+    assert torch.allclose(comb.sum(-1), torch.ones(37, n), atol=2e-2)
+    assert (comb > 0).all() and (pre > 0).all() and ((post > 0) & (post < 2)).all()
     streams = torch.randn(1, 7, cfg.hc_mult, cfg.hidden_size)
     hf_post, hf_comb, hf_collapsed = hf.model.layers[0].attn_hc(streams)
     post, comb, collapsed = ours.layers[0].hc_attn(streams[0])
@@ -71,6 +79,15 @@ def test_routing_matches_hf_for_topk_and_hash_layers(pair):
     assert torch.allclose(w.sum(-1), torch.full((11,), cfg.routed_scaling_factor))
 
 
+def _allocate(pool: KVPool, total: int) -> tuple[int, dict[str, list[int]]]:
+    """A slab row and pages for `total` tokens, recorded in the pool's block tables."""
+    slab = pool.slab.allocate(1)[0]
+    tables = {g: pool.groups[g].allocator.allocate(pool.pages_for(g, total)) for g in pool.groups}
+    for g, pages in tables.items():
+        pool.write_block_table(slab, g, 0, pages)
+    return slab, tables
+
+
 def _entries(pool: KVPool, tables, group: str, layer: int, n: int, index: bool = False) -> torch.Tensor:
     P, table = pool.page_size, tables[group]
     slots = [table[pool.ring_pages + w // P] * P + w % P for w in range(n)]
@@ -88,10 +105,10 @@ def test_compressors_match_hf_cache_across_call_boundaries(pair, chunks):
     with torch.no_grad():
         cache = hf(ids[None], use_cache=True).cache
     pool = _pool(cfg)
-    tables = {g: pool.groups[g].allocator.allocate(pool.pages_for(g, total)) for g in pool.groups}
-    slab, start = pool.slab.allocate(1)[0], 0
+    slab, tables = _allocate(pool, total)
+    start = 0
     for n in chunks:
-        inp = build_step_inputs(pool, [(start, n, slab, tables, ids[start:start + n].tolist())], 0, torch.device("cpu"))
+        inp = build_step_inputs(pool, [(start, n, slab, ids[start:start + n].tolist())], 0, torch.device("cpu"))
         ours(pool, inp, torch.tensor([n - 1]))
         start += n
     csa, hca = cache.layers[CSA_LAYER], cache.layers[HCA_LAYER]
@@ -107,9 +124,8 @@ def test_indexer_picks_only_visible_entries(pair):
     """Row t may pick entry w only if (w+1)*4 <= t+1; with fewer than top-k visible it picks all."""
     _, ours, cfg = pair
     pool, total = _pool(cfg), 90
-    tables = {g: pool.groups[g].allocator.allocate(pool.pages_for(g, total)) for g in pool.groups}
-    inp = build_step_inputs(pool, [(0, total, pool.slab.allocate(1)[0], tables, list(range(total)))], 0,
-                            torch.device("cpu"))
+    slab, tables = _allocate(pool, total)
+    inp = build_step_inputs(pool, [(0, total, slab, list(range(total)))], 0, torch.device("cpu"))
     step = StepState(pool, inp, dict(ours.rope_tables))
     x = torch.randn(total, cfg.hidden_size)
     picked = ours.layers[CSA_LAYER].attn.indexer(x, torch.randn(total, cfg.q_lora_rank), step)   # [T, topk] slots
