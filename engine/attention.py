@@ -16,9 +16,8 @@ from engine.compressor import Compressor
 from engine.config import CSA, SLIDING, ModelConfig
 from engine.indexer import Indexer
 from engine.norm import RMSNorm, unweighted_rms_norm
-from engine.rope import apply_rope
 from engine.step import StepState
-from kernels import sparse_mla_decode
+from kernels import apply_rope, sparse_mla_decode
 
 
 class Attention(torch.nn.Module):

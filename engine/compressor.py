@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from engine.norm import RMSNorm
-from engine.rope import apply_rope
 from engine.step import StepState
+from kernels import apply_rope
 
 
 class Compressor(torch.nn.Module):

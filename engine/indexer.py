@@ -11,9 +11,8 @@ import torch
 
 from engine.compressor import Compressor
 from engine.config import ModelConfig
-from engine.rope import apply_rope
 from engine.step import StepState
-from kernels import indexer_topk, positions_to_slots
+from kernels import apply_rope, indexer_topk, positions_to_slots
 
 
 class Indexer(torch.nn.Module):

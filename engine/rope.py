@@ -1,4 +1,6 @@
-"""Interleaved partial RoPE on the trailing `rope_dim` channels, with optional YaRN.
+"""RoPE tables: interleaved partial RoPE on the trailing `rope_dim` channels, optional YaRN.
+
+The rotation itself is `kernels.apply_rope`.
 
 DeepSeek-V4 rotates consecutive channel pairs (x0, x1) of the last `rope_dim` dims of each
 head; the leading "nope" channels are untouched. Sliding-only layers use the plain "main"
@@ -50,20 +52,3 @@ class RotaryTable(torch.nn.Module):
         """positions [N] -> (cos, sin), each [N, rope_dim // 2] in `dtype` (rounded as the reference does)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing channel pairs of x.
-
-    x [N, ..., D]; cos/sin [N, rope_dim // 2] broadcast over the middle dims. `inverse`
-    rotates by -angle (used to undo the rotation that V picked up, since K = V).
-    """
-    half = cos.shape[-1]
-    view = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    cos, sin = cos.reshape(view).float(), sin.reshape(view).float()
-    if inverse:
-        sin = -sin
-    nope, rope = x[..., : -2 * half], x[..., -2 * half :].float()
-    x0, x1 = rope[..., 0::2], rope[..., 1::2]
-    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
-    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)

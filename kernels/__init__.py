@@ -6,10 +6,11 @@ Public API (imports torch and triton only):
     idx = indexer_topk(q, weights, k_cache, block_table, lengths, topk, *, scale)
     slots = positions_to_slots(positions, block_table, page_size)
     pre, post, comb = hc_weights(mixes, base, scale, n, iters, eps)      # mHC stream mixing
+    y = rms_norm(x, weight_or_None, eps); y = apply_rope(x, cos, sin, inverse=False)
 
-Dispatch: CUDA tensors run the Triton kernels (kernels.sparse_mla, kernels.indexer: no host
-sync, shape-only allocations, so decode steps can be captured in CUDA graphs); CPU tensors run
-the plain-torch references (kernels.reference, exact in fp32). Force a backend with
+Dispatch: CUDA tensors run the Triton kernels (kernels.sparse_mla, kernels.indexer, kernels.mhc,
+kernels.rowwise: no host sync, shape-only allocations, so decode steps can be captured in CUDA
+graphs); CPU tensors run the plain-torch references (kernels.reference, exact in fp32). Force a backend with
 
     with kernels.use_backend("triton"):      # or "reference", "naive"
         out, lse = kernels.sparse_mla_decode(...)
@@ -18,17 +19,19 @@ Without CUDA, "triton" runs in Triton's interpreter (kernels.env sets TRITON_INT
 this package is imported first). ``kernels.naive`` holds the "before" kernels for benchmarks.
 """
 
-from kernels import env  # noqa: F401  (must precede the kernel modules: picks interpreter mode)
+from kernels import env  # noqa: F401, I001  (must precede the kernel modules: picks interpreter mode)
 from kernels import naive, reference
-from kernels.dispatch import hc_weights, indexer_topk, sparse_mla_decode, use_backend
+from kernels.dispatch import apply_rope, hc_weights, indexer_topk, rms_norm, sparse_mla_decode, use_backend
 from kernels.paging import positions_to_slots
 
 __all__ = [
+    "apply_rope",
     "hc_weights",
     "indexer_topk",
     "naive",
     "positions_to_slots",
     "reference",
+    "rms_norm",
     "sparse_mla_decode",
     "use_backend",
 ]

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from kernels import indexer, mhc, naive, reference, sparse_mla
+from kernels import indexer, mhc, naive, reference, rowwise, sparse_mla
 
 Backend = Literal["triton", "reference", "naive"]
 _forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("kernels_backend",
@@ -33,6 +33,15 @@ def use_backend(backend: Backend | None) -> Iterator[None]:
 
 def _backend(t: torch.Tensor) -> Backend:
     return _forced.get() or ("triton" if t.is_cuda else "reference")
+
+
+def _elementwise_backend(t: torch.Tensor) -> Backend:
+    """The row-wise and mHC kernels have no "before" version: "naive" keeps them on Triton, so a
+    naive run isolates the attention and indexer kernels."""
+    forced = _forced.get()
+    if forced == "reference" or (forced is None and not t.is_cuda) or (forced == "naive" and not t.is_cuda):
+        return "reference"
+    return "triton"
 
 
 def sparse_mla_decode(
@@ -101,7 +110,21 @@ def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: 
 
     pre = sigmoid(m[:n]*scale[0] + base[:n]) + eps; post = 2*sigmoid(m[n:2n]*scale[1] + base[n:2n]);
     comb = row softmax of m[2n:].view(n, n)*scale[2] + base[2n:], plus eps, then `iters` Sinkhorn
-    sweeps (columns first, ending on columns). The naive backend is the reference here.
+    sweeps (columns first, ending on columns).
     """
-    impl = mhc.hc_weights if _backend(mixes) == "triton" else reference.hc_weights
+    impl = mhc.hc_weights if _elementwise_backend(mixes) == "triton" else reference.hc_weights
     return impl(mixes, base, scale, n, iters, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., D] / rms(x) over D (statistics in fp32), times `weight` [D] fp32 if given."""
+    impl = rowwise.rms_norm if _elementwise_backend(x) == "triton" else reference.rms_norm
+    return impl(x, weight, eps)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Interleaved RoPE on the trailing 2*half channels of x [N, ..., D]: pairs (x0, x1) become
+    (x0 c - x1 s, x1 c + x0 s) with cos/sin [N, half] per row N (x's dtype, math in fp32);
+    `inverse` rotates by minus the angle. The leading channels pass through."""
+    impl = rowwise.apply_rope if _elementwise_backend(x) == "triton" else reference.apply_rope
+    return impl(x, cos, sin, inverse)

@@ -120,3 +120,25 @@ def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: 
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return pre, post, comb
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Reference RMS norm (HF's op order: weighted norms scale in fp32 and cast once; the
+    unweighted one casts the rsqrt factor to x's dtype first)."""
+    if weight is None:
+        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Reference interleaved RoPE of the trailing 2*half channels of x [N, ..., D]."""
+    half = cos.shape[-1]
+    view = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.reshape(view).float(), sin.reshape(view).float()
+    if inverse:
+        sin = -sin
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :].float()
+    x0, x1 = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((x0 * cos - x1 * sin, x1 * cos + x0 * sin), dim=-1).flatten(-2)
+    return torch.cat((nope, rotated.to(x.dtype)), dim=-1)
