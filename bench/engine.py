@@ -175,41 +175,68 @@ def prefill_tokens_per_s(bench: Bench, length: int) -> float:
     return length / dt
 
 
-KERNEL_CLASSES = (
-    ("attention", ("sparse_mla", "_decode", "combine")),
-    ("indexer", ("_score_kernel", "_merge_kernel", "indexer", "radix")),
-    ("moe", ("grouped", "Grouped")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Gemm")),
-)
+GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Gemm", "splitKreduce")
+KERNEL_KINDS = (("sparse_mla", ("_sparse_mla", "_combine", "_naive_decode")),
+                ("indexer_topk", ("_score_kernel", "_merge_kernel")), ("gemm", GEMM_NAMES))
 
 
-def kernel_class(name: str) -> str:
-    for cls, keys in KERNEL_CLASSES:
-        if any(k in name for k in keys):
-            return cls
-    return "elementwise"
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in name for k in keys)), "elementwise")
 
 
-def profile_step_classes(bench: Bench, n: int, context: int) -> dict[str, float]:
-    """Milliseconds per kernel class of one eager decode step (median of 3)."""
+def summary_class(part: str, kind: str) -> str:
+    """The issue's classes: attention and indexer kernels, MoE (router, experts, shared expert),
+    the other GEMMs, and elementwise for everything else."""
+    if kind in ("sparse_mla", "indexer_topk"):
+        return {"sparse_mla": "attention", "indexer_topk": "indexer"}[kind]
+    if part == "moe":
+        return "moe"
+    return "gemm" if kind == "gemm" else "elementwise"
+
+
+def profile_step(bench: Bench, n: int, context: int) -> dict[str, dict[str, float]]:
+    """ms of one eager decode step (median of 3) by model part (innermost dsaserve.* profiler
+    range) and kernel kind."""
     reqs = bench.requests(n, context)
     graphs, bench.runner.graphs = bench.runner.graphs, {}
     for _ in range(2):
         bench.decode_step()
     per_step = []
     for _ in range(3):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
+                                                torch.profiler.ProfilerActivity.CPU]) as prof:
             bench.decode_step()
             torch.cuda.synchronize()
-        acc: dict[str, float] = {}
-        for e in prof.key_averages():   # kernels carry their own time; CPU ops carry none
-            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
-            if us:
-                acc[kernel_class(e.key)] = acc.get(kernel_class(e.key), 0.0) + us / 1e3
+        acc: dict[tuple[str, str], float] = {}
+        for e in prof.events():
+            if not e.kernels:
+                continue
+            part, p = "other", e
+            while p is not None:   # innermost model part that launched the kernel
+                if p.name.startswith("dsaserve."):
+                    part = p.name.removeprefix("dsaserve.")
+                    break
+                p = p.cpu_parent
+            for k in e.kernels:
+                key = (part, kernel_kind(k.name))
+                acc[key] = acc.get(key, 0.0) + k.duration / 1e3
         per_step.append(acc)
     bench.runner.graphs = graphs
     bench.release(reqs)
-    return {k: statistics.median(s.get(k, 0.0) for s in per_step) for k in {k for s in per_step for k in s}}
+    keys = {k for s in per_step for k in s}
+    table: dict[str, dict[str, float]] = {}
+    for part, kind in keys:
+        table.setdefault(part, {})[kind] = statistics.median(s.get((part, kind), 0.0) for s in per_step)
+    return table
+
+
+def step_classes(table: dict[str, dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part, kinds in table.items():
+        for kind, ms in kinds.items():
+            cls = summary_class(part, kind)
+            out[cls] = out.get(cls, 0.0) + ms
+    return out
 
 
 def floors_ms(cfg: ModelConfig, model, n: int, context: int, hw: dict) -> dict[str, float]:
@@ -269,7 +296,8 @@ def main() -> None:
                 print(result["decode"][-1], flush=True)
 
     def classes() -> None:
-        result["step_classes_ms_c64_32k"] = profile_step_classes(bench, 64, 32768)
+        result["step_parts_ms_c64_32k"] = profile_step(bench, 64, 32768)
+        result["step_classes_ms_c64_32k"] = step_classes(result["step_parts_ms_c64_32k"])
         result["floors_ms_c64_32k"] = floors_ms(cfg, bench.model, 64, 32768, hw)
 
     def prefill() -> None:
@@ -322,6 +350,8 @@ def print_table(result: dict) -> None:
     for k, v in sorted(result["step_classes_ms_c64_32k"].items(), key=lambda kv: -kv[1]):
         floor = result["floors_ms_c64_32k"].get(k)
         print(f"  {k:12s} {v:7.3f} ms {100 * v / total:5.1f}%  floor {floor if floor is None else round(floor, 3)}")
+    print("by model part (ms):", {part: {k: round(v, 3) for k, v in kinds.items()}
+                                  for part, kinds in result.get("step_parts_ms_c64_32k", {}).items()})
     print(f"graph step / sum of floors: {result.get('step_over_floor_c64_32k', float('nan')):.2f}")
 
 

@@ -16,6 +16,7 @@ from engine.compressor import Compressor
 from engine.config import CSA, SLIDING, ModelConfig
 from engine.indexer import Indexer
 from engine.norm import RMSNorm, unweighted_rms_norm
+from engine.profiling import profiled
 from engine.step import StepState
 from kernels import apply_rope, sparse_mla_decode
 
@@ -46,6 +47,10 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepState) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]; reads and writes this layer's KV state through `step`."""
+        with profiled("attention"):
+            return self._forward(x, step)
+
+    def _forward(self, x: torch.Tensor, step: StepState) -> torch.Tensor:
         n, pool = x.shape[0], step.pool
         group = pool.group_of_layer[self.layer]
         cos, sin = step.rope(self.rope_kind)
@@ -58,14 +63,18 @@ class Attention(torch.nn.Module):
         slots.index_copy_(0, step.scratch_slots(group), kv)
         indices, lengths = step.window_indices(group), None                               # [N, W]
         if self.compressor is not None:
-            self.compressor(x, step, pool.comp_ring[self.layer], slots, group, pool.trash_slot(group))
+            with profiled("compressor"):
+                self.compressor(x, step, pool.comp_ring[self.layer], slots, group, pool.trash_slot(group))
             if self.indexer is not None:
-                indices = torch.cat((indices, self.indexer(x, q_residual, step)), dim=1)
+                with profiled("indexer"):
+                    picked = self.indexer(x, q_residual, step)
+                indices = torch.cat((indices, picked), dim=1)
             else:
                 entries, counts = step.hca_indices()
                 indices, lengths = torch.cat((indices, entries), dim=1), (counts + self.window).to(torch.int32)
-        out, _ = sparse_mla_decode(q, slots, indices.to(torch.int32), self.head_dim**-0.5, d_v=self.head_dim,
-                                   sinks=self.attn_sink, lengths=lengths)                  # [N, H, D]
+        with profiled("sparse_mla"):
+            out, _ = sparse_mla_decode(q, slots, indices.to(torch.int32), self.head_dim**-0.5, d_v=self.head_dim,
+                                       sinks=self.attn_sink, lengths=lengths)              # [N, H, D]
         # Persist after attention: earlier queries of a long chunk still read the old ring rows.
         slots.index_copy_(0, step.persist_slots(group), kv[step.inp.persist_rows])
 

@@ -15,6 +15,7 @@ from engine.mhc import HyperConnection, HyperHead, merge_streams
 from engine.moe import MoE
 from engine.norm import RMSNorm
 from engine.rope import RotaryTable
+from engine.profiling import profiled
 from engine.step import StepInputs, StepState
 
 
@@ -30,10 +31,16 @@ class Block(torch.nn.Module):
 
     def forward(self, streams: torch.Tensor, step: StepState) -> torch.Tensor:
         """streams [N, hc_mult, hidden] -> same shape."""
-        post, comb, x = self.hc_attn(streams)
-        streams = merge_streams(streams, self.attn(self.attn_norm(x), step), post, comb)
-        post, comb, x = self.hc_ffn(streams)
-        return merge_streams(streams, self.ffn(self.ffn_norm(x), step.inp.token_ids), post, comb)
+        with profiled("mhc"):
+            post, comb, x = self.hc_attn(streams)
+        out = self.attn(self.attn_norm(x), step)
+        with profiled("mhc"):
+            streams = merge_streams(streams, out, post, comb)
+            post, comb, x = self.hc_ffn(streams)
+        with profiled("moe"):
+            out = self.ffn(self.ffn_norm(x), step.inp.token_ids)
+        with profiled("mhc"):
+            return merge_streams(streams, out, post, comb)
 
 
 class DeepseekV4(torch.nn.Module):
@@ -58,5 +65,6 @@ class DeepseekV4(torch.nn.Module):
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()   # [N, hc_mult, hidden]
         for layer in self.layers:
             streams = layer(streams, step)
-        hidden = self.norm(self.hc_head(streams[logit_rows]))
-        return self.head(hidden).float()
+        with profiled("head"):
+            hidden = self.norm(self.hc_head(streams[logit_rows]))
+            return self.head(hidden).float()
