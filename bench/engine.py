@@ -242,7 +242,7 @@ def profile_step(bench: Bench, n: int, context: int) -> dict[str, dict[str, floa
             total = (getattr(e, "self_device_time_total", 0.0) or 0.0) / 1e3
             rest = total - claimed.get(e.key, 0.0)
             # (the dsaserve.* ranges also appear on the device timeline, as annotations: skip them)
-            if rest > 1e-6 and not e.key.startswith("dsaserve."):
+            if rest > 1e-6 and e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("dsaserve."):
                 key = ("triton", kernel_kind(e.key) if kernel_kind(e.key) != "elementwise" else e.key.strip("_"))
                 acc[key] = acc.get(key, 0.0) + rest
         per_step.append(acc)
