@@ -148,7 +148,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its KV; False if unknown or already finished."""
-        req = self.scheduler.requests.get(request_id) or self._held.pop(request_id, None)
+        req = self._held.pop(request_id, None) or self.scheduler.requests.get(request_id)
         if req is None:
             return False
         self.scheduler.finish(req, "abort")

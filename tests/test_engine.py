@@ -166,3 +166,18 @@ def test_stop_token_ids_end_generation_and_hide_the_token(tiny, reference):
                                                                    stop_token_ids=[stop_token]))
     assert reason == "stop" and tokens == reference[0][: first + 1]
     assert text == engine.tokenizer.decode(reference[0][:first])
+
+
+def test_prefill_only_requests_hold_their_kv_until_released_or_aborted(tiny):
+    """The prefill half of disaggregation: one token, then the KV stays until release/abort."""
+    engine = LLMEngine(tiny)
+    for rid in ("released", "aborted"):
+        engine.add_request(rid, list(range(50)), SamplingParams(max_tokens=8, temperature=0), prefill_only=True)
+    outputs = _drain(engine)
+    assert all(len(o) == 1 and o[0].finished and o[0].finish_reason is None for o in outputs.values())
+    held = engine.held_kv("released")
+    assert held.num_tokens == 50 and held.units["slab"] and engine.num_held == 2
+    assert engine.kv_usage()[0] < engine.kv_usage()[1]
+    assert engine.release("released") and engine.abort("aborted")
+    assert engine.num_held == 0 and not engine.release("released")
+    _assert_all_free(engine)
