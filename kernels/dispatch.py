@@ -71,8 +71,11 @@ def sparse_mla_decode(
     valid index gives out = 0 and lse = -inf. Decode (B requests) and prefill (B prompt tokens,
     each with its own index list) use the same call.
     """
+    backend = _backend(q)
+    if backend == "triton" and _forced.get() is None and not sparse_mla.supports(q.shape[1], q.shape[2], d_v):
+        backend = "reference"   # e.g. the tiny demo model's 4 heads on a GPU; graph-safe too
     impl = {"triton": sparse_mla.sparse_mla_decode, "reference": reference.sparse_mla_decode,
-            "naive": naive.sparse_mla_decode}[_backend(q)]
+            "naive": naive.sparse_mla_decode}[backend]
     return impl(q, kv, indices, sm_scale, d_v=d_v, sinks=sinks, lengths=lengths)
 
 

@@ -158,6 +158,13 @@ def _combine_kernel(
     tl.store(lse_ptr + b * stride_lb + heads, lse)
 
 
+def supports(heads: int, dim: int, d_v: int) -> bool:
+    """Whether the kernel's tiling covers this head count and width (check_decode_args' rules)."""
+    d_rope = dim - d_v
+    return (heads % 16 == 0 and d_v >= 16 and d_v & (d_v - 1) == 0
+            and (d_rope == 0 or (d_rope >= 16 and d_rope & (d_rope - 1) == 0)))
+
+
 def check_decode_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> int:
     """Validate shapes (no data read); return the rope width D - d_v."""
     batch, heads, dim = q.shape
