@@ -1,4 +1,9 @@
-"""The engine on a GPU (bf16, Triton kernels, CUDA graphs), against its own CPU fp32 path."""
+"""The engine on a GPU (Triton kernels, CUDA graphs), against its own CPU path.
+
+fp32 on both sides, so the comparison tests the GPU code path rather than bf16 rounding:
+on a random model bf16 drifts from fp32 by a few percent per layer whichever kernels run
+(measured: 8% after six layers with Triton, 8% with the reference kernels).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.tiny_model import make_tiny_model
 from tests.kernels_cases import gpu_test
+
+GPU = dict(device="cuda", dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=16)
 
 
 @pytest.fixture(scope="module")
@@ -19,21 +26,18 @@ def tiny(tmp_path_factory):
 def test_gpu_engine_scores_like_the_cpu_engine(tiny):
     ids = torch.randint(0, 262, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     cpu = LLM(tiny).score(ids)
-    gpu = LLM(tiny, device="cuda", dtype="bfloat16", kv_cache_memory=256 << 20, max_num_seqs=16).score(ids)
-    assert ((gpu.cpu() - cpu).norm() / cpu.norm()).item() < 5e-2
+    gpu = LLM(tiny, **GPU).score(ids)
+    assert ((gpu.cpu() - cpu).norm() / cpu.norm()).item() < 1e-3
 
 
 @gpu_test
-def test_gpu_engine_generates_with_cuda_graphs(tiny):
-    llm = LLM(tiny, device="cuda", dtype="bfloat16", kv_cache_memory=256 << 20, max_num_seqs=16)
-    assert llm.engine.runner.graphs, "decode graphs should be captured on CUDA"
+def test_gpu_engine_generates_with_cuda_graphs_like_the_cpu_engine(tiny):
     prompts = ["Once upon a time", "0123456789" * 20, "x"]
-    results = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-    assert [len(r.token_ids) for r in results] == [40, 40, 40]
-    assert all(r.finish_reason == "length" for r in results)
-    # The same prompts one by one (batch of one, another graph size) give the same tokens.
-    alone = [llm.generate(p, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0] for p in prompts]
-    agree = sum(a.token_ids == b.token_ids for a, b in zip(alone, results))
-    assert agree >= 2, "bf16 batch-size effects may flip a near-tie, but not most sequences"
-    free, total = llm.engine.kv_usage()
-    assert free == total
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    llm = LLM(tiny, **GPU)
+    assert llm.engine.runner.graphs, "decode graphs should be captured on CUDA"
+    batched = [r.token_ids for r in llm.generate(prompts, greedy)]
+    alone = [llm.generate(p, greedy)[0].token_ids for p in prompts]   # other graph sizes
+    cpu = [r.token_ids for r in LLM(tiny).generate(prompts, greedy)]
+    assert batched == alone == cpu
+    assert llm.engine.kv_usage()[0] == llm.engine.kv_usage()[1]
