@@ -96,7 +96,8 @@ class LLMEngine:
         log.info("KV pool: %d pages (%s), one request up to %d tokens, layout %s", self.pool.num_total_pages,
                  ", ".join(f"{g}={p.num_pages - 1}" for g, p in self.pool.groups.items()),
                  self.pool.token_capacity(), self.pool.layout_description())
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs and dtype is torch.bfloat16:
+            # (torch's grouped GEMM of other dtypes syncs with the host on CUDA: eager there)
             sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]
             self.runner.capture_decode_graphs(sizes)
         self._held: dict[str, Request] = {}
