@@ -15,8 +15,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 
 from engine.tiny_model import make_tiny_model
+from services.registry import worker_key
 from tests.serving_stack import Stack, http_status, wait_for
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
@@ -151,7 +153,7 @@ def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis
     """SIGKILL a decode worker mid-stream: that stream ends with an error event (no hang), the
     worker drops out of routing, and new requests go to the surviving decode worker."""
     # A registry of its own (Redis database 1): the module's stack is still registered in 0.
-    s = Stack(model, redis_server.rsplit("/", 1)[0] + "/1", tmp_path, ttl=2.0)
+    s = Stack(model, redis_server.rsplit("/", 1)[0] + "/1", tmp_path, ttl=3.0)
     try:
         prefill, doomed, survivor = s.worker("prefill"), s.worker("decode"), s.worker("decode")
         router = s.router("--policy", "round_robin")
@@ -174,6 +176,15 @@ def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis
             line = next(ln for ln in metrics.splitlines() if ln.startswith('dsaserve_router_live_workers{role="decode"}'))
             return int(float(line.split()[-1]))
 
+        # The killed worker's record expires (its TTL), then the router's next refresh drops it.
+        # Waiting on the record itself keeps a late heartbeat of the survivor on a loaded
+        # machine from looking like the victim's departure.
+        registry = redis.Redis.from_url(s.redis_url, socket_timeout=5)
+        try:
+            wait_for(lambda: registry.exists(worker_key(victim.name)) == 0 and registry.exists(worker_key(alive.name)),
+                     4 * s.ttl, "the killed worker's registry record to expire")
+        finally:
+            registry.close()
         wait_for(lambda: decode_workers_routed() == 1, 4 * s.ttl, "the killed worker to leave routing")
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
             for _ in range(4):
