@@ -33,10 +33,6 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None    # "stop" | "length" | "abort"
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def tokens(self, start: int, n: int) -> list[int]:
         """token_ids[start:start + n] without building the whole list (decode steps stay O(1))."""
         p = len(self.prompt_token_ids)

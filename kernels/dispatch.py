@@ -39,9 +39,7 @@ def _elementwise_backend(t: torch.Tensor) -> Backend:
     """The row-wise and mHC kernels have no "before" version: "naive" keeps them on Triton, so a
     naive run isolates the attention and indexer kernels."""
     forced = _forced.get()
-    if forced == "reference" or (forced is None and not t.is_cuda) or (forced == "naive" and not t.is_cuda):
-        return "reference"
-    return "triton"
+    return "reference" if forced == "reference" or (forced != "triton" and not t.is_cuda) else "triton"
 
 
 def sparse_mla_decode(

@@ -163,7 +163,8 @@ class Worker:
         registration = WorkerRegistration(args.redis_url, record, self.registry_load, ttl,
                                           on_beat=lambda r: publish_descriptor(r, self.transfer, 2 * ttl))
         http = _start_probe_server(args.host, args.metrics_port, self) if args.metrics_port else None
-        background = asyncio.create_task(service.background())
+        # Periodic work of the role, if any (prefill: releasing read or expired KV).
+        tasks = [asyncio.create_task(service.background())] if hasattr(service, "background") else []
         await registration.start()
         self.ready.set()
         log.info("%s worker %s serving %s on %s (layout %s)", self.role, self.worker_id, self.model_name,
@@ -171,13 +172,13 @@ class Worker:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        watchdog = asyncio.create_task(self._watch_engine(stop))
+        tasks.append(asyncio.create_task(self._watch_engine(stop)))
         await stop.wait()
         log.info("%s worker %s stopping", self.role, self.worker_id)
         self.ready.clear()
         await registration.stop()                 # leave routing first
         await server.stop(grace=5)
-        for task in (background, watchdog):
+        for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

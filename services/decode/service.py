@@ -32,9 +32,6 @@ class DecodeService(grpc_api.DecodeServicer):
     def register(self, server: grpc.aio.Server) -> None:
         grpc_api.add_DecodeServicer_to_server(self, server)
 
-    async def background(self) -> None:
-        await asyncio.Event().wait()   # nothing periodic on the decode side
-
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.DecodeResponse]:
         w, rid, kv, start = self.w, request.request_id, request.kv, time.monotonic()
