@@ -33,15 +33,15 @@ import torch
 
 import kernels
 from bench.kernels import ceilings
-from engine.config import ModelConfig
+from engine.models.deepseek_v4.config import ModelConfig
 from engine.kv_pool import KVCacheConfig, KVPool
 from engine.request import Request, Status
 from engine.runner import ModelRunner
 from engine.sampler import sample
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.step import build_step_inputs
-from engine.weights import build_model
+from engine.step import RowSpan, build_step_inputs
+from engine.models.deepseek_v4.weights import build_model
 
 DEV = torch.device("cuda")
 MAX_CONTEXT = 1 << 20          # V4-Flash's max_position_embeddings: the "configured maximum"
@@ -135,7 +135,7 @@ def check_against_reference(bench: Bench) -> dict:
     """Logits of the Triton path vs the plain-torch reference on the same state."""
     out = {}
     reqs = bench.requests(4, 3000)
-    specs = [(r.num_computed, 1, r.slab, [11]) for r in reqs]
+    specs = [RowSpan(r.num_computed, 1, r.slab, [11]) for r in reqs]
     inp = build_step_inputs(bench.pool, specs, len(specs), DEV)
     rows = torch.arange(len(specs), device=DEV)
     with kernels.use_backend("reference"):
@@ -147,7 +147,7 @@ def check_against_reference(bench: Bench) -> dict:
     [r] = bench.requests(1, 0)
     r.prompt_token_ids = torch.randint(0, bench.cfg.vocab_size, (2048,), generator=torch.Generator().manual_seed(3)).tolist()
     assert bench.scheduler.try_allocate(r, 2049)
-    spec = [(0, 2048, r.slab, r.prompt_token_ids)]
+    spec = [RowSpan(0, 2048, r.slab, r.prompt_token_ids)]
     inp = build_step_inputs(bench.pool, spec, 0, DEV)
     last = torch.tensor([2047], device=DEV)
     with kernels.use_backend("reference"):

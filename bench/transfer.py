@@ -12,7 +12,7 @@ Request state: 43 layers with HF's default layer types (2 HCA, then HCA/CSA inte
   HCA layers    32K/128 entries x 512                      -> group "hca", 4 pages
 Two pool layouts, with the same bytes per page id:
   per-layer  one region per layer and kind ("csa.3.kv"); descriptors = runs x layers
-  fused      one region per kind, all layers in a unit ("csa.kv", unit [20, 64, 512]);
+  fused      one region per kind, all layers in a page ("csa.kv", page [20, 64, 512]);
              descriptors = runs, each 20x larger
 Rows: "nixl READ" (each timed from validation to DONE, bytes checked exactly once),
 "torch scattered" (index_select + index_copy_ of the same pages, one process), "torch
@@ -62,11 +62,11 @@ CSA_RATE, HCA_RATE = 4, 128
 # HF DeepseekV4Config's default schedule for 43 layers.
 LAYER_TYPES = ["hca"] * 2 + ["csa" if i % 2 else "hca" for i in range(LAYERS - 2)]
 
-Layout = list[tuple[str, str, tuple[int, ...]]]  # (region name, group, unit shape)
+Layout = list[tuple[str, str, tuple[int, ...]]]  # (region name, group, page shape)
 
 
 def layout(kind: str) -> Layout:
-    """Region table of one worker's pools; every unit is one page of bf16."""
+    """Region table of one worker's pools; every page is one page of bf16."""
     page = (PAGE, HEAD)
     csa = [i for i, t in enumerate(LAYER_TYPES) if t == "csa"]
     hca = [i for i, t in enumerate(LAYER_TYPES) if t == "hca"]
@@ -91,16 +91,16 @@ def request_pages(tokens: int) -> dict[str, int]:
     }
 
 
-def churned_ids(units: int, n: int, seed: int) -> list[int]:
-    """The ids a LIFO free-list allocator (as engine's BlockAllocator) gives a request of n
-    units after other requests of random sizes have come and gone ~8 times over the pool."""
+def churned_ids(pages: int, n: int, seed: int) -> list[int]:
+    """The ids a LIFO free-list allocator (as engine's PageAllocator) gives a request of n
+    pages after other requests of random sizes have come and gone ~8 times over the pool."""
     rng = np.random.default_rng(seed)
-    free, live, handed = list(range(units - 1, -1, -1)), [], 0
-    while handed < 8 * units:
-        if live and (len(free) < units // 4 or rng.random() < 0.5):
+    free, live, handed = list(range(pages - 1, -1, -1)), [], 0
+    while handed < 8 * pages:
+        if live and (len(free) < pages // 4 or rng.random() < 0.5):
             free.extend(live.pop(int(rng.integers(len(live)))))
         else:
-            k = min(int(rng.integers(1, max(2, units // 16))), len(free))
+            k = min(int(rng.integers(1, max(2, pages // 16))), len(free))
             live.append([free.pop() for _ in range(k)])
             handed += k
     while len(free) < n:
@@ -114,27 +114,27 @@ class Case:
 
     kind: str
     regions: Layout
-    units: dict[str, int]  # group -> pool units (same on both sides)
-    remote: dict[str, list[int]]  # group -> the request's units at the prefill side
-    local: dict[str, list[int]]  # group -> the units decode reserved for it
+    pages: dict[str, int]  # group -> pool pages (same on both sides)
+    remote: dict[str, list[int]]  # group -> the request's pages at the prefill side
+    local: dict[str, list[int]]  # group -> the pages decode reserved for it
 
     @classmethod
     def make(cls, kind: str, tokens: int, pool_factor: int) -> Case:
         pages = request_pages(tokens)
-        units = {g: n * pool_factor for g, n in pages.items()}
-        remote = {g: churned_ids(units[g], n, seed=1) for g, n in pages.items()}
-        local = {g: churned_ids(units[g], n, seed=2) for g, n in pages.items()}
-        return cls(kind, layout(kind), units, remote, local)
+        pages = {g: n * pool_factor for g, n in pages.items()}
+        remote = {g: churned_ids(pages[g], n, seed=1) for g, n in pages.items()}
+        local = {g: churned_ids(pages[g], n, seed=2) for g, n in pages.items()}
+        return cls(kind, layout(kind), pages, remote, local)
 
 
 def make_pools(case: Case, device: torch.device, fill: bool) -> dict[str, torch.Tensor]:
-    """One side's pools; with fill, each unit holds `pattern` (so decode can check its bytes)."""
+    """One side's pools; with fill, each page holds `pattern` (so decode can check its bytes)."""
     pools = {}
     for k, (name, group, shape) in enumerate(case.regions):
-        t = torch.zeros((case.units[group], *shape), dtype=torch.bfloat16, device=device)
+        t = torch.zeros((case.pages[group], *shape), dtype=torch.bfloat16, device=device)
         if fill:
-            rows = t.view(torch.int16).view(t.shape[0], -1)  # [units, unit elements]
-            for first in range(0, t.shape[0], 64):  # in chunks: a fused unit has ~700K elements
+            rows = t.view(torch.int16).view(t.shape[0], -1)  # [pages, page elements]
+            for first in range(0, t.shape[0], 64):  # in chunks: a fused page has ~700K elements
                 ids = torch.arange(first, min(first + 64, t.shape[0]), device=device)
                 rows[first : first + ids.numel()] = pattern(k, ids, rows.shape[1])
         pools[name] = t
@@ -142,7 +142,7 @@ def make_pools(case: Case, device: torch.device, fill: bool) -> dict[str, torch.
 
 
 def pattern(region: int, ids: torch.Tensor, elems: int) -> torch.Tensor:
-    """Known contents of units `ids` of region number `region`: [len(ids), elems] int16."""
+    """Known contents of pages `ids` of region number `region`: [len(ids), elems] int16."""
     col = torch.arange(elems, device=ids.device, dtype=torch.int32)
     return ((ids.to(torch.int32)[:, None] * 7919 + region * 104729 + col) % 32749).to(torch.int16)
 
@@ -309,7 +309,7 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--layouts", default="per-layer,fused", help="comma-separated subset")
     p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--pool-factor", type=int, default=4, help="pool units = request pages x this")
+    p.add_argument("--pool-factor", type=int, default=4, help="pool pages = request pages x this")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", type=Path, help="default: bench/results/<cpu|h200x2>-transfer.json")
     args = p.parse_args()

@@ -2,7 +2,8 @@
 
 The engine is not thread-safe, so every change to it (new request, abort, reserve, join,
 release) is a command executed on the engine thread between two steps; callers get the
-result through a future. Outputs reach each request's asyncio queue with
+result through a future. Each request carries its own listener (an `OutputQueue`), which the
+engine calls with the request's outputs; the queue hands them to its event loop with
 `call_soon_threadsafe`, so services never block their event loop on the model.
 """
 
@@ -14,55 +15,63 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TypeVar
 
-from engine.engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.load import Load
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+IDLE_WAIT_S = 0.5  # how long an idle engine thread waits for a command before looking again
 
 
-@dataclass(frozen=True)
-class LoadSnapshot:
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-    held: int
+class OutputQueue:
+    """One request's outputs, from the engine thread to the event loop that made this queue."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def __call__(self, out: RequestOutput) -> None:  # on the engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+
+    async def get(self) -> RequestOutput:
+        return await self._queue.get()
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], object], Future]] = queue.Queue()
-        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[RequestOutput]]] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        free, total = engine.kv_usage()
-        self._load = LoadSnapshot(running=0, waiting=0, free_blocks=free, total_blocks=total, held=0)
-        self.failure: BaseException | None = None   # set if the engine thread died
+        self._load = engine.load()
+        self.failure: BaseException | None = None  # set if the engine thread died
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
-        self._commands.put((lambda e: None, Future()))   # wake the thread
+        self._commands.put((lambda e: None, Future()))  # wake the thread
         self._thread.join(timeout)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None
 
-    def load(self) -> LoadSnapshot:
+    def load(self) -> Load:
         """The load after the last step (safe from any thread)."""
         return self._load
 
     # ---------------------------------------------------------------- commands
 
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
-        """Run fn(engine) on the engine thread between steps."""
+        """Run fn(engine) on the engine thread between steps.
+
+        The command runs even if nobody awaits its future any more (a cancelled RPC), so a
+        cleanup sent this way (abort, release) always happens.
+        """
         fut: Future[T] = Future()
         if not self.alive:
             fut.set_exception(RuntimeError(f"the engine thread is not running ({self.failure!r})"))
@@ -73,26 +82,16 @@ class EngineLoop:
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
         return await asyncio.wrap_future(self.call(fn))
 
-    def subscribe(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        """Outputs of `request_id` from now on (call before the request can produce any)."""
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._subscribers[request_id] = (asyncio.get_running_loop(), q)
-        return q
-
-    def unsubscribe(self, request_id: str) -> None:
-        self._subscribers.pop(request_id, None)
-
-    async def stream(self, request_id: str, q: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """Yield the subscribed outputs until the finishing one; aborts the request if the
+    async def stream(self, request_id: str, outputs: OutputQueue) -> AsyncIterator[RequestOutput]:
+        """Yield a request's outputs until the finishing one; aborts the request if the
         consumer stops early (a cancelled RPC), so nothing stays allocated."""
         finished = False
         try:
             while not finished:
-                out = await q.get()
+                out = await outputs.get()
                 finished = out.finished
                 yield out
         finally:
-            self.unsubscribe(request_id)
             if not finished:
                 self.call(lambda e: e.abort(request_id))
 
@@ -102,17 +101,14 @@ class EngineLoop:
         engine = self.engine
         try:
             while not self._stopping.is_set():
-                block = not engine.has_unfinished()
-                self._drain_commands(block)
+                self._drain_commands(block=not engine.has_unfinished())
                 if engine.has_unfinished():
-                    for out in engine.step():
-                        self._publish(out)
-                self._snapshot()
+                    engine.step()  # outputs reach each request's listener
+                self._load = engine.load()
         except BaseException as e:  # recorded; the worker watchdog reports it
             log.exception("engine thread died")
             self.failure = e
-            for loop, q in list(self._subscribers.values()):
-                loop.call_soon_threadsafe(q.put_nowait, _failed_output())
+            engine.fail_all()
         finally:
             while not self._commands.empty():
                 _, fut = self._commands.get_nowait()
@@ -121,7 +117,10 @@ class EngineLoop:
     def _drain_commands(self, block: bool) -> None:
         while True:
             try:
-                fn, fut = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                if block:
+                    fn, fut = self._commands.get(timeout=IDLE_WAIT_S)
+                else:
+                    fn, fut = self._commands.get_nowait()
             except queue.Empty:
                 return
             block = False
@@ -130,20 +129,3 @@ class EngineLoop:
                     fut.set_result(fn(self.engine))
                 except Exception as e:  # handed to the caller
                     fut.set_exception(e)
-
-    def _publish(self, out: RequestOutput) -> None:
-        sub = self._subscribers.get(out.request_id)
-        if sub is not None:
-            loop, q = sub
-            loop.call_soon_threadsafe(q.put_nowait, out)
-
-    def _snapshot(self) -> None:
-        sched = self.engine.scheduler
-        free, total = self.engine.kv_usage()
-        self._load = LoadSnapshot(running=len(sched.running), waiting=len(sched.waiting), free_blocks=free,
-                                  total_blocks=total, held=self.engine.num_held)
-
-
-def _failed_output() -> RequestOutput:
-    return RequestOutput(request_id="", new_token_ids=[], text="", finished=True, finish_reason="abort",
-                         prompt_tokens=0, completion_tokens=0)

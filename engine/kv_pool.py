@@ -3,10 +3,10 @@
 Per layer there is ONE slot space `kv[layer]` [slots, head_dim] holding both the sliding
 window rows and the compressed entries, so one index list per query row feeds
 `kernels.sparse_mla_decode`. Layers are grouped by kind (sliding "swa", CSA "csa", HCA
-"hca"); each group has its own page allocator, and a request holds one block table per
+"hca"); each group has its own page allocator, and a request holds one page table per
 group, shared by all layers of that group:
 
-    block_table[group] = [ring pages ...][compressed pages ...]
+    page_table[group] = [ring pages ...][compressed pages ...]
     window row of position p    -> ring slot (p % ring_len)            (ring_len = ring_pages * P)
     compressed entry w          -> entry slot w, in the pages after the ring
 
@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.block_allocator import BlockAllocator
-from engine.config import CSA, HCA, SLIDING, ModelConfig
+from engine.page_allocator import PageAllocator
+from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
 
 GROUP_OF_KIND = {SLIDING: "swa", CSA: "csa", HCA: "hca"}
 SLAB = "slab"
@@ -51,7 +51,7 @@ class KVCacheConfig:
 
 
 class PoolRegion(NamedTuple):
-    """One registrable tensor: dim 0 indexes the units (pages or slab rows) of `group`."""
+    """One registrable tensor: dim 0 indexes the pages of `group` (slab rows for "slab")."""
 
     name: str
     group: str
@@ -64,7 +64,7 @@ class PoolGroup:
     layers: tuple[int, ...]
     ratio: int                  # tokens per compressed entry; 0 = window only
     num_pages: int
-    allocator: BlockAllocator
+    allocator: PageAllocator
     kv: dict[int, torch.Tensor]         # layer -> [num_pages * P + scratch + 1, head_dim]
     index_k: dict[int, torch.Tensor]    # CSA layer -> [num_pages * P + 1, index_head_dim]
 
@@ -87,21 +87,21 @@ class KVPool:
                 layers=layers,
                 ratio=cfg.compress_rate(layers[0]),
                 num_pages=n,
-                allocator=BlockAllocator(n),
+                allocator=PageAllocator(n),
                 kv={i: self._zeros(n * P + self.scratch_rows + 1, cfg.head_dim) for i in layers},
                 index_k={i: self._zeros(n * P + 1, cfg.index_head_dim) for i in layers} if kind == CSA else {},
             )
         self.group_of_layer = [GROUP_OF_KIND[k] for k in cfg.layer_types]
-        self.slab = BlockAllocator(kv_cfg.max_num_seqs + 1)
+        self.slab = PageAllocator(kv_cfg.max_num_seqs + 1)
         # Padding rows of a captured decode batch read and write a dummy page and slab row
         # that no request ever owns.
         self.dummy_pages = {g: grp.allocator.allocate(1)[0] for g, grp in self.groups.items()}
         self.dummy_slab = self.slab.allocate(1)[0]
-        # Device copies of every request's block tables, one row per slab row, written when
+        # Device copies of every request's page tables, one row per slab row, written when
         # pages are allocated: a step gathers its rows on the device instead of rebuilding
         # [batch, pages] tables on the host each step (that would cost O(context) per step).
         max_context = max_context or cfg.max_position_embeddings
-        self.block_tables = {
+        self.page_tables = {
             g: torch.full((kv_cfg.max_num_seqs + 1, min(grp.num_pages, self.pages_for(g, max_context))),
                           self.dummy_pages[g], dtype=torch.int32, device=self.device)
             for g, grp in self.groups.items()}
@@ -127,9 +127,9 @@ class KVPool:
         entries = num_tokens // ratio if ratio else 0
         return self.ring_pages + math.ceil(entries / self.page_size)
 
-    def write_block_table(self, slab: int, group: str, first: int, pages: list[int]) -> None:
+    def write_page_table(self, slab: int, group: str, first: int, pages: list[int]) -> None:
         """Record pages[i] as page `first + i` of the request in slab row `slab`."""
-        self.block_tables[group][slab, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.page_tables[group][slab, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
 
     def entry_slot_base(self, group: str) -> int:
         """First scratch row of every `kv[layer]` of `group` (rows before it are pages)."""
@@ -164,7 +164,7 @@ class KVPool:
     # ---------------------------------------------------------------- transfer / layout
 
     def regions(self) -> list[PoolRegion]:
-        """Every tensor a peer must copy to move a request, viewed as [units, ...]."""
+        """Every tensor a peer must copy to move a request, viewed as [pages, ...]."""
         P, out = self.page_size, []
         for g in self.groups.values():
             for i in g.layers:
@@ -178,7 +178,7 @@ class KVPool:
         return out
 
     def layout(self) -> dict:
-        """What must agree between two workers for their units to be interchangeable."""
+        """What must agree between two workers for their pages to be interchangeable."""
         return {
             "version": 1,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -251,6 +251,6 @@ def plan_pages(cfg: ModelConfig, kv_cfg: KVCacheConfig, esize: int) -> dict[str,
         raise KVBudgetError(
             f"KV cache budget of {kv_cfg.memory_bytes / 2**20:.1f} MiB is below the fixed cost of "
             f"{fixed / 2**20:.1f} MiB for max_num_seqs={S} and max_num_batched_tokens="
-            f"{kv_cfg.max_num_batched_tokens}; raise --kv-cache-memory or lower those limits")
+            f"{kv_cfg.max_num_batched_tokens}; raise --kv-cache-memory-bytes or lower those limits")
     capacity = int(spare / per_token) if per_token else 0
     return {g: base + (math.ceil(capacity / ratio / P) if ratio else 0) for g, (base, ratio) in pages.items()}

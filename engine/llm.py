@@ -7,8 +7,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.sampling import SamplingParams
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

@@ -1,19 +1,29 @@
-"""All state of one request inside an engine: tokens, KV ownership, sampling, text."""
+"""All state of one request inside an engine: tokens, KV ownership, sampling, text, lease, listener.
+
+The scheduler moves `Request` objects between its queues, the pool allocator fills their page
+tables, the runner reads them and the engine loop hands their outputs to their listener: one
+object per request, found by id in `Scheduler.requests`, and nowhere else.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.text_stream import TextStream
+
+if TYPE_CHECKING:
+    from engine.llm_engine import RequestOutput
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"          # queued; holds no KV
-    RESERVED = "reserved"        # holds KV units that a transfer is filling (disaggregated decode)
-    RUNNING = "running"          # scheduled every step until it finishes
-    HELD = "held"                # finished prefill; KV pinned for a reader (disaggregated prefill)
+    WAITING = "waiting"  # queued; holds no KV
+    RESERVED = "reserved"  # holds pages that a transfer is filling (disaggregated decode)
+    RUNNING = "running"  # scheduled every step until it finishes
+    HELD = "held"  # finished prefill; KV pinned for a reader (disaggregated prefill)
     FINISHED = "finished"
 
 
@@ -22,23 +32,35 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int              # resolved: params.max_tokens capped by the context length
+    max_tokens: int  # resolved: params.max_tokens capped by the context length
     text: TextStream
     eos_token_ids: frozenset[int]
-    prefill_only: bool = False   # stop after the first token and hold the KV (prefill worker)
+    # Prefill-only (prefill worker): stop after the first token and keep the KV this many
+    # seconds for a reader; None for a request that decodes here.
+    hold_for_s: float | None = None
+    # Called on the engine thread with each of this request's outputs (services stream them).
+    listener: Callable[[RequestOutput], None] | None = None
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0        # tokens whose KV is in the pool
-    block_tables: dict[str, list[int]] = field(default_factory=dict)
-    slab: int | None = None
+    num_computed: int = 0  # tokens whose KV is in the pool
+    page_tables: dict[str, list[int]] = field(default_factory=dict)  # pool group -> page ids
+    slab: int | None = None  # the request's slab row (its compressor rings, its page tables)
     status: Status = Status.WAITING
-    finish_reason: str | None = None    # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    lease_deadline: float | None = None  # HELD: time.monotonic() after which the KV is freed
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.hold_for_s is not None
 
     def tokens(self, start: int, n: int) -> list[int]:
         """token_ids[start:start + n] without building the whole list (decode steps stay O(1))."""
         p = len(self.prompt_token_ids)
         if start >= p:
             return self.output_token_ids[start - p : start - p + n]
-        return self.prompt_token_ids[start : start + n] + self.output_token_ids[: max(0, start + n - p)]
+        return (
+            self.prompt_token_ids[start : start + n]
+            + self.output_token_ids[: max(0, start + n - p)]
+        )
 
     @property
     def num_tokens(self) -> int:

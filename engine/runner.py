@@ -3,7 +3,7 @@
 Graphs are captured at start-up for a list of batch sizes. A batch is padded to the next
 captured size with rows that point at the pool's dummy page and slab row, so padding never
 touches a real request's state. The index lists inside a graph are as wide as the context
-length allows (block tables, HCA entries); the kernels read only each row's real length.
+length allows (page tables, HCA entries); the kernels read only each row's real length.
 Block tables are gathered on the device from the pool's per-slab copy, so a replay only
 refreshes positions, slab rows and token ids.
 """
@@ -15,10 +15,10 @@ import logging
 import torch
 
 from engine.kv_pool import KVPool
-from engine.model import DeepseekV4
+from engine.models.deepseek_v4.model import DeepseekV4
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
-from engine.step import StepInputs, build_step_inputs
+from engine.step import RowSpan, StepInputs, build_step_inputs
 
 log = logging.getLogger(__name__)
 
@@ -39,31 +39,31 @@ class ModelRunner:
 
         Advances each scheduled request's `num_computed`.
         """
-        specs, samplers, rows = [], [], []
-        for req in batch.decode:
-            specs.append((req.num_computed, 1, req.slab, req.tokens(req.num_computed, 1)))
-        for req, n in batch.prefill:
-            start = req.num_computed
-            specs.append((start, n, req.slab, req.tokens(start, n)))
-        row = 0
-        for req, (start, n, *_) in zip(batch.decode + [r for r, _ in batch.prefill], specs):
+        work = [(req, 1) for req in batch.decode] + batch.prefill
+        spans = [
+            RowSpan(req.num_computed, n, req.slab, req.tokens(req.num_computed, n))
+            for req, n in work
+        ]
+        samplers, rows, row = [], [], 0
+        for req, n in work:
             row += n
-            if start + n == req.num_tokens:   # the chunk reaches the newest token: sample after it
+            if req.num_computed + n == req.num_tokens:  # the chunk reaches the newest token
                 samplers.append(req)
                 rows.append(row - 1)
         graph = self._graph_for(batch)
         if graph is not None:
-            logits = graph.run(specs)
+            logits = graph.run(spans)
         else:
-            inputs = build_step_inputs(self.pool, specs, len(batch.decode), self.device)
-            logits = self.model(self.pool, inputs, torch.tensor(rows, dtype=torch.int64, device=self.device))
-        for req, (_, n, *_) in zip(batch.decode + [r for r, _ in batch.prefill], specs):
+            inputs = build_step_inputs(self.pool, spans, len(batch.decode), self.device)
+            sample_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            logits = self.model(self.pool, inputs, sample_rows)
+        for req, n in work:
             req.num_computed += n
         return samplers, logits
 
-    def forward_all_rows(self, specs: list[tuple], num_decode: int) -> torch.Tensor:
+    def forward_all_rows(self, spans: list[RowSpan], num_decode: int) -> torch.Tensor:
         """Logits of every row of a step (scoring)."""
-        inputs = build_step_inputs(self.pool, specs, num_decode, self.device)
+        inputs = build_step_inputs(self.pool, spans, num_decode, self.device)
         return self.model(self.pool, inputs, torch.arange(inputs.num_rows, device=self.device))
 
     def _graph_for(self, batch: ScheduledBatch) -> _DecodeGraph | None:
@@ -98,9 +98,11 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, pool=mempool):
             self.logits = forward()
 
-    def run(self, specs: list[tuple]) -> torch.Tensor:
-        n, inp, pool = len(specs), self.inputs, self.pool
-        host = torch.tensor([[s[0], s[2], s[3][0]] for s in specs], dtype=torch.int64)   # position, slab, token
+    def run(self, spans: list[RowSpan]) -> torch.Tensor:
+        n, inp, pool = len(spans), self.inputs, self.pool
+        host = torch.tensor(
+            [[s.start, s.slab, s.token_ids[0]] for s in spans], dtype=torch.int64
+        )  # [n, (position, slab, token)]
         for buf, col, pad in ((inp.positions, 0, 0), (inp.slab, 1, pool.dummy_slab), (inp.token_ids, 2, 0)):
             buf[:n].copy_(host[:, col], non_blocking=True)
             buf[n:].fill_(pad)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_allocator import OutOfBlocks
+from engine.page_allocator import OutOfPages
 from engine.kv_pool import KVPool
 from engine.request import Request, Status
 
@@ -34,6 +34,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}   # every request holding a place here, by id
+        self.num_held = 0                        # requests in status HELD
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -43,7 +44,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def reserve(self, req: Request) -> bool:
-        """Give `req` KV units for its prompt without scheduling it (a transfer will fill them)."""
+        """Give `req` pages for its prompt without scheduling it (a transfer will fill them)."""
         if not self.try_allocate(req, req.num_tokens - 1):
             return False
         req.status = Status.RESERVED
@@ -56,10 +57,11 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
 
-    def hold(self, req: Request) -> None:
-        """A prefill-only request keeps its KV after its first token until `release`."""
+    def hold(self, req: Request, deadline: float) -> None:
+        """A prefill-only request keeps its KV after its first token until released or `deadline`."""
         self.running.remove(req)
-        req.status = Status.HELD
+        req.status, req.lease_deadline = Status.HELD, deadline
+        self.num_held += 1
 
     def finish(self, req: Request, reason: str) -> None:
         """End `req` and free everything it holds (waiting, reserved, running or held)."""
@@ -67,6 +69,8 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status is Status.RUNNING:
             self.running.remove(req)
+        elif req.status is Status.HELD:
+            self.num_held -= 1
         self.free_kv(req)
         self.requests.pop(req.request_id, None)
         req.status, req.finish_reason = Status.FINISHED, reason
@@ -117,31 +121,31 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
-    # ---------------------------------------------------------------- KV units
+    # ---------------------------------------------------------------- KV pages
 
     def try_allocate(self, req: Request, num_tokens: int) -> bool:
-        """Grow req's block tables (and give it a slab row) to cover `num_tokens` tokens."""
+        """Grow req's page tables (and give it a slab row) to cover `num_tokens` tokens."""
         pool = self.pool
-        need = {g: pool.pages_for(g, num_tokens) - len(req.block_tables.get(g, [])) for g in pool.groups}
+        need = {g: pool.pages_for(g, num_tokens) - len(req.page_tables.get(g, [])) for g in pool.groups}
         if any(n > pool.groups[g].allocator.num_free for g, n in need.items()):
             return False
         if req.slab is None:
             try:
                 req.slab = pool.slab.allocate(1)[0]
-            except OutOfBlocks:
+            except OutOfPages:
                 return False
         for g, n in need.items():
             if n > 0:
                 pages = pool.groups[g].allocator.allocate(n)
-                table = req.block_tables.setdefault(g, [])
-                pool.write_block_table(req.slab, g, len(table), pages)
+                table = req.page_tables.setdefault(g, [])
+                pool.write_page_table(req.slab, g, len(table), pages)
                 table.extend(pages)
         return True
 
     def free_kv(self, req: Request) -> None:
-        for g, pages in req.block_tables.items():
+        for g, pages in req.page_tables.items():
             self.pool.groups[g].allocator.free(pages)
-        req.block_tables = {}
+        req.page_tables = {}
         if req.slab is not None:
             self.pool.slab.free([req.slab])
             req.slab = None

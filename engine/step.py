@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_pool import KVPool
-from engine.rope import RotaryTable
+from engine.layers.rope import RotaryTable
+
+
+@dataclass(frozen=True)
+class RowSpan:
+    """The rows one request computes in a step: tokens [start, start + num_rows) of it."""
+
+    start: int  # position of the first row = tokens of the request already computed
+    num_rows: int
+    slab: int  # the request's slab row
+    token_ids: list[int]  # the tokens at those positions
 
 
 @dataclass(frozen=True)
@@ -34,7 +44,7 @@ class StepInputs:
     row_req: torch.Tensor               # [N] int64, request index of each row
     req_past: torch.Tensor              # [B] int64, tokens computed before this step
     req_row0: torch.Tensor              # [B] int64, first row of each request
-    slab: torch.Tensor                  # [B] int64, slab row of each request (its block tables' row)
+    slab: torch.Tensor                  # [B] int64, slab row of each request (its page tables' row)
     persist_rows: torch.Tensor          # [M] int64, rows written to the window ring after attention
     token_ids: torch.Tensor             # [N] int64 (hash-routed MoE layers route by token id)
     hca_width: int                      # compressed-entry columns of HCA index lists (>= max count)
@@ -48,15 +58,16 @@ class StepInputs:
 
 def build_step_inputs(
     pool: KVPool,
-    requests: list[tuple[int, int, int, list[int]]],
+    spans: list[RowSpan],
     num_decode: int,
     device: torch.device,
 ) -> StepInputs:
-    """requests: (start, num_rows, slab, token ids) per request, decode ones first."""
+    """spans: one per request, the `num_decode` single-row decode spans first."""
     positions, row_req, token_ids, persist, segments = [], [], [], [], []
     req_past, req_row0, slabs = [], [], []
     row = 0
-    for b, (start, n, slab, toks) in enumerate(requests):
+    for b, span in enumerate(spans):
+        start, n, slab, toks = span.start, span.num_rows, span.slab, span.token_ids
         assert len(toks) == n and (b >= num_decode or n == 1)
         positions.extend(range(start, start + n))
         row_req.extend([b] * n)
@@ -100,8 +111,8 @@ class StepState:
     # ---------------------------------------------------------------- slots
 
     def table(self, group: str) -> torch.Tensor:
-        """[B, max_pages] int32 block tables of this step's requests (from the pool's device copy)."""
-        return self._cached(("table", group), lambda: self.pool.block_tables[group].index_select(0, self.inp.slab))
+        """[B, max_pages] int32 page tables of this step's requests (from the pool's device copy)."""
+        return self._cached(("table", group), lambda: self.pool.page_tables[group].index_select(0, self.inp.slab))
 
     def entry_slots(self, group: str, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Slot ids of compressed entries `entry` (any shape) of requests `req` (broadcastable)."""

@@ -3,8 +3,8 @@
 Public API (imports torch and triton only):
 
     out, lse = sparse_mla_decode(q, kv, indices, sm_scale, *, d_v=512, sinks=None, lengths=None)
-    idx = indexer_topk(q, weights, k_cache, block_table, lengths, topk, *, scale)
-    slots = positions_to_slots(positions, block_table, page_size)
+    idx = indexer_topk(q, weights, k_cache, page_table, lengths, topk, *, scale)
+    slots = positions_to_slots(positions, page_table, page_size)
     pre, post, comb = hc_weights(mixes, base, scale, n, iters, eps)      # mHC stream mixing
     y = rms_norm(x, weight_or_None, eps); y = apply_rope(x, cos, sin, inverse=False)
 

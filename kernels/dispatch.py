@@ -81,7 +81,7 @@ def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
     k_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     lengths: torch.Tensor,
     topk: int,
     *,
@@ -92,9 +92,9 @@ def indexer_topk(
     q           [B, Hi, Di] indexer queries (RoPE applied), k_cache's dtype.
     weights     [B, Hi] fp32.
     k_cache     [num_pages, P, Di] paged keys.
-    block_table [B, max_pages] int32; lengths [B] int32.
+    page_table [B, max_pages] int32; lengths [B] int32.
 
-    Entry j of row b (j < lengths[b]) is k_cache[block_table[b, j // P], j % P], scored
+    Entry j of row b (j < lengths[b]) is k_cache[page_table[b, j // P], j % P], scored
     sum_h weights[b, h] * relu(q[b, h] . k_j) * scale. Returns int32 [B, topk]: the positions j
     of the top-topk scores in any order (ties broken arbitrarily); when lengths[b] <= topk,
     0..lengths[b]-1 then -1, without scoring. Map positions to slot ids with
@@ -102,7 +102,7 @@ def indexer_topk(
     """
     impl = {"triton": indexer.indexer_topk, "reference": reference.indexer_topk,
             "naive": naive.indexer_topk}[_backend(q)]
-    return impl(q, weights, k_cache, block_table, lengths, topk, scale=scale)
+    return impl(q, weights, k_cache, page_table, lengths, topk, scale=scale)
 
 
 def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float

@@ -1,10 +1,10 @@
 """Lightning-indexer top-k over paged keys, capped to each request's real context (Triton).
 
-Entry j of request b is ``k_cache[block_table[b, j // P], j % P]``, its score
+Entry j of request b is ``k_cache[page_table[b, j // P], j % P]``, its score
 ``scale * sum_h weights[b, h] * relu(q[b, h] . k_j)``. Rows with lengths[b] <= topk return
 0..len-1 (padded with -1) without scoring.
 
-Two kernels, grid fixed by (B, splits) and never by the block table's width:
+Two kernels, grid fixed by (B, splits) and never by the page table's width:
 1. ``_score_kernel`` (B, splits): each program takes an equal contiguous share of the row's
    first lengths[b] entries, scores it tile by tile on tensor cores ([Hi, Di] x [Di, BLOCK_N])
    and appends the entries that beat its running floor to its own candidate segment. When the
@@ -17,7 +17,7 @@ How it scales, for B rows, topk = k, splits = S, cap = k + max(room, BLOCK_N):
 - work: sum_b lengths[b] x Hi x Di x 2 FLOP and as many key reads, plus a few passes over at most
   S x cap candidates per row; nothing for entries past lengths[b] or rows with lengths[b] <= k.
 - memory: candidates B x S x cap x 8 bytes (int32 key + position) and B x S counts, plus the
-  [B, k] output; independent of the configured maximum context (block_table's width) and of the
+  [B, k] output; independent of the configured maximum context (page_table's width) and of the
   pool size. S depends on B only (about two programs per SM), so a decode graph keeps it.
 No host synchronisation: the call can be captured in a CUDA graph.
 """
@@ -67,8 +67,8 @@ def _emit_row(keys, pos, counts, n, idx_row, topk, cap, num_splits, SELECT_BLOCK
 
 @triton.jit
 def _score_kernel(
-    q_ptr, w_ptr, kc_ptr, bt_ptr, len_ptr, key_ptr, pos_ptr, cnt_ptr, idx_ptr,  #
-    stride_qb, stride_qh, stride_wb, stride_kp, stride_ks, stride_bt, stride_ib,  #
+    q_ptr, w_ptr, kc_ptr, pt_ptr, len_ptr, key_ptr, pos_ptr, cnt_ptr, idx_ptr,  #
+    stride_qb, stride_qh, stride_wb, stride_kp, stride_ks, stride_pt, stride_ib,  #
     n_heads, page_size, topk, cap, scale, num_splits,  #
     BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,  #
     EMIT: tl.constexpr, SELECT_BLOCK: tl.constexpr,  #
@@ -98,7 +98,7 @@ def _score_kernel(
         for t0 in range(start, end, BLOCK_N):
             j = t0 + tl.arange(0, BLOCK_N)
             valid = j < end
-            page = tl.load(bt_ptr + b * stride_bt + j // page_size, mask=valid, other=0)
+            page = tl.load(pt_ptr + b * stride_pt + j // page_size, mask=valid, other=0)
             rows = kc_ptr + page.to(tl.int64) * stride_kp + (j % page_size) * stride_ks
             # a row-only mask keeps the key loads 16 bytes wide
             k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
@@ -136,13 +136,13 @@ def _merge_kernel(key_ptr, pos_ptr, cnt_ptr, len_ptr, idx_ptr, stride_ib, topk, 
               num_splits, SELECT_BLOCK)
 
 
-def check_indexer_args(q, weights, k_cache, block_table, lengths) -> None:
+def check_indexer_args(q, weights, k_cache, page_table, lengths) -> None:
     """Validate shapes and dtypes (no data read)."""
     batch, n_heads, head_dim = q.shape
     assert weights.shape == (batch, n_heads) and weights.dtype == torch.float32
     assert k_cache.dim() == 3 and k_cache.shape[2] == head_dim and k_cache.dtype == q.dtype
-    assert block_table.dim() == 2 and block_table.shape[0] == batch
-    assert block_table.dtype == torch.int32 and lengths.dtype == torch.int32
+    assert page_table.dim() == 2 and page_table.shape[0] == batch
+    assert page_table.dtype == torch.int32 and lengths.dtype == torch.int32
     assert lengths.shape == (batch,)
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"Di = {head_dim}: a power of two"
 
@@ -151,7 +151,7 @@ def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
     k_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     lengths: torch.Tensor,
     topk: int,
     *,
@@ -159,7 +159,7 @@ def indexer_topk(
     config: IndexerConfig | None = None,
 ) -> torch.Tensor:
     """Triton indexer top-k; semantics in kernels.dispatch.indexer_topk."""
-    check_indexer_args(q, weights, k_cache, block_table, lengths)
+    check_indexer_args(q, weights, k_cache, page_table, lengths)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
     batch, n_heads, head_dim = q.shape
@@ -172,9 +172,9 @@ def indexer_topk(
     counts = torch.empty(batch, cfg.num_splits, dtype=torch.int32, device=dev)
     idx = torch.empty(batch, topk, dtype=torch.int32, device=dev)  # [B, topk]
     _score_kernel[(batch, cfg.num_splits)](
-        q, weights, k_cache, block_table, lengths, keys, pos, counts, idx,
+        q, weights, k_cache, page_table, lengths, keys, pos, counts, idx,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
-        block_table.stride(0), idx.stride(0),
+        page_table.stride(0), idx.stride(0),
         n_heads, page_size, topk, cap, scale, cfg.num_splits,
         BLOCK_HI=max(16, triton.next_power_of_2(n_heads)),
         BLOCK_DI=head_dim,

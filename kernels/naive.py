@@ -91,15 +91,15 @@ def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
     k_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     lengths: torch.Tensor,
     topk: int,
     *,
     scale: float,
     max_context: int | None = None,
 ) -> torch.Tensor:
-    """Naive indexer top-k over a buffer padded to max_context (default: the block table's
+    """Naive indexer top-k over a buffer padded to max_context (default: the page table's
     width x page size); semantics in kernels.dispatch.indexer_topk."""
-    width = max_context or block_table.shape[1] * k_cache.shape[1]
-    scores = indexer_scores(q, weights, k_cache, block_table, width, scale)  # [B, width]
+    width = max_context or page_table.shape[1] * k_cache.shape[1]
+    scores = indexer_scores(q, weights, k_cache, page_table, width, scale)  # [B, width]
     return pick_topk(scores, lengths, topk)

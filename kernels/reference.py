@@ -52,18 +52,18 @@ def indexer_scores(
     q: torch.Tensor,
     weights: torch.Tensor,
     k_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     width: int,
     scale: float,
 ) -> torch.Tensor:
     """Scores of positions 0..width-1 of every row, [B, width], in fp32 (float64 for float64).
 
-    Positions past a row's length read whatever its block table points at; callers mask them."""
+    Positions past a row's length read whatever its page table points at; callers mask them."""
     batch, _, head_dim = q.shape
     dtype = _compute_dtype(q.dtype)
     page_size = k_cache.shape[1]
     positions = torch.arange(width, device=q.device).expand(batch, width)
-    slots = positions_to_slots(positions, block_table, page_size).long()  # [B, width]
+    slots = positions_to_slots(positions, page_table, page_size).long()  # [B, width]
     pool = k_cache.reshape(-1, head_dim)
     keys = pool[slots.clamp(0, pool.shape[0] - 1)].to(dtype)  # [B, width, Di]
     logits = torch.bmm(q.to(dtype), keys.transpose(1, 2)).relu()  # [B, Hi, width]
@@ -86,7 +86,7 @@ def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
     k_cache: torch.Tensor,
-    block_table: torch.Tensor,
+    page_table: torch.Tensor,
     lengths: torch.Tensor,
     topk: int,
     *,
@@ -100,7 +100,7 @@ def indexer_topk(
     if long_rows.numel() == 0:
         return out
     width = int(lengths[long_rows].max())
-    scores = indexer_scores(q[long_rows], weights[long_rows], k_cache, block_table[long_rows],
+    scores = indexer_scores(q[long_rows], weights[long_rows], k_cache, page_table[long_rows],
                             width, scale)
     out[long_rows] = pick_topk(scores, lengths[long_rows], topk)
     return out

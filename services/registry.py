@@ -21,21 +21,14 @@ from typing import Any, Literal
 
 import redis.asyncio as aioredis
 
+from engine.load import Load
+
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "dsaserve:worker:"
 DEFAULT_TTL_S = 6.0
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    running: int = 0
-    waiting: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-    held: int = 0  # prefill: requests whose KV waits for a decode worker to read it
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +39,7 @@ class WorkerRecord:
     model: str
     layout_hash: str  # a prefill and a decode worker pair up only when these are equal
     nixl_agent: str  # NIXL agent name; services/transfer publishes its descriptor
-    load: WorkerLoad = field(default_factory=WorkerLoad)
+    load: Load = field(default_factory=Load)
     started_at: float = field(default_factory=time.time)  # unix seconds
 
     def to_json(self) -> str:
@@ -58,8 +51,8 @@ class WorkerRecord:
         data: dict[str, Any] = json.loads(text)
         if data.get("role") not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {data.get('role')!r}")
-        load_fields = {f.name for f in dataclasses.fields(WorkerLoad)}
-        load = WorkerLoad(
+        load_fields = {f.name for f in dataclasses.fields(Load)}
+        load = Load(
             **{k: int(v) for k, v in (data.get("load") or {}).items() if k in load_fields}
         )
         known = {f.name for f in dataclasses.fields(cls)} - {"load"}
@@ -89,7 +82,7 @@ class WorkerRegistration:
         self,
         redis_url: str,
         record: WorkerRecord,
-        load_fn: Callable[[], WorkerLoad],
+        load_fn: Callable[[], Load],
         ttl_s: float = DEFAULT_TTL_S,
         on_beat: Callable[[aioredis.Redis], Awaitable[None]] | None = None,
     ) -> None:

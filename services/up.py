@@ -8,7 +8,6 @@ with this process (PR_SET_PDEATHSIG), so nothing is left behind.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import logging
@@ -22,21 +21,42 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig, setting
+from services import settings
 
 log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory (default: the built-in tiny model)")
-    parser.add_argument("--port", type=int, default=8000, help="router HTTP port")
-    parser.add_argument("--host", default="127.0.0.1", help="router bind address")
-    parser.add_argument("--redis-url", help="use this Redis instead of starting a private redis-server")
-    parser.add_argument("--api-key", action="append", default=[], help="require this API key (repeatable)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--kv-cache-memory", type=int, default=None)
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
+@dataclass(frozen=True)
+class UpSettings:
+    """Local stack"""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    model: str | None = setting(None, "model directory (default: the built-in demo model)")
+    port: int = setting(8000, "router HTTP port")
+    host: str = setting("127.0.0.1", "router bind address")
+    redis_url: str | None = setting(
+        None, "use this Redis instead of starting a private redis-server"
+    )
+    api_keys: tuple[str, ...] = setting((), "require this API key (repeatable)", flag="--api-key")
+    startup_timeout: float = setting(600.0, "seconds to wait for the stack to become healthy")
+
+
+Settings = UpSettings
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The command-line flags that give a worker `config` (defaults left out)."""
+    argv = []
+    for flag in settings.flags(EngineConfig):
+        value = getattr(config, flag.dest)
+        if value == flag.default:
+            continue
+        argv += [flag.option] if flag.kind is bool else [flag.option, str(value)]
+    return argv
 
 
 def _free_port() -> int:
@@ -77,10 +97,10 @@ class Stack:
                 proc.wait()
 
 
-def run(args: argparse.Namespace) -> None:
-    from engine.tiny_model import default_tiny_model_dir
+def run(s: UpSettings) -> None:
+    from services.worker.process import default_model_dir
 
-    model = args.model or str(default_tiny_model_dir())   # made once here, not raced by two workers
+    model = s.model or default_model_dir()  # made once here, not raced by two workers
     token = secrets.token_hex(16)
     stack = Stack()
     stopping = False
@@ -92,7 +112,7 @@ def run(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        redis_url = args.redis_url
+        redis_url = s.redis_url
         if redis_url is None:
             binary = shutil.which("redis-server")
             if binary is None:
@@ -104,18 +124,18 @@ def run(args: argparse.Namespace) -> None:
         dsaserve = [sys.executable, "-m", "services.cli"]
         common = ["--model", model, "--redis-url", redis_url]
         env = {**os.environ, "DSASERVE_CLUSTER_TOKEN": token}   # not on command lines, where ps shows it
-        engine = ["--device", args.device, "--dtype", args.dtype, "--host", "127.0.0.1"]
-        if args.kv_cache_memory:
-            engine += ["--kv-cache-memory", str(args.kv_cache_memory)]
+        engine = engine_flags(s.engine) + ["--host", "127.0.0.1"]
         for role in ("prefill", "decode"):
             stack.spawn(role, dsaserve + [role] + common + engine + [
                 "--port", str(_free_port()), "--metrics-port", str(_free_port())], env)
-        keys = [a for key in args.api_key for a in ("--api-key", key)]
-        stack.spawn("router", dsaserve + ["router", "--host", args.host, "--port", str(args.port)] + common + keys, env)
-        url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
-        _wait_healthy(url, stack, args.startup_timeout, lambda: stopping)
+        router = [a for key in s.api_keys for a in ("--api-key", key)]
+        if s.engine.max_model_len:
+            router += ["--max-model-len", str(s.engine.max_model_len)]
+        stack.spawn("router", dsaserve + ["router", "--host", s.host, "--port", str(s.port)] + common + router, env)
+        url = f"http://{'127.0.0.1' if s.host in ('0.0.0.0', '::') else s.host}:{s.port}"
+        _wait_healthy(url, stack, s.startup_timeout, lambda: stopping)
         if not stopping:
-            _print_banner(url, model, args.api_key)
+            _print_banner(url, model, s.api_keys)
         while not stopping:
             stack.check()
             time.sleep(0.2)
@@ -138,7 +158,7 @@ def _wait_healthy(url: str, stack: Stack, timeout: float, stopping) -> None:
         time.sleep(0.25)
 
 
-def _print_banner(url: str, model: str, api_keys: list[str]) -> None:
+def _print_banner(url: str, model: str, api_keys: tuple[str, ...]) -> None:
     name = os.path.basename(os.path.normpath(model))
     auth = f" -H 'Authorization: Bearer {api_keys[0]}'" if api_keys else ""
     body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})

@@ -21,7 +21,7 @@ import redis
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from services.router.config import RouterConfig
+    from services.router.settings import RouterSettings
 
 REDIS_START_TIMEOUT_S = 10.0
 
@@ -108,10 +108,10 @@ def redis_url(redis_server: str) -> str:
 @pytest.fixture
 def router_model_dir(tmp_path: Path) -> Path:
     """A model dir the router can serve: config.json (64-token context) + the tiny tokenizer."""
-    from engine.tiny_tokenizer import write_tiny_tokenizer
+    from engine.byte_tokenizer import write_byte_tokenizer
 
     model_dir = tmp_path / "tiny-router-model"
-    write_tiny_tokenizer(model_dir)
+    write_byte_tokenizer(model_dir)
     (model_dir / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
     return model_dir
 
@@ -134,7 +134,7 @@ class RunningRouter:
 
 
 @pytest_asyncio.fixture
-async def start_router() -> AsyncIterator[Callable[[RouterConfig], Awaitable[RunningRouter]]]:
+async def start_router() -> AsyncIterator[Callable[[RouterSettings], Awaitable[RunningRouter]]]:
     """Start routers on free ports inside the test's event loop (real HTTP via uvicorn)."""
     import uvicorn  # imported here so one broken service cannot stop every test from collecting
 
@@ -143,7 +143,7 @@ async def start_router() -> AsyncIterator[Callable[[RouterConfig], Awaitable[Run
     running: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
     routers: list[RunningRouter] = []
 
-    async def start(config: RouterConfig) -> RunningRouter:
+    async def start(config: RouterSettings) -> RunningRouter:
         app = create_app(config)
         port = free_port()
         server = uvicorn.Server(

@@ -12,7 +12,7 @@ import os
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from engine.tiny_tokenizer import write_tiny_tokenizer
+from engine.byte_tokenizer import write_byte_tokenizer
 
 VOCAB = 262  # the tiny tokenizer's vocabulary
 
@@ -48,7 +48,7 @@ def make_hf_checkpoint(path: str | os.PathLike, seed: int = 0, **overrides) -> D
             else:
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     model.save_pretrained(path)
-    write_tiny_tokenizer(path)
+    write_byte_tokenizer(path)
     return model
 
 

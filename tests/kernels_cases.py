@@ -84,20 +84,20 @@ class IndexerCase:
     q: torch.Tensor  # [B, Hi, Di]
     weights: torch.Tensor  # [B, Hi] fp32
     k_cache: torch.Tensor  # [num_pages, P, Di]
-    block_table: torch.Tensor  # [B, max_pages] int32
+    page_table: torch.Tensor  # [B, max_pages] int32
     lengths: torch.Tensor  # [B] int32
     topk: int
     scale: float
 
     def run(self, fn):
-        return fn(self.q, self.weights, self.k_cache, self.block_table, self.lengths, self.topk,
+        return fn(self.q, self.weights, self.k_cache, self.page_table, self.lengths, self.topk,
                   scale=self.scale)
 
     def scores64(self) -> torch.Tensor:
-        """float64 scores of every position up to the block table's width, [B, W]."""
-        width = self.block_table.shape[1] * self.k_cache.shape[1]
+        """float64 scores of every position up to the page table's width, [B, W]."""
+        width = self.page_table.shape[1] * self.k_cache.shape[1]
         return reference.indexer_scores(self.q.double(), self.weights.double(),
-                                        self.k_cache.double(), self.block_table, width,
+                                        self.k_cache.double(), self.page_table, width,
                                         self.scale)
 
 

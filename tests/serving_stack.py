@@ -68,7 +68,7 @@ class Proc:
 
     def all_kv_free(self) -> bool:
         load = self.load()
-        return load.free_blocks == load.total_blocks and load.running == load.waiting == load.held == 0
+        return load.free_pages == load.total_pages and load.running == load.waiting == load.held == 0
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Stack:
         return self._spawn(name, [role, "--model", str(self.model), "--redis-url", self.redis_url,
                                   "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
                                   "--worker-id", name, "--registry-ttl", str(self.ttl),
-                                  "--kv-cache-memory", str(64 << 20), "--max-num-seqs", "32",
+                                  "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "32",
                                   "--max-num-batched-tokens", "1024", *extra], port, metrics_port)
 
     def router(self, *extra: str) -> Proc:

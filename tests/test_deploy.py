@@ -3,8 +3,8 @@
 No Docker engine or cluster here: compose is validated by docker-compose 1.29's `config` (works
 without an engine), k8s by parsing and, where kubectl is installed, by rendering the kustomizations.
 The flag checks read every `dsaserve ...` command line and every DSASERVE_* variable and hold them
-to the flags each subcommand has; once services/cli.py exists they are also checked against the
-real `--help`, with the router run as its image runs it: without torch.
+to the flags each subcommand's settings define, and the real `--help` is checked to list them,
+with the router run as its image runs it: without torch.
 """
 
 from __future__ import annotations
@@ -23,31 +23,22 @@ from typing import Any
 import pytest
 import yaml
 
+from services import settings
+from services.cli import COMMANDS, command_module
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "docker-compose.gpu.yml"
 
-# The flags of each subcommand, as the services' contract lists them.
-_WORKER = set(
-    "model host port advertise-host worker-id redis-url device dtype kv-cache-memory "
-    "context-length max-num-seqs lease-seconds metrics-port cluster-token".split()
-)
-FLAGS = {
-    "router": set(
-        "host port model served-model-name redis-url api-key policy max-inflight max-queue "
-        "cluster-token registry-ttl".split()
-    ),
-    "prefill": _WORKER,
-    "decode": _WORKER,
-    "make-tiny-model": set(),
-}
-CHOICES = {
-    "policy": {"round_robin", "least_load", "power_of_two"},
-    "device": {"cpu", "cuda"},
-    "dtype": {"float32", "bfloat16"},
-}
+# The flags of each subcommand, derived from its settings dataclass (services/settings.py):
+# deploy files must use current names (old aliases still parse, but are deprecated).
+_FLAGS = {cmd: settings.flags(command_module(cmd).Settings) for cmd in COMMANDS}
+FLAGS = {cmd: {f.option[2:] for f in flags if not f.positional} for cmd, flags in _FLAGS.items()}
+POSITIONAL = {cmd: sum(f.positional for f in flags) for cmd, flags in _FLAGS.items()}
+CHOICES = {f.option[2:]: set(f.choices) for fs in _FLAGS.values() for f in fs if f.choices}
+SWITCHES = {f.option[2:] for fs in _FLAGS.values() for f in fs if not f.takes_value}
 ENV = {
     "DSASERVE_CLUSTER_TOKEN": "test-token",
     "DSASERVE_API_KEY": "k1,k2",
@@ -90,7 +81,7 @@ def command_problems(cmd: list[str]) -> list[str]:
             i += 1
             continue
         name, _, value = token[2:].partition("=")
-        if not value:
+        if not value and name not in SWITCHES:
             if i + 1 >= len(rest) or rest[i + 1].startswith("--"):
                 problems.append(f"{sub}: --{name} has no value")
             else:
@@ -101,8 +92,7 @@ def command_problems(cmd: list[str]) -> list[str]:
             problems.append(f"{sub}: unknown flag --{name}")
         elif name in CHOICES and value not in CHOICES[name]:
             problems.append(f"{sub}: --{name} {value} not in {sorted(CHOICES[name])}")
-    expected_positional = 1 if sub == "make-tiny-model" else 0
-    if len(positional) != expected_positional:
+    if len(positional) != POSITIONAL[sub]:
         problems.append(f"{sub}: positional arguments {positional}")
     return problems
 
@@ -534,16 +524,13 @@ def test_dashboard_is_provisionable() -> None:
     assert f"./grafana/dashboards:{provider['options']['path']}:ro" in grafana["volumes"]
     assert datasource["url"] == "http://prometheus:9090"
     assert {
-        "dsaserve_kv_blocks_free",
-        "dsaserve_kv_blocks_total",
+        "dsaserve_kv_pages_free",
+        "dsaserve_kv_pages_total",
         "dsaserve_router_time_to_first_token_seconds_bucket",
     } <= _dashboard_metrics()
 
 
 def test_dashboard_reads_what_the_router_exports() -> None:
-    if not (ROOT / "services/router/metrics.py").exists():
-        pytest.skip("services/router/metrics.py is not written yet")
-    sys.path.insert(0, str(ROOT))
     from prometheus_client import CollectorRegistry
 
     from services.router.metrics import RouterMetrics
@@ -558,7 +545,7 @@ def test_dashboard_reads_what_the_router_exports() -> None:
     assert wanted and wanted <= exported, sorted(wanted - exported)
 
 
-# --- the real CLI, once it exists -----------------------------------------------------------------
+# --- the real CLI ---------------------------------------------------------------------------------
 
 _NO_TORCH = """
 import importlib.abc, sys
@@ -572,20 +559,11 @@ sys.meta_path.insert(0, _RouterImage())
 
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])
 def test_cli_help_lists_every_contract_flag(role: str) -> None:
-    if (ROOT / "services/cli.py").exists():
-        start = (
-            "from services.cli import main\n"
-            f"sys.argv = ['dsaserve', {role!r}, '--help']\n"
-            "sys.exit(main())"
-        )
-    elif role == "router" and (ROOT / "services/router/main.py").exists():  # before the CLI lands
-        start = (
-            "import runpy\n"
-            "sys.argv = ['dsaserve router', '--help']\n"
-            "runpy.run_module('services.router.main', run_name='__main__')"
-        )
-    else:
-        pytest.skip("services/cli.py is not written yet")
+    start = (
+        "from services.cli import main\n"
+        f"sys.argv = ['dsaserve', {role!r}, '--help']\n"
+        "sys.exit(main())"
+    )
     blocker = _NO_TORCH if role == "router" else ""
     code = f"{blocker}\nimport sys\n{start}"
     out = subprocess.run(

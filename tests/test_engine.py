@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.engine import EngineConfig, LLMEngine, RequestError
-from engine.tiny_model import make_tiny_model
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestError
+from engine.models.deepseek_v4.tiny import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = ["The quick brown fox", "a", "0123456789" * 9, "Once upon a time, in a land far away,", "zz" * 30]
@@ -34,7 +37,8 @@ def _drain(engine: LLMEngine, limit: int = 10_000) -> dict[str, list]:
 
 
 def _assert_all_free(engine: LLMEngine) -> None:
-    assert engine.kv_usage() == (engine.pool.num_total_pages, engine.pool.num_total_pages)
+    load = engine.load()
+    assert load.free_pages == load.total_pages == engine.pool.num_total_pages
     assert engine.pool.slab.num_free == engine.config.max_num_seqs
     assert not engine.scheduler.requests
 
@@ -83,7 +87,7 @@ def test_abort_anywhere_frees_everything(tiny, when):
 
 def test_full_pool_queues_requests_and_all_finish(tiny, reference):
     """A pool holding ~2 requests runs 5: they queue (and get preempted) yet answer as a roomy one."""
-    engine = LLMEngine(tiny, EngineConfig(kv_cache_memory=800_000, page_size=4, max_num_seqs=8,
+    engine = LLMEngine(tiny, EngineConfig(kv_cache_memory_bytes=800_000, page_size=4, max_num_seqs=8,
                                           max_num_batched_tokens=32))
     ids = [engine.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
     longer = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
@@ -100,7 +104,7 @@ def test_full_pool_queues_requests_and_all_finish(tiny, reference):
 
 
 def test_request_that_can_never_fit_is_rejected(tiny):
-    engine = LLMEngine(tiny, EngineConfig(kv_cache_memory=800_000, page_size=4, max_num_seqs=8,
+    engine = LLMEngine(tiny, EngineConfig(kv_cache_memory_bytes=800_000, page_size=4, max_num_seqs=8,
                                           max_num_batched_tokens=32))
     with pytest.raises(RequestError, match=r"KV pool, which has \d+; lower max_tokens"):
         engine.add_request("big", list(range(200)) * 10, SamplingParams(max_tokens=100))
@@ -108,8 +112,8 @@ def test_request_that_can_never_fit_is_rejected(tiny):
 
 
 def test_context_length_caps_prompt_plus_output(tiny):
-    engine = LLMEngine(tiny, EngineConfig(context_length=64))
-    with pytest.raises(RequestError, match="context length is 64 tokens, but 70 were requested"):
+    engine = LLMEngine(tiny, EngineConfig(max_model_len=64))
+    with pytest.raises(RequestError, match="context length is 64 tokens. However, 70 tokens were requested"):
         engine.add_request("r", list(range(50)), SamplingParams(max_tokens=20))
     with pytest.raises(RequestError, match="the prompt has 64 tokens"):
         engine.add_request("r", list(range(64)), SamplingParams(max_tokens=None))
@@ -172,12 +176,27 @@ def test_prefill_only_requests_hold_their_kv_until_released_or_aborted(tiny):
     """The prefill half of disaggregation: one token, then the KV stays until release/abort."""
     engine = LLMEngine(tiny)
     for rid in ("released", "aborted"):
-        engine.add_request(rid, list(range(50)), SamplingParams(max_tokens=8, temperature=0), prefill_only=True)
+        engine.add_request(rid, list(range(50)), SamplingParams(max_tokens=8, temperature=0),
+                           hold_for_s=30.0)
     outputs = _drain(engine)
     assert all(len(o) == 1 and o[0].finished and o[0].finish_reason is None for o in outputs.values())
-    held = engine.held_kv("released")
-    assert held.num_tokens == 50 and held.units["slab"] and engine.num_held == 2
-    assert engine.kv_usage()[0] < engine.kv_usage()[1]
+    held = engine.held_pages("released")
+    assert held.num_tokens == 50 and held.pages["slab"] and engine.load().held == 2
+    assert engine.load().free_pages < engine.load().total_pages
     assert engine.release("released") and engine.abort("aborted")
-    assert engine.num_held == 0 and not engine.release("released")
+    assert engine.load().held == 0 and not engine.release("released")
+    _assert_all_free(engine)
+
+
+def test_held_kv_is_freed_when_its_lease_runs_out(tiny):
+    engine = LLMEngine(tiny)
+    engine.add_request("short", list(range(40)), SamplingParams(max_tokens=8), hold_for_s=5.0)
+    engine.add_request("long", list(range(40)), SamplingParams(max_tokens=8), hold_for_s=60.0)
+    _drain(engine)
+    start = time.monotonic()
+    assert engine.expire_leases(start) == []  # both leases still run
+    assert engine.expire_leases(start + 10.0) == ["short"]
+    with pytest.raises(KeyError):
+        engine.held_pages("short")
+    assert engine.load().held == 1 and engine.release("long")
     _assert_all_free(engine)

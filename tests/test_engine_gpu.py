@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.step import build_step_inputs
-from engine.tiny_model import make_tiny_model
+from engine.step import RowSpan, build_step_inputs
+from engine.models.deepseek_v4.tiny import make_tiny_model
 from tests.kernels_cases import gpu_test
 
-GPU = dict(device="cuda", kv_cache_memory=256 << 20, max_num_seqs=16)
+GPU = dict(device="cuda", kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "0123456789" * 20, "x"]
 
@@ -48,7 +48,7 @@ def test_graph_replayed_decode_equals_eager_decode_in_bf16(tiny):
         engine.add_request(str(i), llm.tokenizer.encode(p), SamplingParams(max_tokens=8, temperature=0))
     engine.step()   # prefill all three
     reqs = [engine.scheduler.requests[str(i)] for i in range(3)]
-    specs = [(r.num_computed, 1, r.slab, r.tokens(r.num_computed, 1)) for r in reqs]
+    specs = [RowSpan(r.num_computed, 1, r.slab, r.tokens(r.num_computed, 1)) for r in reqs]
     graphed = engine.runner.graphs[min(b for b in engine.runner.graphs if b >= 3)].run(specs)
     inputs = build_step_inputs(engine.pool, specs, len(specs), engine.device)
     eager = engine.model(engine.pool, inputs, torch.arange(3, device=engine.device))

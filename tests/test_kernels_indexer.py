@@ -38,7 +38,7 @@ def test_triton_ties_and_negative_scores():
 def test_triton_ignores_table_entries_past_the_length():
     """Entries past a row's length may point at pages that do not exist: never read."""
     case = indexer_case([20, 3], topk=TOPK, max_pages=64)
-    case.block_table[:, 6:] = 1 << 30
+    case.page_table[:, 6:] = 1 << 30
     check_topk(case.run(indexer.indexer_topk), case, 1e-6)
 
 

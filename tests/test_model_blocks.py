@@ -7,11 +7,11 @@ import torch
 
 import kernels
 
-from engine.config import ModelConfig
+from engine.models.deepseek_v4.config import ModelConfig
 from engine.kv_pool import KVCacheConfig, KVPool
-from engine.rope import inverse_frequencies
-from engine.step import StepState, build_step_inputs
-from engine.weights import build_model, load_weights
+from engine.layers.rope import inverse_frequencies
+from engine.step import RowSpan, StepState, build_step_inputs
+from engine.models.deepseek_v4.weights import build_model, load_weights
 from tests.hf_reference import VOCAB, make_hf_checkpoint
 
 CSA_LAYER, HCA_LAYER = 1, 2
@@ -80,11 +80,11 @@ def test_routing_matches_hf_for_topk_and_hash_layers(pair):
 
 
 def _allocate(pool: KVPool, total: int) -> tuple[int, dict[str, list[int]]]:
-    """A slab row and pages for `total` tokens, recorded in the pool's block tables."""
+    """A slab row and pages for `total` tokens, recorded in the pool's page tables."""
     slab = pool.slab.allocate(1)[0]
     tables = {g: pool.groups[g].allocator.allocate(pool.pages_for(g, total)) for g in pool.groups}
     for g, pages in tables.items():
-        pool.write_block_table(slab, g, 0, pages)
+        pool.write_page_table(slab, g, 0, pages)
     return slab, tables
 
 
@@ -108,7 +108,9 @@ def test_compressors_match_hf_cache_across_call_boundaries(pair, chunks):
     slab, tables = _allocate(pool, total)
     start = 0
     for n in chunks:
-        inp = build_step_inputs(pool, [(start, n, slab, ids[start:start + n].tolist())], 0, torch.device("cpu"))
+        inp = build_step_inputs(
+            pool, [RowSpan(start, n, slab, ids[start : start + n].tolist())], 0, torch.device("cpu")
+        )
         ours(pool, inp, torch.tensor([n - 1]))
         start += n
     csa, hca = cache.layers[CSA_LAYER], cache.layers[HCA_LAYER]
@@ -125,7 +127,7 @@ def test_indexer_picks_only_visible_entries(pair):
     _, ours, cfg = pair
     pool, total = _pool(cfg), 90
     slab, tables = _allocate(pool, total)
-    inp = build_step_inputs(pool, [(0, total, slab, list(range(total)))], 0, torch.device("cpu"))
+    inp = build_step_inputs(pool, [RowSpan(0, total, slab, list(range(total)))], 0, torch.device("cpu"))
     step = StepState(pool, inp, dict(ours.rope_tables))
     x = torch.randn(total, cfg.hidden_size)
     picked = ours.layers[CSA_LAYER].attn.indexer(x, torch.randn(total, cfg.q_lora_rank), step)   # [T, topk] slots

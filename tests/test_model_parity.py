@@ -19,7 +19,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint[0], max_num_batched_tokens=512, page_size=8, kv_cache_memory=64 << 20)
+    return LLM(checkpoint[0], max_num_batched_tokens=512, page_size=8, kv_cache_memory_bytes=64 << 20)
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -36,7 +36,7 @@ def test_full_sequence_logits_match_hf(checkpoint, llm):
 def test_chunked_scoring_matches_hf(checkpoint, tmp_path):
     """Chunks of 37 rows cut windows, compressor windows and pages at odd places."""
     path, hf = checkpoint
-    chunked = LLM(path, max_num_batched_tokens=37, page_size=8, kv_cache_memory=64 << 20)
+    chunked = LLM(path, max_num_batched_tokens=37, page_size=8, kv_cache_memory_bytes=64 << 20)
     ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(8)).tolist()
     err = _rel_err(chunked.score(ids), hf_logits(hf, ids))
     assert err < 1e-4, err

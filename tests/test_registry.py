@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from services.registry import (
     RegistryWatcher,
-    WorkerLoad,
+    Load,
     WorkerRecord,
     WorkerRegistration,
     worker_key,
@@ -55,14 +55,14 @@ async def wait_until(
 
 def test_record_json_round_trip_ignores_unknown_keys() -> None:
     rec = dataclasses.replace(
-        record("w1"), load=WorkerLoad(running=3, waiting=1, free_blocks=7, total_blocks=9, held=2)
+        record("w1"), load=Load(running=3, waiting=1, free_pages=7, total_pages=9, held=2)
     )
     data = json.loads(rec.to_json())
     assert data["load"] == {
         "running": 3,
         "waiting": 1,
-        "free_blocks": 7,
-        "total_blocks": 9,
+        "free_pages": 7,
+        "total_pages": 9,
         "held": 2,
     }
     data["future_field"] = {"x": 1}
@@ -80,7 +80,7 @@ def test_record_rejects_unknown_role() -> None:
 async def test_registration_writes_with_ttl_and_refreshes_load(redis_url: str) -> None:
     beats = itertools.count()
     reg = WorkerRegistration(
-        redis_url, record("w1"), lambda: WorkerLoad(running=next(beats)), ttl_s=0.6
+        redis_url, record("w1"), lambda: Load(running=next(beats)), ttl_s=0.6
     )
     client = aioredis.Redis.from_url(redis_url)
     await reg.start()
@@ -104,7 +104,7 @@ async def test_registration_writes_with_ttl_and_refreshes_load(redis_url: str) -
 @pytest.mark.asyncio
 async def test_watcher_filters_by_role_and_model(redis_url: str) -> None:
     regs = [
-        WorkerRegistration(redis_url, rec, WorkerLoad)
+        WorkerRegistration(redis_url, rec, Load)
         for rec in (record("p1"), record("d1", role="decode"), record("p2", model="other"))
     ]
     watcher = RegistryWatcher(redis_url)
@@ -148,11 +148,12 @@ async def test_watcher_start_fails_fast_without_redis(unused_tcp_port: int) -> N
 _WORKER_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
-    from services.registry import WorkerLoad, WorkerRecord, WorkerRegistration
+    from engine.load import Load
+    from services.registry import WorkerRecord, WorkerRegistration
 
     async def main():
         rec = WorkerRecord("killed", "decode", "127.0.0.1:1", "m", "L1", "agent-killed")
-        await WorkerRegistration(sys.argv[1], rec, WorkerLoad, ttl_s=float(sys.argv[2])).start()
+        await WorkerRegistration(sys.argv[1], rec, Load, ttl_s=float(sys.argv[2])).start()
         print("registered", flush=True)
         await asyncio.Event().wait()
 

@@ -19,19 +19,20 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.registry import WorkerLoad, WorkerRecord, WorkerRegistration
-from services.router.config import RouterConfig
+from engine.load import Load
+from services.registry import WorkerRecord, WorkerRegistration
+from services.router.settings import RouterSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-router-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
-StartRouter = Callable[[RouterConfig], Awaitable[Any]]
+StartRouter = Callable[[RouterSettings], Awaitable[Any]]
 
 
 @pytest_asyncio.fixture
 async def router(start_router: StartRouter, router_model_dir: Path, redis_url: str) -> Any:
-    return await start_router(RouterConfig(model_dir=str(router_model_dir), redis_url=redis_url))
+    return await start_router(RouterSettings(model_dir=str(router_model_dir), redis_url=redis_url))
 
 
 @pytest_asyncio.fixture
@@ -47,7 +48,7 @@ async def registered(redis_url: str) -> AsyncIterator[Callable[..., Awaitable[No
 
     async def register(worker_id: str, role: str, layout: str = "L1") -> None:
         rec = WorkerRecord(worker_id, role, "127.0.0.1:9", MODEL, layout, f"agent-{worker_id}")  # type: ignore[arg-type]
-        reg = WorkerRegistration(redis_url, rec, WorkerLoad)
+        reg = WorkerRegistration(redis_url, rec, Load)
         await reg.start()
         regs.append(reg)
 
@@ -171,7 +172,7 @@ async def test_invalid_completion_prompts_are_400(
 @pytest.mark.asyncio
 async def test_api_keys(start_router: StartRouter, router_model_dir: Path, redis_url: str) -> None:
     router = await start_router(
-        RouterConfig(str(router_model_dir), redis_url, api_keys=("k1", "k2"))
+        RouterSettings(str(router_model_dir), redis_url, api_keys=("k1", "k2"))
     )
     async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
         assert_openai_error(await http.post("/v1/chat/completions", json=CHAT), 401, says="API key")
@@ -281,7 +282,7 @@ async def test_models_lists_the_served_model(
     assert models[0].model_extra["max_model_len"] == 64
 
     renamed = await start_router(
-        RouterConfig(str(router_model_dir), redis_url, served_model_name="deepseek-v4")
+        RouterSettings(str(router_model_dir), redis_url, served_model_name="deepseek-v4")
     )
     async with httpx.AsyncClient(base_url=renamed.url) as http:
         assert (await http.get("/v1/models")).json()["data"][0]["id"] == "deepseek-v4"
@@ -328,7 +329,8 @@ async def test_metrics_parse_and_count_outcomes(
 
 def test_router_imports_without_torch() -> None:
     code = (
-        "import sys, services.router, services.router.main, services.registry, services.flags\n"
+        "import sys, services.router, services.router.main, services.registry, services.cli\n"
+        "from services.cli import build_parser; build_parser('router')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

@@ -20,9 +20,10 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from services.registry import WorkerLoad, WorkerRecord, WorkerRegistration
-from services.router.config import RouterConfig
-from services.router.workers import TOKEN_METADATA_KEY
+from engine.load import Load
+from services.registry import WorkerRecord, WorkerRegistration
+from services.router.settings import RouterSettings
+from services.auth import TOKEN_METADATA_KEY
 from services.rpc import grpc_api, pb
 
 MODEL = "tiny-router-model"
@@ -129,7 +130,7 @@ async def serve(redis_url: str) -> AsyncIterator[Serve]:
             await server.start()
             servers.append(server)
         rec = WorkerRecord(worker_id, role, address, MODEL, "L1", "agent")  # type: ignore[arg-type]
-        reg = WorkerRegistration(redis_url, rec, lambda: WorkerLoad(running=load))
+        reg = WorkerRegistration(redis_url, rec, lambda: Load(running=load))
         await reg.start()
         regs.append(reg)
         return worker
@@ -147,7 +148,7 @@ async def make_router(
 ) -> Callable[..., Awaitable[Any]]:
     async def make(**config: Any) -> Any:
         router = await start_router(
-            RouterConfig(str(router_model_dir), redis_url, cluster_token=TOKEN, **config)
+            RouterSettings(str(router_model_dir), redis_url, cluster_token=TOKEN, **config)
         )
         await router.refresh_registry()
         return router
@@ -334,7 +335,7 @@ async def test_wrong_cluster_token_is_explained(
     await serve("prefill", "p1")
     await serve("decode", "d1")
     router = await start_router(
-        RouterConfig(str(router_model_dir), redis_url, cluster_token="wrong")
+        RouterSettings(str(router_model_dir), redis_url, cluster_token="wrong")
     )
     await router.refresh_registry()
     async with httpx.AsyncClient(base_url=router.url) as http:

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from services.registry import WorkerLoad, WorkerRecord
+from engine.load import Load
+from services.registry import WorkerRecord
 from services.router.policy import POLICIES, LeastLoad, PowerOfTwo, RoundRobin, load_of, make_policy
 
 
@@ -19,7 +20,7 @@ def worker(worker_id: str, running: int = 0, waiting: int = 0) -> WorkerRecord:
         "m",
         "L",
         "agent",
-        load=WorkerLoad(running=running, waiting=waiting),
+        load=Load(running=running, waiting=waiting),
     )
 
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 import redis
 
-from engine.tiny_model import make_tiny_model
+from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.registry import worker_key
 from tests.serving_stack import Stack, http_status, wait_for
 

@@ -1,4 +1,4 @@
-"""engine.tokenizer and engine.tiny_tokenizer: round trips, chat templates, streaming decode."""
+"""engine.tokenizer and engine.byte_tokenizer: round trips, chat templates, streaming decode."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.tiny_tokenizer import BOS_TOKEN, EOS_TOKEN, _byte_to_unicode, write_tiny_tokenizer
+from engine.byte_tokenizer import BOS_TOKEN, EOS_TOKEN, _byte_to_unicode, write_byte_tokenizer
 from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ CHAT = [
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny")
-    write_tiny_tokenizer(out)
+    write_byte_tokenizer(out)
     return out
 
 
@@ -81,10 +81,10 @@ def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_tiny_tokenizer_is_small_and_byte_identical_across_runs(tmp_path: Path) -> None:
-    assert write_tiny_tokenizer(tmp_path / "a") == 262
+    assert write_byte_tokenizer(tmp_path / "a") == 262
     # Another process with another hash seed must write the same bytes.
     result = _run_python(
-        f"from engine.tiny_tokenizer import write_tiny_tokenizer as w; w({str(tmp_path / 'b')!r})",
+        f"from engine.byte_tokenizer import write_byte_tokenizer as w; w({str(tmp_path / 'b')!r})",
         PYTHONHASHSEED="12345",
     )
     assert result.returncode == 0, result.stderr
@@ -458,9 +458,9 @@ def test_detokenizer_keeps_space_a_decoder_strips_from_the_first_token() -> None
 def test_tokenizer_never_imports_torch(tmp_path: Path) -> None:
     code = f"""
 import sys
-from engine.tiny_tokenizer import write_tiny_tokenizer
+from engine.byte_tokenizer import write_byte_tokenizer
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-write_tiny_tokenizer({str(tmp_path)!r})
+write_byte_tokenizer({str(tmp_path)!r})
 tok = Tokenizer.from_pretrained({str(tmp_path)!r})
 detok = IncrementalDetokenizer(tok)
 for token_id in tok.encode_chat([{{"role": "user", "content": "hi"}}]):

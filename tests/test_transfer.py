@@ -31,10 +31,10 @@ from services.transfer import (
     publish_descriptor,
 )
 
-# Region name -> (group, unit shape); bf16 throughout. Units per group differ per worker, as pools
+# Region name -> (group, page shape); bf16 throughout. Pages per group differ per worker, as pools
 # are sized per worker.
 LAYOUT = {
-    "swa.0.kv": ("swa", (64, 32)),  # unit: 64 rows x 32 = 4 KiB
+    "swa.0.kv": ("swa", (64, 32)),  # page: 64 rows x 32 = 4 KiB
     "csa.0.kv": ("csa", (64, 32)),  # 4 KiB
     "csa.0.idx": ("csa", (64, 8)),  # 1 KiB, indexed by the same csa page ids
     "slab": ("slab", (96,)),  # one per-request state row, 192 B
@@ -45,12 +45,12 @@ PREFILL_SEED, DECODE_SEED = 1, 2
 WAIT_S = 60.0  # bound on process start-up and on any notification
 
 
-def _pools(seed: int, units: dict[str, int], layout: dict = LAYOUT) -> dict[str, torch.Tensor]:
+def _pools(seed: int, pages: dict[str, int], layout: dict = LAYOUT) -> dict[str, torch.Tensor]:
     """Pools with seeded random bytes, so either process can rebuild the other's contents."""
     g = torch.Generator().manual_seed(seed)
     pools = {}
     for name, (group, shape) in layout.items():
-        t = torch.empty((units[group], *shape), dtype=torch.bfloat16)
+        t = torch.empty((pages[group], *shape), dtype=torch.bfloat16)
         raw = t.view(torch.uint8)
         raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
         pools[name] = t
@@ -179,7 +179,7 @@ def _connect(transfer: KVTransfer, redis_port: int, agent: str) -> str:
     return transfer.add_peer(descriptor)
 
 
-def test_read_scattered_units_and_notify(prefill: Prefill, decode, redis_port: int) -> None:
+def test_read_scattered_pages_and_notify(prefill: Prefill, decode, redis_port: int) -> None:
     transfer, pools = decode
     peer = _connect(transfer, redis_port, prefill.agent)
     assert peer == prefill.agent
@@ -198,7 +198,7 @@ def test_read_scattered_units_and_notify(prefill: Prefill, decode, redis_port: i
         untouched = before[name].view(torch.uint8)
         assert torch.equal(got[local[group]], want[remote[group]]), name
         rest = [u for u in range(DECODE_UNITS[group]) if u not in local[group]]
-        assert torch.equal(got[rest], untouched[rest]), f"{name}: units outside the read changed"
+        assert torch.equal(got[rest], untouched[rest]), f"{name}: pages outside the read changed"
     # csa: runs 9->0, 3..5->7..9, 14->2 in two regions; swa: 1->0 and the reversed pairs
     # 6->4, 5->3, which merge into 5..6->3..4; slab: one.
     assert stats.descriptors == 3 * 2 + 2 + 1
@@ -214,7 +214,7 @@ def test_invalid_reads_raise_before_posting(prefill: Prefill, decode, redis_port
         ({"csa": [PREFILL_UNITS["csa"]]}, {"csa": [0]}, "out of range"),  # one past the peer's pool
         ({"csa": [0]}, {"csa": [DECODE_UNITS["csa"]]}, "out of range"),  # 12 here, 16 there
         ({"csa": [0]}, {"csa": [-1]}, "out of range"),
-        ({"csa": [0, 1]}, {"csa": [0]}, "2 remote units but 1 local"),
+        ({"csa": [0, 1]}, {"csa": [0]}, "2 remote pages but 1 local"),
         ({"csa": [0, 1]}, {"csa": [3, 3]}, "repeats"),
         ({"mla": [0]}, {"mla": [0]}, "unknown group"),
         ({"csa": [0]}, {"swa": [0]}, "groups"),
@@ -231,7 +231,7 @@ def test_invalid_reads_raise_before_posting(prefill: Prefill, decode, redis_port
     # Nothing was posted: the first notification the peer sees is this read's.
     transfer.read(peer, {"slab": [0]}, {"slab": [0]}, notify=b"after-invalid", timeout_s=10)
     assert prefill.next_event() == (transfer.agent_name, b"after-invalid")
-    # An empty read moves nothing but still releases the peer's units.
+    # An empty read moves nothing but still releases the peer's pages.
     stats = transfer.read(peer, {"csa": []}, {"csa": []}, notify=b"empty", timeout_s=10)
     assert (stats.bytes, stats.descriptors) == (0, 0)
     assert prefill.next_event() == (transfer.agent_name, b"empty")
@@ -240,7 +240,7 @@ def test_invalid_reads_raise_before_posting(prefill: Prefill, decode, redis_port
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"csa.0.idx": ("csa", (64, 16))}, "'csa.0.idx' has 2048 unit bytes here, 1024 there"),
+        ({"csa.0.idx": ("csa", (64, 16))}, "'csa.0.idx' has 2048 page bytes here, 1024 there"),
         ({"csa.0.idx": ("hca", (64, 8))}, "'csa.0.idx' is in group 'hca' here but 'csa' there"),
         ({"csa.1.kv": ("csa", (64, 32))}, "'csa.1.kv' is missing at the peer"),
         ({"slab": None}, "the peer has region 'slab', which is missing here"),

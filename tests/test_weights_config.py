@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig
-from engine.tiny_model import make_tiny_model, tiny_config
-from engine.weights import WeightsError, build_model, load_weights
+from engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig
+from engine.models.deepseek_v4.tiny import make_tiny_model, tiny_config
+from engine.models.deepseek_v4.weights import WeightsError, build_model, load_weights
 
 
 @pytest.fixture(scope="module")

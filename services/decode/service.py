@@ -14,19 +14,27 @@ from collections.abc import AsyncIterator
 import grpc
 import redis.asyncio as aioredis
 
-from engine.engine import HeldKV, RequestError
+from engine.engine_loop import OutputQueue
+from engine.llm_engine import KVPages, RequestError
+from engine.sampling_params import SamplingParams
 from services.rpc import grpc_api, pb
 from services.transfer import TransferError, fetch_descriptor
-from services.worker import FINISH_REASONS, Worker, now_ms, sampling_from_proto
+from services.worker.convert import FINISH_REASONS, sampling_from_proto
+from services.worker.process import RoleService, Worker, now_ms
+from services.worker.settings import DecodeSettings
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.01   # how often a request waiting for free pages retries
 
 
-class DecodeService(grpc_api.DecodeServicer):
+class DecodeService(RoleService, grpc_api.DecodeServicer):
     def __init__(self, worker: Worker) -> None:
-        self.w = worker
-        self.redis = aioredis.Redis.from_url(worker.args.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        super().__init__(worker)
+        assert isinstance(worker.settings, DecodeSettings)
+        self.transfer_timeout = worker.settings.transfer_timeout
+        self.redis = aioredis.Redis.from_url(
+            worker.settings.redis_url, socket_timeout=5, socket_connect_timeout=5
+        )
         self.peers: set[str] = set()
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -42,20 +50,20 @@ class DecodeService(grpc_api.DecodeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"KV layout mismatch: prefill worker {kv.worker_id} has layout {kv.layout or kv.layout_hash}, "
                                 f"decode worker {w.worker_id} has layout {w.layout}; run both with the same model, "
-                                "dtype and --page-size")
+                                "dtype and --block-size")
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finished = False
         try:
-            held = await self._reserve(request, params, context)
+            outputs = OutputQueue()
+            held = await self._reserve(request, params, outputs, context)
             peer = await self._peer(kv.agent_name, context)
-            queue = w.loop.subscribe(rid)
             try:
                 stats = await w.in_nixl_thread(
-                    w.transfer.read, peer, {g: list(b.ids) for g, b in kv.blocks.items()}, held.units,
-                    notify=rid.encode(), timeout_s=w.args.transfer_timeout)
+                    w.transfer.read, peer, {g: list(p.ids) for g, p in kv.pages.items()}, held.pages,
+                    notify=rid.encode(), timeout_s=self.transfer_timeout)
             except TransferError as e:
                 w.metrics.fail("transfer")
                 log.warning("KV pull for %s from %s failed: %s", rid, kv.worker_id, e)
@@ -66,7 +74,7 @@ class DecodeService(grpc_api.DecodeServicer):
             w.metrics.transfer_bytes.inc(stats.bytes)
             w.metrics.transfer_seconds.observe(stats.seconds)
             await w.loop.run(lambda e: e.join(rid))
-            async for out in w.loop.stream(rid, queue):
+            async for out in w.loop.stream(rid, outputs):
                 if out.finish_reason == "abort":
                     w.metrics.fail("aborted")
                     yield pb.DecodeResponse(error=pb.DecodeError(message=f"request {rid} was aborted", cause="abort"))
@@ -81,18 +89,18 @@ class DecodeService(grpc_api.DecodeServicer):
                         finish_reason=FINISH_REASONS[out.finish_reason],
                         usage=pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)))
         finally:
-            w.loop.unsubscribe(rid)
             if not finished:   # error, abort or a cancelled stream: free whatever we reserved
                 w.loop.call(lambda e: e.abort(rid))
 
-    async def _reserve(self, request: pb.DecodeRequest, params, context: grpc.aio.ServicerContext) -> HeldKV:
+    async def _reserve(self, request: pb.DecodeRequest, params: SamplingParams, outputs: OutputQueue,
+                       context: grpc.aio.ServicerContext) -> KVPages:
         """Pages for the request's KV; waits while the pools are full, up to the prefill lease."""
         w, rid = self.w, request.request_id
         prompt, first = list(request.prompt_token_ids), request.first_token_id
         deadline = time.monotonic() + max(0.0, (request.kv.lease_expires_unix_ms - now_ms()) / 1000)
         while True:
             try:
-                held = await w.loop.run(lambda e: e.reserve(rid, prompt, first, params))
+                held = await w.loop.run(lambda e: e.reserve(rid, prompt, first, params, outputs))
             except RequestError as e:
                 w.metrics.fail("invalid_request")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -122,13 +130,3 @@ class DecodeService(grpc_api.DecodeServicer):
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
             self.peers.add(agent)
         return agent
-
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        rid = request.request_id
-        return pb.AbortResponse(found=await self.w.loop.run(lambda e: e.abort(rid)))
-
-    async def Health(self, request, context) -> pb.HealthResponse:
-        return self.w.health_response()
-
-    async def Load(self, request, context) -> pb.LoadResponse:
-        return self.w.load_response()

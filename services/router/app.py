@@ -23,7 +23,7 @@ from services.metrics import exposition
 from services.registry import RegistryWatcher
 
 from .admission import Admission
-from .config import RouterConfig
+from .settings import RouterSettings
 from .errors import APIError, install_handlers
 from .metrics import RequestCounter, RequestTimer, RouterMetrics
 from .model import ServedModel
@@ -32,12 +32,12 @@ from .responses import ChatShape, Shape, TextShape
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .selection import WorkerSelector
 from .streaming import EventStream, answer
-from .workers import WorkerClients
+from .clients import WorkerClients
 
 
 @dataclass(frozen=True)
 class RouterState:
-    config: RouterConfig
+    settings: RouterSettings
     model: ServedModel
     metrics: RouterMetrics
     watcher: RegistryWatcher
@@ -47,17 +47,18 @@ class RouterState:
     flow: PDFlow
 
 
-def create_app(config: RouterConfig, rng: random.Random | None = None) -> FastAPI:
+def create_app(settings: RouterSettings, rng: random.Random | None = None) -> FastAPI:
     """Build the app; the registry watcher starts and stops with the app's lifespan."""
-    model = ServedModel.load(config.model_dir, config.served_model_name)
+    s = settings
+    model = ServedModel.load(s.model_dir, s.served_model_name, s.max_model_len)
     metrics = RouterMetrics(CollectorRegistry())
-    watcher = RegistryWatcher(config.redis_url, config.registry_ttl_s)
-    clients = WorkerClients(config.cluster_token)
-    admission = Admission(config.max_inflight, config.max_queue)
+    watcher = RegistryWatcher(s.redis_url, s.registry_ttl_s)
+    clients = WorkerClients(s.cluster_token)
+    admission = Admission(s.max_inflight, s.max_queue)
     metrics.track_admission(lambda: admission.waiting, lambda: admission.inflight)
-    selector = WorkerSelector(watcher, model.name, config.policy, clients.inflight, rng)
+    selector = WorkerSelector(watcher, model.name, s.policy, clients.inflight, rng)
     state = RouterState(
-        config, model, metrics, watcher, clients, admission, selector, PDFlow(selector, clients)
+        s, model, metrics, watcher, clients, admission, selector, PDFlow(selector, clients)
     )
 
     @asynccontextmanager
@@ -83,7 +84,7 @@ def _state(request: Request) -> RouterState:
 
 
 async def _require_api_key(request: Request) -> None:
-    keys = _state(request).config.api_keys
+    keys = _state(request).settings.api_keys
     if not keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -125,7 +126,7 @@ async def _generate(
     st.model.check_name(body.model)
     prompt_ids = await st.model.prompt_ids(body)
     max_tokens = st.model.max_tokens(len(prompt_ids), body.requested_max_tokens(), prompt_param)
-    timeout_s = st.config.request_timeout_s
+    timeout_s = st.settings.request_timeout_s
     await st.admission.acquire(arrival + timeout_s - time.monotonic())
     gen = Generation(
         request_id=f"{id_prefix}-{uuid.uuid4().hex}",
@@ -164,6 +165,12 @@ async def models(request: Request) -> dict[str, Any]:
         "max_model_len": model.context_length,
     }
     return {"object": "list", "data": [card]}
+
+
+@_ops.get("/live")
+async def live() -> dict[str, str]:
+    """The process answers (Kubernetes' liveness probe); /health says whether it can serve."""
+    return {"status": "ok"}
 
 
 @_ops.get("/health")

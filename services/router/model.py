@@ -12,6 +12,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from engine.sampling_params import ContextLengthError, resolve_max_tokens
 from engine.tokenizer import Tokenizer
 
 from .errors import APIError
@@ -22,12 +23,14 @@ from .schemas import ChatCompletionRequest, CompletionRequest
 class ServedModel:
     name: str
     path: str
-    context_length: int  # prompt + completion tokens, from max_position_embeddings
+    context_length: int  # prompt + completion tokens: --max-model-len, or max_position_embeddings
     tokenizer: Tokenizer
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
-    def load(cls, model_dir: str, served_name: str | None = None) -> ServedModel:
+    def load(
+        cls, model_dir: str, served_name: str | None = None, max_model_len: int | None = None
+    ) -> ServedModel:
         config_path = os.path.join(model_dir, "config.json")
         try:
             with open(config_path) as f:
@@ -41,7 +44,8 @@ class ServedModel:
                 f"got {context_length!r}"
             )
         name = served_name or os.path.basename(os.path.normpath(model_dir))
-        return cls(name, model_dir, context_length, Tokenizer.from_pretrained(model_dir))
+        limit = max_model_len or context_length
+        return cls(name, model_dir, limit, Tokenizer.from_pretrained(model_dir))
 
     def check_name(self, requested: str | None) -> None:
         if requested is not None and requested != self.name:
@@ -82,27 +86,8 @@ class ServedModel:
 
     def max_tokens(self, prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
         """The completion budget: what was asked for, or by default the rest of the context."""
-        limit = self.context_length
-        if prompt_tokens >= limit:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens, but the prompt has "
-                f"{prompt_tokens} tokens. Shorten the {prompt_param} to at most {limit - 1} "
-                "tokens.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        room = limit - prompt_tokens
-        if requested is None:
-            return room
-        if requested > room:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_tokens + requested} tokens ({prompt_tokens} in the {prompt_param}, "
-                f"{requested} for the completion). Reduce the length of the {prompt_param} "
-                f"or max_tokens (at most {room} here).",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        return requested
+        try:
+            return resolve_max_tokens(prompt_tokens, requested, self.context_length)
+        except ContextLengthError as e:
+            param = prompt_param if e.param == "prompt" else "max_tokens"
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None

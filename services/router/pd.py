@@ -25,7 +25,7 @@ from services.rpc import pb
 from .errors import APIError, from_grpc, timeout_error
 from .metrics import RequestTimer
 from .selection import WorkerSelector
-from .workers import WorkerClients
+from .clients import WorkerClients
 
 log = logging.getLogger(__name__)
 

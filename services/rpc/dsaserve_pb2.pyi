@@ -46,36 +46,36 @@ class Usage(_message.Message):
     completion_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
-class BlockIds(_message.Message):
+class PageIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "blocks", "num_tokens", "lease_expires_unix_ms")
-    class BlocksEntry(_message.Message):
+    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms")
+    class PagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
-        value: BlockIds
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[BlockIds, _Mapping]] = ...) -> None: ...
+        value: PageIds
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PageIds, _Mapping]] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_HASH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     agent_name: str
     layout_hash: str
     layout: str
-    blocks: _containers.MessageMap[str, BlockIds]
+    pages: _containers.MessageMap[str, PageIds]
     num_tokens: int
     lease_expires_unix_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., blocks: _Optional[_Mapping[str, BlockIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
@@ -180,15 +180,15 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running", "waiting", "free_blocks", "total_blocks", "held")
+    __slots__ = ("running", "waiting", "free_pages", "total_pages", "held")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
-    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
-    free_blocks: int
-    total_blocks: int
+    free_pages: int
+    total_pages: int
     held: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...

@@ -1,6 +1,6 @@
-"""Unit ids -> NIXL descriptor rows, with runs of consecutive units merged.
+"""Page ids -> NIXL descriptor rows, with runs of consecutive pages merged.
 
-A READ moves, for every region of a group, unit remote[i] of the peer into unit local[i] here.
+A READ moves, for every region of a group, page remote[i] of the peer into page local[i] here.
 Where both sides continue a run (remote[i+1] = remote[i] + 1 and local[i+1] = local[i] + 1) the
 run becomes one descriptor: fewer, larger descriptors are what UCX moves fast.
 """
@@ -15,23 +15,23 @@ from .errors import TransferError
 from .layout import RegionInfo
 
 
-def unit_ids(ids: Sequence[int], units: int, what: str) -> np.ndarray:
-    """Validate unit ids against a region's unit count: [n] int64, or TransferError.
+def page_ids(ids: Sequence[int], pages: int, what: str) -> np.ndarray:
+    """Validate page ids against a region's page count: [n] int64, or TransferError.
 
     Checked here, before anything is posted, so a bad id can never become a wild read or write.
     """
     a = np.asarray(ids)
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
-        raise TransferError(f"{what}: unit ids must be a flat sequence of integers")
+        raise TransferError(f"{what}: page ids must be a flat sequence of integers")
     a = a.astype(np.int64, copy=False)
-    if a.size and (a.min() < 0 or a.max() >= units):
-        bad = a[(a < 0) | (a >= units)][0]
-        raise TransferError(f"{what}: unit id {bad} is out of range [0, {units})")
+    if a.size and (a.min() < 0 or a.max() >= pages):
+        bad = a[(a < 0) | (a >= pages)][0]
+        raise TransferError(f"{what}: page id {bad} is out of range [0, {pages})")
     return a
 
 
 def runs(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split paired unit ids into runs consecutive on both sides.
+    """Split paired page ids into runs consecutive on both sides.
 
     remote, local: [n] int64. Returns (remote_start, local_start, length), each [runs] int64.
     Pairs are first put in remote order (a READ's descriptors may go in any order): a LIFO
@@ -52,7 +52,7 @@ def runs(remote: np.ndarray, local: np.ndarray) -> tuple[np.ndarray, np.ndarray,
 def rows(region: RegionInfo, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Descriptor rows (addr, bytes, device) of runs in one region: [runs, 3] uint64."""
     out = np.empty((starts.size, 3), np.uint64)
-    out[:, 0] = region.addr + starts.astype(np.uint64) * region.unit_bytes
-    out[:, 1] = lengths.astype(np.uint64) * region.unit_bytes
+    out[:, 0] = region.addr + starts.astype(np.uint64) * region.page_bytes
+    out[:, 1] = lengths.astype(np.uint64) * region.page_bytes
     out[:, 2] = region.device
     return out

@@ -5,5 +5,5 @@ from __future__ import annotations
 
 class TransferError(RuntimeError):
     """A KV transfer that cannot happen or did not finish: bad peer descriptor, mismatched
-    layout, unit id out of range, NIXL/UCX error, dead peer, or timeout. The caller frees its
-    reserved units and fails (or retries) the request; nothing was written outside them."""
+    layout, page id out of range, NIXL/UCX error, dead peer, or timeout. The caller frees its
+    reserved pages and fails (or retries) the request; nothing was written outside them."""

@@ -1,7 +1,7 @@
-"""KVTransfer: one NIXL agent per worker process, pulling KV units from peers with one READ.
+"""KVTransfer: one NIXL agent per worker process, pulling KV pages from peers with one READ.
 
-Pull model: the prefill worker holds a request's units under a lease; the decode worker reserves
-its own units, then `read`s the prefill worker's units in ONE batched NIXL READ whose notification
+Pull model: the prefill worker holds a request's pages under a lease; the decode worker reserves
+its own pages, then `read`s the prefill worker's pages in ONE batched NIXL READ whose notification
 tells the prefill worker (polling `notifications`) that it may free them.
 
 Threading: NIXL is not guaranteed thread-safe, so one KVTransfer must be used from one thread at
@@ -30,13 +30,13 @@ from .layout import Descriptor, Region, RegionInfo
 _POLL_MIN_S = 10e-6
 _POLL_MAX_S = 50e-6
 
-Units = Mapping[str, Sequence[int]]  # group -> unit ids
+Pages = Mapping[str, Sequence[int]]  # group -> page ids
 
 
 @dataclass
 class TransferStats:
     bytes: int
-    descriptors: int  # after merging consecutive units, summed over regions
+    descriptors: int  # after merging consecutive pages, summed over regions
     seconds: float  # validation + descriptor build + post + completion
 
 
@@ -57,7 +57,7 @@ class KVTransfer:
         # "peer" error handling makes UCX fail an in-flight READ when the peer dies
         # (NIXL_ERR_REMOTE_DISCONNECT); with "none" such a READ can hang forever.
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
-        spans = [(r.addr, r.unit_bytes * r.units, r.device, "") for r in self._regions]
+        spans = [(r.addr, r.page_bytes * r.pages, r.device, "") for r in self._regions]
         self._registered = self._agent.register_memory(spans, self._mem)
         metadata = self._agent.get_agent_metadata()
         self._descriptor = layout.encode(agent_name, metadata, self._regions)
@@ -98,11 +98,11 @@ class KVTransfer:
             return name
 
     def read(
-        self, peer: str, remote_units: Units, local_units: Units, *, notify: bytes, timeout_s: float
+        self, peer: str, remote_pages: Pages, local_pages: Pages, *, notify: bytes, timeout_s: float
     ) -> TransferStats:
-        """Pull units of `peer` into our units with one READ; the peer gets `notify` when done.
+        """Pull pages of `peer` into our pages with one READ; the peer gets `notify` when done.
 
-        remote_units / local_units: group -> unit ids, same groups and lengths; position i of
+        remote_pages / local_pages: group -> page ids, same groups and lengths; position i of
         remote goes to position i of local, in every region of the group. Blocks until the READ
         is DONE; raises TransferError on a validation failure (nothing posted), an error, a dead
         peer or the timeout (the transfer handle is released in every case).
@@ -110,9 +110,9 @@ class KVTransfer:
         with self._use():
             start = time.perf_counter()
             desc = self._peer(peer)
-            local, remote = self._rows(desc, remote_units, local_units)  # [n, 3] each
+            local, remote = self._rows(desc, remote_pages, local_pages)  # [n, 3] each
             if local.shape[0] == 0:
-                # Nothing to move (all units already here): the peer still needs its release.
+                # Nothing to move (all pages already here): the peer still needs its release.
                 self._call("notify", peer, self._agent.send_notif, peer, notify)
             else:
                 self._read(peer, desc.mem, local, remote, notify, timeout_s)
@@ -172,28 +172,28 @@ class KVTransfer:
         self._call("disconnect from", peer, self._agent.remove_remote_agent, peer)
 
     def _rows(
-        self, desc: Descriptor, remote_units: Units, local_units: Units
+        self, desc: Descriptor, remote_pages: Pages, local_pages: Pages
     ) -> tuple[np.ndarray, np.ndarray]:
         """Validated, merged descriptor rows (addr, bytes, device): local and remote [n, 3]."""
-        if set(remote_units) != set(local_units):
+        if set(remote_pages) != set(local_pages):
             raise TransferError(
-                f"remote groups {sorted(remote_units)} != local groups {sorted(local_units)}"
+                f"remote groups {sorted(remote_pages)} != local groups {sorted(local_pages)}"
             )
         theirs = {r.name: r for r in desc.regions}
         local_rows, remote_rows = [], []
-        for group in remote_units:
+        for group in remote_pages:
             ours = self._by_group.get(group)
             if ours is None:
                 raise TransferError(f"unknown group {group!r}; groups: {sorted(self._by_group)}")
-            peer_units = theirs[ours[0].name].units  # layouts match, so the names exist
-            r_ids = descs.unit_ids(remote_units[group], peer_units, f"group {group!r} remote")
-            l_ids = descs.unit_ids(local_units[group], ours[0].units, f"group {group!r} local")
+            peer_pages = theirs[ours[0].name].pages  # layouts match, so the names exist
+            r_ids = descs.page_ids(remote_pages[group], peer_pages, f"group {group!r} remote")
+            l_ids = descs.page_ids(local_pages[group], ours[0].pages, f"group {group!r} local")
             if r_ids.size != l_ids.size:
                 raise TransferError(
-                    f"group {group!r}: {r_ids.size} remote units but {l_ids.size} local units"
+                    f"group {group!r}: {r_ids.size} remote pages but {l_ids.size} local pages"
                 )
             if np.unique(l_ids).size != l_ids.size:
-                raise TransferError(f"group {group!r}: a local unit id repeats")
+                raise TransferError(f"group {group!r}: a local page id repeats")
             r_start, l_start, lengths = descs.runs(r_ids, l_ids)
             for region in ours:
                 local_rows.append(descs.rows(region, l_start, lengths))

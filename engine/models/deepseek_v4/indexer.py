@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.compressor import Compressor
-from engine.config import ModelConfig
+from engine.models.deepseek_v4.compressor import Compressor
+from engine.models.deepseek_v4.config import ModelConfig
 from engine.step import StepState
 from kernels import apply_rope, indexer_topk, positions_to_slots
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.config import HASH_MOE, ModelConfig
+from engine.models.deepseek_v4.config import HASH_MOE, ModelConfig
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 

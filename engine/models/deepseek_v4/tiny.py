@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.config import ModelConfig
-from engine.tiny_tokenizer import write_tiny_tokenizer
-from engine.weights import build_model
+from engine.models.deepseek_v4.config import ModelConfig
+from engine.byte_tokenizer import write_byte_tokenizer
+from engine.models.deepseek_v4.weights import build_model
 
 TINY_VERSION = 1
 TINY_MODEL_NAME = "dsaserve-tiny-v4"
@@ -75,7 +75,7 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write the tiny checkpoint (config, weights, tokenizer) into out_dir; returns its path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = write_tiny_tokenizer(out)
+    vocab = write_byte_tokenizer(out)
     raw = tiny_config(vocab)
     model = build_model(ModelConfig.from_hf(raw), torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)

@@ -20,8 +20,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.config import ModelConfig
-from engine.model import DeepseekV4
+from engine.models.deepseek_v4.config import ModelConfig
+from engine.models.deepseek_v4.model import DeepseekV4
 
 _RENAMES = [
     (re.compile(r"^model\."), ""),

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.compressor import Compressor
-from engine.config import CSA, SLIDING, ModelConfig
-from engine.indexer import Indexer
-from engine.norm import RMSNorm, unweighted_rms_norm
+from engine.models.deepseek_v4.compressor import Compressor
+from engine.models.deepseek_v4.config import CSA, SLIDING, ModelConfig
+from engine.models.deepseek_v4.indexer import Indexer
+from engine.layers.norm import RMSNorm, unweighted_rms_norm
 from engine.profiling import profiled
 from engine.step import StepState
 from kernels import apply_rope, sparse_mla_decode

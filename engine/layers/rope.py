@@ -11,9 +11,20 @@ from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 import torch
 
-from engine.config import RopeSpec
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One RoPE table: plain (`factor` None) or YaRN-interpolated frequencies."""
+
+    theta: float
+    factor: float | None = None
+    original_max_position: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
 
 
 def inverse_frequencies(spec: RopeSpec, rope_dim: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.norm import RMSNorm
+from engine.layers.norm import RMSNorm
 from engine.step import StepState
 from kernels import apply_rope
 

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 
 import grpc
 
+from services.auth import token_metadata
 from services.registry import WorkerRecord
 from services.rpc import grpc_api, pb
 
 log = logging.getLogger(__name__)
 
-TOKEN_METADATA_KEY = "x-dsaserve-cluster-token"
 ABORT_TIMEOUT_S = 5.0
 _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -31,7 +31,7 @@ _CHANNEL_OPTIONS = (
 
 class WorkerClients:
     def __init__(self, cluster_token: str) -> None:
-        self.metadata = ((TOKEN_METADATA_KEY, cluster_token),)
+        self.metadata = token_metadata(cluster_token)
         # Calls this router has open per worker id: the policies add it to the registry's load.
         self.inflight: collections.Counter[str] = collections.Counter()
         self._channels: dict[

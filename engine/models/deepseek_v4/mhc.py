@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.norm import unweighted_rms_norm
+from engine.models.deepseek_v4.config import ModelConfig
+from engine.layers.norm import unweighted_rms_norm
 from kernels import hc_weights
 
 

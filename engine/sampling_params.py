@@ -37,3 +37,38 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+class ContextLengthError(ValueError):
+    """Prompt plus output would not fit the context; `param` names what to shorten."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param  # "prompt" | "max_tokens"
+
+
+def resolve_max_tokens(prompt_tokens: int, requested: int | None, max_model_len: int) -> int:
+    """The output budget of a request: what was asked for, or by default the rest of the context.
+
+    The one place that holds a request to the context length (the router before any GPU work,
+    the engine for offline and gRPC callers).
+    """
+    if prompt_tokens >= max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_tokens} tokens, which leaves no room for output; shorten it to at most "
+            f"{max_model_len - 1} tokens.",
+            "prompt",
+        )
+    room = max_model_len - prompt_tokens
+    if requested is None:
+        return room
+    if requested > room:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"{prompt_tokens + requested} tokens were requested ({prompt_tokens} in the prompt, "
+            f"{requested} for the output). Shorten the prompt or lower max_tokens (at most "
+            f"{room} here).",
+            "max_tokens",
+        )
+    return requested

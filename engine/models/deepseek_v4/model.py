@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import Attention
-from engine.config import ModelConfig
+from engine.models.deepseek_v4.attention import Attention
+from engine.models.deepseek_v4.config import ModelConfig
 from engine.kv_pool import KVPool
-from engine.mhc import HyperConnection, HyperHead, merge_streams
-from engine.moe import MoE
-from engine.norm import RMSNorm
-from engine.rope import RotaryTable
+from engine.models.deepseek_v4.mhc import HyperConnection, HyperHead, merge_streams
+from engine.models.deepseek_v4.moe import MoE
+from engine.layers.norm import RMSNorm
+from engine.layers.rope import RotaryTable
 from engine.profiling import profiled
 from engine.step import StepInputs, StepState
 

@@ -45,7 +45,7 @@ CHAT_TEMPLATE = r"""{%- set ns = namespace(system='') -%}
 """
 
 
-def write_tiny_tokenizer(out_dir: str | os.PathLike) -> int:
+def write_byte_tokenizer(out_dir: str | os.PathLike) -> int:
     """Write the tiny tokenizer's files into `out_dir` (created if needed); return its vocab size.
 
     The files are byte-identical on every run, so a model directory built twice hashes the same.

@@ -1,0 +1,323 @@
+"""LLMEngine: one model, its KV pools, a scheduler and a runner, driven one step at a time.
+
+Not thread-safe: one thread owns an engine (services drive it through `EngineLoop`).
+Besides plain requests it supports the two halves of disaggregated serving:
+- prefill only: `add_request(..., hold_for_s=lease)` stops after the first token and holds
+  the KV (`held_pages`) until `release` or until the lease runs out (`expire_leases`);
+- decode of a transferred request: `reserve` allocates pages for it, a transfer fills
+  them, `join` starts decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine import models
+from engine.config import EngineConfig
+from engine.kv_pool import KVCacheConfig, KVPool
+from engine.load import Load
+from engine.request import Request, Status
+from engine.runner import ModelRunner
+from engine.step import RowSpan
+from engine.sampler import sample
+from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
+from engine.scheduler import Scheduler
+from engine.text_stream import TextStream
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 512 << 20
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class RequestError(ValueError):
+    """A request this engine cannot serve as asked; the message says what to change."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text since the last output
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class KVPages:
+    """Where a request's KV state lives: for a reader on another worker, or a transfer's target."""
+
+    pages: dict[str, list[int]]  # pool group -> page ids in logical order ("slab" -> [row])
+    num_tokens: int  # tokens whose KV the pages hold
+
+
+Listener = Callable[[RequestOutput], None]
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig()) -> None:
+        self.config, self.model_dir = config, str(model_dir)
+        self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads)
+        family = models.family(model_dir)
+        self.model_config = cfg = family.ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        dtype = _DTYPES[config.dtype]
+        self.model = family.build_model(cfg, dtype, self.device)
+        family.load_weights(self.model, model_dir)
+        kv_cfg = KVCacheConfig(
+            memory_bytes=self._kv_budget(),
+            page_size=config.page_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.pool = KVPool(
+            cfg, kv_cfg, dtype=dtype, device=self.device, max_context=self.max_model_len
+        )
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.pool, self.device, self.max_model_len)
+        log.info(
+            "KV pool: %d pages (%s), one request up to %d tokens, layout %s",
+            self.pool.num_total_pages,
+            ", ".join(f"{g}={p.num_pages - 1}" for g, p in self.pool.groups.items()),
+            self.pool.token_capacity(),
+            self.pool.layout_description(),
+        )
+        if self.device.type == "cuda" and not config.enforce_eager and dtype is torch.bfloat16:
+            # (torch's grouped GEMM of other dtypes syncs with the host on CUDA: eager there)
+            sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]
+            self.runner.capture_decode_graphs(sizes)
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Leave (1 - utilization) of the card, plus headroom for activations and graphs.
+        return max(0, int(free - total * (1 - self.config.gpu_memory_utilization) - (2 << 30)))
+
+    # ---------------------------------------------------------------- requests
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_for_s: float | None = None,
+        listener: Listener | None = None,
+    ) -> Request:
+        """Validate a request and build its state (not yet queued)."""
+        if request_id in self.scheduler.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        try:
+            max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
+        except ContextLengthError as e:
+            raise RequestError(str(e)) from None
+        needed_tokens = n + max_tokens - 1
+        for g, group in self.pool.groups.items():
+            need, have = self.pool.pages_for(g, needed_tokens), group.num_pages - 1
+            if need > have:
+                raise RequestError(
+                    f"{needed_tokens} tokens need {need} pages of the {g!r} KV pool, which has "
+                    f"{have}; lower max_tokens or give the worker more KV memory "
+                    "(--kv-cache-memory-bytes)"
+                )
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            text=TextStream(self.tokenizer, params.stop),
+            eos_token_ids=self.eos_token_ids,
+            hold_for_s=hold_for_s,
+            listener=listener,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        hold_for_s: float | None = None,
+        listener: Listener | None = None,
+    ) -> None:
+        req = self.new_request(
+            request_id, prompt_token_ids, params, hold_for_s=hold_for_s, listener=listener
+        )
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its KV; False if unknown or already finished."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def load(self) -> Load:
+        sched = self.scheduler
+        return Load(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            held=sched.num_held,
+            free_pages=self.pool.num_free_pages,
+            total_pages=self.pool.num_total_pages,
+        )
+
+    def fail_all(self) -> None:
+        """The engine cannot step any more: end every request's stream with an abort."""
+        for req in list(self.scheduler.requests.values()):
+            if req.listener is not None:
+                req.listener(self._output(req, [], "", "abort", finished=True))
+
+    # ---------------------------------------------------------------- disaggregation
+
+    def held_pages(self, request_id: str) -> KVPages:
+        """The pages of a request held after its prefill (KeyError if it is not held)."""
+        req = self.scheduler.requests[request_id]
+        if req.status is not Status.HELD:
+            raise KeyError(request_id)
+        return KVPages(pages={**req.page_tables, "slab": [req.slab]}, num_tokens=req.num_computed)
+
+    def release(self, request_id: str) -> bool:
+        """Free the KV a prefill-only request holds (its reader is done, or gave up)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status is not Status.HELD:
+            return False
+        self.scheduler.finish(req, req.finish_reason or "stop")
+        return True
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Free every held request whose lease ended before `now` (time.monotonic()); their ids."""
+        expired = [
+            r
+            for r in self.scheduler.requests.values()
+            if r.status is Status.HELD and r.lease_deadline is not None and r.lease_deadline < now
+        ]
+        for req in expired:
+            self.scheduler.finish(req, req.finish_reason or "stop")
+        return [r.request_id for r in expired]
+
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+        listener: Listener | None = None,
+    ) -> KVPages | None:
+        """Allocate pages for a prefilled request (prompt KV computed elsewhere, first token
+        already sampled and sent); None when the pools are full right now."""
+        req = self.new_request(request_id, prompt_token_ids, params, listener=listener)
+        # Replay the first token so stop strings and text offsets continue where prefill left off.
+        reason = req.append_token(first_token_id)
+        req.text.take(finished=reason is not None)
+        if reason is not None:
+            raise RequestError(
+                f"request {request_id!r} already finished at its first token ({reason})"
+            )
+        if not self.scheduler.reserve(req):
+            return None
+        return KVPages(
+            pages={**req.page_tables, "slab": [req.slab]}, num_tokens=len(prompt_token_ids)
+        )
+
+    def join(self, request_id: str) -> None:
+        """The reserved request's KV has arrived: decode it from the next step on."""
+        req = self.scheduler.requests[request_id]
+        req.num_computed = len(req.prompt_token_ids)
+        self.scheduler.join(req)
+
+    # ---------------------------------------------------------------- stepping
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One forward step; returns its outputs (also handed to each request's listener)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        samplers, logits = self.runner.execute(batch)
+        if not samplers:
+            return []
+        if self.tokenizer.vocab_size < logits.shape[1]:
+            # A padded embedding has rows no token maps to; never sample them.
+            logits[:, self.tokenizer.vocab_size :] = float("-inf")
+        draws = [len(r.output_token_ids) for r in samplers]
+        tokens = sample(logits, [r.params for r in samplers], draws)
+        outputs = []
+        for req, token in zip(samplers, tokens, strict=True):
+            reason = req.append_token(token)
+            finished = reason is not None
+            if req.prefill_only and req.status is Status.RUNNING:
+                # One token is all a prefill worker samples; the KV stays for the decode worker.
+                self.scheduler.hold(req, time.monotonic() + req.hold_for_s)
+                if finished:
+                    self.scheduler.finish(req, reason)
+            elif finished:
+                self.scheduler.finish(req, reason)
+            text = req.text.take(finished)
+            out = self._output(req, [token], text, reason, finished=finished or req.prefill_only)
+            if req.listener is not None:
+                req.listener(out)
+            outputs.append(out)
+        return outputs
+
+    @staticmethod
+    def _output(
+        req: Request, tokens: list[int], text: str, reason: str | None, *, finished: bool
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            text=text,
+            finished=finished,
+            finish_reason=reason,
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=len(req.output_token_ids),
+        )
+
+    # ---------------------------------------------------------------- scoring
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [T, vocab] of one causal forward over token_ids (no sampling)."""
+        if self.has_unfinished():
+            raise RuntimeError("score() needs an idle engine")
+        req = self.new_request("__score__", token_ids, SamplingParams(max_tokens=1))
+        if not self.scheduler.try_allocate(req, len(token_ids)):
+            raise RequestError(f"{len(token_ids)} tokens do not fit in the KV pools")
+        try:
+            chunks, step = [], self.config.max_num_batched_tokens
+            for start in range(0, len(token_ids), step):
+                part = token_ids[start : start + step]
+                span = RowSpan(start=start, num_rows=len(part), slab=req.slab, token_ids=part)
+                chunks.append(self.runner.forward_all_rows([span], num_decode=0))
+            return torch.cat(chunks)
+        finally:
+            self.scheduler.free_kv(req)

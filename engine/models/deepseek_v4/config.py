@@ -1,0 +1,240 @@
+"""DeepSeek-V4 model configuration, read from a checkpoint's HF `config.json`.
+
+Accepts the field names HF transformers' `DeepseekV4Config` accepts, legacy ones included
+(`compress_ratios`, `compress_rate_csa`/`compress_rate_hca`, `num_hash_layers`,
+`qk_rope_head_dim`, a flat `rope_scaling`/`rope_parameters`). A config this engine cannot
+serve raises `ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from engine.layers.rope import RopeSpec
+from engine.models import ConfigError, read_config
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+_RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+HASH_MOE, MOE = "hash_moe", "moe"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    compress_rates: dict[str, int]
+    mlp_layer_types: tuple[str, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    routed_scaling_factor: float
+    scoring_func: str
+    swiglu_limit: float
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_main: RopeSpec
+    rope_compress: RopeSpec
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def compress_rate(self, layer: int) -> int:
+        """Tokens per compressed entry for `layer` (0 for sliding-only layers)."""
+        kind = self.layer_types[layer]
+        return 0 if kind == SLIDING else self.compress_rates[kind]
+
+    def layers_of(self, kind: str) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> ModelConfig:
+        return cls.from_hf(read_config(model_dir))
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        return _parse(dict(raw))
+
+
+def _require(cond: bool, field: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"config.json field `{field}`: {message}")
+
+
+def _get(raw: dict[str, Any], field: str, default: Any = None, kind: type | tuple[type, ...] | None = None) -> Any:
+    value = raw.get(field, default)
+    if value is None and default is None:
+        raise ConfigError(f"config.json field `{field}` is required")
+    if kind is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        raise ConfigError(f"config.json field `{field}` must be {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _layer_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
+    if raw.get("layer_types") is not None:
+        types = list(raw["layer_types"])
+        field = "layer_types"
+    elif raw.get("compress_ratios") is not None:
+        ratios = list(raw["compress_ratios"])
+        bad = [r for r in ratios if r not in _RATIO_TO_LAYER_TYPE]
+        _require(not bad, "compress_ratios", f"entries must be 0, 4 or 128, got {bad}")
+        types, field = [_RATIO_TO_LAYER_TYPE[r] for r in ratios], "compress_ratios"
+    else:  # HF's default schedule: two HCA layers, then CSA/HCA interleaved
+        types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+        field = "layer_types"
+    _require(len(types) >= n, field, f"has {len(types)} entries for {n} layers")
+    bad = [t for t in types[:n] if t not in LAYER_TYPES]
+    _require(not bad, field, f"entries must be one of {LAYER_TYPES}, got {bad}")
+    return tuple(types[:n])
+
+
+def _mlp_layer_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
+    if raw.get("mlp_layer_types") is not None:
+        types = list(raw["mlp_layer_types"])
+        _require(len(types) >= n, "mlp_layer_types", f"has {len(types)} entries for {n} layers")
+        bad = [t for t in types[:n] if t not in (HASH_MOE, MOE)]
+        _require(not bad, "mlp_layer_types", f"entries must be 'hash_moe' or 'moe', got {bad}")
+        return tuple(types[:n])
+    n_hash = raw.get("num_hash_layers", 3)
+    _require(isinstance(n_hash, int) and n_hash >= 0, "num_hash_layers", f"must be an int >= 0, got {n_hash!r}")
+    return tuple([HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash))
+
+
+def _rope_specs(raw: dict[str, Any]) -> tuple[RopeSpec, RopeSpec]:
+    theta = float(_get(raw, "rope_theta", 10000.0, (int, float)))
+    compress_theta = float(_get(raw, "compress_rope_theta", 160000.0, (int, float)))
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    _require(isinstance(params, dict), "rope_parameters", "must be an object")
+    if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main, compress = params["main"], params["compress"]
+    else:  # flat form: the scaling applies to the compressed layers only (as in HF)
+        main = {"rope_type": "default", "rope_theta": theta}
+        compress = {k: v for k, v in params.items() if k not in ("main", "compress")}
+        compress.setdefault("rope_theta", compress_theta)
+    return _rope_spec(main, theta, "rope_parameters.main"), _rope_spec(compress, compress_theta, "rope_parameters.compress")
+
+
+def _rope_spec(p: dict[str, Any], default_theta: float, field: str) -> RopeSpec:
+    kind = p.get("rope_type", p.get("type", "default"))
+    theta = float(p.get("rope_theta", default_theta))
+    if kind == "default":
+        return RopeSpec(theta=theta)
+    _require(kind == "yarn", f"{field}.rope_type", f"only 'default' and 'yarn' are supported, got {kind!r}")
+    # The V4 reference never scales cos/sin by YaRN's mscale (HF forces attention_factor=1).
+    attention_factor = p.get("attention_factor", 1.0)
+    _require(attention_factor in (None, 1.0), f"{field}.attention_factor", "must be 1.0 for DeepSeek-V4")
+    _require("factor" in p and "original_max_position_embeddings" in p, field,
+             "yarn needs `factor` and `original_max_position_embeddings`")
+    return RopeSpec(
+        theta=theta,
+        factor=float(p["factor"]),
+        original_max_position=int(p["original_max_position_embeddings"]),
+        beta_fast=float(p.get("beta_fast") or 32),
+        beta_slow=float(p.get("beta_slow") or 1),
+    )
+
+
+def _parse(raw: dict[str, Any]) -> ModelConfig:
+    model_type = raw.get("model_type")
+    _require(model_type == "deepseek_v4", "model_type", f"must be 'deepseek_v4', got {model_type!r}")
+    _require(raw.get("quantization_config") is None, "quantization_config",
+             "quantized (FP8/FP4) checkpoints are not supported yet; use a bf16/fp32 checkpoint")
+
+    n = _get(raw, "num_hidden_layers", 43, int)
+    _require(n >= 1, "num_hidden_layers", "must be >= 1")
+    hidden = _get(raw, "hidden_size", 4096, int)
+    heads = _get(raw, "num_attention_heads", 64, int)
+    head_dim = _get(raw, "head_dim", 512, int)
+    _require(_get(raw, "num_key_value_heads", 1, int) == 1, "num_key_value_heads",
+             "DeepSeek-V4 attention shares one K=V head; must be 1")
+    if raw.get("qk_rope_head_dim") is not None:
+        rope_dim = int(raw["qk_rope_head_dim"])
+    else:
+        rope_dim = int(head_dim * float(raw.get("partial_rotary_factor") or 64 / 512))
+    _require(0 < rope_dim <= head_dim and rope_dim % 2 == 0, "partial_rotary_factor",
+             f"gives a rope dim of {rope_dim}; it must be even and within head_dim {head_dim}")
+
+    compress_rates = dict(raw.get("compress_rates") or {CSA: 4, HCA: 128})
+    if raw.get("compress_rate_csa") is not None:
+        compress_rates[CSA] = int(raw["compress_rate_csa"])
+    if raw.get("compress_rate_hca") is not None:
+        compress_rates[HCA] = int(raw["compress_rate_hca"])
+    for kind in (CSA, HCA):
+        _require(isinstance(compress_rates.get(kind), int) and compress_rates[kind] >= 1, "compress_rates",
+                 f"needs a positive int for {kind!r}")
+
+    o_groups = _get(raw, "o_groups", 8, int)
+    _require(heads % o_groups == 0, "o_groups", f"must divide num_attention_heads ({heads})")
+    moe_inter = _get(raw, "moe_intermediate_size", 2048, int)
+    # Grouped GEMMs need 16-byte aligned rows for every dtype we run.
+    for field, value in (("hidden_size", hidden), ("moe_intermediate_size", moe_inter)):
+        _require(value % 8 == 0, field, f"must be a multiple of 8, got {value}")
+    num_experts = _get(raw, "n_routed_experts", 256, int)
+    top_k = _get(raw, "num_experts_per_tok", 6, int)
+    _require(1 <= top_k <= num_experts, "num_experts_per_tok", f"must be in [1, n_routed_experts={num_experts}]")
+    _require(raw.get("n_shared_experts", 1) == 1, "n_shared_experts", "DeepSeek-V4 has exactly one shared expert")
+    scoring = raw.get("scoring_func", "sqrtsoftplus")
+    _require(scoring in ("sqrtsoftplus", "sigmoid"), "scoring_func", f"must be 'sqrtsoftplus' or 'sigmoid', got {scoring!r}")
+    _require(raw.get("norm_topk_prob", True) is True, "norm_topk_prob", "only normalized top-k weights are supported")
+    _require(raw.get("hidden_act", "silu") == "silu", "hidden_act", "only 'silu' is supported")
+    for field in ("attention_bias", "mlp_bias"):
+        _require(not raw.get(field, False), field, "biases are not part of DeepSeek-V4")
+
+    eos = raw.get("eos_token_id", 1)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    rope_main, rope_compress = _rope_specs(raw)
+    return ModelConfig(
+        vocab_size=_get(raw, "vocab_size", 129280, int),
+        hidden_size=hidden,
+        num_layers=n,
+        num_heads=heads,
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        q_lora_rank=_get(raw, "q_lora_rank", 1024, int),
+        o_groups=o_groups,
+        o_lora_rank=_get(raw, "o_lora_rank", 1024, int),
+        sliding_window=_get(raw, "sliding_window", 128, int),
+        layer_types=_layer_types(raw, n),
+        compress_rates=compress_rates,
+        mlp_layer_types=_mlp_layer_types(raw, n),
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_inter,
+        routed_scaling_factor=float(_get(raw, "routed_scaling_factor", 1.5, (int, float))),
+        scoring_func=scoring,
+        swiglu_limit=float(_get(raw, "swiglu_limit", 10.0, (int, float))),
+        hc_mult=_get(raw, "hc_mult", 4, int),
+        hc_sinkhorn_iters=_get(raw, "hc_sinkhorn_iters", 20, int),
+        hc_eps=float(_get(raw, "hc_eps", 1e-6, (int, float))),
+        index_n_heads=_get(raw, "index_n_heads", 64, int),
+        index_head_dim=_get(raw, "index_head_dim", 128, int),
+        index_topk=_get(raw, "index_topk", 512, int),
+        rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6, (int, float))),
+        max_position_embeddings=_get(raw, "max_position_embeddings", 1048576, int),
+        rope_main=rope_main,
+        rope_compress=rope_compress,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )

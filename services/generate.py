@@ -1,0 +1,73 @@
+"""`dsaserve generate` (offline generation with the engine) and `dsaserve make-tiny-model`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig, setting
+
+
+@dataclass(frozen=True)
+class GenerateSettings:
+    """Offline generation"""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    model: str | None = setting(None, "model directory (default: the built-in demo model)")
+    prompt: tuple[str, ...] = setting((), "prompt text (repeat for several prompts)")
+    prompt_token_ids: tuple[str, ...] = setting((), "comma-separated token ids (repeatable)")
+    chat: str | None = setting(None, 'messages as JSON, e.g. \'[{"role": "user", "content": "Hi"}]\'')
+    max_tokens: int = setting(64, "tokens to generate per prompt")
+    temperature: float = setting(1.0, "sampling temperature (0 = greedy)")
+    top_p: float = setting(1.0, "nucleus sampling mass")
+    top_k: int = setting(0, "sample among the k likeliest tokens (0 = off)")
+    seed: int | None = setting(None, "sampling seed")
+    stop: tuple[str, ...] = setting((), "stop string (repeatable)")
+    ignore_eos: bool = setting(False, "keep generating past the end-of-sequence token")
+    json: bool = setting(False, "print one JSON object per prompt")
+
+    def __post_init__(self) -> None:
+        given = [bool(self.prompt), bool(self.prompt_token_ids), self.chat is not None]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of --prompt, --prompt-token-ids or --chat")
+
+
+Settings = GenerateSettings
+
+
+def run(s: GenerateSettings) -> None:
+    from engine import LLM, SamplingParams
+    from engine.tokenizer import ChatTemplateError
+    from services.worker.process import default_model_dir
+
+    llm = LLM(s.model or default_model_dir(), **dataclasses.asdict(s.engine))
+    if s.chat is not None:
+        try:
+            prompts = [llm.tokenizer.encode_chat(json.loads(s.chat))]
+        except (json.JSONDecodeError, ChatTemplateError) as e:
+            sys.exit(f"--chat: {e}")
+    elif s.prompt_token_ids:
+        prompts = [[int(t) for t in p.split(",") if t.strip()] for p in s.prompt_token_ids]
+    else:
+        prompts = list(s.prompt)
+    params = SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop=list(s.stop),
+        ignore_eos=s.ignore_eos,
+    )
+    for result in llm.generate(prompts, params):
+        if s.json:
+            answer = {
+                "token_ids": result.token_ids,
+                "text": result.text,
+                "finish_reason": result.finish_reason,
+            }
+            print(json.dumps(answer), flush=True)
+        else:
+            print(result.text, flush=True)

@@ -1,0 +1,59 @@
+"""The router's settings: one frozen dataclass, from which its flags and DSASERVE_* variables come."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from engine.config import setting
+from services.registry import DEFAULT_TTL_S
+
+from .policy import POLICIES
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """Router"""
+
+    model_dir: str = setting(
+        dataclasses.MISSING, "model directory (HF layout: config.json + tokenizer files)", flag="--model"
+    )
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "the worker registry")
+    served_model_name: str | None = setting(
+        None, "model id clients send (default: the model directory's name)"
+    )
+    api_keys: tuple[str, ...] = setting(
+        (), "accepted Bearer key (repeatable; none = no authentication)", flag="--api-key"
+    )
+    policy: str = setting("least_load", "worker balancing policy", choices=sorted(POLICIES))
+    max_inflight: int = setting(256, "requests running at once")
+    max_queue: int = setting(1024, "requests waiting for a slot before 429s")
+    max_model_len: int | None = setting(
+        None, "longest prompt + output (default: the model's max_position_embeddings)"
+    )
+    cluster_token: str = setting("", "shared secret sent to workers on every call")
+    registry_ttl_s: float = setting(
+        DEFAULT_TTL_S, "seconds a worker record lives without a heartbeat", flag="--registry-ttl"
+    )
+    request_timeout_s: float = setting(
+        600.0, "seconds from a request's arrival to its last token", flag="--request-timeout"
+    )
+    host: str = setting("0.0.0.0", "HTTP bind address")
+    port: int = setting(8000, "HTTP port")
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
+            (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
+            (
+                self.request_timeout_s > 0,
+                f"request_timeout must be positive, got {self.request_timeout_s}",
+            ),
+            (
+                self.max_model_len is None or self.max_model_len >= 2,
+                f"max_model_len must be >= 2, got {self.max_model_len}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

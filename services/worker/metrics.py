@@ -1,0 +1,63 @@
+"""Prometheus metrics of a prefill or decode worker, in a registry of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.load import Load
+from services.metrics import E2E_BUCKETS
+
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str, load: Callable[[], Load]) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = {"role": role}
+        for name, doc, field in (
+            ("dsaserve_requests_running", "Requests in the running batch", "running"),
+            ("dsaserve_requests_waiting", "Requests queued for admission", "waiting"),
+            ("dsaserve_requests_held", "Prefilled requests whose KV waits for a reader", "held"),
+            ("dsaserve_kv_pages_free", "Free KV pages over all pools", "free_pages"),
+            ("dsaserve_kv_pages_total", "KV pages over all pools", "total_pages"),
+        ):
+            Gauge(name, doc, labels.keys(), registry=r).labels(**labels).set_function(
+                lambda f=field: getattr(load(), f)
+            )
+        self.requests = Counter(
+            "dsaserve_worker_requests_total",
+            "Requests handled, by outcome",
+            ["role", "outcome"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "dsaserve_worker_tokens_total", "Tokens computed, by kind", ["role", "kind"], registry=r
+        )
+        self.latency = Histogram(
+            "dsaserve_worker_request_seconds",
+            "Time a request spends on this worker",
+            ["role"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.transfer_bytes = Counter(
+            "dsaserve_kv_transfer_bytes_total", "KV bytes pulled from prefill workers", registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "dsaserve_kv_transfer_seconds",
+            "Duration of one KV pull",
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter(
+            "dsaserve_worker_failures_total",
+            "Failed requests, by cause",
+            ["role", "cause"],
+            registry=r,
+        )
+        self.role = role
+
+    def fail(self, cause: str) -> None:
+        self.failures.labels(role=self.role, cause=cause).inc()

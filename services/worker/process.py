@@ -1,0 +1,170 @@
+"""One prefill or decode worker process: the engine thread, the NIXL agent, the registry record,
+the gRPC server with its cluster-token check, and the HTTP probes.
+
+`dsaserve prefill` / `dsaserve decode` build a `Worker` with the role's service class and serve
+until SIGINT/SIGTERM (services/prefill/main.py, services/decode/main.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from services.auth import ClusterTokenCheck
+from services.registry import WorkerRecord, WorkerRegistration
+from services.rpc import pb
+from services.transfer import KVTransfer, Region, publish_descriptor
+from services.worker.convert import load_response
+from services.worker.metrics import WorkerMetrics
+from services.worker.probes import ProbeServer, probe_app
+from services.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+ENGINE_WATCH_S = 0.5  # how often the worker checks that its engine thread still runs
+
+
+def default_model_dir() -> str:
+    from engine.models.deepseek_v4.tiny import default_tiny_model_dir
+
+    return str(default_tiny_model_dir())
+
+
+class RoleService:
+    """What the prefill and decode gRPC services have in common: Abort, Health, Load."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+
+    def register(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
+    async def background(self) -> None:
+        """Periodic work of the role (none by default); cancelled at shutdown."""
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        rid = request.request_id
+        # A queued command: it runs (and frees the request's pages) even if this RPC is cancelled.
+        return pb.AbortResponse(found=await self.w.loop.run(lambda e: e.abort(rid)))
+
+    async def Health(self, request: pb.HealthRequest, context: object) -> pb.HealthResponse:
+        return pb.HealthResponse(role=self.w.role, model=self.w.model_name, worker_id=self.w.worker_id)
+
+    async def Load(self, request: pb.LoadRequest, context: object) -> pb.LoadResponse:
+        return load_response(self.w.loop.load())
+
+
+class Worker:
+    """One prefill or decode worker process."""
+
+    def __init__(self, settings: WorkerSettings, role: str) -> None:
+        self.settings, self.role = settings, role
+        model_dir = settings.model or default_model_dir()
+        self.model_name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        self.worker_id = (
+            settings.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        )
+        self.engine = LLMEngine(model_dir, settings.engine)
+        self.loop = EngineLoop(self.engine)
+        self.metrics = WorkerMetrics(role, self.loop.load)
+        # NIXL is not thread-safe: one thread makes every call on the agent.
+        self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
+        regions = [Region(r.name, r.group, r.tensor) for r in self.engine.pool.regions()]
+        self.transfer: KVTransfer = self._nixl_thread.submit(
+            KVTransfer, self.worker_id, regions
+        ).result()
+        self.layout_hash = self.engine.pool.layout_hash()
+        self.layout = self.engine.pool.layout_description()
+        self.ready = threading.Event()
+
+    async def in_nixl_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        return await asyncio.wrap_future(self._nixl_thread.submit(fn, *args, **kwargs))
+
+    async def serve(self, service: RoleService) -> None:
+        s = self.settings
+        self.loop.start()
+        server = grpc.aio.server(
+            interceptors=[ClusterTokenCheck(s.cluster_token)],
+            options=[("grpc.max_receive_message_length", 64 << 20)],
+        )
+        service.register(server)
+        port = server.add_insecure_port(f"{s.host}:{s.port}")
+        await server.start()
+        advertise = s.advertise_host or ("127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host)
+        record = WorkerRecord(
+            worker_id=self.worker_id,
+            role=self.role,
+            address=f"{advertise}:{port}",
+            model=self.model_name,
+            layout_hash=self.layout_hash,
+            nixl_agent=self.worker_id,
+        )
+        ttl = s.registry_ttl_s
+        registration = WorkerRegistration(
+            s.redis_url,
+            record,
+            self.loop.load,
+            ttl,
+            on_beat=lambda r: publish_descriptor(r, self.transfer, 2 * ttl),
+        )
+        probes = None
+        if s.metrics_port:
+            ready = lambda: self.ready.is_set() and self.loop.alive  # noqa: E731
+            probes = ProbeServer(probe_app(ready, self.metrics.registry), s.host, s.metrics_port)
+            probes.start()
+        tasks = [asyncio.create_task(service.background())]
+        await registration.start()
+        self.ready.set()
+        log.info(
+            "%s worker %s serving %s on %s (layout %s)",
+            self.role,
+            self.worker_id,
+            self.model_name,
+            record.address,
+            self.layout,
+        )
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        tasks.append(asyncio.create_task(self._watch_engine(stop)))
+        await stop.wait()
+        log.info("%s worker %s stopping", self.role, self.worker_id)
+        self.ready.clear()
+        await registration.stop()  # leave routing first
+        await server.stop(grace=5)
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.loop.stop()
+        await self.in_nixl_thread(self.transfer.close)
+        self._nixl_thread.shutdown()
+        if probes is not None:
+            probes.stop()
+
+    async def _watch_engine(self, stop: asyncio.Event) -> None:
+        """A dead engine thread cannot serve: leave the registry instead of failing every request."""
+        while self.loop.alive:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        log.error("engine thread died (%r); shutting down", self.loop.failure)
+        stop.set()
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
