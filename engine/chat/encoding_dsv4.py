@@ -191,7 +191,7 @@ def encode_messages(
                 prompt.append("\n\n" + _tools_section(turn.tools))
         elif isinstance(turn, _User):
             prompt.append(USER + "\n\n".join(map(_user_part, turn.parts)))
-            # The release's gate: the next message (if any) is the assistant's.
+            # As the release: only a user turn that the assistant answers opens its reply.
             if i + 1 == len(turns) or isinstance(turns[i + 1], _Assistant):
                 opens_thinking = thinking and (not drop or i >= last_user)
                 prompt.append(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
@@ -261,11 +261,10 @@ def _sort_tool_results(turns: list[_Turn]) -> None:
             order = {call.call_id: i for i, call in enumerate(turn.tool_calls) if call.call_id}
         elif isinstance(turn, _User) and order:
             slots = [i for i, part in enumerate(turn.parts) if isinstance(part, _ToolResult)]
-            if len(slots) > 1:
-                results = [turn.parts[i] for i in slots]
-                results.sort(key=lambda result: order.get(result.call_id, 0))  # type: ignore
-                for slot, result in zip(slots, results):
-                    turn.parts[slot] = result
+            results = [part for part in turn.parts if isinstance(part, _ToolResult)]
+            results.sort(key=lambda result: order.get(result.call_id, 0))
+            for slot, result in zip(slots, results):
+                turn.parts[slot] = result
 
 
 def _read_messages(messages: Sequence[Mapping[str, Any]]) -> list[_Turn | _ToolResult]:
