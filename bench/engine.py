@@ -33,35 +33,64 @@ import torch
 
 import kernels
 from bench.kernels import ceilings
-from engine.models.deepseek_v4.config import ModelConfig
 from engine.kv_pool import KVCacheConfig, KVPool
+from engine.models.deepseek_v4.config import ModelConfig
+from engine.models.deepseek_v4.weights import build_model
 from engine.request import Request, Status
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.step import RowSpan, build_step_inputs
-from engine.models.deepseek_v4.weights import build_model
 
 DEV = torch.device("cuda")
-MAX_CONTEXT = 1 << 20          # V4-Flash's max_position_embeddings: the "configured maximum"
+MAX_CONTEXT = 1 << 20  # V4-Flash's max_position_embeddings: the "configured maximum"
 BEFORE = "before (naive kernels, indexer padded to 1M tokens)"
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
-LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-          "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"]
+LAYERS = [
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "compressed_sparse_attention",
+]
 
 
 def slice_config(num_experts: int) -> ModelConfig:
-    return ModelConfig.from_hf({
-        "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": len(LAYERS),
-        "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8,
-        "o_lora_rank": 1024, "sliding_window": 128, "layer_types": LAYERS,
-        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
-        "num_hash_layers": 2, "n_routed_experts": num_experts, "num_experts_per_tok": 6,
-        "moe_intermediate_size": 2048, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
-        "max_position_embeddings": MAX_CONTEXT,
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
-    })
+    return ModelConfig.from_hf(
+        {
+            "model_type": "deepseek_v4",
+            "vocab_size": 129280,
+            "hidden_size": 4096,
+            "num_hidden_layers": len(LAYERS),
+            "num_attention_heads": 64,
+            "head_dim": 512,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": 1024,
+            "o_groups": 8,
+            "o_lora_rank": 1024,
+            "sliding_window": 128,
+            "layer_types": LAYERS,
+            "compress_rates": {
+                "compressed_sparse_attention": 4,
+                "heavily_compressed_attention": 128,
+            },
+            "num_hash_layers": 2,
+            "n_routed_experts": num_experts,
+            "num_experts_per_tok": 6,
+            "moe_intermediate_size": 2048,
+            "index_n_heads": 64,
+            "index_head_dim": 128,
+            "index_topk": 512,
+            "max_position_embeddings": MAX_CONTEXT,
+            "rope_scaling": {
+                "type": "yarn",
+                "factor": 16,
+                "original_max_position_embeddings": 65536,
+            },
+        }
+    )
 
 
 def random_model(cfg: ModelConfig):
@@ -76,7 +105,9 @@ def random_model(cfg: ModelConfig):
         for layer in model.layers:
             gate = layer.ffn.gate
             if gate.hashed:
-                gate.tid2eid.copy_(torch.randint(0, cfg.num_experts, gate.tid2eid.shape, device=DEV, generator=gen))
+                gate.tid2eid.copy_(
+                    torch.randint(0, cfg.num_experts, gate.tid2eid.shape, device=DEV, generator=gen)
+                )
     return model
 
 
@@ -84,11 +115,20 @@ class Bench:
     def __init__(self, cfg: ModelConfig, max_seqs: int, kv_bytes: int) -> None:
         self.cfg = cfg
         self.model = random_model(cfg)
-        self.pool = KVPool(cfg, KVCacheConfig(memory_bytes=kv_bytes, page_size=64, max_num_seqs=max_seqs,
-                                              max_num_batched_tokens=8192), dtype=torch.bfloat16, device=DEV,
-                           max_context=MAX_CONTEXT)
+        self.pool = KVPool(
+            cfg,
+            KVCacheConfig(
+                memory_bytes=kv_bytes,
+                page_size=64,
+                max_num_seqs=max_seqs,
+                max_num_batched_tokens=8192,
+            ),
+            dtype=torch.bfloat16,
+            device=DEV,
+            max_context=MAX_CONTEXT,
+        )
         gen = torch.Generator(DEV).manual_seed(1)
-        for group in self.pool.groups.values():   # a synthetic history: any values will do
+        for group in self.pool.groups.values():  # a synthetic history: any values will do
             for t in list(group.kv.values()) + list(group.index_k.values()):
                 t.normal_(0, 1, generator=gen)
         self.runner = ModelRunner(self.model, self.pool, DEV, MAX_CONTEXT)
@@ -98,9 +138,17 @@ class Bench:
         """n requests that have `context` tokens computed and one sampled token to decode next."""
         reqs = []
         for i in range(n):
-            r = Request(request_id=f"r{i}", prompt_token_ids=[7] * context, params=GREEDY, max_tokens=1 << 20,
-                        text=None, eos_token_ids=frozenset())
-            assert self.scheduler.try_allocate(r, context + 1), "KV pool too small for the benchmark"
+            r = Request(
+                request_id=f"r{i}",
+                prompt_token_ids=[7] * context,
+                params=GREEDY,
+                max_tokens=1 << 20,
+                text=None,
+                eos_token_ids=frozenset(),
+            )
+            assert self.scheduler.try_allocate(r, context + 1), (
+                "KV pool too small for the benchmark"
+            )
             r.num_computed, r.output_token_ids, r.status = context, [11], Status.RUNNING
             self.scheduler.running.append(r)
             self.scheduler.requests[r.request_id] = r
@@ -113,7 +161,11 @@ class Bench:
 
     def decode_step(self) -> None:
         samplers, logits = self.runner.execute(self.scheduler.schedule())
-        for r, t in zip(samplers, sample(logits, [r.params for r in samplers], [0] * len(samplers))):
+        for r, t in zip(
+            samplers,
+            sample(logits, [r.params for r in samplers], [0] * len(samplers)),
+            strict=True,
+        ):
             r.output_token_ids.append(t)
 
     def decode_tokens_per_s(self, n: int, context: int, steps: int) -> tuple[float, float]:
@@ -124,7 +176,7 @@ class Bench:
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            self.decode_step()      # ends in the sampler's host sync
+            self.decode_step()  # ends in the sampler's host sync
             times.append(time.perf_counter() - t0)
         self.release(reqs)
         step_s = statistics.median(times)
@@ -145,7 +197,9 @@ def check_against_reference(bench: Bench) -> dict:
     out["decode_graph_vs_reference_rel_err"] = ((got - ref).norm() / ref.norm()).item()
     bench.release(reqs)
     [r] = bench.requests(1, 0)
-    r.prompt_token_ids = torch.randint(0, bench.cfg.vocab_size, (2048,), generator=torch.Generator().manual_seed(3)).tolist()
+    r.prompt_token_ids = torch.randint(
+        0, bench.cfg.vocab_size, (2048,), generator=torch.Generator().manual_seed(3)
+    ).tolist()
     assert bench.scheduler.try_allocate(r, 2049)
     spec = [RowSpan(0, 2048, r.slab, r.prompt_token_ids)]
     inp = build_step_inputs(bench.pool, spec, 0, DEV)
@@ -158,14 +212,18 @@ def check_against_reference(bench: Bench) -> dict:
     # rounding amplified through the random model.
     out["prefill_2048_per_layer_rel_err"] = [
         f"{kind}: {((a.float() - b.float()).norm() / b.float().norm()).item():.4f}"
-        for kind, a, b in zip(LAYERS, got_layers, ref_layers)]
+        for kind, a, b in zip(LAYERS, got_layers, ref_layers, strict=True)
+    ]
     bench.release([r])
     return out
 
 
 def _with_layer_outputs(model, pool, inp, rows) -> tuple[torch.Tensor, list[torch.Tensor]]:
     outputs: list[torch.Tensor] = []
-    hooks = [layer.register_forward_hook(lambda m, args, out: outputs.append(out.clone())) for layer in model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, args, out: outputs.append(out.clone()))
+        for layer in model.layers
+    ]
     try:
         return model(pool, inp, rows), outputs
     finally:
@@ -179,7 +237,7 @@ def prefill_tokens_per_s(bench: Bench, length: int) -> float:
     r.output_token_ids = []
     assert bench.scheduler.try_allocate(r, length + 1)
     batch = ScheduledBatch(prefill=[(r, length)])
-    bench.runner.execute(batch)   # warm-up (compiles the prefill shapes)
+    bench.runner.execute(batch)  # warm-up (compiles the prefill shapes)
     torch.cuda.synchronize()
     r.num_computed = 0
     t0 = time.perf_counter()
@@ -191,12 +249,17 @@ def prefill_tokens_per_s(bench: Bench, length: int) -> float:
 
 
 GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Gemm", "splitKreduce")
-KERNEL_KINDS = (("sparse_mla", ("_sparse_mla", "_combine", "_naive_decode")),
-                ("indexer_topk", ("_score_kernel", "_merge_kernel")), ("gemm", GEMM_NAMES))
+KERNEL_KINDS = (
+    ("sparse_mla", ("_sparse_mla", "_combine", "_naive_decode")),
+    ("indexer_topk", ("_score_kernel", "_merge_kernel")),
+    ("gemm", GEMM_NAMES),
+)
 
 
 def kernel_kind(name: str) -> str:
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in name for k in keys)), "elementwise")
+    return next(
+        (kind for kind, keys in KERNEL_KINDS if any(k in name for k in keys)), "elementwise"
+    )
 
 
 def summary_class(part: str, kind: str) -> str:
@@ -219,8 +282,9 @@ def profile_step(bench: Bench, n: int, context: int) -> dict[str, dict[str, floa
         bench.decode_step()
     per_step = []
     for _ in range(3):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                                torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+        ) as prof:
             bench.decode_step()
             torch.cuda.synchronize()
         acc: dict[tuple[str, str], float] = {}
@@ -229,7 +293,7 @@ def profile_step(bench: Bench, n: int, context: int) -> dict[str, dict[str, floa
             if not e.kernels:
                 continue
             part, p = "other", e
-            while p is not None:   # innermost model part that launched the kernel
+            while p is not None:  # innermost model part that launched the kernel
                 if p.name.startswith("dsaserve."):
                     part = p.name.removeprefix("dsaserve.")
                     break
@@ -238,12 +302,19 @@ def profile_step(bench: Bench, n: int, context: int) -> dict[str, dict[str, floa
                 key = (part, kernel_kind(k.name))
                 acc[key] = acc.get(key, 0.0) + k.duration / 1e3
                 claimed[k.name] = claimed.get(k.name, 0.0) + k.duration / 1e3
-        for e in prof.key_averages():   # every kernel, claimed or not
+        for e in prof.key_averages():  # every kernel, claimed or not
             total = (getattr(e, "self_device_time_total", 0.0) or 0.0) / 1e3
             rest = total - claimed.get(e.key, 0.0)
             # (the dsaserve.* ranges also appear on the device timeline, as annotations: skip them)
-            if rest > 1e-6 and e.device_type == torch.autograd.DeviceType.CUDA and not e.key.startswith("dsaserve."):
-                key = ("triton", kernel_kind(e.key) if kernel_kind(e.key) != "elementwise" else e.key.strip("_"))
+            if (
+                rest > 1e-6
+                and e.device_type == torch.autograd.DeviceType.CUDA
+                and not e.key.startswith("dsaserve.")
+            ):
+                key = (
+                    "triton",
+                    kernel_kind(e.key) if kernel_kind(e.key) != "elementwise" else e.key.strip("_"),
+                )
                 acc[key] = acc.get(key, 0.0) + rest
         per_step.append(acc)
     bench.runner.graphs = graphs
@@ -251,7 +322,9 @@ def profile_step(bench: Bench, n: int, context: int) -> dict[str, dict[str, floa
     keys = {k for s in per_step for k in s}
     table: dict[str, dict[str, float]] = {}
     for part, kind in keys:
-        table.setdefault(part, {})[kind] = statistics.median(s.get((part, kind), 0.0) for s in per_step)
+        table.setdefault(part, {})[kind] = statistics.median(
+            s.get((part, kind), 0.0) for s in per_step
+        )
     return table
 
 
@@ -265,23 +338,33 @@ def step_classes(table: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def floors_ms(cfg: ModelConfig, model, n: int, context: int, hw: dict) -> dict[str, float]:
-    """Roofline floor per kernel class of one decode step: max(bytes / copy BW, FLOPs / matmul rate)."""
-    bw, rate = hw["copy_GBps"] * 1e6, hw["bf16_matmul_TFLOPs"] * 1e9     # bytes/ms, FLOP/ms
+    """Roofline floor per kernel class of one decode step: max(bytes / copy BW, FLOPs / matmul
+    rate)."""
+    bw, rate = hw["copy_GBps"] * 1e6, hw["bf16_matmul_TFLOPs"] * 1e9  # bytes/ms, FLOP/ms
     experts = sum(p.numel() for name, p in model.named_parameters() if ".ffn.experts." in name)
-    dense = sum(p.numel() for name, p in model.named_parameters()
-                if p.dim() == 2 and ".ffn.experts." not in name and not name.startswith("embed"))
+    dense = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if p.dim() == 2 and ".ffn.experts." not in name and not name.startswith("embed")
+    )
     active_expert = experts * cfg.num_experts_per_tok / cfg.num_experts
     kinds = cfg.layer_types
-    n_csa, n_hca = kinds.count("compressed_sparse_attention"), kinds.count("heavily_compressed_attention")
+    n_csa, n_hca = (
+        kinds.count("compressed_sparse_attention"),
+        kinds.count("heavily_compressed_attention"),
+    )
     W, D, H = cfg.sliding_window, cfg.head_dim, cfg.num_heads
-    keys = (len(kinds) * W + n_csa * cfg.index_topk + n_hca * context // 128)     # KV rows per request
-    entries = n_csa * context // 4                                               # indexer keys per request
-    touched = min(1.0, n * cfg.num_experts_per_tok / cfg.num_experts)             # share of experts read
+    keys = len(kinds) * W + n_csa * cfg.index_topk + n_hca * context // 128  # KV rows per request
+    entries = n_csa * context // 4  # indexer keys per request
+    touched = min(1.0, n * cfg.num_experts_per_tok / cfg.num_experts)  # share of experts read
     classes = {
         "gemm": (2 * dense, 2 * dense * n),
         "moe": (2 * experts * touched, 2 * active_expert * n),
         "attention": (n * keys * D * 2, n * keys * 2 * H * 2 * D),
-        "indexer": (n * entries * cfg.index_head_dim * 2, n * entries * 2 * cfg.index_n_heads * cfg.index_head_dim),
+        "indexer": (
+            n * entries * cfg.index_head_dim * 2,
+            n * entries * 2 * cfg.index_n_heads * cfg.index_head_dim,
+        ),
     }
     return {k: max(b / bw, f / rate) for k, (b, f) in classes.items()}
 
@@ -296,15 +379,24 @@ def main() -> None:
     cfg = slice_config(args.experts)
     bench = Bench(cfg, max_seqs=72, kv_bytes=8 << 30)
     bench.runner.capture_decode_graphs([1, 16, 64])
-    result: dict = {"hardware": hw, "config": {"layers": LAYERS, "experts": args.experts,
-                                               "params_B": sum(p.numel() for p in bench.model.parameters()) / 1e9,
-                                               "max_context": MAX_CONTEXT}, "decode": [], "errors": {}}
+    result: dict = {
+        "hardware": hw,
+        "config": {
+            "layers": LAYERS,
+            "experts": args.experts,
+            "params_B": sum(p.numel() for p in bench.model.parameters()) / 1e9,
+            "max_context": MAX_CONTEXT,
+        },
+        "decode": [],
+        "errors": {},
+    }
 
     def phase(name: str, fn) -> None:
-        """Run one part; a failure is recorded and the rest still runs (one GPU call, all answers)."""
+        """Run one part; a failure is recorded and the rest still runs (one GPU call, all
+        answers)."""
         try:
             fn()
-        except Exception:  # noqa: BLE001 - reported in the table and the JSON
+        except Exception:
             result["errors"][name] = traceback.format_exc()
             print(f"{name} failed:\n{result['errors'][name]}", flush=True)
 
@@ -316,8 +408,15 @@ def main() -> None:
         for context in (4096, 32768):
             for n in concurrency:
                 tps, ms = bench.decode_tokens_per_s(n, context, steps)
-                result["decode"].append({"config": config, "concurrency": n, "context": context, "tok_s": tps,
-                                         "step_ms": ms})
+                result["decode"].append(
+                    {
+                        "config": config,
+                        "concurrency": n,
+                        "context": context,
+                        "tok_s": tps,
+                        "step_ms": ms,
+                    }
+                )
                 print(result["decode"][-1], flush=True)
 
     def classes() -> None:
@@ -330,7 +429,10 @@ def main() -> None:
         print("prefill:", result["prefill_tok_s"], flush=True)
 
     def before() -> None:
-        fast_runner, bench.runner = bench.runner, ModelRunner(bench.model, bench.pool, DEV, MAX_CONTEXT)
+        fast_runner, bench.runner = (
+            bench.runner,
+            ModelRunner(bench.model, bench.pool, DEV, MAX_CONTEXT),
+        )
         try:
             with kernels.use_backend("naive"):
                 bench.runner.capture_decode_graphs([64])
@@ -345,13 +447,23 @@ def main() -> None:
     phase("before", before)
     rows = result["decode"]
     for context in (4096, 32768):
-        after = [r for r in rows if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == context]
+        after = [
+            r
+            for r in rows
+            if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == context
+        ]
         naive = [r for r in rows if r["config"] == BEFORE and r["context"] == context]
         if after and naive:
             result[f"speedup_vs_before_c64_{context}"] = after[0]["tok_s"] / naive[0]["tok_s"]
-    step = [r for r in rows if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == 32768]
+    step = [
+        r
+        for r in rows
+        if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == 32768
+    ]
     if step and "floors_ms_c64_32k" in result:
-        result["step_over_floor_c64_32k"] = step[0]["step_ms"] / sum(result["floors_ms_c64_32k"].values())
+        result["step_over_floor_c64_32k"] = step[0]["step_ms"] / sum(
+            result["floors_ms_c64_32k"].values()
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
@@ -360,23 +472,43 @@ def main() -> None:
 
 def print_table(result: dict) -> None:
     hw = result["hardware"]
-    print(f"\nH200: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s; "
-          f"slice {result['config']['params_B']:.2f} B params; correctness {result.get('correctness')}; "
-          f"failed phases: {sorted(result['errors']) or 'none'}")
+    print(
+        f"\nH200: copy {hw['copy_GBps']:.0f} GB/s, "
+        f"bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s; "
+        f"slice {result['config']['params_B']:.2f} B params; "
+        f"correctness {result.get('correctness')}; "
+        f"failed phases: {sorted(result['errors']) or 'none'}"
+    )
     print(f"{'config':52s} {'conc':>4s} {'ctx':>6s} {'tok/s':>9s} {'step ms':>8s}")
     for r in result["decode"]:
-        print(f"{r['config']:52s} {r['concurrency']:4d} {r['context']:6d} {r['tok_s']:9.1f} {r['step_ms']:8.3f}")
-    print("speed-up vs before at c=64:", {k: round(v, 1) for k, v in result.items() if k.startswith("speedup")})
+        print(
+            f"{r['config']:52s} {r['concurrency']:4d} {r['context']:6d} "
+            f"{r['tok_s']:9.1f} {r['step_ms']:8.3f}"
+        )
+    print(
+        "speed-up vs before at c=64:",
+        {k: round(v, 1) for k, v in result.items() if k.startswith("speedup")},
+    )
     print("prefill tok/s:", {k: round(v) for k, v in result.get("prefill_tok_s", {}).items()})
     if "step_classes_ms_c64_32k" not in result:
         return
     total = sum(result["step_classes_ms_c64_32k"].values())
-    print(f"decode step c=64 ctx=32K by kernel class (eager, total {total:.3f} ms) vs roofline floor:")
+    print(
+        f"decode step c=64 ctx=32K by kernel class (eager, total {total:.3f} ms) vs roofline floor:"
+    )
     for k, v in sorted(result["step_classes_ms_c64_32k"].items(), key=lambda kv: -kv[1]):
         floor = result["floors_ms_c64_32k"].get(k)
-        print(f"  {k:12s} {v:7.3f} ms {100 * v / total:5.1f}%  floor {floor if floor is None else round(floor, 3)}")
-    print("by model part (ms):", {part: {k: round(v, 3) for k, v in kinds.items()}
-                                  for part, kinds in result.get("step_parts_ms_c64_32k", {}).items()})
+        print(
+            f"  {k:12s} {v:7.3f} ms {100 * v / total:5.1f}%  "
+            f"floor {floor if floor is None else round(floor, 3)}"
+        )
+    print(
+        "by model part (ms):",
+        {
+            part: {k: round(v, 3) for k, v in kinds.items()}
+            for part, kinds in result.get("step_parts_ms_c64_32k", {}).items()
+        },
+    )
     print(f"graph step / sum of floors: {result.get('step_over_floor_c64_32k', float('nan')):.2f}")
 
 

@@ -50,9 +50,11 @@ def time_ms(fn, arg_sets: list[tuple], graph: bool = True) -> float:
                 fn(*args)
         unit = g.replay
     else:
+
         def unit():
             for args in arg_sets:
                 fn(*args)
+
     unit()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -77,8 +79,10 @@ def ceilings() -> dict:
     copy_ms = time_ms(lambda: dst.copy_(src), [()], graph=False)
     a, b = (torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16) for _ in range(2))
     mm_ms = time_ms(lambda: a @ b, [()], graph=False)
-    return {"copy_GBps": 2 * (1 << 32) / copy_ms / 1e6,
-            "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+    return {
+        "copy_GBps": 2 * (1 << 32) / copy_ms / 1e6,
+        "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9,
+    }
 
 
 # ---- decode --------------------------------------------------------------------------------
@@ -110,8 +114,9 @@ def decode_inputs(shape: DecodeShape, pool: torch.Tensor) -> list[tuple]:
     sets = []
     for _ in range(SETS):
         q = torch.randn(shape.batch, shape.heads, shape.dim, device=DEV, dtype=torch.bfloat16)
-        idx = torch.randint(0, POOL_SLOTS, (shape.batch, shape.num_idx), device=DEV,
-                            dtype=torch.int32)
+        idx = torch.randint(
+            0, POOL_SLOTS, (shape.batch, shape.num_idx), device=DEV, dtype=torch.int32
+        )
         lengths = torch.full((shape.batch,), shape.num_idx, device=DEV, dtype=torch.int32)
         sinks = torch.randn(shape.heads, device=DEV) if shape.sinks else None
         sets.append((q, pool, idx, lengths, sinks))
@@ -127,8 +132,10 @@ def torch_decode(q, kv, idx, lengths, sinks):
 
 def triton_decode(cfg: DecodeConfig | None):
     def run(q, kv, idx, lengths, sinks):
-        return sparse_mla.sparse_mla_decode(q, kv, idx, q.shape[-1] ** -0.5, sinks=sinks,
-                                            lengths=lengths, config=cfg)
+        return sparse_mla.sparse_mla_decode(
+            q, kv, idx, q.shape[-1] ** -0.5, sinks=sinks, lengths=lengths, config=cfg
+        )
+
     return run
 
 
@@ -146,8 +153,9 @@ def decode_error(run, q, kv, idx, lengths, sinks) -> float:
     # float64 over the used rows only: the whole pool in float64 would take ~19 GB
     used, local = torch.unique(idx.long().clamp(min=0), return_inverse=True)
     local = local.int().masked_fill(idx < 0, -1)
-    ref, _ = kernels.reference.sparse_mla_decode(q.double(), kv[used].double(), local,
-                                                 q.shape[-1] ** -0.5, sinks=sinks, lengths=lengths)
+    ref, _ = kernels.reference.sparse_mla_decode(
+        q.double(), kv[used].double(), local, q.shape[-1] ** -0.5, sinks=sinks, lengths=lengths
+    )
     return ((out.double() - ref).norm() / ref.norm()).item()
 
 
@@ -158,8 +166,7 @@ def bench_decode(shapes, configs, hw, with_baselines: bool) -> list[dict]:
         if shape.dim not in pools:
             pools.clear()
             torch.cuda.empty_cache()
-            pools[shape.dim] = torch.randn(POOL_SLOTS, shape.dim, device=DEV,
-                                           dtype=torch.bfloat16)
+            pools[shape.dim] = torch.randn(POOL_SLOTS, shape.dim, device=DEV, dtype=torch.bfloat16)
         sets = decode_inputs(shape, pools[shape.dim])
         base = {}
         if with_baselines:
@@ -174,10 +181,19 @@ def bench_decode(shapes, configs, hw, with_baselines: bool) -> list[dict]:
             except Exception as e:  # a variant may not fit (shared memory): note, go on
                 print(f"{shape.name} B={shape.batch} {used}: {type(e).__name__} {e}"[:300])
                 continue
-            row = {"shape": shape.name, "B": shape.batch, "H": shape.heads, "D": shape.dim,
-                   "K": shape.num_idx, "config": dataclasses.asdict(used), "rel_err": err,
-                   "us": us, "eager_us": 1e3 * time_ms(run, sets, graph=False),
-                   "TFLOPs": shape.flop / us / 1e6, "GBps": shape.gathered_bytes / us / 1e3}
+            row = {
+                "shape": shape.name,
+                "B": shape.batch,
+                "H": shape.heads,
+                "D": shape.dim,
+                "K": shape.num_idx,
+                "config": dataclasses.asdict(used),
+                "rel_err": err,
+                "us": us,
+                "eager_us": 1e3 * time_ms(run, sets, graph=False),
+                "TFLOPs": shape.flop / us / 1e6,
+                "GBps": shape.gathered_bytes / us / 1e3,
+            }
             row["share_matmul"] = row["TFLOPs"] / hw["bf16_matmul_TFLOPs"]
             row["share_copy"] = row["GBps"] / hw["copy_GBps"]
             row.update(base)
@@ -191,16 +207,21 @@ def bench_decode(shapes, configs, hw, with_baselines: bool) -> list[dict]:
 
 def print_decode_row(r: dict) -> None:
     c = r["config"]
-    cfg = (f"h{c['block_h']} n{c['block_n']} s{c['num_splits']} w{c['num_warps']}"
-           f" st{c['num_stages']}")
+    cfg = (
+        f"h{c['block_h']} n{c['block_n']} s{c['num_splits']} w{c['num_warps']} st{c['num_stages']}"
+    )
     extra = ""
     if "x_naive" in r:
-        extra = (f" naive {r['naive_us']:8.1f} torch {r['torch_us']:7.1f}"
-                 f"  x{r['x_naive']:5.1f} naive x{r['x_torch']:4.1f} torch")
-    print(f"{r['shape']:>10} B={r['B']:<5} {cfg:<24} err {r['rel_err']:.1e} {r['us']:8.1f} us"
-          f" (eager {r['eager_us']:7.1f}) {r['TFLOPs']:6.1f} TF/s {r['GBps']:6.0f} GB/s"
-          f" {100 * r['share_matmul']:4.1f}% mm {100 * r['share_copy']:4.1f}% bw{extra}",
-          flush=True)
+        extra = (
+            f" naive {r['naive_us']:8.1f} torch {r['torch_us']:7.1f}"
+            f"  x{r['x_naive']:5.1f} naive x{r['x_torch']:4.1f} torch"
+        )
+    print(
+        f"{r['shape']:>10} B={r['B']:<5} {cfg:<24} err {r['rel_err']:.1e} {r['us']:8.1f} us"
+        f" (eager {r['eager_us']:7.1f}) {r['TFLOPs']:6.1f} TF/s {r['GBps']:6.0f} GB/s"
+        f" {100 * r['share_matmul']:4.1f}% mm {100 * r['share_copy']:4.1f}% bw{extra}",
+        flush=True,
+    )
 
 
 # ---- indexer -------------------------------------------------------------------------------
@@ -217,8 +238,9 @@ def indexer_inputs(batch: int, real: int, max_ctx: int) -> list[tuple]:
     sets = []
     for s in range(SETS):
         own = s * batch * pages + torch.randperm(batch * pages, device=DEV).view(batch, pages)
-        table = torch.randint(0, pool.shape[0], (batch, max_ctx // PAGE), device=DEV,
-                              dtype=torch.int32)
+        table = torch.randint(
+            0, pool.shape[0], (batch, max_ctx // PAGE), device=DEV, dtype=torch.int32
+        )
         table[:, :pages] = own.int()
         q = torch.randn(batch, HI, DI, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(batch, HI, device=DEV)
@@ -229,13 +251,14 @@ def indexer_inputs(batch: int, real: int, max_ctx: int) -> list[tuple]:
 def triton_indexer(cfg: IndexerConfig | None):
     def run(q, w, kc, table, lengths):
         return indexer.indexer_topk(q, w, kc, table, lengths, TOPK, scale=DI**-0.5, config=cfg)
+
     return run
 
 
 def naive_indexer(width: int | None):
     def run(q, w, kc, table, lengths):
-        return naive.indexer_topk(q, w, kc, table, lengths, TOPK, scale=DI**-0.5,
-                                  max_context=width)
+        return naive.indexer_topk(q, w, kc, table, lengths, TOPK, scale=DI**-0.5, max_context=width)
+
     return run
 
 
@@ -266,8 +289,15 @@ def bench_indexer(cases, configs, with_baselines: bool) -> list[dict]:
             except Exception as e:  # a variant may not fit: note, go on
                 print(f"idx B={batch} real={real} {used}: {type(e).__name__} {e}"[:300])
                 continue
-            row = {"B": batch, "real": real, "max": max_ctx, "config": dataclasses.asdict(used),
-                   "score_rel_err": err, "ms": ms, "eager_ms": time_ms(run, sets, graph=False)}
+            row = {
+                "B": batch,
+                "real": real,
+                "max": max_ctx,
+                "config": dataclasses.asdict(used),
+                "score_rel_err": err,
+                "ms": ms,
+                "eager_ms": time_ms(run, sets, graph=False),
+            }
             row["key_GBps"] = batch * real * DI * 2 / row["ms"] / 1e6
             row.update(base)
             rows.append(row)
@@ -278,14 +308,19 @@ def bench_indexer(cases, configs, with_baselines: bool) -> list[dict]:
 
 def print_indexer_row(r: dict) -> None:
     c = r["config"]
-    cfg = (f"n{c['block_n']} s{c['num_splits']} r{c['room']} sel{c['select_block']}"
-           f" w{c['num_warps']} st{c['num_stages']}")
+    cfg = (
+        f"n{c['block_n']} s{c['num_splits']} r{c['room']} sel{c['select_block']}"
+        f" w{c['num_warps']} st{c['num_stages']}"
+    )
     extra = ""
     if "naive_padded_ms" in r:
         extra = f" naive(padded) {r['naive_padded_ms']:8.3f} torch(real) {r['torch_real_ms']:7.3f}"
-    print(f"idx B={r['B']:<3} real={r['real']:<6} max={r['max']:<6} {cfg:<28} err "
-          f"{r['score_rel_err']:.1e} {r['ms']:7.4f} ms (eager {r['eager_ms']:7.4f})"
-          f" {r['key_GBps']:6.0f} GB/s{extra}", flush=True)
+    print(
+        f"idx B={r['B']:<3} real={r['real']:<6} max={r['max']:<6} {cfg:<28} err "
+        f"{r['score_rel_err']:.1e} {r['ms']:7.4f} ms (eager {r['eager_ms']:7.4f})"
+        f" {r['key_GBps']:6.0f} GB/s{extra}",
+        flush=True,
+    )
 
 
 # ---- runs ----------------------------------------------------------------------------------
@@ -293,8 +328,13 @@ def print_indexer_row(r: dict) -> None:
 V4 = [DecodeShape("v4-flash", b, 64, 512, 640, True) for b in (1, 4, 16, 64, 128)]
 V32 = [DecodeShape("v3.2", b, 128, 576, 2048, False) for b in (1, 16, 64, 128)]
 PREFILL = [DecodeShape("v4-prefill", 4096, 64, 512, 640, True)]
-INDEXER_CASES = [(b, real, mx) for b in (1, 32, 64) for mx in (8192, 262144)
-                 for real in (1024, 8192, 65536) if real <= mx]
+INDEXER_CASES = [
+    (b, real, mx)
+    for b in (1, 32, 64)
+    for mx in (8192, 262144)
+    for real in (1024, 8192, 65536)
+    if real <= mx
+]
 
 
 def decode_alternatives(shape: DecodeShape):
@@ -333,19 +373,30 @@ def main() -> None:
     t0 = time.time()
     props = torch.cuda.get_device_properties(DEV)
     hw = ceilings()
-    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton "
-          f"{triton.__version__}: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul "
-          f"{hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    print(
+        f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton "
+        f"{triton.__version__}: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul "
+        f"{hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
+        flush=True,
+    )
     result = {}
     if args.out and os.path.exists(args.out):
         with open(args.out) as f:
             result = json.load(f)
-    result.setdefault("runs", []).append({
-        "command": "python -m bench.kernels " + " ".join(sys.argv[1:]), "device": props.name,
-        "sms": props.multi_processor_count, "torch": torch.__version__,
-        "triton": triton.__version__, "ceilings": hw})
-    result["timing"] = ("median ms per call over CUDA-graph replays (eager: plain launches), "
-                        f"{SETS} rotating input sets, KV pool {POOL_SLOTS} slots")
+    result.setdefault("runs", []).append(
+        {
+            "command": "python -m bench.kernels " + " ".join(sys.argv[1:]),
+            "device": props.name,
+            "sms": props.multi_processor_count,
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "ceilings": hw,
+        }
+    )
+    result["timing"] = (
+        "median ms per call over CUDA-graph replays (eager: plain launches), "
+        f"{SETS} rotating input sets, KV pool {POOL_SLOTS} slots"
+    )
 
     def save() -> None:  # after each section, so a run cut short keeps what it measured
         result["runs"][-1]["wall_s"] = time.time() - t0
@@ -356,26 +407,30 @@ def main() -> None:
     if args.only != "indexer":
         pool = torch.randn(POOL_SLOTS, 512, device=DEV, dtype=torch.bfloat16)
         print("kernel breakdown, V4-Flash B=64, default config:")
-        result["breakdown_v4_b64"] = kernel_breakdown(triton_decode(None),
-                                                      decode_inputs(V4[3], pool)[0])
+        result["breakdown_v4_b64"] = kernel_breakdown(
+            triton_decode(None), decode_inputs(V4[3], pool)[0]
+        )
         del pool
         result["decode"] = bench_decode(V4 + V32 + PREFILL, lambda s: [None], hw, True)
         summarize_decode(result["decode"])
         save()
         print("alternatives:")
-        result["decode_alternatives"] = bench_decode([V4[3], V32[2]], decode_alternatives, hw,
-                                                     False)
+        result["decode_alternatives"] = bench_decode(
+            [V4[3], V32[2]], decode_alternatives, hw, False
+        )
         save()
     if args.only != "decode":
         print("kernel breakdown, indexer B=32 real 8K, default config:")
-        result["breakdown_idx_b32"] = kernel_breakdown(triton_indexer(None),
-                                                       indexer_inputs(32, 8192, 262144)[0])
+        result["breakdown_idx_b32"] = kernel_breakdown(
+            triton_indexer(None), indexer_inputs(32, 8192, 262144)[0]
+        )
         result["indexer"] = bench_indexer(INDEXER_CASES, lambda b: [None], True)
         summarize_indexer(result["indexer"])
         save()
         print("alternatives:")
-        result["indexer_alternatives"] = bench_indexer([(32, 8192, 262144)],
-                                                       indexer_alternatives, False)
+        result["indexer_alternatives"] = bench_indexer(
+            [(32, 8192, 262144)], indexer_alternatives, False
+        )
         save()
 
 
@@ -383,9 +438,11 @@ def summarize_decode(rows: list[dict]) -> None:
     """The issue's decode targets, from the default-config rows."""
     for r in rows:
         if r["shape"] == "v4-flash" and r["B"] == 64:
-            print(f"target V4-Flash B=64: x{r['x_torch']:.1f} plain torch (>= 6), "
-                  f"x{r['x_naive']:.1f} naive (>= 30); anchor torch {ANCHOR_TORCH_V4_B64_MS} ms "
-                  f"-> x{ANCHOR_TORCH_V4_B64_MS * 1e3 / r['us']:.1f}")
+            print(
+                f"target V4-Flash B=64: x{r['x_torch']:.1f} plain torch (>= 6), "
+                f"x{r['x_naive']:.1f} naive (>= 30); anchor torch {ANCHOR_TORCH_V4_B64_MS} ms "
+                f"-> x{ANCHOR_TORCH_V4_B64_MS * 1e3 / r['us']:.1f}"
+            )
         if r["shape"] == "v3.2" and r["B"] == 64:
             print(f"target V3.2 B=64: {r['TFLOPs']:.0f} TFLOP/s (>= 250)")
 
@@ -397,8 +454,10 @@ def summarize_indexer(rows: list[dict]) -> None:
         small = by_key.get((b, real, 8192))
         if mx == 262144 and small:
             r["ratio_262K_over_8K"] = r["ms"] / small["ms"]
-            print(f"target idx B={b:<3} real={real:<6} max 262K / max 8K = "
-                  f"{r['ratio_262K_over_8K']:.3f} (<= 1.05)")
+            print(
+                f"target idx B={b:<3} real={real:<6} max 262K / max 8K = "
+                f"{r['ratio_262K_over_8K']:.3f} (<= 1.05)"
+            )
         if (b, real, mx) == (32, 8192, 262144):
             print(f"target idx B=32 real 8K: {r['ms']:.4f} ms (<= 0.1)")
 

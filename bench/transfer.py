@@ -23,8 +23,9 @@ CPU, two processes over loopback (UCX's default transports, i.e. cma for the dat
 
 Two GPUs of one host: prefill on cuda:0, decode on cuda:1, against torch's cuda:0 -> cuda:1
 copy. UCX_TLS defaults to cuda_ipc,cuda_copy,tcp (without cuda_ipc, GPU memory crawls through
-the host); set UCX_TLS in the environment to try others. The GPU machine has torch and numpy but no NIXL and no network, so carry the
-nixl-cu13 wheel (59 MB; the device tool's working-tree limit is 64 MiB):
+the host); set UCX_TLS in the environment to try others. The GPU machine has torch and numpy
+but no NIXL and no network, so carry the nixl-cu13 wheel (59 MB; the device tool's
+working-tree limit is 64 MiB):
   1. here, in the repo root (.whl/ is git-ignored):
        .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
          --implementation cp --platform manylinux_2_28_x86_64 -d .whl nixl-cu13==1.5.1
@@ -55,7 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs as a script from anywhere
 
-from services.transfer import KVTransfer, Region, _nixl  # noqa: E402
+from services.transfer import KVTransfer, Region, _nixl
 
 LAYERS, WINDOW, HEAD, INDEX_HEAD, PAGE = 43, 128, 512, 128, 64
 CSA_RATE, HCA_RATE = 4, 128
@@ -294,12 +295,16 @@ def config(args: argparse.Namespace, load: float) -> dict:
 
 
 def print_table(results: list[dict]) -> None:
-    print(f"{'layout':10} {'method':17} {'MiB':>6} {'descs':>6} {'median ms':>10} "
-          f"{'GB/s':>7} {'best GB/s':>10}")
+    print(
+        f"{'layout':10} {'method':17} {'MiB':>6} {'descs':>6} {'median ms':>10} "
+        f"{'GB/s':>7} {'best GB/s':>10}"
+    )
     for r in results:
         descs = "" if r["descriptors"] is None else r["descriptors"]
-        print(f"{r['layout']:10} {r['method']:17} {r['bytes'] / 2**20:6.1f} {descs:>6} "
-              f"{r['median_s'] * 1e3:10.2f} {r['gbps_median']:7.2f} {r['gbps_best']:10.2f}")
+        print(
+            f"{r['layout']:10} {r['method']:17} {r['bytes'] / 2**20:6.1f} {descs:>6} "
+            f"{r['median_s'] * 1e3:10.2f} {r['gbps_median']:7.2f} {r['gbps_best']:10.2f}"
+        )
 
 
 def main() -> None:

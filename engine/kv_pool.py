@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.page_allocator import PageAllocator
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
+from engine.page_allocator import PageAllocator
 
 GROUP_OF_KIND = {SLIDING: "swa", CSA: "csa", HCA: "hca"}
 SLAB = "slab"
@@ -44,9 +44,9 @@ class KVBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    memory_bytes: int                   # budget for pages + slab + scratch
-    page_size: int = 64                 # entries (window rows or compressed entries) per page
-    max_num_seqs: int = 256             # slab rows = requests that can hold KV at once
+    memory_bytes: int  # budget for pages + slab + scratch
+    page_size: int = 64  # entries (window rows or compressed entries) per page
+    max_num_seqs: int = 256  # slab rows = requests that can hold KV at once
     max_num_batched_tokens: int = 8192  # rows one forward step may compute (scratch rows)
 
 
@@ -62,22 +62,33 @@ class PoolRegion(NamedTuple):
 class PoolGroup:
     name: str
     layers: tuple[int, ...]
-    ratio: int                  # tokens per compressed entry; 0 = window only
+    ratio: int  # tokens per compressed entry; 0 = window only
     num_pages: int
     allocator: PageAllocator
-    kv: dict[int, torch.Tensor]         # layer -> [num_pages * P + scratch + 1, head_dim]
-    index_k: dict[int, torch.Tensor]    # CSA layer -> [num_pages * P + 1, index_head_dim]
+    kv: dict[int, torch.Tensor]  # layer -> [num_pages * P + scratch + 1, head_dim]
+    index_k: dict[int, torch.Tensor]  # CSA layer -> [num_pages * P + 1, index_head_dim]
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, kv_cfg: KVCacheConfig, *, dtype: torch.dtype, device: torch.device,
-                 max_context: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        kv_cfg: KVCacheConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_context: int | None = None,
+    ) -> None:
         self.cfg, self.kv_cfg, self.dtype, self.device = cfg, kv_cfg, dtype, torch.device(device)
         self.page_size = P = kv_cfg.page_size
         self.ring_pages = math.ceil(cfg.sliding_window / P)
         self.ring_len = self.ring_pages * P
         self.scratch_rows = kv_cfg.max_num_batched_tokens
-        layer_kinds = {GROUP_OF_KIND[k]: (k, tuple(cfg.layers_of(k))) for k in (SLIDING, CSA, HCA) if cfg.layers_of(k)}
+        layer_kinds = {
+            GROUP_OF_KIND[k]: (k, tuple(cfg.layers_of(k)))
+            for k in (SLIDING, CSA, HCA)
+            if cfg.layers_of(k)
+        }
         pages = plan_pages(cfg, kv_cfg, _esize(dtype))
         self.groups: dict[str, PoolGroup] = {}
         for name, (kind, layers) in layer_kinds.items():
@@ -89,7 +100,9 @@ class KVPool:
                 num_pages=n,
                 allocator=PageAllocator(n),
                 kv={i: self._zeros(n * P + self.scratch_rows + 1, cfg.head_dim) for i in layers},
-                index_k={i: self._zeros(n * P + 1, cfg.index_head_dim) for i in layers} if kind == CSA else {},
+                index_k={i: self._zeros(n * P + 1, cfg.index_head_dim) for i in layers}
+                if kind == CSA
+                else {},
             )
         self.group_of_layer = [GROUP_OF_KIND[k] for k in cfg.layer_types]
         self.slab = PageAllocator(kv_cfg.max_num_seqs + 1)
@@ -102,9 +115,14 @@ class KVPool:
         # [batch, pages] tables on the host each step (that would cost O(context) per step).
         max_context = max_context or cfg.max_position_embeddings
         self.page_tables = {
-            g: torch.full((kv_cfg.max_num_seqs + 1, min(grp.num_pages, self.pages_for(g, max_context))),
-                          self.dummy_pages[g], dtype=torch.int32, device=self.device)
-            for g, grp in self.groups.items()}
+            g: torch.full(
+                (kv_cfg.max_num_seqs + 1, min(grp.num_pages, self.pages_for(g, max_context))),
+                self.dummy_pages[g],
+                dtype=torch.int32,
+                device=self.device,
+            )
+            for g, grp in self.groups.items()
+        }
         # Compressor rings, per layer: raw (kv, gate) projections of the most recent tokens.
         # Overlapping (CSA) compressors keep two windows, the others one.
         self.comp_ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -113,8 +131,10 @@ class KVPool:
             for ring, width in _compressor_rings(cfg, i):
                 rows, feats = ring_shape(cfg, i, width)
                 target = self.comp_ring if ring == "comp" else self.index_ring
-                target[i] = (self._zeros(kv_cfg.max_num_seqs + 1, rows, feats),
-                             self._zeros(kv_cfg.max_num_seqs + 1, rows, feats))
+                target[i] = (
+                    self._zeros(kv_cfg.max_num_seqs + 1, rows, feats),
+                    self._zeros(kv_cfg.max_num_seqs + 1, rows, feats),
+                )
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
@@ -129,7 +149,9 @@ class KVPool:
 
     def write_page_table(self, slab: int, group: str, first: int, pages: list[int]) -> None:
         """Record pages[i] as page `first + i` of the request in slab row `slab`."""
-        self.page_tables[group][slab, first : first + len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.page_tables[group][slab, first : first + len(pages)] = torch.tensor(
+            pages, dtype=torch.int32
+        )
 
     def entry_slot_base(self, group: str) -> int:
         """First scratch row of every `kv[layer]` of `group` (rows before it are pages)."""
@@ -168,9 +190,21 @@ class KVPool:
         P, out = self.page_size, []
         for g in self.groups.values():
             for i in g.layers:
-                out.append(PoolRegion(f"{g.name}.{i}.kv", g.name, g.kv[i][: g.num_pages * P].view(g.num_pages, P, -1)))
+                out.append(
+                    PoolRegion(
+                        f"{g.name}.{i}.kv",
+                        g.name,
+                        g.kv[i][: g.num_pages * P].view(g.num_pages, P, -1),
+                    )
+                )
                 if i in g.index_k:
-                    out.append(PoolRegion(f"{g.name}.{i}.index_k", g.name, g.index_k[i][: g.num_pages * P].view(g.num_pages, P, -1)))
+                    out.append(
+                        PoolRegion(
+                            f"{g.name}.{i}.index_k",
+                            g.name,
+                            g.index_k[i][: g.num_pages * P].view(g.num_pages, P, -1),
+                        )
+                    )
         for name, rings in (("comp", self.comp_ring), ("index", self.index_ring)):
             for i, (kv, gate) in rings.items():
                 out.append(PoolRegion(f"{SLAB}.{i}.{name}_kv", SLAB, kv))
@@ -196,8 +230,10 @@ class KVPool:
 
     def layout_description(self) -> str:
         counts = ", ".join(f"{g.name}: {len(g.layers)} layers" for g in self.groups.values())
-        return (f"{self.layout_hash()} (dtype={self.layout()['dtype']}, page_size={self.page_size}, "
-                f"ring={self.ring_len}, head_dim={self.cfg.head_dim}, {counts})")
+        return (
+            f"{self.layout_hash()} (dtype={self.layout()['dtype']}, page_size={self.page_size}, "
+            f"ring={self.ring_len}, head_dim={self.cfg.head_dim}, {counts})"
+        )
 
 
 def _esize(dtype: torch.dtype) -> int:
@@ -239,7 +275,9 @@ def plan_pages(cfg: ModelConfig, kv_cfg: KVCacheConfig, esize: int) -> dict[str,
         ratio = cfg.compress_rate(layers[0])
         base_pages = S * (ring_pages + (1 if ratio else 0))
         pages[GROUP_OF_KIND[kind]] = (base_pages, ratio)
-        fixed += base_pages * page_bytes + (kv_cfg.max_num_batched_tokens + 2) * row_bytes * len(layers)
+        fixed += base_pages * page_bytes + (kv_cfg.max_num_batched_tokens + 2) * row_bytes * len(
+            layers
+        )
         if ratio:
             per_token += page_bytes / (ratio * P)
     for i in range(cfg.num_layers):
@@ -251,6 +289,10 @@ def plan_pages(cfg: ModelConfig, kv_cfg: KVCacheConfig, esize: int) -> dict[str,
         raise KVBudgetError(
             f"KV cache budget of {kv_cfg.memory_bytes / 2**20:.1f} MiB is below the fixed cost of "
             f"{fixed / 2**20:.1f} MiB for max_num_seqs={S} and max_num_batched_tokens="
-            f"{kv_cfg.max_num_batched_tokens}; raise --kv-cache-memory-bytes or lower those limits")
+            f"{kv_cfg.max_num_batched_tokens}; raise --kv-cache-memory-bytes or lower those limits"
+        )
     capacity = int(spare / per_token) if per_token else 0
-    return {g: base + (math.ceil(capacity / ratio / P) if ratio else 0) for g, (base, ratio) in pages.items()}
+    return {
+        g: base + (math.ceil(capacity / ratio / P) if ratio else 0)
+        for g, (base, ratio) in pages.items()
+    }

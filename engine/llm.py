@@ -18,26 +18,42 @@ class Result:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str          # "stop" | "length"
+    finish_reason: str  # "stop" | "length"
 
 
 class LLM:
-    def __init__(self, model_dir: str | os.PathLike, device: str = "cpu", dtype: str = "float32", **engine_options) -> None:
-        self.engine = LLMEngine(model_dir, EngineConfig(device=device, dtype=dtype, **engine_options))
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        device: str = "cpu",
+        dtype: str = "float32",
+        **engine_options,
+    ) -> None:
+        self.engine = LLMEngine(
+            model_dir, EngineConfig(device=device, dtype=dtype, **engine_options)
+        )
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[Result]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[Result]:
         """Generate for every prompt (token-id list or text) in one continuous batch."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         params = params if params is not None else SamplingParams()
         params = params if isinstance(params, list) else [replace(params) for _ in prompts]
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [
+            self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+            for p in prompts
+        ]
         keys = [f"offline-{i}" for i in range(len(ids))]
-        for key, prompt, p in zip(keys, ids, params):
+        for key, prompt, p in zip(keys, ids, params, strict=True):
             self.engine.add_request(key, prompt, p)
         tokens = {k: [] for k in keys}
         texts = {k: [] for k in keys}
@@ -53,8 +69,15 @@ class LLM:
             for key in keys:
                 if key not in reasons:
                     self.engine.abort(key)
-        return [Result(prompt_token_ids=p, token_ids=tokens[k], text="".join(texts[k]), finish_reason=reasons[k])
-                for k, p in zip(keys, ids)]
+        return [
+            Result(
+                prompt_token_ids=p,
+                token_ids=tokens[k],
+                text="".join(texts[k]),
+                finish_reason=reasons[k],
+            )
+            for k, p in zip(keys, ids, strict=True)
+        ]
 
     def score(self, token_ids: list[int]) -> torch.FloatTensor:
         """Logits [T, vocab] (fp32) of one causal forward over token_ids."""

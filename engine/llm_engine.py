@@ -24,10 +24,10 @@ from engine.kv_pool import KVCacheConfig, KVPool
 from engine.load import Load
 from engine.request import Request, Status
 from engine.runner import ModelRunner
-from engine.step import RowSpan
 from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import Scheduler
+from engine.step import RowSpan
 from engine.text_stream import TextStream
 from engine.tokenizer import Tokenizer
 

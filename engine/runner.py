@@ -24,13 +24,20 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, pool: KVPool, device: torch.device, max_context: int) -> None:
-        self.model, self.pool, self.device, self.max_context = model, pool, torch.device(device), max_context
+    def __init__(
+        self, model: DeepseekV4, pool: KVPool, device: torch.device, max_context: int
+    ) -> None:
+        self.model, self.pool, self.device, self.max_context = (
+            model,
+            pool,
+            torch.device(device),
+            max_context,
+        )
         self.graphs: dict[int, _DecodeGraph] = {}
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
         mempool = torch.cuda.graph_pool_handle()
-        for bs in sorted(batch_sizes, reverse=True):   # largest first: the rest reuse its memory
+        for bs in sorted(batch_sizes, reverse=True):  # largest first: the rest reuse its memory
             self.graphs[bs] = _DecodeGraph(self, bs, mempool)
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
 
@@ -82,16 +89,21 @@ class _DecodeGraph:
         arange = torch.arange(bs, device=dev)
         hca = pool.groups.get("hca")
         self.inputs = StepInputs(
-            positions=torch.zeros(bs, dtype=torch.int64, device=dev), row_req=arange, req_past=torch.zeros_like(arange),
-            req_row0=arange, slab=torch.full((bs,), pool.dummy_slab, dtype=torch.int64, device=dev),
-            persist_rows=arange, token_ids=torch.zeros_like(arange),
-            hca_width=runner.max_context // hca.ratio + 1 if hca else 0, num_decode=bs,
+            positions=torch.zeros(bs, dtype=torch.int64, device=dev),
+            row_req=arange,
+            req_past=torch.zeros_like(arange),
+            req_row0=arange,
+            slab=torch.full((bs,), pool.dummy_slab, dtype=torch.int64, device=dev),
+            persist_rows=arange,
+            token_ids=torch.zeros_like(arange),
+            hca_width=runner.max_context // hca.ratio + 1 if hca else 0,
+            num_decode=bs,
         )
         forward = lambda: runner.model(pool, self.inputs, arange)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):   # warm up: autotuning and lazy initialisation stay out of the graph
+            for _ in range(2):  # warm up: autotuning and lazy initialisation stay out of the graph
                 forward()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
@@ -103,7 +115,11 @@ class _DecodeGraph:
         host = torch.tensor(
             [[s.start, s.slab, s.token_ids[0]] for s in spans], dtype=torch.int64
         )  # [n, (position, slab, token)]
-        for buf, col, pad in ((inp.positions, 0, 0), (inp.slab, 1, pool.dummy_slab), (inp.token_ids, 2, 0)):
+        for buf, col, pad in (
+            (inp.positions, 0, 0),
+            (inp.slab, 1, pool.dummy_slab),
+            (inp.token_ids, 2, 0),
+        ):
             buf[:n].copy_(host[:, col], non_blocking=True)
             buf[n:].fill_(pad)
         inp.req_past.copy_(inp.positions)

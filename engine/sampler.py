@@ -27,9 +27,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int])
     if rows:
         sel = torch.tensor(rows, device=logits.device)
         temp = torch.tensor([params[b].temperature for b in rows], device=logits.device)
-        sorted_logits, order = (logits[sel] / temp[:, None]).sort(dim=-1, descending=True)   # [R, V]
+        sorted_logits, order = (logits[sel] / temp[:, None]).sort(dim=-1, descending=True)  # [R, V]
         rank = torch.arange(logits.shape[1], device=logits.device)
-        top_k = torch.tensor([params[b].top_k or logits.shape[1] for b in rows], device=logits.device)
+        top_k = torch.tensor(
+            [params[b].top_k or logits.shape[1] for b in rows], device=logits.device
+        )
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         top_p = torch.tensor([params[b].top_p for b in rows], device=logits.device)
@@ -40,6 +42,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int])
             seed = params[b].seed
             gen = _generator(seed, draws[b], logits.device) if seed is not None else None
             noise[i].exponential_(generator=gen)
-        picked = (probs / noise).argmax(dim=-1)                                   # exponential race
+        picked = (probs / noise).argmax(dim=-1)  # exponential race
         tokens[sel] = order.gather(1, picked[:, None]).squeeze(1)
     return tokens.tolist()

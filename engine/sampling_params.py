@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SamplingParams:
-    max_tokens: int | None = 16          # None: up to the context length
-    temperature: float = 1.0             # 0 = greedy
+    max_tokens: int | None = 16  # None: up to the context length
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0                       # 0 or -1 = off
-    seed: int | None = None              # same seed -> same tokens, wherever the request runs
+    top_k: int = 0  # 0 or -1 = off
+    seed: int | None = None  # same seed -> same tokens, wherever the request runs
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -23,12 +23,21 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         checks = [
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be >= 1, got {self.max_tokens}",
+            ),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (or -1 for off), got {self.top_k}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}"),
+            (
+                all(isinstance(s, str) and s for s in self.stop),
+                "stop strings must be non-empty strings",
+            ),
+            (
+                self.seed is None or 0 <= self.seed < 2**63,
+                f"seed must be in [0, 2**63), got {self.seed}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

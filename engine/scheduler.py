@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.page_allocator import OutOfPages
 from engine.kv_pool import KVPool
+from engine.page_allocator import OutOfPages
 from engine.request import Request, Status
 
 
 @dataclass
 class ScheduledBatch:
     decode: list[Request] = field(default_factory=list)
-    prefill: list[tuple[Request, int]] = field(default_factory=list)   # (request, rows this step)
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, rows this step)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
@@ -33,8 +33,8 @@ class Scheduler:
         self.token_budget = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}   # every request holding a place here, by id
-        self.num_held = 0                        # requests in status HELD
+        self.requests: dict[str, Request] = {}  # every request holding a place here, by id
+        self.num_held = 0  # requests in status HELD
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -58,7 +58,8 @@ class Scheduler:
         self.running.append(req)
 
     def hold(self, req: Request, deadline: float) -> None:
-        """A prefill-only request keeps its KV after its first token until released or `deadline`."""
+        """A prefill-only request keeps its KV after its first token until released or until
+        `deadline`."""
         self.running.remove(req)
         req.status, req.lease_deadline = Status.HELD, deadline
         self.num_held += 1
@@ -94,7 +95,7 @@ class Scheduler:
         while budget and self.waiting:
             req = self.waiting[0]
             if not self.try_allocate(req, req.num_tokens):
-                break   # FIFO: later requests wait too, so a big one is not starved
+                break  # FIFO: later requests wait too, so a big one is not starved
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -126,7 +127,9 @@ class Scheduler:
     def try_allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow req's page tables (and give it a slab row) to cover `num_tokens` tokens."""
         pool = self.pool
-        need = {g: pool.pages_for(g, num_tokens) - len(req.page_tables.get(g, [])) for g in pool.groups}
+        need = {
+            g: pool.pages_for(g, num_tokens) - len(req.page_tables.get(g, [])) for g in pool.groups
+        }
         if any(n > pool.groups[g].allocator.num_free for g, n in need.items()):
             return False
         if req.slab is None:

@@ -31,24 +31,24 @@ class RowSpan:
 class Segment:
     """Host-side description of one prefill chunk (decode rows need none)."""
 
-    row0: int       # first row of the chunk in the step
-    start: int      # position of its first row = tokens of the request already computed
+    row0: int  # first row of the chunk in the step
+    start: int  # position of its first row = tokens of the request already computed
     num_rows: int
     slab: int
-    req: int        # index of the request in the step
+    req: int  # index of the request in the step
 
 
 @dataclass
 class StepInputs:
-    positions: torch.Tensor             # [N] int64
-    row_req: torch.Tensor               # [N] int64, request index of each row
-    req_past: torch.Tensor              # [B] int64, tokens computed before this step
-    req_row0: torch.Tensor              # [B] int64, first row of each request
-    slab: torch.Tensor                  # [B] int64, slab row of each request (its page tables' row)
-    persist_rows: torch.Tensor          # [M] int64, rows written to the window ring after attention
-    token_ids: torch.Tensor             # [N] int64 (hash-routed MoE layers route by token id)
-    hca_width: int                      # compressed-entry columns of HCA index lists (>= max count)
-    num_decode: int                     # rows [0, num_decode) are single-token decode rows
+    positions: torch.Tensor  # [N] int64
+    row_req: torch.Tensor  # [N] int64, request index of each row
+    req_past: torch.Tensor  # [B] int64, tokens computed before this step
+    req_row0: torch.Tensor  # [B] int64, first row of each request
+    slab: torch.Tensor  # [B] int64, slab row of each request (its page tables' row)
+    persist_rows: torch.Tensor  # [M] int64, rows written to the window ring after attention
+    token_ids: torch.Tensor  # [N] int64 (hash-routed MoE layers route by token id)
+    hca_width: int  # compressed-entry columns of HCA index lists (>= max count)
+    num_decode: int  # rows [0, num_decode) are single-token decode rows
     segments: list[Segment] = field(default_factory=list)
 
     @property
@@ -86,22 +86,33 @@ def build_step_inputs(
         return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
 
     return StepInputs(
-        positions=t(positions), row_req=t(row_req), req_past=t(req_past), req_row0=t(req_row0), slab=t(slabs),
+        positions=t(positions),
+        row_req=t(row_req),
+        req_past=t(req_past),
+        req_row0=t(req_row0),
+        slab=t(slabs),
         persist_rows=t(persist),
-        token_ids=t(token_ids), hca_width=hca_width, num_decode=num_decode, segments=segments,
+        token_ids=t(token_ids),
+        hca_width=hca_width,
+        num_decode=num_decode,
+        segments=segments,
     )
 
 
 class StepState:
     """StepInputs plus the pool, with per-group derived index lists computed on demand."""
 
-    def __init__(self, pool: KVPool, inputs: StepInputs, rope_tables: dict[str, RotaryTable]) -> None:
+    def __init__(
+        self, pool: KVPool, inputs: StepInputs, rope_tables: dict[str, RotaryTable]
+    ) -> None:
         self.pool, self.inp, self.rope_tables = pool, inputs, rope_tables
         self._cache: dict[tuple, torch.Tensor] = {}
 
     def rope(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [N, rope_dim // 2] of every row for the "main" or "compress" table."""
-        return self._cached(("rope", kind), lambda: self.rope_tables[kind](self.inp.positions, self.pool.dtype))
+        return self._cached(
+            ("rope", kind), lambda: self.rope_tables[kind](self.inp.positions, self.pool.dtype)
+        )
 
     def _cached(self, key: tuple, make):
         if key not in self._cache:
@@ -111,23 +122,35 @@ class StepState:
     # ---------------------------------------------------------------- slots
 
     def table(self, group: str) -> torch.Tensor:
-        """[B, max_pages] int32 page tables of this step's requests (from the pool's device copy)."""
-        return self._cached(("table", group), lambda: self.pool.page_tables[group].index_select(0, self.inp.slab))
+        """[B, max_pages] int32 page tables of this step's requests (from the pool's device
+        copy)."""
+        return self._cached(
+            ("table", group), lambda: self.pool.page_tables[group].index_select(0, self.inp.slab)
+        )
 
     def entry_slots(self, group: str, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Slot ids of compressed entries `entry` (any shape) of requests `req` (broadcastable)."""
         P, pool = self.pool.page_size, self.pool
-        page = self.table(group)[req, pool.ring_pages + torch.div(entry, P, rounding_mode="floor")].long()
+        page = self.table(group)[
+            req, pool.ring_pages + torch.div(entry, P, rounding_mode="floor")
+        ].long()
         return page * P + entry.remainder(P)
 
     def scratch_slots(self, group: str) -> torch.Tensor:
         """[N] the scratch row of every row of this step in the slot space of `group`."""
-        return self._cached(("scratch", group), lambda: self.pool.entry_slot_base(group) + torch.arange(
-            self.inp.num_rows, device=self.inp.positions.device))
+        return self._cached(
+            ("scratch", group),
+            lambda: (
+                self.pool.entry_slot_base(group)
+                + torch.arange(self.inp.num_rows, device=self.inp.positions.device)
+            ),
+        )
 
     def ring_slots(self, group: str, positions: torch.Tensor, req: torch.Tensor) -> torch.Tensor:
         P, ring = self.pool.page_size, positions.remainder(self.pool.ring_len)
-        return self.table(group)[req, torch.div(ring, P, rounding_mode="floor")].long() * P + ring.remainder(P)
+        return self.table(group)[
+            req, torch.div(ring, P, rounding_mode="floor")
+        ].long() * P + ring.remainder(P)
 
     def window_indices(self, group: str) -> torch.Tensor:
         """[N, W] slots of each row's sliding window (positions t-W+1..t), -1 before position 0.
@@ -137,7 +160,9 @@ class StepState:
 
         def make() -> torch.Tensor:
             inp, W = self.inp, self.pool.cfg.sliding_window
-            keys = inp.positions[:, None] - (W - 1) + torch.arange(W, device=inp.positions.device)  # [N, W]
+            keys = (
+                inp.positions[:, None] - (W - 1) + torch.arange(W, device=inp.positions.device)
+            )  # [N, W]
             req = inp.row_req[:, None]
             past = inp.req_past[req]
             scratch = self.pool.entry_slot_base(group) + inp.req_row0[req] + (keys - past)
@@ -150,11 +175,14 @@ class StepState:
     def persist_slots(self, group: str) -> torch.Tensor:
         """[M] ring slots for the rows in `persist_rows`."""
         rows = self.inp.persist_rows
-        return self._cached(("persist", group),
-                            lambda: self.ring_slots(group, self.inp.positions[rows], self.inp.row_req[rows]))
+        return self._cached(
+            ("persist", group),
+            lambda: self.ring_slots(group, self.inp.positions[rows], self.inp.row_req[rows]),
+        )
 
     def entry_counts(self, ratio: int) -> torch.Tensor:
-        """[N] compressed entries visible to each row: entry w is visible once (w+1)*ratio <= t+1."""
+        """[N] compressed entries visible to each row (entry w is visible once
+        (w+1)*ratio <= t+1)."""
         return torch.div(self.inp.positions + 1, ratio, rounding_mode="floor")
 
     def hca_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,7 +191,9 @@ class StepState:
         def make() -> torch.Tensor:
             inp = self.inp
             counts = self.entry_counts(self.pool.groups["hca"].ratio)
-            entry = torch.arange(inp.hca_width, device=inp.positions.device)[None, :].expand(inp.num_rows, -1)
+            entry = torch.arange(inp.hca_width, device=inp.positions.device)[None, :].expand(
+                inp.num_rows, -1
+            )
             visible = entry < counts[:, None]
             slots = self.entry_slots("hca", inp.row_req[:, None], torch.where(visible, entry, 0))
             return torch.where(visible, slots, -1)

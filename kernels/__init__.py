@@ -10,7 +10,8 @@ Public API (imports torch and triton only):
 
 Dispatch: CUDA tensors run the Triton kernels (kernels.sparse_mla, kernels.indexer, kernels.mhc,
 kernels.rowwise: no host sync, shape-only allocations, so decode steps can be captured in CUDA
-graphs); CPU tensors run the plain-torch references (kernels.reference, exact in fp32). Force a backend with
+graphs); CPU tensors run the plain-torch references (kernels.reference, exact in fp32). Force a
+backend with
 
     with kernels.use_backend("triton"):      # or "reference", "naive"
         out, lse = kernels.sparse_mla_decode(...)
@@ -21,7 +22,14 @@ this package is imported first). ``kernels.naive`` holds the "before" kernels fo
 
 from kernels import env  # noqa: F401, I001  (must precede the kernel modules: picks interpreter mode)
 from kernels import naive, reference
-from kernels.dispatch import apply_rope, hc_weights, indexer_topk, rms_norm, sparse_mla_decode, use_backend
+from kernels.dispatch import (
+    apply_rope,
+    hc_weights,
+    indexer_topk,
+    rms_norm,
+    sparse_mla_decode,
+    use_backend,
+)
 from kernels.paging import positions_to_slots
 
 __all__ = [

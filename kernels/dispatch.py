@@ -16,8 +16,9 @@ import torch
 from kernels import indexer, mhc, naive, reference, rowwise, sparse_mla
 
 Backend = Literal["triton", "reference", "naive"]
-_forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar("kernels_backend",
-                                                                        default=None)
+_forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
+    "kernels_backend", default=None
+)
 
 
 @contextlib.contextmanager
@@ -39,7 +40,9 @@ def _elementwise_backend(t: torch.Tensor) -> Backend:
     """The row-wise and mHC kernels have no "before" version: "naive" keeps them on Triton, so a
     naive run isolates the attention and indexer kernels."""
     forced = _forced.get()
-    return "reference" if forced == "reference" or (forced != "triton" and not t.is_cuda) else "triton"
+    return (
+        "reference" if forced == "reference" or (forced != "triton" and not t.is_cuda) else "triton"
+    )
 
 
 def sparse_mla_decode(
@@ -70,10 +73,17 @@ def sparse_mla_decode(
     each with its own index list) use the same call.
     """
     backend = _backend(q)
-    if backend == "triton" and _forced.get() is None and not sparse_mla.supports(q.shape[1], q.shape[2], d_v):
-        backend = "reference"   # e.g. the tiny demo model's 4 heads on a GPU; graph-safe too
-    impl = {"triton": sparse_mla.sparse_mla_decode, "reference": reference.sparse_mla_decode,
-            "naive": naive.sparse_mla_decode}[backend]
+    if (
+        backend == "triton"
+        and _forced.get() is None
+        and not sparse_mla.supports(q.shape[1], q.shape[2], d_v)
+    ):
+        backend = "reference"  # e.g. the tiny demo model's 4 heads on a GPU; graph-safe too
+    impl = {
+        "triton": sparse_mla.sparse_mla_decode,
+        "reference": reference.sparse_mla_decode,
+        "naive": naive.sparse_mla_decode,
+    }[backend]
     return impl(q, kv, indices, sm_scale, d_v=d_v, sinks=sinks, lengths=lengths)
 
 
@@ -100,13 +110,17 @@ def indexer_topk(
     0..lengths[b]-1 then -1, without scoring. Map positions to slot ids with
     kernels.positions_to_slots. Work and memory scaling of the CUDA path: kernels.indexer.
     """
-    impl = {"triton": indexer.indexer_topk, "reference": reference.indexer_topk,
-            "naive": naive.indexer_topk}[_backend(q)]
+    impl = {
+        "triton": indexer.indexer_topk,
+        "reference": reference.indexer_topk,
+        "naive": naive.indexer_topk,
+    }[_backend(q)]
     return impl(q, weights, k_cache, page_table, lengths, topk, scale=scale)
 
 
-def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_weights(
+    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC weights from projected mixes [R, (2+n)*n] fp32: pre [R, n], post [R, n], comb [R, n, n].
 
     pre = sigmoid(m[:n]*scale[0] + base[:n]) + eps; post = 2*sigmoid(m[n:2n]*scale[1] + base[n:2n]);
@@ -123,7 +137,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return impl(x, weight, eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """Interleaved RoPE on the trailing 2*half channels of x [N, ..., D]: pairs (x0, x1) become
     (x0 c - x1 s, x1 c + x0 s) with cos/sin [N, half] per row N (x's dtype, math in fp32);
     `inverse` rotates by minus the angle. The leading channels pass through."""

@@ -57,8 +57,19 @@ def _emit_row(keys, pos, counts, n, idx_row, topk, cap, num_splits, SELECT_BLOCK
     """Write row's output: 0..n-1 and -1 padding when n <= topk, else the top-k positions."""
     if n > topk:
         threshold, take_equal = radix_threshold(keys, counts, num_splits, cap, topk, SELECT_BLOCK)
-        compact_top(keys, pos, counts, num_splits, cap, threshold, take_equal, keys, idx_row,
-                    False, SELECT_BLOCK)
+        compact_top(
+            keys,
+            pos,
+            counts,
+            num_splits,
+            cap,
+            threshold,
+            take_equal,
+            keys,
+            idx_row,
+            False,
+            SELECT_BLOCK,
+        )
     else:
         for start in range(0, topk, SELECT_BLOCK):
             offs = start + tl.arange(0, SELECT_BLOCK)
@@ -67,12 +78,35 @@ def _emit_row(keys, pos, counts, n, idx_row, topk, cap, num_splits, SELECT_BLOCK
 
 @triton.jit
 def _score_kernel(
-    q_ptr, w_ptr, kc_ptr, pt_ptr, len_ptr, key_ptr, pos_ptr, cnt_ptr, idx_ptr,  #
-    stride_qb, stride_qh, stride_wb, stride_kp, stride_ks, stride_pt, stride_ib,  #
-    n_heads, page_size, topk, cap, scale, num_splits,  #
-    BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    EMIT: tl.constexpr, SELECT_BLOCK: tl.constexpr,  #
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+    q_ptr,
+    w_ptr,
+    kc_ptr,
+    pt_ptr,
+    len_ptr,
+    key_ptr,
+    pos_ptr,
+    cnt_ptr,
+    idx_ptr,  #
+    stride_qb,
+    stride_qh,
+    stride_wb,
+    stride_kp,
+    stride_ks,
+    stride_pt,
+    stride_ib,  #
+    n_heads,
+    page_size,
+    topk,
+    cap,
+    scale,
+    num_splits,  #
+    BLOCK_HI: tl.constexpr,
+    BLOCK_DI: tl.constexpr,
+    BLOCK_N: tl.constexpr,  #
+    EMIT: tl.constexpr,
+    SELECT_BLOCK: tl.constexpr,  #
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  #
 ):
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -84,8 +118,11 @@ def _score_kernel(
         keys, pos, count_ptr = row_keys + split * cap, row_pos + split * cap, row_cnt + split
         heads = tl.arange(0, BLOCK_HI)
         dims = tl.arange(0, BLOCK_DI)
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                    mask=(heads < n_heads)[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+            mask=(heads < n_heads)[:, None],
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
         w = tl.load(w_ptr + b * stride_wb + heads, mask=heads < n_heads, other=0.0)  # [BLOCK_HI]
@@ -116,24 +153,44 @@ def _score_kernel(
                 tl.store(count_ptr, count)
                 tl.debug_barrier()
                 floor, take_equal = radix_threshold(keys, count_ptr, 1, cap, topk, SELECT_BLOCK)
-                compact_top(keys, pos, count_ptr, 1, cap, floor, take_equal, keys, pos, True,
-                            SELECT_BLOCK)
+                compact_top(
+                    keys, pos, count_ptr, 1, cap, floor, take_equal, keys, pos, True, SELECT_BLOCK
+                )
                 count = topk
                 tl.debug_barrier()
         tl.store(count_ptr, count)
     if EMIT:  # a single split: this program holds the row's only candidates
         tl.debug_barrier()
-        _emit_row(row_keys, row_pos, row_cnt, n, idx_ptr + b * stride_ib, topk, cap, 1,
-                  SELECT_BLOCK)
+        _emit_row(
+            row_keys, row_pos, row_cnt, n, idx_ptr + b * stride_ib, topk, cap, 1, SELECT_BLOCK
+        )
 
 
 @triton.jit
-def _merge_kernel(key_ptr, pos_ptr, cnt_ptr, len_ptr, idx_ptr, stride_ib, topk, cap, num_splits,
-                  SELECT_BLOCK: tl.constexpr):
+def _merge_kernel(
+    key_ptr,
+    pos_ptr,
+    cnt_ptr,
+    len_ptr,
+    idx_ptr,
+    stride_ib,
+    topk,
+    cap,
+    num_splits,
+    SELECT_BLOCK: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
-    _emit_row(key_ptr + b * num_splits * cap, pos_ptr + b * num_splits * cap,
-              cnt_ptr + b * num_splits, tl.load(len_ptr + b), idx_ptr + b * stride_ib, topk, cap,
-              num_splits, SELECT_BLOCK)
+    _emit_row(
+        key_ptr + b * num_splits * cap,
+        pos_ptr + b * num_splits * cap,
+        cnt_ptr + b * num_splits,
+        tl.load(len_ptr + b),
+        idx_ptr + b * stride_ib,
+        topk,
+        cap,
+        num_splits,
+        SELECT_BLOCK,
+    )
 
 
 def check_indexer_args(q, weights, k_cache, page_table, lengths) -> None:
@@ -172,19 +229,50 @@ def indexer_topk(
     counts = torch.empty(batch, cfg.num_splits, dtype=torch.int32, device=dev)
     idx = torch.empty(batch, topk, dtype=torch.int32, device=dev)  # [B, topk]
     _score_kernel[(batch, cfg.num_splits)](
-        q, weights, k_cache, page_table, lengths, keys, pos, counts, idx,
-        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
-        page_table.stride(0), idx.stride(0),
-        n_heads, page_size, topk, cap, scale, cfg.num_splits,
+        q,
+        weights,
+        k_cache,
+        page_table,
+        lengths,
+        keys,
+        pos,
+        counts,
+        idx,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        page_table.stride(0),
+        idx.stride(0),
+        n_heads,
+        page_size,
+        topk,
+        cap,
+        scale,
+        cfg.num_splits,
         BLOCK_HI=max(16, triton.next_power_of_2(n_heads)),
         BLOCK_DI=head_dim,
         BLOCK_N=cfg.block_n,
-        EMIT=cfg.num_splits == 1, SELECT_BLOCK=cfg.select_block,
-        UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EMIT=cfg.num_splits == 1,
+        SELECT_BLOCK=cfg.select_block,
+        UPCAST=INTERPRET,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if cfg.num_splits > 1:
-        _merge_kernel[(batch,)](keys, pos, counts, lengths, idx, idx.stride(0), topk, cap,
-                                cfg.num_splits, SELECT_BLOCK=cfg.select_block,
-                                num_warps=cfg.num_warps)
+        _merge_kernel[(batch,)](
+            keys,
+            pos,
+            counts,
+            lengths,
+            idx,
+            idx.stride(0),
+            topk,
+            cap,
+            cfg.num_splits,
+            SELECT_BLOCK=cfg.select_block,
+            num_warps=cfg.num_warps,
+        )
     return idx

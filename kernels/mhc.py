@@ -18,21 +18,38 @@ ROWS_PER_PROGRAM = 32
 
 
 @triton.jit
-def _hc_weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, rows, eps,
-                       N: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)      # [BLOCK] rows
+def _hc_weights_kernel(
+    mix_ptr,
+    base_ptr,
+    scale_ptr,
+    pre_ptr,
+    post_ptr,
+    comb_ptr,
+    rows,
+    eps,
+    N: tl.constexpr,
+    ITERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] rows
     live = r < rows
     i = tl.arange(0, N)
     width = (2 + N) * N
-    row = mix_ptr + r[:, None] * width                        # [BLOCK, 1]
+    row = mix_ptr + r[:, None] * width  # [BLOCK, 1]
     s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-    pre = tl.load(row + i[None, :], mask=live[:, None], other=0.0) * s_pre + tl.load(base_ptr + i)[None, :]
-    post = tl.load(row + N + i[None, :], mask=live[:, None], other=0.0) * s_post + tl.load(base_ptr + N + i)[None, :]
+    pre = (
+        tl.load(row + i[None, :], mask=live[:, None], other=0.0) * s_pre
+        + tl.load(base_ptr + i)[None, :]
+    )
+    post = (
+        tl.load(row + N + i[None, :], mask=live[:, None], other=0.0) * s_post
+        + tl.load(base_ptr + N + i)[None, :]
+    )
     tl.store(pre_ptr + r[:, None] * N + i[None, :], tl.sigmoid(pre) + eps, mask=live[:, None])
     tl.store(post_ptr + r[:, None] * N + i[None, :], 2 * tl.sigmoid(post), mask=live[:, None])
-    cell = i[:, None] * N + i[None, :]                        # [N, N] offsets of comb
+    cell = i[:, None] * N + i[None, :]  # [N, N] offsets of comb
     c = tl.load(row[:, :, None] + 2 * N + cell[None, :, :], mask=live[:, None, None], other=0.0)
-    c = c * s_comb + tl.load(base_ptr + 2 * N + cell)[None, :, :]          # [BLOCK, N, N]
+    c = c * s_comb + tl.load(base_ptr + 2 * N + cell)[None, :, :]  # [BLOCK, N, N]
     c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
     c = c / tl.sum(c, axis=2)[:, :, None] + eps
     c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
@@ -42,9 +59,11 @@ def _hc_weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr
     tl.store(comb_ptr + r[:, None, None] * N * N + cell[None, :, :], c, mask=live[:, None, None])
 
 
-def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """mixes [R, (2+n)*n] fp32, base [(2+n)*n], scale [3] -> pre [R, n], post [R, n], comb [R, n, n]."""
+def hc_weights(
+    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mixes [R, (2+n)*n] fp32, base [(2+n)*n], scale [3] -> pre [R, n], post [R, n],
+    comb [R, n, n]."""
     assert n & (n - 1) == 0, "the kernel needs a power-of-two stream count"
     mixes = mixes.contiguous().float()
     rows = mixes.shape[0]
@@ -52,6 +71,17 @@ def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: 
     post = torch.empty_like(pre)
     comb = torch.empty(rows, n, n, dtype=torch.float32, device=mixes.device)
     grid = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
-    _hc_weights_kernel[grid](mixes, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, rows, eps,
-                             N=n, ITERS=iters, BLOCK=ROWS_PER_PROGRAM)
+    _hc_weights_kernel[grid](
+        mixes,
+        base.float().contiguous(),
+        scale.float().contiguous(),
+        pre,
+        post,
+        comb,
+        rows,
+        eps,
+        N=n,
+        ITERS=iters,
+        BLOCK=ROWS_PER_PROGRAM,
+    )
     return pre, post, comb

@@ -100,14 +100,16 @@ def indexer_topk(
     if long_rows.numel() == 0:
         return out
     width = int(lengths[long_rows].max())
-    scores = indexer_scores(q[long_rows], weights[long_rows], k_cache, page_table[long_rows],
-                            width, scale)
+    scores = indexer_scores(
+        q[long_rows], weights[long_rows], k_cache, page_table[long_rows], width, scale
+    )
     out[long_rows] = pick_topk(scores, lengths[long_rows], topk)
     return out
 
 
-def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hc_weights(
+    mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference mHC weights; semantics in kernels.mhc (the exact order of HF transformers' ops)."""
     pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
@@ -131,7 +133,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return (weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
     """Reference interleaved RoPE of the trailing 2*half channels of x [N, ..., D]."""
     half = cos.shape[-1]
     view = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)

@@ -24,7 +24,6 @@ import triton.language as tl
 from kernels.env import INTERPRET, dot_precision, num_sms
 from kernels.softmax import LOG2E, finalize, normalize, softmax_step
 
-
 # Most slot ids one program loads (once, into registers): longer index lists get more splits.
 IDX_CHUNK_MAX = 2048
 
@@ -38,8 +37,9 @@ class DecodeConfig:
     num_stages: int
 
 
-def default_config(batch: int, heads: int, num_idx: int, device: torch.device,
-                   dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
+def default_config(
+    batch: int, heads: int, num_idx: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> DecodeConfig:
     """Shape-only choice (no data read), so a captured graph keeps it."""
     wide = dtype.itemsize > 2  # fp32 (tests): small tiles, to fit shared memory
     block_h = 16 if wide else next(b for b in (64, 32, 16) if heads % b == 0)
@@ -52,14 +52,37 @@ def default_config(batch: int, heads: int, num_idx: int, device: torch.device,
 
 @triton.jit
 def _sparse_mla_kernel(
-    q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, o_ptr, lse_ptr,  #
-    stride_qb, stride_qh, stride_kv, stride_ib,  #
-    stride_ob, stride_os, stride_oh, stride_lb, stride_ls,  #
-    num_slots, num_idx, qk_scale, head_tiles, num_splits,  #
-    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,  #
-    IDX_CHUNK: tl.constexpr, SPLIT: tl.constexpr,  #
-    HAS_LENGTHS: tl.constexpr, HAS_SINKS: tl.constexpr,  #
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,  #
+    q_ptr,
+    kv_ptr,
+    idx_ptr,
+    len_ptr,
+    sink_ptr,
+    o_ptr,
+    lse_ptr,  #
+    stride_qb,
+    stride_qh,
+    stride_kv,
+    stride_ib,  #
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_lb,
+    stride_ls,  #
+    num_slots,
+    num_idx,
+    qk_scale,
+    head_tiles,
+    num_splits,  #
+    D_V: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,  #
+    IDX_CHUNK: tl.constexpr,
+    SPLIT: tl.constexpr,  #
+    HAS_LENGTHS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,  #
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  #
 ):
     # head tiles of one request are adjacent in launch order, so they share gathered rows in L2
     b = (tl.program_id(0) // head_tiles).to(tl.int64)
@@ -110,12 +133,14 @@ def _sparse_mla_kernel(
             s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         p, alpha, m, l = softmax_step(s, m, l)
-        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc=acc * alpha[:, None],
-                     input_precision=DOT_PRECISION)
+        acc = tl.dot(
+            p.to(kv_nope.dtype), kv_nope, acc=acc * alpha[:, None], input_precision=DOT_PRECISION
+        )
 
     o, lse2 = normalize(acc, m, l)
-    o_rows = (o_ptr + b * stride_ob + split * stride_os + heads[:, None] * stride_oh
-              + offs_v[None, :])
+    o_rows = (
+        o_ptr + b * stride_ob + split * stride_os + heads[:, None] * stride_oh + offs_v[None, :]
+    )
     lse_row = lse_ptr + b * stride_lb + split * stride_ls + heads
     if not SPLIT:
         out, lse = finalize(o, lse2, sink_ptr, heads, HAS_SINKS)
@@ -128,10 +153,23 @@ def _sparse_mla_kernel(
 
 @triton.jit
 def _combine_kernel(
-    o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, lse_ptr,  #
-    stride_pb, stride_ps, stride_ph, stride_qb, stride_qs,  #
-    stride_ob, stride_oh, stride_lb, head_tiles, num_splits,  #
-    D_V: tl.constexpr, BLOCK_H: tl.constexpr,  #
+    o_part_ptr,
+    lse_part_ptr,
+    sink_ptr,
+    out_ptr,
+    lse_ptr,  #
+    stride_pb,
+    stride_ps,
+    stride_ph,
+    stride_qb,
+    stride_qs,  #
+    stride_ob,
+    stride_oh,
+    stride_lb,
+    head_tiles,
+    num_splits,  #
+    D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,  #
     HAS_SINKS: tl.constexpr,  #
 ):
     b = (tl.program_id(0) // head_tiles).to(tl.int64)
@@ -147,22 +185,33 @@ def _combine_kernel(
     acc = tl.zeros([BLOCK_H, D_V], tl.float32)
     for split in range(num_splits):
         w = tl.exp2(tl.load(lse_parts + split * stride_qs) - m_ref)  # [BLOCK_H]; 0 if empty
-        o = tl.load(o_part_ptr + b * stride_pb + split * stride_ps + heads[:, None] * stride_ph
-                    + offs_v[None, :])
+        o = tl.load(
+            o_part_ptr
+            + b * stride_pb
+            + split * stride_ps
+            + heads[:, None] * stride_ph
+            + offs_v[None, :]
+        )
         total += w
         acc += w[:, None] * o
     o, lse2 = normalize(acc, m_ref, total)
     out, lse = finalize(o, lse2, sink_ptr, heads, HAS_SINKS)
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_v[None, :],
-             out.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_v[None, :],
+        out.to(out_ptr.dtype.element_ty),
+    )
     tl.store(lse_ptr + b * stride_lb + heads, lse)
 
 
 def supports(heads: int, dim: int, d_v: int) -> bool:
     """Whether the kernel's tiling covers this head count and width (check_decode_args' rules)."""
     d_rope = dim - d_v
-    return (heads % 16 == 0 and d_v >= 16 and d_v & (d_v - 1) == 0
-            and (d_rope == 0 or (d_rope >= 16 and d_rope & (d_rope - 1) == 0)))
+    return (
+        heads % 16 == 0
+        and d_v >= 16
+        and d_v & (d_v - 1) == 0
+        and (d_rope == 0 or (d_rope >= 16 and d_rope & (d_rope - 1) == 0))
+    )
 
 
 def check_decode_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> int:
@@ -207,31 +256,69 @@ def sparse_mla_decode(
     if num_splits == 1:
         o_buf, lse_buf = out.unsqueeze(1), lse.unsqueeze(1)
     else:
-        o_buf = torch.empty(batch, num_splits, heads, d_v, dtype=torch.float32,
-                            device=q.device)  # [B, splits, H, d_v]
-        lse_buf = torch.empty(batch, num_splits, heads, dtype=torch.float32,
-                              device=q.device)  # [B, splits, H]
+        o_buf = torch.empty(
+            batch, num_splits, heads, d_v, dtype=torch.float32, device=q.device
+        )  # [B, splits, H, d_v]
+        lse_buf = torch.empty(
+            batch, num_splits, heads, dtype=torch.float32, device=q.device
+        )  # [B, splits, H]
     dummy = lse  # stands in for absent optional pointers; never read
     _sparse_mla_kernel[(batch * head_tiles, num_splits)](
-        q, kv, indices, dummy if lengths is None else lengths, dummy if sinks is None else sinks,
-        o_buf, lse_buf,
-        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0),
-        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), lse_buf.stride(0), lse_buf.stride(1),
-        kv.shape[0], num_idx, sm_scale * LOG2E, head_tiles, num_splits,
-        D_V=d_v, D_ROPE=d_rope, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+        q,
+        kv,
+        indices,
+        dummy if lengths is None else lengths,
+        dummy if sinks is None else sinks,
+        o_buf,
+        lse_buf,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        indices.stride(0),
+        o_buf.stride(0),
+        o_buf.stride(1),
+        o_buf.stride(2),
+        lse_buf.stride(0),
+        lse_buf.stride(1),
+        kv.shape[0],
+        num_idx,
+        sm_scale * LOG2E,
+        head_tiles,
+        num_splits,
+        D_V=d_v,
+        D_ROPE=d_rope,
+        BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n,
         IDX_CHUNK=idx_chunk,
-        SPLIT=num_splits > 1, HAS_LENGTHS=lengths is not None, HAS_SINKS=sinks is not None,
-        UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SPLIT=num_splits > 1,
+        HAS_LENGTHS=lengths is not None,
+        HAS_SINKS=sinks is not None,
+        UPCAST=INTERPRET,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         block_h = 16
         _combine_kernel[(batch * heads // block_h,)](
-            o_buf, lse_buf, dummy if sinks is None else sinks, out, lse,
-            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2),
-            lse_buf.stride(0), lse_buf.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), heads // block_h, num_splits,
-            D_V=d_v, BLOCK_H=block_h, HAS_SINKS=sinks is not None,
+            o_buf,
+            lse_buf,
+            dummy if sinks is None else sinks,
+            out,
+            lse,
+            o_buf.stride(0),
+            o_buf.stride(1),
+            o_buf.stride(2),
+            lse_buf.stride(0),
+            lse_buf.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            heads // block_h,
+            num_splits,
+            D_V=d_v,
+            BLOCK_H=block_h,
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )
     return out, lse

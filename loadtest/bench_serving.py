@@ -39,8 +39,8 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make `loadtest` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload  # noqa: E402
-from loadtest.prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt  # noqa: E402
+from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
+from loadtest.prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt
 
 
 @dataclass

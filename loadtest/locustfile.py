@@ -12,7 +12,11 @@ A 200 whose stream carries `data: {"error": ...}`, ends without `data: [DONE]`, 
 ignore_eos) produces other than --max-tokens tokens counts as a failure.
 
 Prompt length: without --tokenizer, the first user sends two 1-token probes ("prompt calibration")
-and sizes every prompt from the server's token counts, as bench_serving.py does.
+and sizes every prompt from the server's token counts, as bench_serving.py does. Without --model,
+the first user asks the server's GET /v1/models which model it serves.
+
+A user whose request failed waits before the next one (the server's Retry-After, else a backoff
+doubling from 0.5 s to 10 s), so a broken server is not hammered with thousands of retries.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gevent.lock import Semaphore
-from locust import FastHttpUser, constant, events, task
+from locust import FastHttpUser, events, task
 
 try:
     from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
@@ -39,6 +43,8 @@ except (
 log = logging.getLogger(__name__)
 _calibration = Semaphore()
 _prompt_words: int | None = None  # set once per Locust process by the first user
+_served_model: str | None = None  # likewise, when --model is not given
+BACKOFF_S = (0.5, 10.0)  # first and longest wait after a failed request
 
 
 @events.init_command_line_parser.add_listener
@@ -48,9 +54,9 @@ def _add_arguments(parser: Any) -> None:
     )
     group.add_argument(
         "--model",
-        default="dsaserve-tiny",
+        default="",
         env_var="DSASERVE_SERVED_MODEL_NAME",
-        help="served model name",
+        help="served model name (default: the one GET /v1/models lists)",
     )
     group.add_argument("--prompt-tokens", type=int, default=128, help="prompt length in tokens")
     group.add_argument(
@@ -85,7 +91,6 @@ def _metric(name: str, seconds: float, length: int = 0) -> None:
 
 
 class ChatStreamUser(FastHttpUser):
-    wait_time = constant(0)
     # Long generations outlast Locust's 60 s default; a retry would hide a failure and skew load.
     network_timeout = 600.0
     connection_timeout = 10.0
@@ -100,8 +105,34 @@ class ChatStreamUser(FastHttpUser):
             "Accept-Encoding": "identity",
         }
         self.rng = random.Random()
+        self.backoff = 0.0  # seconds to wait before the next request (0 after a success)
+        self.model = self.opts.model or self._served_model()
         self.tokenizer = load_tokenizer(self.opts.tokenizer) if self.opts.tokenizer else None
         self.words = self.opts.prompt_tokens if self.tokenizer else self._calibrated_words()
+
+    def wait_time(self) -> float:
+        return self.backoff
+
+    def _failed(self, retry_after: str | None = None) -> None:
+        try:
+            wait = float(retry_after) if retry_after else 2 * self.backoff
+        except ValueError:
+            wait = 2 * self.backoff
+        self.backoff = min(max(wait, BACKOFF_S[0]), BACKOFF_S[1])
+
+    def _served_model(self) -> str:
+        global _served_model
+        with _calibration:
+            if _served_model is None:
+                with self.client.get(
+                    "/v1/models", headers=self.headers, catch_response=True, name="models"
+                ) as resp:
+                    models = resp.json().get("data") if resp.status_code == 200 else None
+                    if not models:
+                        resp.failure(f"HTTP {resp.status_code}: no model listed")
+                        raise RuntimeError("GET /v1/models lists no model; pass --model")
+                    _served_model = models[0]["id"]
+            return _served_model
 
     def _calibrated_words(self) -> int:
         global _prompt_words
@@ -125,7 +156,7 @@ class ChatStreamUser(FastHttpUser):
     def _stream(self, prompt: str, max_tokens: int, name: str) -> StreamRecord:
         """One streamed request, reported under `name` with its end-to-end time."""
         ignore_eos = not self.opts.no_ignore_eos
-        payload = chat_payload(self.opts.model, prompt, max_tokens, ignore_eos=ignore_eos)
+        payload = chat_payload(self.model, prompt, max_tokens, ignore_eos=ignore_eos)
         record = StreamRecord(start=time.perf_counter())
         with self.client.post(
             self.opts.chat_path,
@@ -138,6 +169,7 @@ class ChatStreamUser(FastHttpUser):
             if resp.status_code != 200:
                 record.error = f"HTTP {resp.status_code}: {(resp.text or '')[:200]}"
                 resp.failure(record.error)
+                self._failed(resp.headers.get("Retry-After"))
                 return record
             try:
                 for line in _lines(resp.stream):
@@ -154,8 +186,10 @@ class ChatStreamUser(FastHttpUser):
                 record.error = f"got {record.output_tokens} tokens, asked for exactly {max_tokens}"
             if record.error:
                 resp.failure(record.error)
+                self._failed()
             else:
                 resp.success()
+                self.backoff = 0.0
         return record
 
     @task

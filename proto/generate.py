@@ -34,7 +34,9 @@ def generate(out: pathlib.Path) -> int:
     # protoc writes `import dsaserve_pb2`, which only works with services/rpc on sys.path.
     grpc_file = out / "dsaserve_pb2_grpc.py"
     text = grpc_file.read_text()
-    grpc_file.write_text(re.sub(r"^import dsaserve_pb2 as", "from . import dsaserve_pb2 as", text, flags=re.M))
+    grpc_file.write_text(
+        re.sub(r"^import dsaserve_pb2 as", "from . import dsaserve_pb2 as", text, flags=re.M)
+    )
     return 0
 
 

@@ -18,4 +18,6 @@ fi
 # torch first: a CPU build here (an unpinned torch would pull a multi-GB CUDA build); on a GPU
 # machine install your CUDA torch into .venv before running this script and it is kept.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/pip install -q -e ".[test]"
+# NIXL per CUDA major: torch's CUDA decides (a CPU build takes cu12, which moves host memory).
+cuda=$(.venv/bin/python -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
+.venv/bin/pip install -q -e ".[test,cu${cuda}]"

@@ -31,7 +31,7 @@ class ClusterTokenCheck(grpc.aio.ServerInterceptor):
 
         self._reject = reject
 
-    async def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001, ANN201
+    async def intercept_service(self, continuation, handler_call_details):
         metadata = dict(handler_call_details.invocation_metadata or ())
         presented = metadata.get(TOKEN_METADATA_KEY, "")
         if hmac.compare_digest(str(presented).encode(), self._token):
@@ -39,7 +39,7 @@ class ClusterTokenCheck(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
 
-            async def reject_stream(request: object, context: grpc.aio.ServicerContext):  # noqa: ANN202
+            async def reject_stream(request: object, context: grpc.aio.ServicerContext):
                 await self._reject(request, context)
                 yield  # pragma: no cover - abort raises
 

@@ -18,7 +18,9 @@ class GenerateSettings:
     model: str | None = setting(None, "model directory (default: the built-in demo model)")
     prompt: tuple[str, ...] = setting((), "prompt text (repeat for several prompts)")
     prompt_token_ids: tuple[str, ...] = setting((), "comma-separated token ids (repeatable)")
-    chat: str | None = setting(None, 'messages as JSON, e.g. \'[{"role": "user", "content": "Hi"}]\'')
+    chat: str | None = setting(
+        None, 'messages as JSON, e.g. \'[{"role": "user", "content": "Hi"}]\''
+    )
     max_tokens: int = setting(64, "tokens to generate per prompt")
     temperature: float = setting(1.0, "sampling temperature (0 = greedy)")
     top_p: float = setting(1.0, "nucleus sampling mass")

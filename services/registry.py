@@ -52,9 +52,7 @@ class WorkerRecord:
         if data.get("role") not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {data.get('role')!r}")
         load_fields = {f.name for f in dataclasses.fields(Load)}
-        load = Load(
-            **{k: int(v) for k, v in (data.get("load") or {}).items() if k in load_fields}
-        )
+        load = Load(**{k: int(v) for k, v in (data.get("load") or {}).items() if k in load_fields})
         known = {f.name for f in dataclasses.fields(cls)} - {"load"}
         return cls(**{k: v for k, v in data.items() if k in known}, load=load)
 

@@ -76,16 +76,19 @@ def _walk(cls: type) -> Iterator[tuple[type, Flag]]:
         default = field.default
         if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
             default = field.default_factory()
-        yield cls, Flag(
-            dest=field.name,
-            option=meta.get("flag") or "--" + field.name.replace("_", "-"),
-            aliases=tuple(meta.get("aliases", ())),
-            short=meta.get("short"),
-            kind=_kind(cls, field.name, hint),
-            default=default,
-            choices=tuple(meta["choices"]) if "choices" in meta else None,
-            help=meta.get("help", ""),
-            positional=bool(meta.get("positional")),
+        yield (
+            cls,
+            Flag(
+                dest=field.name,
+                option=meta.get("flag") or "--" + field.name.replace("_", "-"),
+                aliases=tuple(meta.get("aliases", ())),
+                short=meta.get("short"),
+                kind=_kind(cls, field.name, hint),
+                default=default,
+                choices=tuple(meta["choices"]) if "choices" in meta else None,
+                help=meta.get("help", ""),
+                positional=bool(meta.get("positional")),
+            ),
         )
 
 
@@ -106,7 +109,7 @@ class _Repeatable(argparse._AppendAction):
     """`append`, except that the first use on the command line replaces the default list
     (argparse's own would add command-line keys to those from the environment)."""
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
         if getattr(namespace, self.dest, None) is self.default:
             setattr(namespace, self.dest, [])
         super().__call__(parser, namespace, values, option_string)

@@ -84,7 +84,7 @@ class Stack:
                 raise SystemExit(f"{name} exited with code {proc.returncode}; see its log above")
 
     def stop(self) -> None:
-        for name, proc in reversed(self.children):   # router first, redis last
+        for _, proc in reversed(self.children):  # router first, redis last
             if proc.poll() is None:
                 proc.terminate()
         deadline = time.monotonic() + 15
@@ -116,22 +116,53 @@ def run(s: UpSettings) -> None:
         if redis_url is None:
             binary = shutil.which("redis-server")
             if binary is None:
-                raise SystemExit("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
+                raise SystemExit(
+                    "redis-server not found: install it (apt-get install redis-server) "
+                    "or pass --redis-url"
+                )
             port = _free_port()
-            stack.spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                                  "no", "--loglevel", "warning"])
+            stack.spawn(
+                "redis",
+                [
+                    binary,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--loglevel",
+                    "warning",
+                ],
+            )
             redis_url = f"redis://127.0.0.1:{port}/0"
         dsaserve = [sys.executable, "-m", "services.cli"]
         common = ["--model", model, "--redis-url", redis_url]
-        env = {**os.environ, "DSASERVE_CLUSTER_TOKEN": token}   # not on command lines, where ps shows it
+        env = {
+            **os.environ,
+            "DSASERVE_CLUSTER_TOKEN": token,
+        }  # not on command lines, where ps shows it
         engine = engine_flags(s.engine) + ["--host", "127.0.0.1"]
         for role in ("prefill", "decode"):
-            stack.spawn(role, dsaserve + [role] + common + engine + [
-                "--port", str(_free_port()), "--metrics-port", str(_free_port())], env)
+            stack.spawn(
+                role,
+                dsaserve
+                + [role]
+                + common
+                + engine
+                + ["--port", str(_free_port()), "--metrics-port", str(_free_port())],
+                env,
+            )
         router = [a for key in s.api_keys for a in ("--api-key", key)]
         if s.engine.max_model_len:
             router += ["--max-model-len", str(s.engine.max_model_len)]
-        stack.spawn("router", dsaserve + ["router", "--host", s.host, "--port", str(s.port)] + common + router, env)
+        stack.spawn(
+            "router",
+            dsaserve + ["router", "--host", s.host, "--port", str(s.port)] + common + router,
+            env,
+        )
         url = f"http://{'127.0.0.1' if s.host in ('0.0.0.0', '::') else s.host}:{s.port}"
         _wait_healthy(url, stack, s.startup_timeout, lambda: stopping)
         if not stopping:
@@ -161,6 +192,12 @@ def _wait_healthy(url: str, stack: Stack, timeout: float, stopping) -> None:
 def _print_banner(url: str, model: str, api_keys: tuple[str, ...]) -> None:
     name = os.path.basename(os.path.normpath(model))
     auth = f" -H 'Authorization: Bearer {api_keys[0]}'" if api_keys else ""
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
-    print(f"\ndsaserve is up: {url}  (model {name!r}; Ctrl-C stops everything)\n"
-          f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n", flush=True)
+    body = json.dumps(
+        {"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    )
+    print(
+        f"\ndsaserve is up: {url}  (model {name!r}; Ctrl-C stops everything)\n"
+        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{body}'\n",
+        flush=True,
+    )

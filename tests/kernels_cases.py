@@ -11,8 +11,6 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import reference
-
 
 def gpu_test(fn):
     """Real-shape test: marked `gpu`, skipped without CUDA."""
@@ -41,20 +39,53 @@ class DecodeCase:
     d_v: int
 
     def run(self, fn):
-        return fn(self.q, self.kv, self.indices, self.sm_scale, d_v=self.d_v, sinks=self.sinks,
-                  lengths=self.lengths)
+        return fn(
+            self.q,
+            self.kv,
+            self.indices,
+            self.sm_scale,
+            d_v=self.d_v,
+            sinks=self.sinks,
+            lengths=self.lengths,
+        )
 
     def reference64(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """float64 answer on the same (already rounded) input values."""
-        return reference.sparse_mla_decode(
-            self.q.double(), self.kv.double(), self.indices, self.sm_scale, d_v=self.d_v,
-            sinks=self.sinks, lengths=self.lengths)
+        """float64 answer on the same (already rounded) input values, computed independently
+        of kernels.reference: each row's valid slots are listed explicitly, and a sink is one
+        more logit in the softmax (with no value row), as DeepSeek-V4 defines it."""
+        q, kv = self.q.double(), self.kv.double()
+        batch, heads, _ = q.shape
+        out = torch.zeros(batch, heads, self.d_v, dtype=torch.float64)
+        lse = torch.full((batch, heads), float("-inf"), dtype=torch.float64)
+        for b in range(batch):
+            n = self.indices.shape[1] if self.lengths is None else int(self.lengths[b])
+            slots = [int(i) for i in self.indices[b, :n] if 0 <= int(i) < kv.shape[0]]
+            if not slots:
+                continue
+            rows = kv[slots]  # [k, D]
+            logits = q[b] @ rows.T * self.sm_scale  # [H, k]
+            lse[b] = torch.logsumexp(logits, dim=1)
+            if self.sinks is not None:
+                logits = torch.cat((logits, self.sinks.double()[:, None]), dim=1)
+            probs = torch.softmax(logits, dim=1)[:, : len(slots)]
+            out[b] = probs @ rows[:, : self.d_v]
+        return out, lse.float()
 
 
-def decode_case(batch: int, heads: int, dim: int, num_idx: int, *, slots: int = 300,
-                d_v: int = 512, sinks: bool = True, ragged: bool = True,
-                dtype: torch.dtype = torch.float32, device: str = "cpu",
-                seed: int = 0) -> DecodeCase:
+def decode_case(
+    batch: int,
+    heads: int,
+    dim: int,
+    num_idx: int,
+    *,
+    slots: int = 300,
+    d_v: int = 512,
+    sinks: bool = True,
+    ragged: bool = True,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> DecodeCase:
     """Row 0 is empty (length 0 or all holes), row 1 has only holes, the rest are ragged."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, heads, dim, generator=g) + 0.1 * torch.randn(1, generator=g)
@@ -74,9 +105,14 @@ def decode_case(batch: int, heads: int, dim: int, num_idx: int, *, slots: int = 
     sink = torch.randn(heads, generator=g) if sinks else None
     to = dict(device=device)
     return DecodeCase(
-        q.to(dtype=dtype, **to), kv.to(dtype=dtype, **to), indices.to(**to),
-        None if lengths is None else lengths.to(**to), None if sink is None else sink.to(**to),
-        dim**-0.5, d_v)
+        q.to(dtype=dtype, **to),
+        kv.to(dtype=dtype, **to),
+        indices.to(**to),
+        None if lengths is None else lengths.to(**to),
+        None if sink is None else sink.to(**to),
+        dim**-0.5,
+        d_v,
+    )
 
 
 @dataclass
@@ -90,21 +126,48 @@ class IndexerCase:
     scale: float
 
     def run(self, fn):
-        return fn(self.q, self.weights, self.k_cache, self.page_table, self.lengths, self.topk,
-                  scale=self.scale)
+        return fn(
+            self.q,
+            self.weights,
+            self.k_cache,
+            self.page_table,
+            self.lengths,
+            self.topk,
+            scale=self.scale,
+        )
 
     def scores64(self) -> torch.Tensor:
-        """float64 scores of every position up to the page table's width, [B, W]."""
-        width = self.page_table.shape[1] * self.k_cache.shape[1]
-        return reference.indexer_scores(self.q.double(), self.weights.double(),
-                                        self.k_cache.double(), self.page_table, width,
-                                        self.scale)
+        """float64 scores of every position up to the page table's width, [B, W], computed
+        independently of kernels.reference: key j of row b is read page by page through the
+        table, and score = sum_h weight[h] * relu(q[h] . key) * scale. Positions past a row's
+        length are -inf (their table entries may name pages that do not exist)."""
+        batch, max_pages = self.page_table.shape
+        page_size = self.k_cache.shape[1]
+        out = torch.full((batch, max_pages * page_size), float("-inf"), dtype=torch.float64)
+        for b in range(batch):
+            n = int(self.lengths[b])
+            if n == 0:
+                continue
+            pages = self.page_table[b, : -(-n // page_size)]
+            keys = torch.cat([self.k_cache[int(p)].double() for p in pages])[:n]  # [n, D]
+            dots = (self.q[b].double() @ keys.T).clamp(min=0)  # [H, n]
+            out[b, :n] = (self.weights[b].double()[:, None] * dots).sum(dim=0) * self.scale
+        return out
 
 
-def indexer_case(lengths: list[int], *, topk: int, heads: int = 16, head_dim: int = 32,
-                 page_size: int = 4, max_pages: int | None = None, spare_pages: int = 7,
-                 dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 seed: int = 0) -> IndexerCase:
+def indexer_case(
+    lengths: list[int],
+    *,
+    topk: int,
+    heads: int = 16,
+    head_dim: int = 32,
+    page_size: int = 4,
+    max_pages: int | None = None,
+    spare_pages: int = 7,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> IndexerCase:
     """Each row gets distinct random pages of a shared pool; table entries past a row's
     pages point at random pages too (they must never be read)."""
     g = torch.Generator().manual_seed(seed)
@@ -116,9 +179,15 @@ def indexer_case(lengths: list[int], *, topk: int, heads: int = 16, head_dim: in
     weights = torch.randn(batch, heads, generator=g)
     k_cache = torch.randn(num_pages, page_size, head_dim, generator=g)
     to = dict(device=device)
-    return IndexerCase(q.to(dtype=dtype, **to), weights.to(**to),
-                       k_cache.to(dtype=dtype, **to), table.to(dtype=torch.int32, **to),
-                       torch.tensor(lengths, dtype=torch.int32, **to), topk, head_dim**-0.5)
+    return IndexerCase(
+        q.to(dtype=dtype, **to),
+        weights.to(**to),
+        k_cache.to(dtype=dtype, **to),
+        table.to(dtype=torch.int32, **to),
+        torch.tensor(lengths, dtype=torch.int32, **to),
+        topk,
+        head_dim**-0.5,
+    )
 
 
 def check_topk(idx: torch.Tensor, case: IndexerCase, tol: float) -> None:

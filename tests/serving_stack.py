@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 
+from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from tests.conftest import free_port
 
@@ -32,7 +33,7 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)   # polling a condition, bounded by the deadline
+        time.sleep(interval)  # polling a condition, bounded by the deadline
 
 
 def http_status(url: str) -> int | None:
@@ -55,7 +56,9 @@ class Proc:
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
-            raise AssertionError(f"{self.name} exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"{self.name} exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}"
+            )
 
     @property
     def address(self) -> str:
@@ -64,11 +67,13 @@ class Proc:
     def load(self) -> pb.LoadResponse:
         stub = grpc_api.PrefillStub if self.name.startswith("prefill") else grpc_api.DecodeStub
         with grpc.insecure_channel(self.address) as channel:
-            return stub(channel).Load(pb.LoadRequest(), metadata=[("x-dsaserve-cluster-token", TOKEN)], timeout=5)
+            return stub(channel).Load(pb.LoadRequest(), metadata=token_metadata(TOKEN), timeout=5)
 
     def all_kv_free(self) -> bool:
         load = self.load()
-        return load.free_pages == load.total_pages and load.running == load.waiting == load.held == 0
+        return (
+            load.free_pages == load.total_pages and load.running == load.waiting == load.held == 0
+        )
 
 
 @dataclass
@@ -82,31 +87,78 @@ class Stack:
     def _spawn(self, name: str, argv: list[str], port: int, metrics_port: int = 0) -> Proc:
         log = self.workdir / f"{name}.log"
         env = {**os.environ, "DSASERVE_CLUSTER_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], stdout=log.open("w"),
-                                stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *argv],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         self.procs.append(Proc(name, proc, log, port, metrics_port))
         return self.procs[-1]
 
     def worker(self, role: str, *extra: str) -> Proc:
         port, metrics_port = free_port(), free_port()
         name = f"{role}-{len(self.procs)}"
-        return self._spawn(name, [role, "--model", str(self.model), "--redis-url", self.redis_url,
-                                  "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
-                                  "--worker-id", name, "--registry-ttl", str(self.ttl),
-                                  "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "32",
-                                  "--max-num-batched-tokens", "1024", *extra], port, metrics_port)
+        return self._spawn(
+            name,
+            [
+                role,
+                "--model",
+                str(self.model),
+                "--redis-url",
+                self.redis_url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                "--worker-id",
+                name,
+                "--registry-ttl",
+                str(self.ttl),
+                "--kv-cache-memory-bytes",
+                str(64 << 20),
+                "--max-num-seqs",
+                "32",
+                "--max-num-batched-tokens",
+                "1024",
+                *extra,
+            ],
+            port,
+            metrics_port,
+        )
 
     def router(self, *extra: str) -> Proc:
         port = free_port()
-        return self._spawn("router", ["router", "--model", str(self.model), "--redis-url", self.redis_url,
-                                      "--host", "127.0.0.1", "--port", str(port),
-                                      "--registry-ttl", str(self.ttl), *extra], port)
+        return self._spawn(
+            "router",
+            [
+                "router",
+                "--model",
+                str(self.model),
+                "--redis-url",
+                self.redis_url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--registry-ttl",
+                str(self.ttl),
+                *extra,
+            ],
+            port,
+        )
 
     def wait_ready(self, *procs: Proc) -> None:
         def ready() -> bool:
             for p in procs:
                 p.check_alive()
-            return all(http_status(f"http://127.0.0.1:{p.metrics_port}/ready") == 200 for p in procs if p.metrics_port)
+            return all(
+                http_status(f"http://127.0.0.1:{p.metrics_port}/ready") == 200
+                for p in procs
+                if p.metrics_port
+            )
 
         wait_for(ready, START_TIMEOUT_S, "workers to become ready")
 

@@ -119,9 +119,7 @@ def test_parse_what_the_encoder_renders() -> None:
             "role": "assistant",
             "reasoning_content": "Write the file.",
             "content": "Writing.",
-            "tool_calls": [
-                {"function": {"name": "write", "arguments": json.dumps(arguments)}}
-            ],
+            "tool_calls": [{"function": {"name": "write", "arguments": json.dumps(arguments)}}],
         },
         {"role": "tool", "content": "ok"},
     ]
@@ -255,7 +253,7 @@ def test_stream_events_come_as_soon_as_text_is_decided() -> None:
     assert parser.feed("ld\n") == [ContentDelta("ld")]
     assert parser.feed("\n<") == []
     assert parser.feed("b>") == [ContentDelta("\n\n<b>")]
-    assert parser.feed(f"\n\n<{D}tool_calls>\n<{D}invoke name=\"f\">") == [
+    assert parser.feed(f'\n\n<{D}tool_calls>\n<{D}invoke name="f">') == [
         ToolCallStart(0, "call_0", "f")
     ]
     assert parser.feed(f'\n<{D}parameter name="q" string="true">ab') == [

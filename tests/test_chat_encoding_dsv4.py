@@ -283,9 +283,7 @@ def test_tool_arguments_forms() -> None:
         ([{"role": "user", "content": "a"}], {"tools": [{"type": "web_search"}]}, "tools[0]"),
     ],
 )
-def test_inputs_the_format_cannot_express(
-    messages: list, kwargs: dict, param: str
-) -> None:
+def test_inputs_the_format_cannot_express(messages: list, kwargs: dict, param: str) -> None:
     with pytest.raises(ChatEncodingError) as raised:
         encode_messages(messages, thinking=True, **kwargs)
     assert raised.value.param == param

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.step import RowSpan, build_step_inputs
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.step import RowSpan, build_step_inputs
 from tests.kernels_cases import gpu_test
 
 GPU = dict(device="cuda", kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
@@ -36,7 +36,9 @@ def test_gpu_engine_matches_the_cpu_engine_in_fp32(tiny):
     ids = torch.randint(0, 262, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     cpu, gpu = LLM(tiny), LLM(tiny, dtype="float32", **GPU)
     assert _rel(gpu.score(ids), cpu.score(ids)) < 1e-3
-    assert [r.token_ids for r in gpu.generate(PROMPTS, GREEDY)] == [r.token_ids for r in cpu.generate(PROMPTS, GREEDY)]
+    assert [r.token_ids for r in gpu.generate(PROMPTS, GREEDY)] == [
+        r.token_ids for r in cpu.generate(PROMPTS, GREEDY)
+    ]
 
 
 @gpu_test
@@ -45,8 +47,10 @@ def test_graph_replayed_decode_equals_eager_decode_in_bf16(tiny):
     engine = llm.engine
     assert engine.runner.graphs, "decode graphs should be captured for bf16 on CUDA"
     for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), llm.tokenizer.encode(p), SamplingParams(max_tokens=8, temperature=0))
-    engine.step()   # prefill all three
+        engine.add_request(
+            str(i), llm.tokenizer.encode(p), SamplingParams(max_tokens=8, temperature=0)
+        )
+    engine.step()  # prefill all three
     reqs = [engine.scheduler.requests[str(i)] for i in range(3)]
     specs = [RowSpan(r.num_computed, 1, r.slab, r.tokens(r.num_computed, 1)) for r in reqs]
     graphed = engine.runner.graphs[min(b for b in engine.runner.graphs if b >= 3)].run(specs)

@@ -30,8 +30,9 @@ def test_triton_ties_and_negative_scores():
     case = indexer_case([60, 45, 50], topk=TOPK, page_size=8, seed=3)
     case.weights[0] = 0.0
     case.weights[1] = -case.weights[1].abs()
-    idx = case.run(lambda *a, **k: indexer.indexer_topk(*a, **k,
-                                                        config=IndexerConfig(16, 2, 16, 16, 4, 1)))
+    idx = case.run(
+        lambda *a, **k: indexer.indexer_topk(*a, **k, config=IndexerConfig(16, 2, 16, 16, 4, 1))
+    )
     check_topk(idx, case, 1e-6)
 
 
@@ -42,8 +43,9 @@ def test_triton_ignores_table_entries_past_the_length():
     check_topk(case.run(indexer.indexer_topk), case, 1e-6)
 
 
-@pytest.mark.parametrize("impl", [reference.indexer_topk, naive.indexer_topk],
-                         ids=["reference", "naive"])
+@pytest.mark.parametrize(
+    "impl", [reference.indexer_topk, naive.indexer_topk], ids=["reference", "naive"]
+)
 def test_torch_versions_pick_the_top_scores(impl):
     case = indexer_case(LENGTHS, topk=TOPK, max_pages=30, seed=7)
     check_topk(case.run(impl), case, 1e-6)
@@ -76,15 +78,31 @@ def test_default_config_depends_on_batch_only():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_real_shapes(dtype):
     lengths = [0, 100, 512, 513, 3000, 8192, 20000, 65536]
-    case = indexer_case(lengths, topk=512, heads=64, head_dim=128, page_size=64, dtype=dtype,
-                        device="cuda", max_pages=4096)
+    case = indexer_case(
+        lengths,
+        topk=512,
+        heads=64,
+        head_dim=128,
+        page_size=64,
+        dtype=dtype,
+        device="cuda",
+        max_pages=4096,
+    )
     check_topk(case.run(kernels.indexer_topk), case, 1e-6 if dtype == torch.float32 else 1e-3)
 
 
 @gpu_test
 def test_cuda_graph_replay_follows_new_lengths():
-    case = indexer_case([700, 5000, 9000, 200], topk=512, heads=64, head_dim=128,
-                        page_size=64, dtype=torch.bfloat16, device="cuda", max_pages=256)
+    case = indexer_case(
+        [700, 5000, 9000, 200],
+        topk=512,
+        heads=64,
+        head_dim=128,
+        page_size=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_pages=256,
+    )
     case.run(kernels.indexer_topk)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

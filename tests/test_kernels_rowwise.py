@@ -24,7 +24,9 @@ def test_rope_matches_reference(heads, dim, half, inverse):
     x, cos, sin = _rope_inputs(5, heads, dim, half, torch.float32, "cpu")
     out = rowwise.apply_rope(x, cos, sin, inverse)
     ref = reference.apply_rope(x, cos, sin, inverse)
-    assert torch.equal(out[..., : dim - 2 * half], x[..., : dim - 2 * half])   # nope channels untouched
+    assert torch.equal(
+        out[..., : dim - 2 * half], x[..., : dim - 2 * half]
+    )  # nope channels untouched
     assert rel_err(out, ref) < 1e-6
 
 
@@ -44,13 +46,17 @@ def test_rms_norm_matches_reference(shape, weighted):
 
 def test_hc_weights_matches_reference():
     mixes, base, scale = torch.randn(45, 24), torch.randn(24), torch.rand(3) + 0.5
-    for got, ref in zip(mhc.hc_weights(mixes, base, scale, 4, 20, 1e-6), reference.hc_weights(mixes, base, scale, 4, 20, 1e-6)):
+    for got, ref in zip(
+        mhc.hc_weights(mixes, base, scale, 4, 20, 1e-6),
+        reference.hc_weights(mixes, base, scale, 4, 20, 1e-6),
+        strict=True,
+    ):
         assert rel_err(got, ref) < 1e-5
 
 
 def test_dispatch_keeps_elementwise_kernels_in_naive_runs():
     x = torch.randn(2, 8)
-    with kernels.use_backend("naive"):   # on CPU: the reference, exactly
+    with kernels.use_backend("naive"):  # on CPU: the reference, exactly
         assert torch.equal(kernels.rms_norm(x, None, 1e-6), reference.rms_norm(x, None, 1e-6))
 
 
@@ -59,14 +65,27 @@ def test_dispatch_keeps_elementwise_kernels_in_naive_runs():
 def test_rowwise_kernels_on_gpu(dtype):
     x, cos, sin = _rope_inputs(512, 64, 512, 32, dtype, "cuda")
     for inverse in (False, True):
-        assert rel_err(rowwise.apply_rope(x, cos, sin, inverse), reference.apply_rope(x, cos, sin, inverse)) < 1e-2
+        assert (
+            rel_err(
+                rowwise.apply_rope(x, cos, sin, inverse), reference.apply_rope(x, cos, sin, inverse)
+            )
+            < 1e-2
+        )
     w = torch.randn(512, device="cuda")
     for weight in (None, w):
-        assert rel_err(rowwise.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)) < 1e-2
-    flat = torch.randn(300, 16384, device="cuda")   # mHC input rows: hc_mult * hidden wide
+        assert (
+            rel_err(rowwise.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6)) < 1e-2
+        )
+    flat = torch.randn(300, 16384, device="cuda")  # mHC input rows: hc_mult * hidden wide
     assert rel_err(rowwise.rms_norm(flat, None, 1e-6), reference.rms_norm(flat, None, 1e-6)) < 1e-5
-    mixes, base, scale = (torch.randn(300, 24, device="cuda"), torch.randn(24, device="cuda"),
-                          torch.rand(3, device="cuda") + 0.5)
-    for got, ref in zip(mhc.hc_weights(mixes, base, scale, 4, 20, 1e-6),
-                        reference.hc_weights(mixes, base, scale, 4, 20, 1e-6)):
+    mixes, base, scale = (
+        torch.randn(300, 24, device="cuda"),
+        torch.randn(24, device="cuda"),
+        torch.rand(3, device="cuda") + 0.5,
+    )
+    for got, ref in zip(
+        mhc.hc_weights(mixes, base, scale, 4, 20, 1e-6),
+        reference.hc_weights(mixes, base, scale, 4, 20, 1e-6),
+        strict=True,
+    ):
         assert rel_err(got, ref) < 1e-5

@@ -65,12 +65,16 @@ def test_reference_matches_float64(dtype):
 def test_dispatch_picks_reference_on_cpu_and_can_be_forced():
     case = decode_case(2, 16, 512, 9)
     want = case.run(reference.sparse_mla_decode)
-    assert all(torch.equal(a, b) for a, b in zip(case.run(kernels.sparse_mla_decode), want))
+    assert all(
+        torch.equal(a, b) for a, b in zip(case.run(kernels.sparse_mla_decode), want, strict=True)
+    )
     with kernels.use_backend("naive"):
         with kernels.use_backend("triton"):
             out, _ = case.run(kernels.sparse_mla_decode)
         assert rel_err(out, want[0]) < 1e-5
-    assert all(torch.equal(a, b) for a, b in zip(case.run(kernels.sparse_mla_decode), want))
+    assert all(
+        torch.equal(a, b) for a, b in zip(case.run(kernels.sparse_mla_decode), want, strict=True)
+    )
 
 
 def test_default_config_follows_shapes_only():
@@ -85,9 +89,16 @@ def test_default_config_follows_shapes_only():
 
 
 @gpu_test
-@pytest.mark.parametrize("batch,heads,dim,num_idx", [
-    (1, 64, 512, 640), (64, 64, 512, 640), (16, 128, 576, 2048), (2048, 64, 512, 640),
-], ids=["v4-b1", "v4-b64", "v32-b16", "prefill-rows"])
+@pytest.mark.parametrize(
+    "batch,heads,dim,num_idx",
+    [
+        (1, 64, 512, 640),
+        (64, 64, 512, 640),
+        (16, 128, 576, 2048),
+        (2048, 64, 512, 640),
+    ],
+    ids=["v4-b1", "v4-b64", "v32-b16", "prefill-rows"],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_real_shapes(batch, heads, dim, num_idx, dtype):
     case = decode_case(batch, heads, dim, num_idx, slots=1 << 20, dtype=dtype, device="cuda")

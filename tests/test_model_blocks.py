@@ -6,12 +6,11 @@ import pytest
 import torch
 
 import kernels
-
-from engine.models.deepseek_v4.config import ModelConfig
 from engine.kv_pool import KVCacheConfig, KVPool
 from engine.layers.rope import inverse_frequencies
-from engine.step import RowSpan, StepState, build_step_inputs
+from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.weights import build_model, load_weights
+from engine.step import RowSpan, StepState, build_step_inputs
 from tests.hf_reference import VOCAB, make_hf_checkpoint
 
 CSA_LAYER, HCA_LAYER = 1, 2
@@ -29,8 +28,14 @@ def pair(tmp_path_factory):
 
 
 def _pool(cfg: ModelConfig, page_size: int = 4) -> KVPool:
-    return KVPool(cfg, KVCacheConfig(memory_bytes=32 << 20, page_size=page_size, max_num_seqs=4,
-                                     max_num_batched_tokens=128), dtype=torch.float32, device=torch.device("cpu"))
+    return KVPool(
+        cfg,
+        KVCacheConfig(
+            memory_bytes=32 << 20, page_size=page_size, max_num_seqs=4, max_num_batched_tokens=128
+        ),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -40,9 +45,11 @@ def test_sinkhorn_is_doubly_stochastic_and_matches_hf(pair, backend):
     mixes = torch.randn(37, (2 + n) * n)
     base, scale = torch.randn((2 + n) * n), torch.rand(3) + 0.5
     with kernels.use_backend(backend):
-        pre, post, comb = kernels.hc_weights(mixes, base, scale, n, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        pre, post, comb = kernels.hc_weights(
+            mixes, base, scale, n, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        )
     ref = kernels.reference.hc_weights(mixes, base, scale, n, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-    for a, b in zip((pre, post, comb), ref):
+    for a, b in zip((pre, post, comb), ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     # The sweeps end on the columns: those sum to 1 exactly, the rows nearly.
     assert torch.allclose(comb.sum(-2), torch.ones(37, n), atol=1e-5)
@@ -58,8 +65,15 @@ def test_sinkhorn_is_doubly_stochastic_and_matches_hf(pair, backend):
 def test_yarn_frequencies_equal_hf(pair):
     hf, _, cfg = pair
     rotary = hf.model.rotary_emb
-    torch.testing.assert_close(inverse_frequencies(cfg.rope_compress, cfg.rope_dim), rotary.compress_inv_freq, rtol=0, atol=0)
-    torch.testing.assert_close(inverse_frequencies(cfg.rope_main, cfg.rope_dim), rotary.main_inv_freq, rtol=0, atol=0)
+    torch.testing.assert_close(
+        inverse_frequencies(cfg.rope_compress, cfg.rope_dim),
+        rotary.compress_inv_freq,
+        rtol=0,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        inverse_frequencies(cfg.rope_main, cfg.rope_dim), rotary.main_inv_freq, rtol=0, atol=0
+    )
 
 
 def test_routing_matches_hf_for_topk_and_hash_layers(pair):
@@ -69,7 +83,9 @@ def test_routing_matches_hf_for_topk_and_hash_layers(pair):
     hash_layer, topk_layer = 0, cfg.num_layers - 1
     _, hf_w, hf_ids = hf.model.layers[hash_layer].mlp.gate(x, tokens)
     ids, w = ours.layers[hash_layer].ffn.gate(x, tokens)
-    assert torch.equal(ids, hf_ids) and torch.equal(ids, ours.layers[hash_layer].ffn.gate.tid2eid[tokens])
+    assert torch.equal(ids, hf_ids) and torch.equal(
+        ids, ours.layers[hash_layer].ffn.gate.tid2eid[tokens]
+    )
     torch.testing.assert_close(w, hf_w)
     _, hf_w, hf_ids = hf.model.layers[topk_layer].mlp.gate(x)
     ids, w = ours.layers[topk_layer].ffn.gate(x, tokens)
@@ -88,7 +104,9 @@ def _allocate(pool: KVPool, total: int) -> tuple[int, dict[str, list[int]]]:
     return slab, tables
 
 
-def _entries(pool: KVPool, tables, group: str, layer: int, n: int, index: bool = False) -> torch.Tensor:
+def _entries(
+    pool: KVPool, tables, group: str, layer: int, n: int, index: bool = False
+) -> torch.Tensor:
     P, table = pool.page_size, tables[group]
     slots = [table[pool.ring_pages + w // P] * P + w % P for w in range(n)]
     src = pool.groups[group].index_k[layer] if index else pool.groups[group].kv[layer]
@@ -116,10 +134,14 @@ def test_compressors_match_hf_cache_across_call_boundaries(pair, chunks):
     csa, hca = cache.layers[CSA_LAYER], cache.layers[HCA_LAYER]
     for name, index in (("compressor", False), ("indexer", True)):
         ref = csa.compressed_kv[name][0]
-        torch.testing.assert_close(_entries(pool, tables, "csa", CSA_LAYER, ref.shape[0], index), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            _entries(pool, tables, "csa", CSA_LAYER, ref.shape[0], index), ref, rtol=1e-5, atol=1e-5
+        )
     ref = hca.compressed_kv["compressor"][0]
     assert ref.shape[0] == total // cfg.compress_rates["heavily_compressed_attention"]
-    torch.testing.assert_close(_entries(pool, tables, "hca", HCA_LAYER, ref.shape[0]), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _entries(pool, tables, "hca", HCA_LAYER, ref.shape[0]), ref, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_indexer_picks_only_visible_entries(pair):
@@ -127,10 +149,14 @@ def test_indexer_picks_only_visible_entries(pair):
     _, ours, cfg = pair
     pool, total = _pool(cfg), 90
     slab, tables = _allocate(pool, total)
-    inp = build_step_inputs(pool, [RowSpan(0, total, slab, list(range(total)))], 0, torch.device("cpu"))
+    inp = build_step_inputs(
+        pool, [RowSpan(0, total, slab, list(range(total)))], 0, torch.device("cpu")
+    )
     step = StepState(pool, inp, dict(ours.rope_tables))
     x = torch.randn(total, cfg.hidden_size)
-    picked = ours.layers[CSA_LAYER].attn.indexer(x, torch.randn(total, cfg.q_lora_rank), step)   # [T, topk] slots
+    picked = ours.layers[CSA_LAYER].attn.indexer(
+        x, torch.randn(total, cfg.q_lora_rank), step
+    )  # [T, topk] slots
     P, table = pool.page_size, tables["csa"]
     slot_to_entry = {table[pool.ring_pages + w // P] * P + w % P: w for w in range(total // 4)}
     for t in range(total):

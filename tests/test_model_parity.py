@@ -8,7 +8,7 @@ import torch
 from engine import LLM, SamplingParams
 from tests.hf_reference import VOCAB, hf_greedy, hf_logits, make_hf_checkpoint
 
-SEQ = 160   # CSA: 40 compressed entries > index_topk 8; HCA (rate 16): 10 entries
+SEQ = 160  # CSA: 40 compressed entries > index_topk 8; HCA (rate 16): 10 entries
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(checkpoint):
-    return LLM(checkpoint[0], max_num_batched_tokens=512, page_size=8, kv_cache_memory_bytes=64 << 20)
+    return LLM(
+        checkpoint[0], max_num_batched_tokens=512, page_size=8, kv_cache_memory_bytes=64 << 20
+    )
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,7 +47,9 @@ def test_chunked_scoring_matches_hf(checkpoint, tmp_path):
 @pytest.mark.parametrize("prompt_len", [1, 15, 63, 130])
 def test_greedy_continuation_matches_hf(checkpoint, llm, prompt_len):
     _, hf = checkpoint
-    prompt = torch.randint(0, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)).tolist()
+    prompt = torch.randint(
+        0, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len)
+    ).tolist()
     [res] = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     assert res.token_ids == hf_greedy(hf, prompt, 40)
     assert res.finish_reason == "length"
@@ -58,5 +62,5 @@ def test_batch_of_mixed_prompts_matches_hf_per_prompt(checkpoint, llm):
     lengths = [3, 70, 9, 150, 33, 1, 120, 17, 64, 5, 99, 41]
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
     results = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
-    for prompt, res in zip(prompts, results):
+    for prompt, res in zip(prompts, results, strict=True):
         assert res.token_ids == hf_greedy(hf, prompt, 32), f"prompt of {len(prompt)} tokens"

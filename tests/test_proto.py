@@ -11,7 +11,14 @@ GENERATED = ("dsaserve_pb2.py", "dsaserve_pb2.pyi", "dsaserve_pb2_grpc.py")
 
 
 def test_generated_stubs_match_the_proto(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--out", str(tmp_path)], check=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "proto" / "generate.py"), "--out", str(tmp_path)], check=True
+    )
     for name in GENERATED:
-        fresh, committed = (tmp_path / name).read_text(), (ROOT / "services" / "rpc" / name).read_text()
-        assert fresh == committed, f"services/rpc/{name} is stale: run `python proto/generate.py` and commit"
+        fresh, committed = (
+            (tmp_path / name).read_text(),
+            (ROOT / "services" / "rpc" / name).read_text(),
+        )
+        assert fresh == committed, (
+            f"services/rpc/{name} is stale: run `python proto/generate.py` and commit"
+        )

@@ -18,8 +18,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.registry import (
-    RegistryWatcher,
     Load,
+    RegistryWatcher,
     WorkerRecord,
     WorkerRegistration,
     worker_key,
@@ -79,9 +79,7 @@ def test_record_rejects_unknown_role() -> None:
 @pytest.mark.asyncio
 async def test_registration_writes_with_ttl_and_refreshes_load(redis_url: str) -> None:
     beats = itertools.count()
-    reg = WorkerRegistration(
-        redis_url, record("w1"), lambda: Load(running=next(beats)), ttl_s=0.6
-    )
+    reg = WorkerRegistration(redis_url, record("w1"), lambda: Load(running=next(beats)), ttl_s=0.6)
     client = aioredis.Redis.from_url(redis_url)
     await reg.start()
     try:

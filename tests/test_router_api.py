@@ -252,6 +252,8 @@ async def test_health_needs_both_roles(
     response = await http.get("/health")
     assert response.status_code == 503
     assert response.json()["workers"] == {"prefill": 0, "decode": 0}
+    live = await http.get("/live")  # the process answers whether or not it can serve
+    assert live.status_code == 200 and live.json() == {"status": "ok"}
 
     await registered("d1", "decode")
     await router.refresh_registry()

@@ -21,9 +21,9 @@ import pytest
 import pytest_asyncio
 
 from engine.load import Load
+from services.auth import TOKEN_METADATA_KEY
 from services.registry import WorkerRecord, WorkerRegistration
 from services.router.settings import RouterSettings
-from services.auth import TOKEN_METADATA_KEY
 from services.rpc import grpc_api, pb
 
 MODEL = "tiny-router-model"

@@ -21,7 +21,10 @@ from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.registry import worker_key
 from tests.serving_stack import Stack, http_status, wait_for
 
-MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three rivers."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +49,35 @@ def stack(model, redis_server, tmp_path_factory):
 
 @pytest.fixture
 def client(stack):
-    with openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(
+        base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    ) as c:
         yield c
 
 
 def _offline(model, messages, max_tokens: int) -> dict:
     """`dsaserve generate --chat` in its own process, greedy."""
-    out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", str(model), "--chat",
-                          json.dumps(messages), "--max-tokens", str(max_tokens), "--temperature", "0", "--json"],
-                         capture_output=True, text=True, check=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "generate",
+            "--model",
+            str(model),
+            "--chat",
+            json.dumps(messages),
+            "--max-tokens",
+            str(max_tokens),
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -65,38 +88,60 @@ def _assert_workers_idle(stack) -> None:
 
 def test_chat_completion_equals_offline_generation(stack, client, model):
     offline = _offline(model, MESSAGES, 24)
-    res = client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=24, temperature=0)
+    res = client.chat.completions.create(
+        model=model.name, messages=MESSAGES, max_tokens=24, temperature=0
+    )
     assert res.choices[0].message.content == offline["text"]
     assert res.choices[0].finish_reason == offline["finish_reason"]
     assert res.usage.completion_tokens == len(offline["token_ids"])
-    stream = client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=24, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model.name,
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == offline["text"]
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
-    assert chunks[-1].usage.completion_tokens == len(offline["token_ids"]) and chunks[-1].choices == []
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == ["length"]
+    assert (
+        chunks[-1].usage.completion_tokens == len(offline["token_ids"]) and chunks[-1].choices == []
+    )
     _assert_workers_idle(stack)
 
 
 def test_text_completion_with_stop_string(stack, client, model):
-    full = client.completions.create(model=model.name, prompt="Once upon a time", max_tokens=40, temperature=0)
+    full = client.completions.create(
+        model=model.name, prompt="Once upon a time", max_tokens=40, temperature=0
+    )
     text = full.choices[0].text
-    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if "\ufffd" not in text[i:i + 2])
-    cut = client.completions.create(model=model.name, prompt="Once upon a time", max_tokens=40, temperature=0,
-                                    stop=[stop])
-    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    cut = client.completions.create(
+        model=model.name, prompt="Once upon a time", max_tokens=40, temperature=0, stop=[stop]
+    )
+    assert (
+        cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    )
 
 
 def test_sixteen_concurrent_streams_equal_their_sequential_answers(stack, client, model):
-    prompts = [[{"role": "user", "content": f"Question {i}: " + "why? " * (i % 5)}] for i in range(16)]
+    prompts = [
+        [{"role": "user", "content": f"Question {i}: " + "why? " * (i % 5)}] for i in range(16)
+    ]
 
     def ask(messages, stream: bool) -> str:
         if not stream:
-            r = client.chat.completions.create(model=model.name, messages=messages, max_tokens=20, temperature=0)
+            r = client.chat.completions.create(
+                model=model.name, messages=messages, max_tokens=20, temperature=0
+            )
             return r.choices[0].message.content
-        chunks = client.chat.completions.create(model=model.name, messages=messages, max_tokens=20, temperature=0,
-                                                stream=True)
+        chunks = client.chat.completions.create(
+            model=model.name, messages=messages, max_tokens=20, temperature=0, stream=True
+        )
         return "".join(c.choices[0].delta.content or "" for c in chunks)
 
     sequential = [ask(p, stream=False) for p in prompts]
@@ -107,25 +152,40 @@ def test_sixteen_concurrent_streams_equal_their_sequential_answers(stack, client
 
 
 def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, model):
-    body = {"model": model.name, "messages": MESSAGES, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model.name,
+        "messages": MESSAGES,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     for _ in range(3):
         with httpx.stream("POST", stack.url + "/v1/chat/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
-            events = [next(lines) for _ in range(6)]   # a few chunks in, then hang up
+            events = [next(lines) for _ in range(6)]  # a few chunks in, then hang up
             assert any('"content"' in e for e in events)
     _assert_workers_idle(stack)
 
 
-@pytest.mark.parametrize("body, status, fragment", [
-    ({"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 10}, 400, "context"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
-    ({"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, 400, "top_p"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
-    ({"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}, 404, "no-such-model"),
-])
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 10}, 400, "context"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, 400, "top_p"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+        (
+            {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]},
+            404,
+            "no-such-model",
+        ),
+    ],
+)
 def test_errors_have_openai_bodies(stack, model, body, status, fragment):
-    r = httpx.post(stack.url + "/v1/chat/completions", json={"model": model.name, **body}, timeout=60)
+    r = httpx.post(
+        stack.url + "/v1/chat/completions", json={"model": model.name, **body}, timeout=60
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert fragment in error["message"] and {"message", "type", "param", "code"} <= error.keys()
@@ -133,20 +193,52 @@ def test_errors_have_openai_bodies(stack, model, body, status, fragment):
 
 
 def test_metrics_of_every_process(stack, client, model):
-    client.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=4)   # at least one KV pull
-    worker_text = "".join(httpx.get(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10).text
-                          for w in (stack.prefill, stack.decode))
-    dashboard = (Path(__file__).resolve().parent.parent / "deploy/grafana/dashboards/dsaserve.json").read_text()
-    worker_series = {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"dsaserve_[a-z_]+", dashboard)
-                     if not m.startswith("dsaserve_router_")}
+    client.chat.completions.create(
+        model=model.name, messages=MESSAGES, max_tokens=4
+    )  # at least one KV pull
+    worker_text = "".join(
+        httpx.get(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10).text
+        for w in (stack.prefill, stack.decode)
+    )
+    dashboard = (
+        Path(__file__).resolve().parent.parent / "deploy/grafana/dashboards/dsaserve.json"
+    ).read_text()
+    worker_series = {
+        re.sub(r"_(bucket|sum|count)$", "", m)
+        for m in re.findall(r"dsaserve_[a-z_]+", dashboard)
+        if not m.startswith("dsaserve_router_")
+    }
     assert worker_series, "the dashboard reads no worker series"
-    for name in worker_series:   # every worker series the Grafana dashboard reads exists
+    for name in worker_series:  # every worker series the Grafana dashboard reads exists
         assert f"\n{name}" in worker_text or f"# HELP {name} " in worker_text, name
-    decode_text = httpx.get(f"http://127.0.0.1:{stack.decode.metrics_port}/metrics", timeout=10).text
-    transferred = [line for line in decode_text.splitlines() if line.startswith("dsaserve_kv_transfer_bytes_total")]
+    decode_text = httpx.get(
+        f"http://127.0.0.1:{stack.decode.metrics_port}/metrics", timeout=10
+    ).text
+    transferred = [
+        line
+        for line in decode_text.splitlines()
+        if line.startswith("dsaserve_kv_transfer_bytes_total")
+    ]
     assert transferred and float(transferred[0].split()[-1]) > 0
     router_text = httpx.get(stack.url + "/metrics", timeout=10).text
     assert "dsaserve_router_time_to_first_token_seconds_bucket" in router_text
+
+
+def test_locust_scenario_runs_against_the_stack(stack):
+    """The Locust scenario as a user runs it: the model comes from /v1/models, every request
+    succeeds, and each reports its TTFT and ITL."""
+    argv = [sys.executable, "-m", "locust", "--config", "loadtest/disagg.conf", "--host", stack.url]
+    argv += ["--users", "2", "--spawn-rate", "2", "--run-time", "6s", "--stop-timeout", "20"]
+    argv += ["--prompt-tokens", "16", "--max-tokens", "4", "--json"]
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    stats = {s["name"]: s for s in json.loads(out.stdout)}
+    chat = stats["chat (stream)"]
+    assert chat["num_requests"] >= 2 and chat["num_failures"] == 0, out.stderr[-3000:]
+    assert stats["ttft"]["num_requests"] == chat["num_requests"]
+    assert stats["models"]["num_failures"] == 0
+    _assert_workers_idle(stack)
 
 
 def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis_server, tmp_path):
@@ -159,21 +251,34 @@ def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis
         router = s.router("--policy", "round_robin")
         s.wait_ready(prefill, doomed, survivor)
         url = s.wait_healthy(router)
-        body = {"model": model.name, "messages": MESSAGES, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        body = {
+            "model": model.name,
+            "messages": MESSAGES,
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(lines)
-            victim = wait_for(lambda: next((w for w in (doomed, survivor) if w.load().running), None), 30,
-                              "the stream to run on a decode worker")
+            victim = wait_for(
+                lambda: next((w for w in (doomed, survivor) if w.load().running), None),
+                30,
+                "the stream to run on a decode worker",
+            )
             os.kill(victim.proc.pid, signal.SIGKILL)
-            rest = [e for e in lines if e]   # must end, not hang
+            rest = [e for e in lines if e]  # must end, not hang
         errors = [json.loads(e[6:]) for e in rest if e.startswith("data: {") and '"error"' in e]
         assert errors and errors[0]["error"]["message"] and rest[-1] == "data: [DONE]"
         alive = survivor if victim is doomed else doomed
 
         def decode_workers_routed() -> int:
             metrics = httpx.get(url + "/metrics", timeout=10).text
-            line = next(ln for ln in metrics.splitlines() if ln.startswith('dsaserve_router_live_workers{role="decode"}'))
+            line = next(
+                ln
+                for ln in metrics.splitlines()
+                if ln.startswith('dsaserve_router_live_workers{role="decode"}')
+            )
             return int(float(line.split()[-1]))
 
         # The killed worker's record expires (its TTL), then the router's next refresh drops it.
@@ -181,17 +286,29 @@ def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis
         # machine from looking like the victim's departure.
         registry = redis.Redis.from_url(s.redis_url, socket_timeout=5)
         try:
-            wait_for(lambda: registry.exists(worker_key(victim.name)) == 0 and registry.exists(worker_key(alive.name)),
-                     4 * s.ttl, "the killed worker's registry record to expire")
+            wait_for(
+                lambda: (
+                    registry.exists(worker_key(victim.name)) == 0
+                    and registry.exists(worker_key(alive.name))
+                ),
+                4 * s.ttl,
+                "the killed worker's registry record to expire",
+            )
         finally:
             registry.close()
-        wait_for(lambda: decode_workers_routed() == 1, 4 * s.ttl, "the killed worker to leave routing")
+        wait_for(
+            lambda: decode_workers_routed() == 1, 4 * s.ttl, "the killed worker to leave routing"
+        )
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
             for _ in range(4):
-                res = c.chat.completions.create(model=model.name, messages=MESSAGES, max_tokens=8, temperature=0)
+                res = c.chat.completions.create(
+                    model=model.name, messages=MESSAGES, max_tokens=8, temperature=0
+                )
                 assert res.choices[0].finish_reason == "length"
         wait_for(alive.all_kv_free, 20, "the survivor to free all KV")
-        wait_for(prefill.all_kv_free, 20, "prefill to free all KV (the dead reader's lease included)")
+        wait_for(
+            prefill.all_kv_free, 20, "prefill to free all KV (the dead reader's lease included)"
+        )
     finally:
         s.stop()
 
@@ -206,9 +323,11 @@ def test_api_keys_and_admission_limit_with_real_workers(stack, model, tmp_path):
         assert res.status_code == 401 and "API key" in res.json()["error"]["message"]
     auth = {"Authorization": "Bearer k-123"}
     long = {**chat, "max_tokens": 2000, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", url + "/v1/chat/completions", json=long, headers=auth, timeout=60) as held:
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json=long, headers=auth, timeout=60
+    ) as held:
         lines = held.iter_lines()
-        next(lines)   # the one admitted request is streaming now
+        next(lines)  # the one admitted request is streaming now
         res = httpx.post(url + "/v1/chat/completions", json=chat, headers=auth, timeout=30)
         assert res.status_code == 429 and res.json()["error"]["message"]
     ok = httpx.post(url + "/v1/chat/completions", json=chat, headers=auth, timeout=60)
@@ -218,12 +337,20 @@ def test_api_keys_and_admission_limit_with_real_workers(stack, model, tmp_path):
 
 
 def test_router_without_workers_answers_503(model, redis_server, tmp_path):
-    s = Stack(model, redis_server.rsplit("/", 1)[0] + "/2", tmp_path)   # an empty registry
+    s = Stack(model, redis_server.rsplit("/", 1)[0] + "/2", tmp_path)  # an empty registry
     try:
         r = s.router()
         url = f"http://127.0.0.1:{r.port}"
-        wait_for(lambda: r.check_alive() or http_status(url + "/health") == 503, 60, "the router to answer")
-        res = httpx.post(url + "/v1/chat/completions", json={"model": model.name, "messages": MESSAGES}, timeout=30)
+        wait_for(
+            lambda: r.check_alive() or http_status(url + "/health") == 503,
+            60,
+            "the router to answer",
+        )
+        res = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": model.name, "messages": MESSAGES},
+            timeout=30,
+        )
         assert res.status_code == 503 and "prefill" in res.json()["error"]["message"]
     finally:
         s.stop()

@@ -9,7 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ConfigError, ModelConfig
+from engine.models.deepseek_v4.config import (
+    CSA,
+    HASH_MOE,
+    HCA,
+    MOE,
+    SLIDING,
+    ConfigError,
+    ModelConfig,
+)
 from engine.models.deepseek_v4.tiny import make_tiny_model, tiny_config
 from engine.models.deepseek_v4.weights import WeightsError, build_model, load_weights
 
@@ -28,8 +36,13 @@ def test_legacy_field_names_are_accepted():
     raw = tiny_config(262)
     for key in ("layer_types", "compress_rates", "mlp_layer_types"):
         raw.pop(key)
-    raw.update(compress_ratios=[0, 4, 128, 4, 128, 4], num_hash_layers=1, compress_rate_hca=64,
-               qk_rope_head_dim=8, rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536})
+    raw.update(
+        compress_ratios=[0, 4, 128, 4, 128, 4],
+        num_hash_layers=1,
+        compress_rate_hca=64,
+        qk_rope_head_dim=8,
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
+    )
     cfg = ModelConfig.from_hf(raw)
     assert cfg.layer_types == (SLIDING, CSA, HCA, CSA, HCA, CSA)
     assert cfg.compress_rates == {CSA: 4, HCA: 64}
@@ -37,18 +50,21 @@ def test_legacy_field_names_are_accepted():
     assert cfg.rope_dim == 8 and cfg.rope_compress.factor == 16 and cfg.rope_main.factor is None
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"model_type": "llama"}, "model_type"),
-    ({"num_key_value_heads": 8}, "num_key_value_heads"),
-    ({"scoring_func": "softmax"}, "scoring_func"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
-    ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
-    ({"compress_ratios": [0, 4, 3, 4, 128, 4], "layer_types": None}, "compress_ratios"),
-    ({"o_groups": 3}, "o_groups"),
-    ({"hidden_size": 60}, "hidden_size"),
-    ({"rope_scaling": {"type": "dynamic", "factor": 2}}, "rope_parameters.compress.rope_type"),
-    ({"num_hidden_layers": "six"}, "num_hidden_layers"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"model_type": "llama"}, "model_type"),
+        ({"num_key_value_heads": 8}, "num_key_value_heads"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
+        ({"compress_ratios": [0, 4, 3, 4, 128, 4], "layer_types": None}, "compress_ratios"),
+        ({"o_groups": 3}, "o_groups"),
+        ({"hidden_size": 60}, "hidden_size"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2}}, "rope_parameters.compress.rope_type"),
+        ({"num_hidden_layers": "six"}, "num_hidden_layers"),
+    ],
+)
 def test_unservable_config_names_the_field(change, field):
     raw = {**tiny_config(262), **change}
     with pytest.raises(ConfigError, match=f"`{field}`"):
@@ -72,13 +88,16 @@ def test_sharded_checkpoint_loads_like_the_single_file(tiny, tmp_path):
     tensors = load_file(shard_dir / "model.safetensors")
     (shard_dir / "model.safetensors").unlink()
     names = sorted(tensors)
-    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    halves = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
     for file, keys in halves.items():
         save_file({k: tensors[k] for k in keys}, shard_dir / file)
     index = {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}
     (shard_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     a, b = _load(tiny), _load(shard_dir)
-    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(x, y), name
 
 
@@ -96,15 +115,22 @@ def test_missing_unexpected_and_misshaped_tensors_are_all_listed(tiny, tmp_path)
         del t["layers.2.ffn.experts.3.w3.weight"]
         t["layers.0.attn.bogus.weight"] = torch.zeros(2)
         t["layers.0.attn.wkv.weight"] = torch.zeros(3, 3)
-        t["mtp.0.emb.weight"] = torch.zeros(1)          # multi-token prediction: skipped silently
+        t["mtp.0.emb.weight"] = torch.zeros(1)  # multi-token prediction: skipped silently
 
     path = _edit_checkpoint(tiny, tmp_path / "broken", edit)
     with pytest.raises(WeightsError) as err:
         _load(path)
     msg = str(err.value)
-    assert "missing (2)" in msg and "layers.1.attn.indexer.wq_b.weight" in msg and "layers.2.ffn.experts.3.w3.weight" in msg
+    assert (
+        "missing (2)" in msg
+        and "layers.1.attn.indexer.wq_b.weight" in msg
+        and "layers.2.ffn.experts.3.w3.weight" in msg
+    )
     assert "unexpected (1): layers.0.attn.bogus.weight" in msg
-    assert "wrong shape (1): layers.0.attn.wkv.weight: checkpoint [3, 3], model expects [64, 64]" in msg
+    assert (
+        "wrong shape (1): layers.0.attn.wkv.weight: checkpoint [3, 3], model expects [64, 64]"
+        in msg
+    )
     assert "mtp" not in msg
 
 

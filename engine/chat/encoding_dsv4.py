@@ -263,7 +263,7 @@ def _sort_tool_results(turns: list[_Turn]) -> None:
             slots = [i for i, part in enumerate(turn.parts) if isinstance(part, _ToolResult)]
             results = [part for part in turn.parts if isinstance(part, _ToolResult)]
             results.sort(key=lambda result: order.get(result.call_id, 0))
-            for slot, result in zip(slots, results):
+            for slot, result in zip(slots, results, strict=True):
                 turn.parts[slot] = result
 
 

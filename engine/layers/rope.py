@@ -10,7 +10,6 @@ table; CSA/HCA layers, their compressors and the indexer use the YaRN "compress"
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +45,15 @@ def _yarn_correction_range(spec: RopeSpec, dim: int) -> tuple[float, float]:
     assert spec.original_max_position is not None
 
     def correction_dim(num_rotations: float) -> float:
-        return dim * math.log(spec.original_max_position / (num_rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+        return (
+            dim
+            * math.log(spec.original_max_position / (num_rotations * 2 * math.pi))
+            / (2 * math.log(spec.theta))
+        )
 
-    return max(math.floor(correction_dim(spec.beta_fast)), 0), min(math.ceil(correction_dim(spec.beta_slow)), dim - 1)
+    return max(math.floor(correction_dim(spec.beta_fast)), 0), min(
+        math.ceil(correction_dim(spec.beta_slow)), dim - 1
+    )
 
 
 class RotaryTable(torch.nn.Module):
@@ -59,7 +64,10 @@ class RotaryTable(torch.nn.Module):
         self.rope_dim = rope_dim
         self.register_buffer("inv_freq", inverse_frequencies(spec, rope_dim), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] -> (cos, sin), each [N, rope_dim // 2] in `dtype` (rounded as the reference does)."""
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> (cos, sin), each [N, rope_dim // 2] in `dtype` (rounded as the
+        reference rounds them)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)

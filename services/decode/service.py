@@ -24,7 +24,7 @@ from services.worker.process import RoleService, Worker, now_ms
 from services.worker.settings import DecodeSettings
 
 log = logging.getLogger(__name__)
-RESERVE_RETRY_S = 0.01   # how often a request waiting for free pages retries
+RESERVE_RETRY_S = 0.01  # how often a request waiting for free pages retries
 
 
 class DecodeService(RoleService, grpc_api.DecodeServicer):
@@ -40,17 +40,21 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
     def register(self, server: grpc.aio.Server) -> None:
         grpc_api.add_DecodeServicer_to_server(self, server)
 
-    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
-                     ) -> AsyncIterator[pb.DecodeResponse]:
+    async def Decode(
+        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.DecodeResponse]:
         w, rid, kv, start = self.w, request.request_id, request.kv, time.monotonic()
         if not rid or not request.HasField("kv"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and kv are required")
         if kv.layout_hash != w.layout_hash:
             w.metrics.fail("layout_mismatch")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"KV layout mismatch: prefill worker {kv.worker_id} has layout {kv.layout or kv.layout_hash}, "
-                                f"decode worker {w.worker_id} has layout {w.layout}; run both with the same model, "
-                                "dtype and --block-size")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"KV layout mismatch: prefill worker {kv.worker_id} has layout "
+                f"{kv.layout or kv.layout_hash}, "
+                f"decode worker {w.worker_id} has layout {w.layout}; run both with the same model, "
+                "dtype and --block-size",
+            )
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as e:
@@ -62,14 +66,22 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             peer = await self._peer(kv.agent_name, context)
             try:
                 stats = await w.in_nixl_thread(
-                    w.transfer.read, peer, {g: list(p.ids) for g, p in kv.pages.items()}, held.pages,
-                    notify=rid.encode(), timeout_s=self.transfer_timeout)
+                    w.transfer.read,
+                    peer,
+                    {g: list(p.ids) for g, p in kv.pages.items()},
+                    held.pages,
+                    notify=rid.encode(),
+                    timeout_s=self.transfer_timeout,
+                )
             except TransferError as e:
                 w.metrics.fail("transfer")
                 log.warning("KV pull for %s from %s failed: %s", rid, kv.worker_id, e)
-                self.peers.discard(peer)   # a restarted peer may reuse the name: refetch next time
-                yield pb.DecodeResponse(error=pb.DecodeError(message=f"KV transfer from {kv.worker_id} failed: {e}",
-                                                              cause="transfer"))
+                self.peers.discard(peer)  # a restarted peer may reuse the name: refetch next time
+                yield pb.DecodeResponse(
+                    error=pb.DecodeError(
+                        message=f"KV transfer from {kv.worker_id} failed: {e}", cause="transfer"
+                    )
+                )
                 return
             w.metrics.transfer_bytes.inc(stats.bytes)
             w.metrics.transfer_seconds.observe(stats.seconds)
@@ -77,23 +89,38 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             async for out in w.loop.stream(rid, outputs):
                 if out.finish_reason == "abort":
                     w.metrics.fail("aborted")
-                    yield pb.DecodeResponse(error=pb.DecodeError(message=f"request {rid} was aborted", cause="abort"))
+                    yield pb.DecodeResponse(
+                        error=pb.DecodeError(message=f"request {rid} was aborted", cause="abort")
+                    )
                     return
-                yield pb.DecodeResponse(chunk=pb.DecodeChunk(token_ids=out.new_token_ids, text=out.text))
+                yield pb.DecodeResponse(
+                    chunk=pb.DecodeChunk(token_ids=out.new_token_ids, text=out.text)
+                )
                 w.metrics.tokens.labels(role="decode", kind="generated").inc(len(out.new_token_ids))
                 if out.finished:
                     finished = True
                     w.metrics.requests.labels(role="decode", outcome="ok").inc()
                     w.metrics.latency.labels(role="decode").observe(time.monotonic() - start)
-                    yield pb.DecodeResponse(done=pb.DecodeDone(
-                        finish_reason=FINISH_REASONS[out.finish_reason],
-                        usage=pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens)))
+                    yield pb.DecodeResponse(
+                        done=pb.DecodeDone(
+                            finish_reason=FINISH_REASONS[out.finish_reason],
+                            usage=pb.Usage(
+                                prompt_tokens=out.prompt_tokens,
+                                completion_tokens=out.completion_tokens,
+                            ),
+                        )
+                    )
         finally:
-            if not finished:   # error, abort or a cancelled stream: free whatever we reserved
+            if not finished:  # error, abort or a cancelled stream: free whatever we reserved
                 w.loop.call(lambda e: e.abort(rid))
 
-    async def _reserve(self, request: pb.DecodeRequest, params: SamplingParams, outputs: OutputQueue,
-                       context: grpc.aio.ServicerContext) -> KVPages:
+    async def _reserve(
+        self,
+        request: pb.DecodeRequest,
+        params: SamplingParams,
+        outputs: OutputQueue,
+        context: grpc.aio.ServicerContext,
+    ) -> KVPages:
         """Pages for the request's KV; waits while the pools are full, up to the prefill lease."""
         w, rid = self.w, request.request_id
         prompt, first = list(request.prompt_token_ids), request.first_token_id
@@ -108,8 +135,11 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 return held
             if time.monotonic() > deadline:
                 w.metrics.fail("no_kv_space")
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"decode worker {w.worker_id} had no free KV pages before the prefill lease ran out")
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"decode worker {w.worker_id} had no free KV pages before the prefill lease "
+                    "ran out",
+                )
             await asyncio.sleep(RESERVE_RETRY_S)
 
     async def _peer(self, agent: str, context: grpc.aio.ServicerContext) -> str:
@@ -121,8 +151,10 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"registry unreachable: {e}")
             if descriptor is None:
                 self.w.metrics.fail("peer_unknown")
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    f"prefill agent {agent} has no NIXL descriptor in the registry (worker gone?)")
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"prefill agent {agent} has no NIXL descriptor in the registry (worker gone?)",
+                )
             try:
                 await self.w.in_nixl_thread(self.w.transfer.add_peer, descriptor)
             except TransferError as e:

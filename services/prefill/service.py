@@ -65,7 +65,9 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             raise
         if out.finish_reason == "abort":
             w.metrics.fail("aborted")
-            await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted during prefill")
+            await context.abort(
+                grpc.StatusCode.ABORTED, f"request {rid} was aborted during prefill"
+            )
         w.metrics.tokens.labels(role="prefill", kind="prompt").inc(len(prompt))
         w.metrics.latency.labels(role="prefill").observe(time.monotonic() - start)
         w.metrics.requests.labels(role="prefill", outcome="ok").inc()
@@ -73,7 +75,9 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             first_token_id=out.new_token_ids[0],
             text=out.text,
             finish_reason=FINISH_REASONS[out.finish_reason],
-            usage=pb.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens),
+            usage=pb.Usage(
+                prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens
+            ),
         )
         if held is not None:
             response.kv.CopyFrom(

@@ -23,7 +23,7 @@ from services.metrics import exposition
 from services.registry import RegistryWatcher
 
 from .admission import Admission
-from .settings import RouterSettings
+from .clients import WorkerClients
 from .errors import APIError, install_handlers
 from .metrics import RequestCounter, RequestTimer, RouterMetrics
 from .model import ServedModel
@@ -31,8 +31,8 @@ from .pd import Generation, PDFlow
 from .responses import ChatShape, Shape, TextShape
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .selection import WorkerSelector
+from .settings import RouterSettings
 from .streaming import EventStream, answer
-from .clients import WorkerClients
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,10 @@ import grpc
 from services.registry import WorkerRecord
 from services.rpc import pb
 
+from .clients import WorkerClients
 from .errors import APIError, from_grpc, timeout_error
 from .metrics import RequestTimer
 from .selection import WorkerSelector
-from .clients import WorkerClients
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The router's settings: one frozen dataclass, from which its flags and DSASERVE_* variables come."""
+"""The router's settings: one frozen dataclass, the source of its flags and DSASERVE_* variables."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ class RouterSettings:
     """Router"""
 
     model_dir: str = setting(
-        dataclasses.MISSING, "model directory (HF layout: config.json + tokenizer files)", flag="--model"
+        dataclasses.MISSING,
+        "model directory (HF layout: config.json + tokenizer files)",
+        flag="--model",
     )
     redis_url: str = setting("redis://127.0.0.1:6379/0", "the worker registry")
     served_model_name: str | None = setting(

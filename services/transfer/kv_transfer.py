@@ -202,16 +202,27 @@ class KVTransfer:
         return np.concatenate([empty, *local_rows]), np.concatenate([empty, *remote_rows])
 
     def _read(
-        self, peer: str, remote_mem: str, local: np.ndarray, remote: np.ndarray,
-        notify: bytes, timeout_s: float,
+        self,
+        peer: str,
+        remote_mem: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        notify: bytes,
+        timeout_s: float,
     ) -> None:
         agent = self._agent
         deadline = time.perf_counter() + timeout_s
         local_descs = agent.get_xfer_descs(local, self._mem)
         remote_descs = agent.get_xfer_descs(remote, remote_mem)
         handle = self._call(
-            "start a READ from", peer,
-            agent.initialize_xfer, "READ", local_descs, remote_descs, peer, notify,
+            "start a READ from",
+            peer,
+            agent.initialize_xfer,
+            "READ",
+            local_descs,
+            remote_descs,
+            peer,
+            notify,
         )
         try:
             state = self._call("post a READ to", peer, agent.transfer, handle)
@@ -230,7 +241,7 @@ class KVTransfer:
             # agent's leak list until the agent is destroyed; the READ's own error matters more.
             try:
                 agent.release_xfer_handle(handle)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
     @staticmethod
@@ -238,7 +249,7 @@ class KVTransfer:
         """Call NIXL, turning its exceptions (they share no base class) into TransferError."""
         try:
             return fn(*args)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise TransferError(f"could not {action} {peer!r}: {type(e).__name__}: {e}") from e
 
 

@@ -64,7 +64,9 @@ class RoleService:
         return pb.AbortResponse(found=await self.w.loop.run(lambda e: e.abort(rid)))
 
     async def Health(self, request: pb.HealthRequest, context: object) -> pb.HealthResponse:
-        return pb.HealthResponse(role=self.w.role, model=self.w.model_name, worker_id=self.w.worker_id)
+        return pb.HealthResponse(
+            role=self.w.role, model=self.w.model_name, worker_id=self.w.worker_id
+        )
 
     async def Load(self, request: pb.LoadRequest, context: object) -> pb.LoadResponse:
         return load_response(self.w.loop.load())
@@ -76,7 +78,9 @@ class Worker:
     def __init__(self, settings: WorkerSettings, role: str) -> None:
         self.settings, self.role = settings, role
         model_dir = settings.model or default_model_dir()
-        self.model_name = settings.served_model_name or os.path.basename(os.path.normpath(model_dir))
+        self.model_name = settings.served_model_name or os.path.basename(
+            os.path.normpath(model_dir)
+        )
         self.worker_id = (
             settings.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         )
@@ -125,7 +129,7 @@ class Worker:
         )
         probes = None
         if s.metrics_port:
-            ready = lambda: self.ready.is_set() and self.loop.alive  # noqa: E731
+            ready = lambda: self.ready.is_set() and self.loop.alive
             probes = ProbeServer(probe_app(ready, self.metrics.registry), s.host, s.metrics_port)
             probes.start()
         tasks = [asyncio.create_task(service.background())]
@@ -159,7 +163,7 @@ class Worker:
             probes.stop()
 
     async def _watch_engine(self, stop: asyncio.Event) -> None:
-        """A dead engine thread cannot serve: leave the registry instead of failing every request."""
+        """A dead engine thread cannot serve: leave the registry rather than fail every request."""
         while self.loop.alive:
             await asyncio.sleep(ENGINE_WATCH_S)
         log.error("engine thread died (%r); shutting down", self.loop.failure)

@@ -26,7 +26,8 @@ class WorkerSettings:
     redis_url: str = setting("redis://127.0.0.1:6379/0", "the worker registry")
     cluster_token: str = setting("", "shared secret every internal call must carry (required)")
     registry_ttl_s: float = setting(
-        DEFAULT_TTL_S, "seconds the registry keeps this worker without a heartbeat",
+        DEFAULT_TTL_S,
+        "seconds the registry keeps this worker without a heartbeat",
         flag="--registry-ttl",
     )
     metrics_port: int = setting(9100, "HTTP port of /metrics, /live and /ready (0 = off)")

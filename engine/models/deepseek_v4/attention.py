@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.norm import RMSNorm, unweighted_rms_norm
 from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import CSA, SLIDING, ModelConfig
 from engine.models.deepseek_v4.indexer import Indexer
-from engine.layers.norm import RMSNorm, unweighted_rms_norm
 from engine.profiling import profiled
 from engine.step import StepState
 from kernels import apply_rope, sparse_mla_decode
@@ -25,7 +25,12 @@ class Attention(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         kind = cfg.layer_types[layer]
-        self.layer, self.heads, self.head_dim, self.groups = layer, cfg.num_heads, cfg.head_dim, cfg.o_groups
+        self.layer, self.heads, self.head_dim, self.groups = (
+            layer,
+            cfg.num_heads,
+            cfg.head_dim,
+            cfg.o_groups,
+        )
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
         self.rope_kind = "main" if kind == SLIDING else "compress"
         self.wq_a = torch.nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
@@ -34,14 +39,21 @@ class Attention(torch.nn.Module):
         self.wkv = torch.nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False)
         self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         group_in = cfg.num_heads * cfg.head_dim // cfg.o_groups
-        self.wo_a = torch.nn.Parameter(torch.zeros(cfg.o_groups * cfg.o_lora_rank, group_in))  # block-diagonal
+        self.wo_a = torch.nn.Parameter(
+            torch.zeros(cfg.o_groups * cfg.o_lora_rank, group_in)
+        )  # block-diagonal
         self.wo_b = torch.nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
         self.attn_sink = torch.nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32))
         self.compressor = None
         self.indexer = None
         if kind != SLIDING:
-            self.compressor = Compressor(cfg.hidden_size, cfg.head_dim, cfg.compress_rate(layer), overlap=kind == CSA,
-                                         eps=cfg.rms_norm_eps)
+            self.compressor = Compressor(
+                cfg.hidden_size,
+                cfg.head_dim,
+                cfg.compress_rate(layer),
+                overlap=kind == CSA,
+                eps=cfg.rms_norm_eps,
+            )
         if kind == CSA:
             self.indexer = Indexer(cfg, layer)
 
@@ -54,31 +66,43 @@ class Attention(torch.nn.Module):
         n, pool = x.shape[0], step.pool
         group = pool.group_of_layer[self.layer]
         cos, sin = step.rope(self.rope_kind)
-        q_residual = self.q_norm(self.wq_a(x))                                            # [N, q_lora]
+        q_residual = self.q_norm(self.wq_a(x))  # [N, q_lora]
         q = unweighted_rms_norm(self.wq_b(q_residual).view(n, self.heads, self.head_dim), self.eps)
-        q = apply_rope(q, cos, sin)                                                       # [N, H, D]
-        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)                                 # [N, D]
+        q = apply_rope(q, cos, sin)  # [N, H, D]
+        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)  # [N, D]
 
-        slots = pool.groups[group].kv[self.layer]                                         # [S, D]
+        slots = pool.groups[group].kv[self.layer]  # [S, D]
         slots.index_copy_(0, step.scratch_slots(group), kv)
-        indices, lengths = step.window_indices(group), None                               # [N, W]
+        indices, lengths = step.window_indices(group), None  # [N, W]
         if self.compressor is not None:
             with profiled("compressor"):
-                self.compressor(x, step, pool.comp_ring[self.layer], slots, group, pool.trash_slot(group))
+                self.compressor(
+                    x, step, pool.comp_ring[self.layer], slots, group, pool.trash_slot(group)
+                )
             if self.indexer is not None:
                 with profiled("indexer"):
                     picked = self.indexer(x, q_residual, step)
                 indices = torch.cat((indices, picked), dim=1)
             else:
                 entries, counts = step.hca_indices()
-                indices, lengths = torch.cat((indices, entries), dim=1), (counts + self.window).to(torch.int32)
+                indices, lengths = (
+                    torch.cat((indices, entries), dim=1),
+                    (counts + self.window).to(torch.int32),
+                )
         with profiled("sparse_mla"):
-            out, _ = sparse_mla_decode(q, slots, indices.to(torch.int32), self.head_dim**-0.5, d_v=self.head_dim,
-                                       sinks=self.attn_sink, lengths=lengths)              # [N, H, D]
+            out, _ = sparse_mla_decode(
+                q,
+                slots,
+                indices.to(torch.int32),
+                self.head_dim**-0.5,
+                d_v=self.head_dim,
+                sinks=self.attn_sink,
+                lengths=lengths,
+            )  # [N, H, D]
         # Persist after attention: earlier queries of a long chunk still read the old ring rows.
         slots.index_copy_(0, step.persist_slots(group), kv[step.inp.persist_rows])
 
         out = apply_rope(out, cos, sin, inverse=True)
-        grouped = out.reshape(n, self.groups, -1).transpose(0, 1)                         # [G, N, H*D/G]
-        w = self.wo_a.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)            # [G, H*D/G, R]
+        grouped = out.reshape(n, self.groups, -1).transpose(0, 1)  # [G, N, H*D/G]
+        w = self.wo_a.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)  # [G, H*D/G, R]
         return self.wo_b(torch.bmm(grouped, w).transpose(0, 1).reshape(n, -1))

@@ -26,7 +26,9 @@ class Compressor(torch.nn.Module):
         feats = 2 * head_dim if overlap else head_dim
         self.wkv = torch.nn.Linear(hidden, feats, bias=False)
         self.wgate = torch.nn.Linear(hidden, feats, bias=False)
-        self.ape = torch.nn.Parameter(torch.zeros(rate, feats, dtype=torch.float32))  # per-slot gate bias
+        self.ape = torch.nn.Parameter(
+            torch.zeros(rate, feats, dtype=torch.float32)
+        )  # per-slot gate bias
         self.norm = RMSNorm(head_dim, eps)
         self.head_dim, self.rate, self.overlap = head_dim, rate, overlap
 
@@ -39,21 +41,34 @@ class Compressor(torch.nn.Module):
         group: str,
         trash_slot: int,
     ) -> None:
-        """Compress this step's rows x [N, hidden]; write completed entries into target [slots, head_dim]."""
-        kv, gate = self.wkv(x), self.wgate(x)                      # [N, feats]
-        ring_kv, ring_gate = ring                                   # [seqs, ring_rows, feats]
+        """Compress this step's rows x [N, hidden]; write the entries they complete into
+        target [slots, head_dim]."""
+        kv, gate = self.wkv(x), self.wgate(x)  # [N, feats]
+        ring_kv, ring_gate = ring  # [seqs, ring_rows, feats]
         inp, D = step.inp, step.inp.num_decode
         if D:
-            self._decode_rows(kv[:D], gate[:D], inp.positions[:D], inp.slab[:D], step, ring, target, group, trash_slot)
+            self._decode_rows(
+                kv[:D],
+                gate[:D],
+                inp.positions[:D],
+                inp.slab[:D],
+                step,
+                ring,
+                target,
+                group,
+                trash_slot,
+            )
         rows = ring_kv.shape[1]
         for seg in inp.segments:
             s, e = seg.start, seg.start + seg.num_rows
             chunk = slice(seg.row0, seg.row0 + seg.num_rows)
-            first_w, last_w = s // self.rate, e // self.rate - 1     # windows that close in this chunk
+            first_w, last_w = s // self.rate, e // self.rate - 1  # windows that close in this chunk
             if last_w >= first_w:
                 base_w = max(first_w - 1, 0) if self.overlap else first_w
                 past = torch.arange(base_w * self.rate, s, device=x.device).remainder(rows)
-                seq_kv = torch.cat((ring_kv[seg.slab, past], kv[chunk]))      # positions base_w*rate .. e-1
+                seq_kv = torch.cat(
+                    (ring_kv[seg.slab, past], kv[chunk])
+                )  # positions base_w*rate .. e-1
                 seq_gate = torch.cat((ring_gate[seg.slab, past], gate[chunk]))
                 n_win = last_w + 1 - base_w
                 win_kv = seq_kv[: n_win * self.rate].view(n_win, self.rate, -1)
@@ -81,13 +96,22 @@ class Compressor(torch.nn.Module):
         rows = ring_kv.shape[1]
         ring_kv[slab, pos.remainder(rows)] = kv
         ring_gate[slab, pos.remainder(rows)] = gate
-        window = torch.div(pos, self.rate, rounding_mode="floor")                  # [D]
-        cur_rows = (window * self.rate)[:, None] + torch.arange(self.rate, device=pos.device)  # [D, rate]
-        cur = (ring_kv[slab[:, None], cur_rows.remainder(rows)], ring_gate[slab[:, None], cur_rows.remainder(rows)])
+        window = torch.div(pos, self.rate, rounding_mode="floor")  # [D]
+        cur_rows = (window * self.rate)[:, None] + torch.arange(
+            self.rate, device=pos.device
+        )  # [D, rate]
+        cur = (
+            ring_kv[slab[:, None], cur_rows.remainder(rows)],
+            ring_gate[slab[:, None], cur_rows.remainder(rows)],
+        )
         prev = None
         if self.overlap:
             prev_rows = (cur_rows - self.rate).remainder(rows)
-            prev = (ring_kv[slab[:, None], prev_rows], ring_gate[slab[:, None], prev_rows], window >= 1)
+            prev = (
+                ring_kv[slab[:, None], prev_rows],
+                ring_gate[slab[:, None], prev_rows],
+                window >= 1,
+            )
         entries = self._pool(cur, prev, window * self.rate, step)
         closes = (pos + 1).remainder(self.rate) == 0
         req = torch.arange(pos.shape[0], device=pos.device)
@@ -101,10 +125,14 @@ class Compressor(torch.nn.Module):
         if prev is None:
             kv, score = cur[0], cur[1] + self.ape
         else:
-            kv = torch.cat((prev[0][..., :d], cur[0][..., d:]), dim=1)                    # [M, 2*rate, d]
-            score = torch.cat((prev[1][..., :d] + self.ape[:, :d], cur[1][..., d:] + self.ape[:, d:]), dim=1)
+            kv = torch.cat((prev[0][..., :d], cur[0][..., d:]), dim=1)  # [M, 2*rate, d]
+            score = torch.cat(
+                (prev[1][..., :d] + self.ape[:, :d], cur[1][..., d:] + self.ape[:, d:]), dim=1
+            )
             no_prev = ~prev[2]
-            score[:, : self.rate] = score[:, : self.rate].masked_fill(no_prev[:, None, None], float("-inf"))
+            score[:, : self.rate] = score[:, : self.rate].masked_fill(
+                no_prev[:, None, None], float("-inf")
+            )
         weights = score.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         pooled = self.norm((kv * weights).sum(dim=1))
         cos, sin = step.rope_tables["compress"](first_pos, pooled.dtype)

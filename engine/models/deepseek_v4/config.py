@@ -16,7 +16,11 @@ from typing import Any
 from engine.layers.rope import RopeSpec
 from engine.models import ConfigError, read_config
 
-SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+SLIDING, CSA, HCA = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
 LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 HASH_MOE, MOE = "hash_moe", "moe"
@@ -82,12 +86,19 @@ def _require(cond: bool, field: str, message: str) -> None:
         raise ConfigError(f"config.json field `{field}`: {message}")
 
 
-def _get(raw: dict[str, Any], field: str, default: Any = None, kind: type | tuple[type, ...] | None = None) -> Any:
+def _get(
+    raw: dict[str, Any],
+    field: str,
+    default: Any = None,
+    kind: type | tuple[type, ...] | None = None,
+) -> Any:
     value = raw.get(field, default)
     if value is None and default is None:
         raise ConfigError(f"config.json field `{field}` is required")
     if kind is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise ConfigError(f"config.json field `{field}` must be {getattr(kind, '__name__', kind)}, got {value!r}")
+        raise ConfigError(
+            f"config.json field `{field}` must be {getattr(kind, '__name__', kind)}, got {value!r}"
+        )
     return value
 
 
@@ -117,7 +128,11 @@ def _mlp_layer_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
         _require(not bad, "mlp_layer_types", f"entries must be 'hash_moe' or 'moe', got {bad}")
         return tuple(types[:n])
     n_hash = raw.get("num_hash_layers", 3)
-    _require(isinstance(n_hash, int) and n_hash >= 0, "num_hash_layers", f"must be an int >= 0, got {n_hash!r}")
+    _require(
+        isinstance(n_hash, int) and n_hash >= 0,
+        "num_hash_layers",
+        f"must be an int >= 0, got {n_hash!r}",
+    )
     return tuple([HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash))
 
 
@@ -132,7 +147,9 @@ def _rope_specs(raw: dict[str, Any]) -> tuple[RopeSpec, RopeSpec]:
         main = {"rope_type": "default", "rope_theta": theta}
         compress = {k: v for k, v in params.items() if k not in ("main", "compress")}
         compress.setdefault("rope_theta", compress_theta)
-    return _rope_spec(main, theta, "rope_parameters.main"), _rope_spec(compress, compress_theta, "rope_parameters.compress")
+    return _rope_spec(main, theta, "rope_parameters.main"), _rope_spec(
+        compress, compress_theta, "rope_parameters.compress"
+    )
 
 
 def _rope_spec(p: dict[str, Any], default_theta: float, field: str) -> RopeSpec:
@@ -140,12 +157,21 @@ def _rope_spec(p: dict[str, Any], default_theta: float, field: str) -> RopeSpec:
     theta = float(p.get("rope_theta", default_theta))
     if kind == "default":
         return RopeSpec(theta=theta)
-    _require(kind == "yarn", f"{field}.rope_type", f"only 'default' and 'yarn' are supported, got {kind!r}")
+    _require(
+        kind == "yarn",
+        f"{field}.rope_type",
+        f"only 'default' and 'yarn' are supported, got {kind!r}",
+    )
     # The V4 reference never scales cos/sin by YaRN's mscale (HF forces attention_factor=1).
     attention_factor = p.get("attention_factor", 1.0)
-    _require(attention_factor in (None, 1.0), f"{field}.attention_factor", "must be 1.0 for DeepSeek-V4")
-    _require("factor" in p and "original_max_position_embeddings" in p, field,
-             "yarn needs `factor` and `original_max_position_embeddings`")
+    _require(
+        attention_factor in (None, 1.0), f"{field}.attention_factor", "must be 1.0 for DeepSeek-V4"
+    )
+    _require(
+        "factor" in p and "original_max_position_embeddings" in p,
+        field,
+        "yarn needs `factor` and `original_max_position_embeddings`",
+    )
     return RopeSpec(
         theta=theta,
         factor=float(p["factor"]),
@@ -157,23 +183,34 @@ def _rope_spec(p: dict[str, Any], default_theta: float, field: str) -> RopeSpec:
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
-    _require(model_type == "deepseek_v4", "model_type", f"must be 'deepseek_v4', got {model_type!r}")
-    _require(raw.get("quantization_config") is None, "quantization_config",
-             "quantized (FP8/FP4) checkpoints are not supported yet; use a bf16/fp32 checkpoint")
+    _require(
+        model_type == "deepseek_v4", "model_type", f"must be 'deepseek_v4', got {model_type!r}"
+    )
+    _require(
+        raw.get("quantization_config") is None,
+        "quantization_config",
+        "quantized (FP8/FP4) checkpoints are not supported yet; use a bf16/fp32 checkpoint",
+    )
 
     n = _get(raw, "num_hidden_layers", 43, int)
     _require(n >= 1, "num_hidden_layers", "must be >= 1")
     hidden = _get(raw, "hidden_size", 4096, int)
     heads = _get(raw, "num_attention_heads", 64, int)
     head_dim = _get(raw, "head_dim", 512, int)
-    _require(_get(raw, "num_key_value_heads", 1, int) == 1, "num_key_value_heads",
-             "DeepSeek-V4 attention shares one K=V head; must be 1")
+    _require(
+        _get(raw, "num_key_value_heads", 1, int) == 1,
+        "num_key_value_heads",
+        "DeepSeek-V4 attention shares one K=V head; must be 1",
+    )
     if raw.get("qk_rope_head_dim") is not None:
         rope_dim = int(raw["qk_rope_head_dim"])
     else:
         rope_dim = int(head_dim * float(raw.get("partial_rotary_factor") or 64 / 512))
-    _require(0 < rope_dim <= head_dim and rope_dim % 2 == 0, "partial_rotary_factor",
-             f"gives a rope dim of {rope_dim}; it must be even and within head_dim {head_dim}")
+    _require(
+        0 < rope_dim <= head_dim and rope_dim % 2 == 0,
+        "partial_rotary_factor",
+        f"gives a rope dim of {rope_dim}; it must be even and within head_dim {head_dim}",
+    )
 
     compress_rates = dict(raw.get("compress_rates") or {CSA: 4, HCA: 128})
     if raw.get("compress_rate_csa") is not None:
@@ -181,8 +218,11 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     if raw.get("compress_rate_hca") is not None:
         compress_rates[HCA] = int(raw["compress_rate_hca"])
     for kind in (CSA, HCA):
-        _require(isinstance(compress_rates.get(kind), int) and compress_rates[kind] >= 1, "compress_rates",
-                 f"needs a positive int for {kind!r}")
+        _require(
+            isinstance(compress_rates.get(kind), int) and compress_rates[kind] >= 1,
+            "compress_rates",
+            f"needs a positive int for {kind!r}",
+        )
 
     o_groups = _get(raw, "o_groups", 8, int)
     _require(heads % o_groups == 0, "o_groups", f"must divide num_attention_heads ({heads})")
@@ -192,11 +232,27 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         _require(value % 8 == 0, field, f"must be a multiple of 8, got {value}")
     num_experts = _get(raw, "n_routed_experts", 256, int)
     top_k = _get(raw, "num_experts_per_tok", 6, int)
-    _require(1 <= top_k <= num_experts, "num_experts_per_tok", f"must be in [1, n_routed_experts={num_experts}]")
-    _require(raw.get("n_shared_experts", 1) == 1, "n_shared_experts", "DeepSeek-V4 has exactly one shared expert")
+    _require(
+        1 <= top_k <= num_experts,
+        "num_experts_per_tok",
+        f"must be in [1, n_routed_experts={num_experts}]",
+    )
+    _require(
+        raw.get("n_shared_experts", 1) == 1,
+        "n_shared_experts",
+        "DeepSeek-V4 has exactly one shared expert",
+    )
     scoring = raw.get("scoring_func", "sqrtsoftplus")
-    _require(scoring in ("sqrtsoftplus", "sigmoid"), "scoring_func", f"must be 'sqrtsoftplus' or 'sigmoid', got {scoring!r}")
-    _require(raw.get("norm_topk_prob", True) is True, "norm_topk_prob", "only normalized top-k weights are supported")
+    _require(
+        scoring in ("sqrtsoftplus", "sigmoid"),
+        "scoring_func",
+        f"must be 'sqrtsoftplus' or 'sigmoid', got {scoring!r}",
+    )
+    _require(
+        raw.get("norm_topk_prob", True) is True,
+        "norm_topk_prob",
+        "only normalized top-k weights are supported",
+    )
     _require(raw.get("hidden_act", "silu") == "silu", "hidden_act", "only 'silu' is supported")
     for field in ("attention_bias", "mlp_bias"):
         _require(not raw.get(field, False), field, "biases are not part of DeepSeek-V4")

@@ -22,29 +22,45 @@ class Indexer(torch.nn.Module):
         self.rate, self.layer = cfg.compress_rate(layer), layer
         self.wq_b = torch.nn.Linear(cfg.q_lora_rank, self.heads * self.head_dim, bias=False)
         self.weights_proj = torch.nn.Linear(cfg.hidden_size, self.heads, bias=False)
-        self.compressor = Compressor(cfg.hidden_size, self.head_dim, self.rate, overlap=True, eps=cfg.rms_norm_eps)
+        self.compressor = Compressor(
+            cfg.hidden_size, self.head_dim, self.rate, overlap=True, eps=cfg.rms_norm_eps
+        )
 
     def forward(self, x: torch.Tensor, q_residual: torch.Tensor, step: StepState) -> torch.Tensor:
-        """x [N, hidden], q_residual [N, q_lora] -> [N, topk] slot ids of the picked entries (-1 = none)."""
+        """x [N, hidden], q_residual [N, q_lora] -> [N, topk] slot ids of the picked entries
+        (-1 = none)."""
         pool, inp = step.pool, step.inp
-        keys = pool.groups["csa"].index_k[self.layer]                      # [slots, Di]
+        keys = pool.groups["csa"].index_k[self.layer]  # [slots, Di]
         self.compressor(x, step, pool.index_ring[self.layer], keys, "csa", pool.index_trash_slot())
         n = x.shape[0]
         cos, sin = step.rope("compress")
-        q = apply_rope(self.wq_b(q_residual).view(n, self.heads, self.head_dim), cos, sin)  # [N, Hi, Di]
-        weights = self.weights_proj(x).float() * self.heads**-0.5                        # [N, Hi]
+        q = apply_rope(
+            self.wq_b(q_residual).view(n, self.heads, self.head_dim), cos, sin
+        )  # [N, Hi, Di]
+        weights = self.weights_proj(x).float() * self.heads**-0.5  # [N, Hi]
         num_pages = pool.groups["csa"].num_pages
         k_cache = keys[: num_pages * pool.page_size].view(num_pages, pool.page_size, self.head_dim)
-        lengths = step.entry_counts(self.rate).to(torch.int32)                            # [N]
-        entry_tables = step.table("csa")[:, pool.ring_pages:]                             # [B, pages]
+        lengths = step.entry_counts(self.rate).to(torch.int32)  # [N]
+        entry_tables = step.table("csa")[:, pool.ring_pages :]  # [B, pages]
         # Decode rows are requests 0..D-1 in order; a prefill chunk's rows share one table,
         # broadcast without copying.
-        parts = [(slice(0, inp.num_decode), entry_tables[: inp.num_decode])] if inp.num_decode else []
-        parts += [(slice(s.row0, s.row0 + s.num_rows), entry_tables[s.req].expand(s.num_rows, -1))
-                  for s in inp.segments]
+        parts = (
+            [(slice(0, inp.num_decode), entry_tables[: inp.num_decode])] if inp.num_decode else []
+        )
+        parts += [
+            (slice(s.row0, s.row0 + s.num_rows), entry_tables[s.req].expand(s.num_rows, -1))
+            for s in inp.segments
+        ]
         picked = []
         for rows, table in parts:
-            pos = indexer_topk(q[rows], weights[rows], k_cache, table, lengths[rows], self.topk,
-                               scale=self.head_dim**-0.5)
+            pos = indexer_topk(
+                q[rows],
+                weights[rows],
+                k_cache,
+                table,
+                lengths[rows],
+                self.topk,
+                scale=self.head_dim**-0.5,
+            )
             picked.append(positions_to_slots(pos, table, pool.page_size))
         return torch.cat(picked) if len(picked) > 1 else picked[0]

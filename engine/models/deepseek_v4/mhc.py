@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.models.deepseek_v4.config import ModelConfig
 from engine.layers.norm import unweighted_rms_norm
+from engine.models.deepseek_v4.config import ModelConfig
 from kernels import hc_weights
 
 
@@ -19,24 +19,36 @@ class HyperConnection(torch.nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         n = cfg.hc_mult
-        self.n, self.iters, self.hc_eps, self.norm_eps = n, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
-        self.fn = torch.nn.Parameter(torch.zeros((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32))
+        self.n, self.iters, self.hc_eps, self.norm_eps = (
+            n,
+            cfg.hc_sinkhorn_iters,
+            cfg.hc_eps,
+            cfg.rms_norm_eps,
+        )
+        self.fn = torch.nn.Parameter(
+            torch.zeros((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32)
+        )
         self.base = torch.nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [N, n, D] -> (post [N, n], comb [N, n, n], collapsed input [N, D]); fp32 weights."""
+        """streams [N, n, D] -> (post [N, n], comb [N, n, n], collapsed input [N, D]); the
+        weights in fp32."""
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())                                  # [N, (2 + n) * n]
+        mixes = F.linear(flat, self.fn.float())  # [N, (2 + n) * n]
         pre, post, comb = hc_weights(mixes, self.base, self.scale, self.n, self.iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 
 
-def merge_streams(streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def merge_streams(
+    streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
     """streams [N, n, D], sublayer output [N, D] -> new streams: post*out + comb^T @ streams."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
 
 
 class HyperHead(torch.nn.Module):
@@ -52,5 +64,8 @@ class HyperHead(torch.nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.eps
+        pre = (
+            torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float())
+            + self.eps
+        )
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.deepseek_v4.attention import Attention
-from engine.models.deepseek_v4.config import ModelConfig
 from engine.kv_pool import KVPool
-from engine.models.deepseek_v4.mhc import HyperConnection, HyperHead, merge_streams
-from engine.models.deepseek_v4.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import RotaryTable
+from engine.models.deepseek_v4.attention import Attention
+from engine.models.deepseek_v4.config import ModelConfig
+from engine.models.deepseek_v4.mhc import HyperConnection, HyperHead, merge_streams
+from engine.models.deepseek_v4.moe import MoE
 from engine.profiling import profiled
 from engine.step import StepInputs, StepState
 
@@ -52,17 +52,21 @@ class DeepseekV4(torch.nn.Module):
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope_tables = torch.nn.ModuleDict({
-            "main": RotaryTable(cfg.rope_main, cfg.rope_dim),
-            "compress": RotaryTable(cfg.rope_compress, cfg.rope_dim),
-        })
+        self.rope_tables = torch.nn.ModuleDict(
+            {
+                "main": RotaryTable(cfg.rope_main, cfg.rope_dim),
+                "compress": RotaryTable(cfg.rope_compress, cfg.rope_dim),
+            }
+        )
 
     @torch.inference_mode()
     def forward(self, pool: KVPool, inputs: StepInputs, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(logit_rows), vocab] of the selected rows."""
         step = StepState(pool, inputs, dict(self.rope_tables))
         x = self.embed(inputs.token_ids)
-        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()   # [N, hc_mult, hidden]
+        streams = (
+            x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        )  # [N, hc_mult, hidden]
         for layer in self.layers:
             streams = layer(streams, step)
         with profiled("head"):

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.models.deepseek_v4.config import ModelConfig
 from engine.byte_tokenizer import write_byte_tokenizer
+from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.weights import build_model
 
 TINY_VERSION = 1
@@ -40,8 +40,14 @@ def tiny_config(vocab_size: int) -> dict:
         "o_groups": 2,
         "o_lora_rank": 16,
         "sliding_window": 16,
-        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                        "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+        "layer_types": [
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
         "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
         "n_routed_experts": 8,
@@ -61,8 +67,13 @@ def tiny_config(vocab_size: int) -> dict:
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "compress_rope_theta": 160000.0,
-        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                         "beta_fast": 32, "beta_slow": 1},
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
         "tie_word_embeddings": False,
         "bos_token_id": 256,
         "eos_token_id": 257,
@@ -84,7 +95,11 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
         if name.startswith("rope_tables."):
             continue
         tensors[_release_name(name)] = _init(name, t, gen, raw)
-    save_file(_split_experts(tensors, raw["moe_intermediate_size"]), out / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        _split_experts(tensors, raw["moe_intermediate_size"]),
+        out / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out
 
@@ -94,7 +109,7 @@ def _init(name: str, t: torch.Tensor, gen: torch.Generator, raw: dict) -> torch.
         return torch.randint(0, raw["n_routed_experts"], t.shape, generator=gen, dtype=torch.int64)
     if name.endswith(("norm.weight", ".scale")):
         return 1 + 0.1 * torch.randn(t.shape, generator=gen)
-    if t.dim() == 1:   # sinks, gate biases, mHC biases
+    if t.dim() == 1:  # sinks, gate biases, mHC biases
         return 0.5 * torch.randn(t.shape, generator=gen)
     fan_in = t.shape[-1]
     return torch.randn(t.shape, generator=gen) * (1.0 if name == "embed.weight" else fan_in**-0.5)
@@ -102,7 +117,11 @@ def _init(name: str, t: torch.Tensor, gen: torch.Generator, raw: dict) -> torch.
 
 def _release_name(name: str) -> str:
     """Our parameter name -> DeepSeek's release name (the inverse of weights.py's renames)."""
-    for ours, theirs in ((".hc_attn.", ".hc_attn_"), (".hc_ffn.", ".hc_ffn_"), ("hc_head.", "hc_head_")):
+    for ours, theirs in (
+        (".hc_attn.", ".hc_attn_"),
+        (".hc_ffn.", ".hc_ffn_"),
+        ("hc_head.", "hc_head_"),
+    ):
         name = name.replace(ours, theirs)
     return name + ".weight" if name.endswith(".attn.wo_a") else name
 
@@ -126,14 +145,18 @@ def _split_experts(tensors: dict[str, torch.Tensor], inter: int) -> dict[str, to
 
 def default_tiny_model_dir() -> Path:
     """The tiny model under the user cache directory, made on first use."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsaserve" / f"v{TINY_VERSION}"
-    cache = root / TINY_MODEL_NAME   # the directory's name is the served model id
+    root = (
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        / "dsaserve"
+        / f"v{TINY_VERSION}"
+    )
+    cache = root / TINY_MODEL_NAME  # the directory's name is the served model id
     if not (cache / "model.safetensors").exists():
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
         make_tiny_model(tmp)
         try:
             os.replace(tmp, cache)
-        except OSError:   # another process made it first
+        except OSError:  # another process made it first
             shutil.rmtree(tmp)
     return cache

@@ -42,9 +42,9 @@ class WeightsError(ValueError):
 
 @dataclass(frozen=True)
 class _Target:
-    param: str                  # our parameter / buffer name
-    index: tuple = ()           # sub-slice of it that this checkpoint tensor fills
-    source: str = ""            # the checkpoint name it comes from, as missing-tensor errors show it
+    param: str  # our parameter / buffer name
+    index: tuple = ()  # sub-slice of it that this checkpoint tensor fills
+    source: str = ""  # the checkpoint name it comes from, as missing-tensor errors show it
 
 
 def canonical_target(name: str, inter: int) -> _Target:
@@ -110,11 +110,13 @@ def load_weights(model: DeepseekV4, model_dir: str | os.PathLike) -> None:
     cfg = model.cfg
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     state = {k: v for k, v in state.items() if not k.startswith("rope_tables.")}
-    filled: set[str] = set()   # checkpoint names (release naming) copied into the model
+    filled: set[str] = set()  # checkpoint names (release naming) copied into the model
     unexpected, misshaped = [], []
     files = checkpoint_files(model_dir)
     total = sum(os.path.getsize(f) for f in files)
-    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", disable=total < 2**30) as bar:
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc="loading weights", disable=total < 2**30
+    ) as bar:
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for key in f.keys():
@@ -129,8 +131,10 @@ def load_weights(model: DeepseekV4, model_dir: str | os.PathLike) -> None:
                     src = f.get_slice(key)
                     shape = tuple(src.get_shape())
                     if shape != tuple(dest.shape):
-                        misshaped.append(f"{key}: checkpoint {list(shape)}, model expects {list(dest.shape)}")
-                        filled.add(target.source)   # present, just wrong: reported once, above
+                        misshaped.append(
+                            f"{key}: checkpoint {list(shape)}, model expects {list(dest.shape)}"
+                        )
+                        filled.add(target.source)  # present, just wrong: reported once, above
                         continue
                     tensor = f.get_tensor(key)
                     with torch.no_grad():
@@ -146,10 +150,18 @@ def load_weights(model: DeepseekV4, model_dir: str | os.PathLike) -> None:
         raise WeightsError(_report(model_dir, missing, unexpected, misshaped))
 
 
-def _report(model_dir: str | os.PathLike, missing: list[str], unexpected: list[str], misshaped: list[str]) -> str:
+def _report(
+    model_dir: str | os.PathLike, missing: list[str], unexpected: list[str], misshaped: list[str]
+) -> str:
     lines = [f"checkpoint in {model_dir} does not match its config.json:"]
-    for title, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped)):
+    for title, items in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("wrong shape", misshaped),
+    ):
         if items:
-            shown = ", ".join(items[:12]) + (f", ... ({len(items) - 12} more)" if len(items) > 12 else "")
+            shown = ", ".join(items[:12]) + (
+                f", ... ({len(items) - 12} more)" if len(items) > 12 else ""
+            )
             lines.append(f"  {title} ({len(items)}): {shown}")
     return "\n".join(lines)
