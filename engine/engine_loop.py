@@ -80,7 +80,9 @@ class EngineLoop:
         return fut
 
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
-        return await asyncio.wrap_future(self.call(fn))
+        """Await fn(engine). Shielded: if the awaiting task is cancelled (its RPC was), the
+        command still runs, so an abort, release or claim is never lost half way."""
+        return await asyncio.shield(asyncio.wrap_future(self.call(fn)))
 
     async def stream(self, request_id: str, outputs: OutputQueue) -> AsyncIterator[RequestOutput]:
         """Yield a request's outputs until the finishing one; aborts the request if the

@@ -205,8 +205,19 @@ class LLMEngine:
             raise KeyError(request_id)
         return KVPages(pages={**req.page_tables, "slab": [req.slab]}, num_tokens=req.num_computed)
 
+    def claim(self, request_id: str, hold_s: float, now: float) -> float | None:
+        """A reader is about to read a held request's pages: keep them until at least
+        `now + hold_s` (time.monotonic()). Returns the lease deadline, or None if the pages are
+        no longer held (the lease ran out, or the request was aborted or released)."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None or req.status is not Status.HELD:
+            return None
+        req.lease_deadline = max(req.lease_deadline or now, now + hold_s)
+        return req.lease_deadline
+
     def release(self, request_id: str) -> bool:
-        """Free the KV a prefill-only request holds (its reader is done, or gave up)."""
+        """Free the KV a prefill-only request holds (its reader is done, or gave up). True if
+        the pages were still held, i.e. nothing else could have written them until now."""
         req = self.scheduler.requests.get(request_id)
         if req is None or req.status is not Status.HELD:
             return False

@@ -63,13 +63,13 @@ def flags(cls: type) -> list[Flag]:
     return [f for _, f in _walk(cls)]
 
 
-def _walk(cls: type) -> Iterator[tuple[type, Flag]]:
+def _walk(cls: type, prefix: str = "") -> Iterator[tuple[type, Flag]]:
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         meta = field.metadata
         hint = hints[field.name]
         if dataclasses.is_dataclass(hint):
-            yield from _walk(hint)
+            yield from _walk(hint, f"{prefix}{field.name}.")
             continue
         if meta.get("cli") is False:
             continue
@@ -79,7 +79,7 @@ def _walk(cls: type) -> Iterator[tuple[type, Flag]]:
         yield (
             cls,
             Flag(
-                dest=field.name,
+                dest=prefix + field.name,
                 option=meta.get("flag") or "--" + field.name.replace("_", "-"),
                 aliases=tuple(meta.get("aliases", ())),
                 short=meta.get("short"),
@@ -148,7 +148,7 @@ def _add(group: Any, flag: Flag, default: Any) -> None:
             kwargs["required"] = True
     if flag.positional:
         kwargs.pop("dest")
-        group.add_argument(flag.dest, **kwargs)
+        group.add_argument(flag.dest, metavar=flag.dest.upper(), **kwargs)
         return
     names = [flag.short, flag.option] if flag.short else [flag.option]
     group.add_argument(*names, **kwargs)
@@ -184,16 +184,17 @@ def _convert(flag: Flag, raw: str) -> Any:
     return value
 
 
-def from_args(cls: type[S], args: argparse.Namespace) -> S:
+def from_args(cls: type[S], args: argparse.Namespace, prefix: str = "") -> S:
     """Build the settings (nested ones included) from parsed flags."""
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
+        dest = prefix + field.name
         if dataclasses.is_dataclass(hint):
-            values[field.name] = from_args(hint, args)
-        elif hasattr(args, field.name):
-            value = getattr(args, field.name)
+            values[field.name] = from_args(hint, args, dest + ".")
+        elif hasattr(args, dest):
+            value = getattr(args, dest)
             values[field.name] = tuple(value) if isinstance(value, list) else value
     return cls(**values)
 

@@ -69,6 +69,17 @@ class Proc:
         with grpc.insecure_channel(self.address) as channel:
             return stub(channel).Load(pb.LoadRequest(), metadata=token_metadata(TOKEN), timeout=5)
 
+    def failures(self, cause: str) -> float:
+        """This worker's dsaserve_worker_failures_total for `cause` (0 before the first)."""
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
+        ) as r:
+            text = r.read().decode()
+        for line in text.splitlines():
+            if line.startswith("dsaserve_worker_failures_total{") and f'cause="{cause}"' in line:
+                return float(line.split()[-1])
+        return 0.0
+
     def all_kv_free(self) -> bool:
         load = self.load()
         return (
@@ -96,8 +107,9 @@ class Stack:
         self.procs.append(Proc(name, proc, log, port, metrics_port))
         return self.procs[-1]
 
-    def worker(self, role: str, *extra: str) -> Proc:
-        port, metrics_port = free_port(), free_port()
+    def worker(self, role: str, *extra: str, port: int = 0, metrics_port: int = 0) -> Proc:
+        """Start a worker (on free ports unless given: a restart keeps its address)."""
+        port, metrics_port = port or free_port(), metrics_port or free_port()
         name = f"{role}-{len(self.procs)}"
         return self._spawn(
             name,
@@ -172,6 +184,12 @@ class Stack:
 
         wait_for(healthy, START_TIMEOUT_S, "the router to report healthy")
         return url
+
+    def kill(self, proc: Proc) -> None:
+        """SIGKILL one process and stop watching it (a crash the test causes on purpose)."""
+        proc.proc.kill()
+        proc.proc.wait(timeout=10)
+        self.procs.remove(proc)
 
     def stop(self) -> None:
         for p in self.procs:

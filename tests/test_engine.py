@@ -250,3 +250,20 @@ def test_held_kv_is_freed_when_its_lease_runs_out(tiny):
         engine.held_pages("short")
     assert engine.load().held == 1 and engine.release("long")
     _assert_all_free(engine)
+
+
+def test_a_claim_keeps_held_kv_past_its_lease_and_release_says_if_it_stayed(tiny):
+    """The reader's protocol: Claim extends the hold over the READ; Release answers whether the
+    pages were held until then (a reader that was too slow learns it, never reads silently)."""
+    engine = LLMEngine(tiny)
+    for rid in ("read", "late"):
+        engine.add_request(rid, list(range(40)), SamplingParams(max_tokens=8), hold_for_s=5.0)
+    _drain(engine)
+    now = time.monotonic()
+    deadline = engine.claim("read", hold_s=60.0, now=now)
+    assert deadline is not None and deadline >= now + 60.0
+    assert engine.expire_leases(now + 10.0) == ["late"]  # the claimed one outlives its lease
+    assert engine.claim("late", hold_s=60.0, now=now + 10.0) is None  # too late to claim
+    assert engine.release("read") is True  # intact: held until this release
+    assert engine.release("read") is False and engine.release("late") is False
+    _assert_all_free(engine)

@@ -1,5 +1,10 @@
 """gRPC Decode service: reserve pages, pull the prefilled KV with one NIXL READ, decode, stream.
 
+The pull is Claim (the prefill worker keeps the pages for the READ), READ, Release. A READ is
+one-sided and the prefill worker reuses freed pages at once, so the pulled KV is used only when
+Release says the pages were held until the READ had finished; otherwise the request ends with
+a clear error (cause "lease_expired"), never with tokens computed from someone else's KV.
+
 Every way out of a Decode call - done, error, the router cancelling the stream - leaves no
 pages behind: the request is aborted in the engine unless it finished there.
 """
@@ -17,6 +22,8 @@ import redis.asyncio as aioredis
 from engine.engine_loop import OutputQueue
 from engine.llm_engine import KVPages, RequestError
 from engine.sampling_params import SamplingParams
+from services import connections
+from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from services.transfer import TransferError, fetch_descriptor
 from services.worker.convert import FINISH_REASONS, sampling_from_proto
@@ -25,17 +32,31 @@ from services.worker.settings import DecodeSettings
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.01  # how often a request waiting for free pages retries
+CLAIM_MARGIN_S = 5.0  # a claim outlasts the READ's own timeout by this much
+CONTROL_TIMEOUT_S = 10.0  # bound on one Claim or Release call
+
+
+class PullFailed(Exception):
+    """The prefilled KV could not be pulled; `cause` labels it for metrics and the router."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class DecodeService(RoleService, grpc_api.DecodeServicer):
     def __init__(self, worker: Worker) -> None:
         super().__init__(worker)
-        assert isinstance(worker.settings, DecodeSettings)
-        self.transfer_timeout = worker.settings.transfer_timeout
+        settings = worker.settings
+        assert isinstance(settings, DecodeSettings)
+        self.transfer_timeout = settings.transfer_timeout
         self.redis = aioredis.Redis.from_url(
-            worker.settings.redis_url, socket_timeout=5, socket_connect_timeout=5
+            settings.redis_url, socket_timeout=5, socket_connect_timeout=5
         )
-        self.peers: set[str] = set()
+        self.metadata = token_metadata(settings.cluster_token)
+        self.tls = settings.tls
+        self.peers: dict[str, str] = {}  # prefill worker id -> its NIXL agent we have loaded
+        self.prefill_stubs: dict[str, grpc_api.PrefillStub] = {}  # by address
 
     def register(self, server: grpc.aio.Server) -> None:
         grpc_api.add_DecodeServicer_to_server(self, server)
@@ -44,16 +65,18 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeResponse]:
         w, rid, kv, start = self.w, request.request_id, request.kv, time.monotonic()
-        if not rid or not request.HasField("kv"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and kv are required")
+        if not rid or not request.HasField("kv") or not kv.address:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "request_id and kv (with its address) are required",
+            )
         if kv.layout_hash != w.layout_hash:
             w.metrics.fail("layout_mismatch")
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"KV layout mismatch: prefill worker {kv.worker_id} has layout "
-                f"{kv.layout or kv.layout_hash}, "
-                f"decode worker {w.worker_id} has layout {w.layout}; run both with the same model, "
-                "dtype and --block-size",
+                f"{kv.layout or kv.layout_hash}, decode worker {w.worker_id} has layout "
+                f"{w.layout}; run both with the same model, dtype and --block-size",
             )
         try:
             params = sampling_from_proto(request.sampling)
@@ -63,28 +86,13 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         try:
             outputs = OutputQueue()
             held = await self._reserve(request, params, outputs, context)
-            peer = await self._peer(kv.agent_name, context)
             try:
-                stats = await w.in_nixl_thread(
-                    w.transfer.read,
-                    peer,
-                    {g: list(p.ids) for g, p in kv.pages.items()},
-                    held.pages,
-                    notify=rid.encode(),
-                    timeout_s=self.transfer_timeout,
-                )
-            except TransferError as e:
-                w.metrics.fail("transfer")
+                await self._pull(rid, kv, held, context)
+            except PullFailed as e:
+                w.metrics.fail(e.cause)
                 log.warning("KV pull for %s from %s failed: %s", rid, kv.worker_id, e)
-                self.peers.discard(peer)  # a restarted peer may reuse the name: refetch next time
-                yield pb.DecodeResponse(
-                    error=pb.DecodeError(
-                        message=f"KV transfer from {kv.worker_id} failed: {e}", cause="transfer"
-                    )
-                )
+                yield pb.DecodeResponse(error=pb.DecodeError(message=str(e), cause=e.cause))
                 return
-            w.metrics.transfer_bytes.inc(stats.bytes)
-            w.metrics.transfer_seconds.observe(stats.seconds)
             await w.loop.run(lambda e: e.join(rid))
             async for out in w.loop.stream(rid, outputs):
                 if out.finish_reason == "abort":
@@ -101,13 +109,12 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                     finished = True
                     w.metrics.requests.labels(role="decode", outcome="ok").inc()
                     w.metrics.latency.labels(role="decode").observe(time.monotonic() - start)
+                    usage = pb.Usage(
+                        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens
+                    )
                     yield pb.DecodeResponse(
                         done=pb.DecodeDone(
-                            finish_reason=FINISH_REASONS[out.finish_reason],
-                            usage=pb.Usage(
-                                prompt_tokens=out.prompt_tokens,
-                                completion_tokens=out.completion_tokens,
-                            ),
+                            finish_reason=FINISH_REASONS[out.finish_reason], usage=usage
                         )
                     )
         finally:
@@ -142,23 +149,90 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 )
             await asyncio.sleep(RESERVE_RETRY_S)
 
-    async def _peer(self, agent: str, context: grpc.aio.ServicerContext) -> str:
-        """Load the prefill agent's NIXL descriptor from the registry once."""
-        if agent not in self.peers:
-            try:
-                descriptor = await fetch_descriptor(self.redis, agent)
-            except (aioredis.RedisError, OSError) as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"registry unreachable: {e}")
-            if descriptor is None:
-                self.w.metrics.fail("peer_unknown")
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"prefill agent {agent} has no NIXL descriptor in the registry (worker gone?)",
-                )
-            try:
-                await self.w.in_nixl_thread(self.w.transfer.add_peer, descriptor)
-            except TransferError as e:
-                self.w.metrics.fail("layout_mismatch")
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-            self.peers.add(agent)
+    async def _pull(
+        self, rid: str, kv: pb.KVHandle, held: KVPages, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Claim, READ, Release; raises PullFailed unless the pages read were intact."""
+        w = self.w
+        peer = await self._peer(kv, context)
+        prefill = self._prefill(kv.address)
+        hold_ms = int((self.transfer_timeout + CLAIM_MARGIN_S) * 1000)
+        try:
+            await prefill.Claim(
+                pb.ClaimRequest(request_id=rid, hold_ms=hold_ms),
+                timeout=CONTROL_TIMEOUT_S,
+                metadata=self.metadata,
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise PullFailed(
+                    "lease_expired",
+                    f"prefill worker {kv.worker_id} freed the KV of {rid} before it could be read "
+                    "(its lease ran out); the request must be retried",
+                ) from None
+            raise PullFailed(
+                "prefill_unreachable",
+                f"prefill worker {kv.worker_id} refused the claim: {e.details()}",
+            ) from None
+        remote = {g: list(p.ids) for g, p in kv.pages.items()}
+        try:
+            stats = await w.in_nixl_thread(
+                w.transfer.read, peer, remote, held.pages, timeout_s=self.transfer_timeout
+            )
+        except TransferError as e:
+            self.peers.pop(kv.worker_id, None)  # reconnect from a fresh descriptor next time
+            await self._release(prefill, rid)  # free them there now, not at the lease's end
+            raise PullFailed("transfer", f"KV transfer from {kv.worker_id} failed: {e}") from e
+        if not await self._release(prefill, rid):
+            raise PullFailed(
+                "lease_expired",
+                f"prefill worker {kv.worker_id} freed the KV of {rid} before the transfer "
+                "finished (its lease ran out); the request must be retried",
+            )
+        w.metrics.transfer_bytes.inc(stats.bytes)
+        w.metrics.transfer_seconds.observe(stats.seconds)
+
+    async def _release(self, prefill: grpc_api.PrefillStub, rid: str) -> bool:
+        """Release the pages at the prefill worker; True if they were intact until now."""
+        try:
+            response = await prefill.Release(
+                pb.ReleaseRequest(request_id=rid), timeout=CONTROL_TIMEOUT_S, metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError as e:  # unknown: the read cannot be trusted
+            log.warning("Release(%s) failed: %s", rid, e.code())
+            return False
+        return response.intact
+
+    def _prefill(self, address: str) -> grpc_api.PrefillStub:
+        if address not in self.prefill_stubs:
+            channel = connections.open_channel(address, self.tls)
+            self.prefill_stubs[address] = grpc_api.PrefillStub(channel)
+        return self.prefill_stubs[address]
+
+    async def _peer(self, kv: pb.KVHandle, context: grpc.aio.ServicerContext) -> str:
+        """The prefill worker's NIXL agent, loaded from its registry descriptor once per agent.
+
+        A restarted worker keeps its id but gets a new agent name: the old agent is dropped.
+        """
+        agent, known = kv.agent_name, self.peers.get(kv.worker_id)
+        if known == agent:
+            return agent
+        try:
+            descriptor = await fetch_descriptor(self.redis, agent)
+        except (aioredis.RedisError, OSError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"registry unreachable: {e}")
+        if descriptor is None:
+            self.w.metrics.fail("peer_unknown")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"prefill agent {agent} has no NIXL descriptor in the registry (worker gone?)",
+            )
+        if known is not None:
+            await self.w.in_nixl_thread(self.w.transfer.remove_peer, known)
+        try:
+            await self.w.in_nixl_thread(self.w.transfer.add_peer, descriptor)
+        except TransferError as e:
+            self.w.metrics.fail("layout_mismatch")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        self.peers[kv.worker_id] = agent
         return agent

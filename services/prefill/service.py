@@ -1,9 +1,11 @@
 """gRPC Prefill service.
 
-A request's KV stays pinned after its first token until one of: the decode worker's NIXL
-READ notification (the normal path), an Abort, or the lease running out. The lease lives on the
-engine's request (`hold_for_s`); every way of freeing goes through the engine thread's command
-queue, which runs a command even when the RPC that sent it has been cancelled.
+A request's KV stays pinned after its first token until one of: the reader's Release (the
+normal path), an Abort, or the lease running out. A reader Claims the pages before its NIXL READ
+(which extends the lease to cover the READ) and trusts what it read only if Release answers
+`intact`. The lease lives on the engine's request (`hold_for_s`, `lease_deadline`); every way
+of freeing goes through the engine thread's command queue, which runs a command even when the
+RPC that sent it has been cancelled.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from services.worker.process import RoleService, Worker, now_ms
 from services.worker.settings import PrefillSettings
 
 log = logging.getLogger(__name__)
-POLL_S = 0.01  # how often NIXL notifications and leases are checked
+LEASE_CHECK_S = 0.05  # how often held KV is checked for an expired lease
+MAX_CLAIM_S = 600.0  # the longest hold a reader may ask for
 
 
 class PrefillService(RoleService, grpc_api.PrefillServicer):
@@ -52,14 +55,13 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                     rid, prompt, params, hold_for_s=self.lease_s, listener=outputs
                 )
             )
-        except RequestError as e:
-            w.metrics.fail("invalid_request")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
             out = await outputs.get()
             held = None
             if out.finish_reason is None:
                 held = await w.loop.run(lambda e: e.held_pages(rid))
+        except RequestError as e:
+            w.metrics.fail("invalid_request")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:  # the router gave up: nobody will read this KV
             w.loop.call(lambda e: e.abort(rid))
             raise
@@ -89,20 +91,37 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                     pages={g: pb.PageIds(ids=ids) for g, ids in held.pages.items()},
                     num_tokens=held.num_tokens,
                     lease_expires_unix_ms=now_ms() + int(self.lease_s * 1000),
+                    address=w.address,
                 )
             )
         return response
 
+    async def Claim(
+        self, request: pb.ClaimRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ClaimResponse:
+        rid, hold_s = request.request_id, min(request.hold_ms / 1000, MAX_CLAIM_S)
+        now = time.monotonic()
+        deadline = await self.w.loop.run(lambda e: e.claim(rid, hold_s, now))
+        if deadline is None:
+            self.w.metrics.fail("claim_too_late")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"request {rid} holds no KV here any more (its lease ran out, or it was aborted)",
+            )
+        return pb.ClaimResponse(lease_expires_unix_ms=now_ms() + int((deadline - now) * 1000))
+
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        rid = request.request_id
+        return pb.ReleaseResponse(intact=await self.w.loop.run(lambda e: e.release(rid)))
+
     async def background(self) -> None:
-        """Free held KV when its reader says it is done, or when its lease runs out."""
+        """Free held KV whose lease ran out before a reader released it."""
         w = self.w
         while True:
-            await asyncio.sleep(POLL_S)
-            notes = await w.in_nixl_thread(w.transfer.notifications)
-            for _, msg in notes:
-                rid = msg.decode(errors="replace")
-                w.loop.call(lambda e, rid=rid: e.release(rid))
+            await asyncio.sleep(LEASE_CHECK_S)
             expired = await w.loop.run(lambda e: e.expire_leases(time.monotonic()))
             for rid in expired:
-                log.warning("KV lease of %s expired before a decode worker read it; freed", rid)
+                log.warning("KV lease of %s ran out before a decode worker released it", rid)
                 w.metrics.fail("lease_expired")

@@ -53,7 +53,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     model = ServedModel.load(s.model_dir, s.served_model_name, s.max_model_len)
     metrics = RouterMetrics(CollectorRegistry())
     watcher = RegistryWatcher(s.redis_url, s.registry_ttl_s)
-    clients = WorkerClients(s.cluster_token)
+    clients = WorkerClients(s.cluster_token, s.tls)
     admission = Admission(s.max_inflight, s.max_queue)
     metrics.track_admission(lambda: admission.waiting, lambda: admission.inflight)
     selector = WorkerSelector(watcher, model.name, s.policy, clients.inflight, rng)

@@ -16,22 +16,19 @@ from collections.abc import Iterator
 import grpc
 
 from services.auth import token_metadata
+from services.connections import GrpcTLS, open_channel
 from services.registry import WorkerRecord
 from services.rpc import grpc_api, pb
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0
-_CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-)
 
 
 class WorkerClients:
-    def __init__(self, cluster_token: str) -> None:
+    def __init__(self, cluster_token: str, tls: GrpcTLS) -> None:
         self.metadata = token_metadata(cluster_token)
+        self._tls = tls
         # Calls this router has open per worker id: the policies add it to the registry's load.
         self.inflight: collections.Counter[str] = collections.Counter()
         self._channels: dict[
@@ -43,7 +40,7 @@ class WorkerClients:
         self, address: str
     ) -> tuple[grpc.aio.Channel, grpc_api.PrefillStub, grpc_api.DecodeStub]:
         if address not in self._channels:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = open_channel(address, self._tls)
             self._channels[address] = (
                 channel,
                 grpc_api.PrefillStub(channel),

@@ -54,6 +54,8 @@ _REFUSED = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNAUTHENTICATED,
 }
+# Decode errors (DecodeError.cause) after which the same request may well succeed.
+_RETRYABLE_CAUSES = {"lease_expired", "transfer", "prefill_unreachable", "peer_unknown"}
 _FINISH_REASONS: dict[int, str] = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
@@ -132,8 +134,11 @@ class PDFlow:
         if kind == "done":
             return self._finish(response.done.finish_reason, response.done.usage, worker, gen)
         if kind == "error":
+            cause = response.error.cause or "decode_error"
+            # The KV could not be pulled intact: nothing is wrong with the request itself.
+            status = 503 if cause in _RETRYABLE_CAUSES else 500
             message = f"decode worker {worker.address}: {response.error.message}"
-            raise APIError(500, message, cause=response.error.cause or "decode_error")
+            raise APIError(status, message, cause=cause)
         raise APIError(
             500, f"decode worker {worker.address} sent an empty message", cause="protocol"
         )

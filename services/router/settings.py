@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import setting
+from services.connections import GrpcTLS
 from services.registry import DEFAULT_TTL_S
 
 from .policy import POLICIES
@@ -42,6 +43,7 @@ class RouterSettings:
     )
     host: str = setting("0.0.0.0", "HTTP bind address")
     port: int = setting(8000, "HTTP port")
+    tls: GrpcTLS = field(default_factory=GrpcTLS)  # of the gRPC calls to workers
 
     def __post_init__(self) -> None:
         checks = [

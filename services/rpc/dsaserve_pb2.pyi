@@ -53,7 +53,7 @@ class PageIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms")
+    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms", "address")
     class PagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class KVHandle(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     agent_name: str
     layout_hash: str
@@ -75,7 +76,8 @@ class KVHandle(_message.Message):
     pages: _containers.MessageMap[str, PageIds]
     num_tokens: int
     lease_expires_unix_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+    address: str
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
@@ -100,6 +102,32 @@ class PrefillResponse(_message.Message):
     kv: KVHandle
     usage: Usage
     def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class ClaimRequest(_message.Message):
+    __slots__ = ("request_id", "hold_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    hold_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., hold_ms: _Optional[int] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("lease_expires_unix_ms",)
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_expires_unix_ms: int
+    def __init__(self, lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("intact",)
+    INTACT_FIELD_NUMBER: _ClassVar[int]
+    intact: bool
+    def __init__(self, intact: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv")

@@ -41,6 +41,16 @@ class PrefillStub:
                 request_serializer=dsaserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=dsaserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/dsaserve.v1.Prefill/Claim',
+                request_serializer=dsaserve__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=dsaserve__pb2.ClaimResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/dsaserve.v1.Prefill/Release',
+                request_serializer=dsaserve__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=dsaserve__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/dsaserve.v1.Prefill/Abort',
                 request_serializer=dsaserve__pb2.AbortRequest.SerializeToString,
@@ -64,6 +74,19 @@ class PrefillServicer:
     """
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Claim(self, request, context):
+        """NOT_FOUND once the pages are freed
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,6 +117,16 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=dsaserve__pb2.PrefillRequest.FromString,
                     response_serializer=dsaserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=dsaserve__pb2.ClaimRequest.FromString,
+                    response_serializer=dsaserve__pb2.ClaimResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=dsaserve__pb2.ReleaseRequest.FromString,
+                    response_serializer=dsaserve__pb2.ReleaseResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -140,6 +173,60 @@ class Prefill:
             '/dsaserve.v1.Prefill/Prefill',
             dsaserve__pb2.PrefillRequest.SerializeToString,
             dsaserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsaserve.v1.Prefill/Claim',
+            dsaserve__pb2.ClaimRequest.SerializeToString,
+            dsaserve__pb2.ClaimResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsaserve.v1.Prefill/Release',
+            dsaserve__pb2.ReleaseRequest.SerializeToString,
+            dsaserve__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

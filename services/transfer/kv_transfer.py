@@ -1,8 +1,8 @@
 """KVTransfer: one NIXL agent per worker process, pulling KV pages from peers with one READ.
 
 Pull model: the prefill worker holds a request's pages under a lease; the decode worker reserves
-its own pages, then `read`s the prefill worker's pages in ONE batched NIXL READ whose notification
-tells the prefill worker (polling `notifications`) that it may free them.
+its own pages, then `read`s the prefill worker's pages in ONE batched NIXL READ (which may carry
+a notification for the peer, polled with `notifications`).
 
 Threading: NIXL is not guaranteed thread-safe, so one KVTransfer must be used from one thread at
 a time (the services call it from a single dedicated thread). Overlapping calls raise
@@ -98,9 +98,16 @@ class KVTransfer:
             return name
 
     def read(
-        self, peer: str, remote_pages: Pages, local_pages: Pages, *, notify: bytes, timeout_s: float
+        self,
+        peer: str,
+        remote_pages: Pages,
+        local_pages: Pages,
+        *,
+        timeout_s: float,
+        notify: bytes = b"",
     ) -> TransferStats:
-        """Pull pages of `peer` into our pages with one READ; the peer gets `notify` when done.
+        """Pull pages of `peer` into our pages with one READ; the peer gets `notify` (if not
+        empty) when it is done.
 
         remote_pages / local_pages: group -> page ids, same groups and lengths; position i of
         remote goes to position i of local, in every region of the group. Blocks until the READ
@@ -112,8 +119,8 @@ class KVTransfer:
             desc = self._peer(peer)
             local, remote = self._rows(desc, remote_pages, local_pages)  # [n, 3] each
             if local.shape[0] == 0:
-                # Nothing to move (all pages already here): the peer still needs its release.
-                self._call("notify", peer, self._agent.send_notif, peer, notify)
+                if notify:  # nothing to move, but the peer waits for its notification
+                    self._call("notify", peer, self._agent.send_notif, peer, notify)
             else:
                 self._read(peer, desc.mem, local, remote, notify, timeout_s)
             nbytes = int(local[:, 1].sum())

@@ -24,10 +24,12 @@ import grpc
 
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
+from services import connections
 from services.auth import ClusterTokenCheck
 from services.registry import WorkerRecord, WorkerRegistration
 from services.rpc import pb
 from services.transfer import KVTransfer, Region, publish_descriptor
+from services.transfer.interfaces import bind_ucx_to
 from services.worker.convert import load_response
 from services.worker.metrics import WorkerMetrics
 from services.worker.probes import ProbeServer, probe_app
@@ -84,14 +86,30 @@ class Worker:
         self.worker_id = (
             settings.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         )
+        wildcard = settings.host in ("0.0.0.0", "::")
+        self.advertise_host = settings.advertise_host or (
+            "127.0.0.1" if wildcard else settings.host
+        )
+        if not _is_loopback(settings.host) and settings.tls.cert is None:
+            log.warning(
+                "%s worker serves gRPC in plaintext and /metrics without authentication on %s: "
+                "anyone who reaches it can read the cluster token; set --grpc-tls-cert/--key "
+                "(and --grpc-tls-ca on every client) or bind a private interface",
+                role,
+                settings.host,
+            )
         self.engine = LLMEngine(model_dir, settings.engine)
         self.loop = EngineLoop(self.engine)
         self.metrics = WorkerMetrics(role, self.loop.load)
+        bind_ucx_to(self.advertise_host)
         # NIXL is not thread-safe: one thread makes every call on the agent.
         self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         regions = [Region(r.name, r.group, r.tensor) for r in self.engine.pool.regions()]
+        # One agent name per process start: peers that cached a restarted worker's old agent
+        # see a new name in its KV handles, never a stale connection under the old one.
+        agent_name = f"{self.worker_id}.{uuid.uuid4().hex[:8]}"
         self.transfer: KVTransfer = self._nixl_thread.submit(
-            KVTransfer, self.worker_id, regions
+            KVTransfer, agent_name, regions
         ).result()
         self.layout_hash = self.engine.pool.layout_hash()
         self.layout = self.engine.pool.layout_description()
@@ -104,20 +122,19 @@ class Worker:
         s = self.settings
         self.loop.start()
         server = grpc.aio.server(
-            interceptors=[ClusterTokenCheck(s.cluster_token)],
-            options=[("grpc.max_receive_message_length", 64 << 20)],
+            interceptors=[ClusterTokenCheck(s.cluster_token)], options=connections.SERVER_OPTIONS
         )
         service.register(server)
-        port = server.add_insecure_port(f"{s.host}:{s.port}")
+        port = connections.bind(server, f"{s.host}:{s.port}", s.tls)
         await server.start()
-        advertise = s.advertise_host or ("127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host)
+        self.address = f"{self.advertise_host}:{port}"
         record = WorkerRecord(
             worker_id=self.worker_id,
             role=self.role,
-            address=f"{advertise}:{port}",
+            address=self.address,
             model=self.model_name,
             layout_hash=self.layout_hash,
-            nixl_agent=self.worker_id,
+            nixl_agent=self.transfer.agent_name,
         )
         ttl = s.registry_ttl_s
         registration = WorkerRegistration(
@@ -172,3 +189,7 @@ class Worker:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, setting
+from services.connections import GrpcTLS
 from services.registry import DEFAULT_TTL_S
 
 
@@ -13,14 +14,17 @@ class WorkerSettings:
     """Worker process"""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
+    tls: GrpcTLS = field(default_factory=GrpcTLS)
     model: str | None = setting(None, "model directory (default: the built-in demo model)")
     served_model_name: str | None = setting(
         None, "model id in the registry (default: the model directory's name)"
     )
-    host: str = setting("0.0.0.0", "gRPC and probe bind address")
+    host: str = setting("127.0.0.1", "gRPC, probe and NIXL bind address (0.0.0.0: every interface)")
     port: int = setting(50051, "gRPC port")
     advertise_host: str | None = setting(
-        None, "host other processes reach this worker at (default: --host, or 127.0.0.1)"
+        None,
+        "host other processes reach this worker at (default: --host, or 127.0.0.1 when --host "
+        "is 0.0.0.0); NIXL moves KV over the interface that has this address",
     )
     worker_id: str | None = setting(None, "registry id (default: role-hostname-random)")
     redis_url: str = setting("redis://127.0.0.1:6379/0", "the worker registry")

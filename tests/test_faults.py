@@ -1,0 +1,224 @@
+"""Faults against the real stack (redis-server, workers and router as processes, NIXL, gRPC):
+nothing is served from freed pages, nothing leaks, nothing hangs.
+
+Each test breaks a stack of its own, in a Redis database of its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import httpx
+import pytest
+import redis
+
+from engine.models.deepseek_v4.tiny import make_tiny_model
+from services.auth import token_metadata
+from services.rpc import grpc_api, pb
+from tests.serving_stack import TOKEN, Stack, wait_for
+
+PROMPTS = [f"Tell me about river number {i}, please." for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("faults") / "dsaserve-tiny-v4")
+
+
+def stack_in_db(model, redis_server: str, tmp_path, db: int) -> Stack:
+    url = f"{redis_server.rsplit('/', 1)[0]}/{db}"
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return Stack(model, url, tmp_path, ttl=3.0)
+
+
+def chat(url: str, prompt: str, **extra) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 12}
+    body |= {"temperature": 0, "ignore_eos": True} | extra
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def answer(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_decode_stopped_past_the_lease_never_answers_from_freed_pages(
+    model, redis_server, tmp_path
+):
+    """The decode worker is stopped (SIGSTOP) while requests arrive; their prefill leases run out
+    and their pages go to the next requests. Once it resumes, every request is answered exactly
+    as before the fault or refused with a clear error: no answer from someone else's KV."""
+    s = stack_in_db(model, redis_server, tmp_path, db=3)
+    try:
+        prefill = s.worker("prefill", "--lease-seconds", "1")
+        decode = s.worker("decode")
+        router = s.router()
+        s.wait_ready(prefill, decode)
+        url = s.wait_healthy(router)
+        reference = {p: answer(chat(url, p)) for p in PROMPTS}
+        with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            decode.proc.send_signal(signal.SIGSTOP)
+            try:
+                futures = {p: pool.submit(chat, url, p) for p in PROMPTS}
+                # Every request prefilled, then its lease ran out and its pages were freed;
+                # the later prefills took pages the earlier ones had held.
+                wait_for(
+                    lambda: prefill.failures("lease_expired") >= len(PROMPTS),
+                    60,
+                    "the held requests' leases to run out",
+                )
+            finally:
+                decode.proc.send_signal(signal.SIGCONT)
+            results = {p: f.result() for p, f in futures.items()}
+        refused = 0
+        for prompt, response in results.items():
+            if response.status_code == 200:
+                assert answer(response) == reference[prompt], "an answer from freed pages"
+            else:
+                refused += 1
+                error = response.json()["error"]
+                assert response.status_code == 503, response.text
+                assert "lease" in error["message"] and "retried" in error["message"]
+        assert refused > 0, "no request met an expired lease: the fault did not happen"
+        assert decode.failures("lease_expired") == refused
+        wait_for(prefill.all_kv_free, 30, "prefill to free every page")
+        wait_for(decode.all_kv_free, 30, "decode to free every page")
+        assert answer(chat(url, PROMPTS[0])) == reference[PROMPTS[0]]  # and it serves again
+    finally:
+        s.stop()
+
+
+def test_an_abort_cancelled_under_load_still_frees_the_pages(model, redis_server, tmp_path):
+    """The router's Abort has a deadline; when the prefill worker's engine is busy the call is
+    cancelled before the engine gets to it. The abort must still happen (the lease here is far
+    longer than the test). Steps of 4096 rows keep the engine busy for a second or more each."""
+    s = stack_in_db(model, redis_server, tmp_path, db=4)
+    try:
+        prefill = s.worker("prefill", "--lease-seconds", "600", "--max-num-batched-tokens", "4096")
+        s.wait_ready(prefill)
+        with grpc.insecure_channel(prefill.address) as channel:
+            stub, metadata = grpc_api.PrefillStub(channel), token_metadata(TOKEN)
+            sampling = pb.SamplingParams(max_tokens=4, temperature=0)
+            held = pb.PrefillRequest(
+                request_id="held", prompt_token_ids=[1] * 30, sampling=sampling
+            )
+            assert stub.Prefill(held, metadata=metadata, timeout=60).HasField("kv")
+            busy = [
+                stub.Prefill.future(
+                    pb.PrefillRequest(
+                        request_id=f"busy-{i}", prompt_token_ids=[2] * 4000, sampling=sampling
+                    ),
+                    metadata=metadata,
+                    timeout=120,
+                )
+                for i in range(3)
+            ]
+            wait_for(lambda: prefill.load().running > 0, 60, "the long prefills to start")
+            with pytest.raises(grpc.RpcError) as cancelled:
+                stub.Abort(pb.AbortRequest(request_id="held"), metadata=metadata, timeout=0.2)
+            assert cancelled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for future in busy:
+                future.result()
+            for i in range(3):  # nobody reads these: free them
+                stub.Release(pb.ReleaseRequest(request_id=f"busy-{i}"), metadata=metadata)
+            with pytest.raises(grpc.RpcError) as gone:
+                stub.Claim(pb.ClaimRequest(request_id="held", hold_ms=1000), metadata=metadata)
+            assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        wait_for(prefill.all_kv_free, 30, "the aborted request's pages to be free")
+    finally:
+        s.stop()
+
+
+def test_a_prefill_worker_restarted_under_the_same_id_serves_at_once(model, redis_server, tmp_path):
+    """Killed with -9 and restarted with the same --worker-id and address (as a container
+    restart does): the decode worker must not reuse its connection to the dead NIXL agent."""
+    s = stack_in_db(model, redis_server, tmp_path, db=5)
+    try:
+        prefill = s.worker("prefill", "--worker-id", "prefill-a")
+        decode = s.worker("decode")
+        router = s.router()
+        s.wait_ready(prefill, decode)
+        url = s.wait_healthy(router)
+        before = answer(chat(url, PROMPTS[1]))
+        s.kill(prefill)
+        again = s.worker(
+            "prefill",
+            "--worker-id",
+            "prefill-a",
+            port=prefill.port,
+            metrics_port=prefill.metrics_port,
+        )
+        s.wait_ready(again)
+        s.wait_healthy(router)
+        for _ in range(3):
+            assert answer(chat(url, PROMPTS[1])) == before
+        wait_for(again.all_kv_free, 30, "the new prefill worker to free every page")
+        wait_for(decode.all_kv_free, 30, "decode to free every page")
+    finally:
+        s.stop()
+
+
+def test_a_hung_decode_worker_fails_its_streams_within_seconds(model, redis_server, tmp_path):
+    """A decode worker that stops mid-stream (SIGSTOP): gRPC keepalive notices, the stream ends
+    with an error event long before the request timeout, and the prefill side frees all."""
+    s = stack_in_db(model, redis_server, tmp_path, db=6)
+    try:
+        prefill, decode = s.worker("prefill"), s.worker("decode")
+        router = s.router("--request-timeout", "600")
+        s.wait_ready(prefill, decode)
+        url = s.wait_healthy(router)
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3000}
+        body |= {"stream": True, "ignore_eos": True}
+        # The read timeout bounds the wait for the error: far below the request timeout.
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            decode.proc.send_signal(signal.SIGSTOP)
+            try:
+                rest = [line for line in lines if line.startswith("data: ")]
+            finally:
+                decode.proc.send_signal(signal.SIGCONT)
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
+        wait_for(prefill.all_kv_free, 30, "prefill to free every page")
+        wait_for(decode.all_kv_free, 30, "decode to free every page")
+    finally:
+        s.stop()
+
+
+def test_worker_refuses_an_exposed_plaintext_bind_silently(model, tmp_path):
+    """Binding every interface without TLS is allowed, but said loudly in the log."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "prefill",
+            "--model",
+            str(model),
+            "--host",
+            "0.0.0.0",
+            "--redis-url",
+            "redis://127.0.0.1:1/0",
+            "--cluster-token",
+            "t",
+            "--metrics-port",
+            "0",
+            "--port",
+            "0",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert out.returncode != 0  # no Redis there: it stops at registration
+    assert "plaintext" in out.stderr and "0.0.0.0" in out.stderr
