@@ -7,7 +7,7 @@ Formats (V4-Flash checkpoint, ``quantization_config`` fmt e4m3, scale_fmt ue8m0,
     FP4 experts  weight [N, K/2] int8, two e2m1 codes per byte, the LOW nibble holding the first
                  (even) element; ``.scale`` [N, K/32] float8_e8m0fnu:
                  w[n, k] = e2m1(code[n, k]) * scale[n, k // 32]
-    e2m1 code    bit 3 sign, bits 2-1 exponent, bit 0 mantissa: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    e2m1 code    bit 3 sign, bits 2-1 exponent, bit 0 mantissa: 0, 0.5, 1, 1.5, 2, 3, 4, 6
     ue8m0 byte   2^(byte - 127) (byte 255 is NaN); dequantization MULTIPLIES by it, whatever the
                  HF name ``weight_scale_inv`` suggests
 
@@ -59,7 +59,8 @@ ACT_AMAX_FLOOR = 1e-4  # act_quant's floor on amax (so an all-zero group gets sc
 FP4_AMAX_FLOOR = 6 * 2.0**-126  # fp4_quant_kernel's floor
 
 # e2m1 code -> value, code 8 is -0.0 (sign bit set on zero)
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+               -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 # ---- scales ------------------------------------------------------------------------------------
