@@ -55,10 +55,11 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
         # wide stripes when N is large: fewer re-reads of the activation rows per weight byte
         block_n = 128 if n >= 16384 else 64
         tiles = triton.cdiv(n, block_n)
-        k_blocks = k // FP8_BLOCK
-        # ~4 programs per SM keep enough weight bytes in flight; >= 2 K blocks per split, and
-        # the fp32 partials (written and read through L2) kept well under the weight bytes
-        split = max(1, min(triton.cdiv(4 * sms, tiles), k_blocks // 2, k // (8 * m)))
+        split = 1
+        if tiles < sms:  # too few stripes to fill the GPU: split K
+            # ~4 programs per SM keep enough weight bytes in flight; >= 2 K blocks per split;
+            # the fp32 partials (written and read back through L2) at most half the weight bytes
+            split = max(1, min(triton.cdiv(4 * sms, tiles), k // FP8_BLOCK // 2, k // (8 * m)))
         return GemmConfig(block_m, block_n, split, 1, True, 4, 4)
     if m <= 512:
         return GemmConfig(64, 128, 1, 8, False, 4, 4)
@@ -112,8 +113,8 @@ def _fp8_gemm_kernel(
         part = tl.dot(a, tl.trans(w), input_precision="ieee" if INTERP else "tf32")
         acc += part * (sa[:, None] * sw[None, :])  # both powers of two: the product is exact
 
-    c_ptrs = c_ptr + tl.program_id(1) * stride_cs + rows[:, None].to(tl.int64) * stride_cm \
-        + cols[None, :]
+    c_ptrs = c_ptr + tl.program_id(1).to(tl.int64) * stride_cs \
+        + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
         tl.store(c_ptrs, acc, mask=mask)
@@ -130,8 +131,10 @@ def _split_sum_kernel(p_ptr, c_ptr, total, splits, stride_ps, BLOCK: tl.constexp
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(p_ptr + s * stride_ps + offs, mask=ok, other=0.0)
+    parts = p_ptr + offs
+    for _ in range(splits):
+        acc += tl.load(parts, mask=ok, other=0.0)
+        parts += stride_ps  # (pointer arithmetic: 64-bit)
     if ROUND:  # interpreter, bf16 out: see _fp8_gemm_kernel
         acc = round_bf16(acc, True)
     tl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=ok)
