@@ -13,8 +13,8 @@ promotion is also what keeps Hopper's reduced-precision fp8 accumulation short).
 
 Two regimes, chosen from the shape alone (``default_config``):
 - decode (M <= 64) is weight-bandwidth bound: one program covers every row of a BLOCK_N-wide
-  weight stripe, so each weight byte is read once; the activations are quantized inside the
-  GEMM (no act_quant launch, the bf16 rows come from L2); when the N tiles cannot fill the GPU the
+  weight stripe, so each weight byte is read once; up to 16 rows are quantized inside the GEMM
+  (no act_quant launch; the bf16 rows come from L2); when the N stripes cannot fill the GPU the
   K range is split across programs and a second kernel adds the fp32 partials in split order.
 - prefill (large M) is tensor-core bound: act_quant runs first, then 128x128 tiles in grouped
   launch order (neighbouring programs share A rows and W columns in L2), fp8 dots (wgmma).
@@ -60,7 +60,9 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
             # ~4 programs per SM keep enough weight bytes in flight; >= 2 K blocks per split;
             # the fp32 partials (written and read back through L2) at most half the weight bytes
             split = max(1, min(triton.cdiv(4 * sms, tiles), k // FP8_BLOCK // 2, k // (8 * m)))
-        return GemmConfig(block_m, block_n, split, 1, True, 4, 4)
+        # quantizing inside saves act_quant's launch, but every N stripe redoes it: worth it for
+        # a handful of rows; at 64 rows it would cost more ALU per weight byte than the GEMM
+        return GemmConfig(block_m, block_n, split, 1, block_m == 16, 4, 4)
     if m <= 512:
         return GemmConfig(64, 128, 1, 8, False, 4, 4)
     return GemmConfig(128, 128, 1, 8, False, 8, 4)

@@ -278,7 +278,8 @@ def test_fp8_default_config_follows_shape_only():
     dev = torch.device("cpu")  # 4 "SMs" under the interpreter
     decode = fp8_gemm.default_config(1, 128, 4096, dev)  # 2 N tiles: split K to fill the GPU
     assert decode.fuse_quant and decode.block_m == 16 and decode.split_k > 1
-    assert fp8_gemm.default_config(64, 1024, 4096, dev).block_m == 64
+    rows64 = fp8_gemm.default_config(64, 1024, 4096, dev)
+    assert rows64.block_m == 64 and not rows64.fuse_quant
     prefill = fp8_gemm.default_config(4096, 1024, 4096, dev)
     assert not prefill.fuse_quant and prefill.split_k == 1 and prefill.block_m == 128
 
