@@ -465,9 +465,9 @@ def moe_variants(env: Env, tokens: int, spec: dict) -> list[MoeConfig | None]:
         return [None, MoeConfig(16, 64, 4, 4, False)] if tokens <= 256 else [None]
     if tokens <= 256:
         return [None] + [MoeConfig(16, bn, w, st, asm) for asm in (False, True)
-                         for bn, w, st in ((64, 4, 3), (32, 4, 4), (128, 4, 4), (64, 8, 4))]
-    return [None, MoeConfig(64, 64, 4, 4, True), MoeConfig(64, 128, 8, 3, True),
-            MoeConfig(32, 64, 4, 4, True)]
+                         for bn, w, st in ((128, 4, 3), (64, 4, 4), (256, 8, 4), (128, 8, 4))]
+    return [None, MoeConfig(32, 64, 8, 4, True), MoeConfig(32, 128, 4, 3, True),
+            MoeConfig(64, 128, 8, 3, True)]
 
 
 def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict,

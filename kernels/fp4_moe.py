@@ -19,8 +19,10 @@ the release quantizes before w1 and before w3, identically); gate and up are fp4
 rounded to bf16; h = silu(min(gate, L)) * clamp(up, -L, L) in fp32, times the routing weight
 (before w2, unlike engine/moe.py's bf16 path), rounded to bf16 and quantized per 128 again; the
 down projection's bf16 outputs are added in fp32. Each fp4 GEMM promotes per 32-value chunk like
-fp4_gemm_kernel: an fp8 tensor-core dot of the chunk into a fresh fp32 tile, times
-x_scale * w_scale, added to the fp32 accumulator.
+fp4_gemm_kernel: a tensor-core dot of the chunk (exact products, fp32 sums) into a fresh tile,
+times w_scale, into an fp32 block sum that is scaled by x_scale (a power of two, so equal to
+scaling each chunk) and added to the fp32 accumulator; only the order of fp32 additions differs
+from the release.
 
 The weights never leave FP4 in memory: a program loads packed bytes and turns each nibble into
 the e4m3 code of 2^-6 times its e2m1 value with a few bit operations (kernels.act_quant
@@ -51,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.act_quant import act_quant, e8m0_to_f32, fp4_to_e4m3, quantize_rows, round_bf16
+from kernels.act_quant import act_quant, fp4_to_e4m3, quantize_rows, round_bf16
 from kernels.env import INTERPRET
 from kernels.quant import FP4_BLOCK, FP8_BLOCK
 
@@ -67,22 +69,57 @@ class MoeConfig:
 
 def default_config(rows: int, experts: int, device: torch.device) -> MoeConfig:
     """Shape-only choice. rows = T * k."""
-    per_expert = rows / max(experts, 1)
-    block_m = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
-    # the inline-PTX nibble decode takes ~5 instructions per 4 bytes against ~9 per byte in
-    # plain Triton, which would make a decode step ALU-bound below the HBM rate
-    return MoeConfig(block_m, 64, 4, 4, device.type == "cuda")
+    # Decode steps are bound by instruction issue as much as by HBM (sm_90 SASS, per KB of
+    # weights and SM: ~60 issue cycles in the gate/up loop, ~68 in the down loop at BLOCK_N 128,
+    # ~96 at 64; ~64 would keep up with 4 TB/s); the inline-PTX nibble decode halves them
+    # against plain Triton. 64-row blocks spill (four [64, 128] fp32 tiles in the gate/up
+    # program), so prefill uses 32 rows and 8 warps.
+    block_m = 16 if rows <= 16 * max(experts, 1) else 32
+    return MoeConfig(block_m, 128, 4 if block_m == 16 else 8, 4, device.type == "cuda")
 
 
 @triton.jit
-def _fp4_tile(b, USE_ASM: tl.constexpr, INTERP: tl.constexpr):
-    """Packed bytes [R, 16] -> [R, 32] e4m3 operand (fp32 values under the interpreter) of
-    2^-6 * e2m1, in natural order: element 2j from byte j's low nibble."""
-    lo, hi = fp4_to_e4m3(b, USE_ASM)
-    w = tl.interleave(lo, hi).to(tl.float8e4nv, bitcast=True)
+def _chunk(acc, a_even, a_odd, b, scale_word, C: tl.constexpr, USE_ASM: tl.constexpr,
+           INTERP: tl.constexpr):
+    """One 32-value chunk (number C of its 128-wide K block) as fp4_gemm's inner step, less the
+    activation scale (one per block: the caller applies it to the block's sum, which equals
+    applying it per chunk since it is a power of two): acc + (a . e2m1^T) * w_scale.
+
+    a_even, a_odd [BM, 16]: the chunk's activations at even / odd k (fp16: exact for e4m3;
+    fp32 under the interpreter). b [BN, 16]: packed weight bytes, byte j holding k = 2j (low
+    nibble) and 2j + 1, so the low nibbles meet a_even and the high ones a_odd: no interleave.
+    scale_word [BN] int32: the block's four ue8m0 weight-scale bytes, chunk C in byte C."""
+    lo, hi = fp4_to_e4m3(b, USE_ASM)  # e4m3 codes of 2^-6 * e2m1, exact in fp16
     if INTERP:
-        w = w.to(tl.float32)
-    return w
+        w_even = lo.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w_odd = hi.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        part = tl.dot(a_even, tl.trans(w_even), input_precision="ieee")
+        part = tl.dot(a_odd, tl.trans(w_odd), acc=part, input_precision="ieee")
+    else:  # fp16 operands, fp32 accumulation: every product exact, as fp8 x fp8
+        w_even = lo.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        w_odd = hi.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        part = tl.dot(a_even, tl.trans(w_even))
+        part = tl.dot(a_odd, tl.trans(w_odd), acc=part)
+    # 2^(byte - 127) * 2^6 (undoing the codes' 2^-6): byte + 6 as an fp32 exponent field
+    sw = ((((scale_word >> (8 * C)) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
+    return acc + part * sw[None, :]
+
+
+@triton.jit
+def _act_pair(a_ptrs, ok, INTERP: tl.constexpr):
+    """fp8 activations at a_ptrs (even k) and a_ptrs + 1 (odd k) -> dot operands."""
+    a_even = tl.load(a_ptrs, mask=ok[:, None], other=0.0)
+    a_odd = tl.load(a_ptrs + 1, mask=ok[:, None], other=0.0)
+    if INTERP:
+        return a_even.to(tl.float32), a_odd.to(tl.float32)
+    else:
+        return a_even.to(tl.float16), a_odd.to(tl.float16)
+
+
+@triton.jit
+def _act_scale(ptrs, ok):
+    """ue8m0 bytes of act_quant's scales (2^-22 .. 2^120, never 0 or 255) -> fp32."""
+    return (tl.load(ptrs, mask=ok, other=127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -114,6 +151,7 @@ def _moe_up_kernel(
     BLOCK_M: tl.constexpr, STEPS: tl.constexpr, HAS_LIMIT: tl.constexpr,  #
     USE_ASM: tl.constexpr, INTERP: tl.constexpr,  #
 ):
+    """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs."""
     e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, BLOCK_M, STEPS)
     if e >= E:
         return
@@ -124,30 +162,30 @@ def _moe_up_kernel(
     jt = tl.program_id(1)
     cols = jt * 128 + tl.arange(0, 128)  # intermediate columns: gate rows j, up rows I + j
     offs16 = tl.arange(0, 16)
-    offs32 = tl.arange(0, 32)
     g_rows = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn \
-        + offs16[None, :]  # [128, 16] bytes of one chunk
+        + offs16[None, :]  # [128, 16]: one chunk's bytes
     u_rows = g_rows + INTER * stride_wn
     g_scale = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn  # [128]
     u_scale = g_scale + INTER * stride_wsn
-    a_rows = xq_ptr + tok[:, None] * stride_xm + offs32[None, :]  # [BM, 32]
+    a_rows = xq_ptr + tok[:, None] * stride_xm + 2 * offs16[None, :]  # [BM, 16]: even k
     as_row = xs_ptr + tok * stride_xsm
 
     acc_g = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
-    for c in range(0, H // 32):  # one 32-value chunk (one weight scale) per step
-        a = tl.load(a_rows + c * 32, mask=ok[:, None], other=0.0)
-        if INTERP:
-            a = a.to(tl.float32)
-        sa = e8m0_to_f32(tl.load(as_row + c // 4, mask=ok, other=127))  # [BM]
-        wg = _fp4_tile(tl.load(g_rows + c * 16).to(tl.uint8, bitcast=True), USE_ASM, INTERP)
-        wu = _fp4_tile(tl.load(u_rows + c * 16).to(tl.uint8, bitcast=True), USE_ASM, INTERP)
-        sg = e8m0_to_f32(tl.load(g_scale + c)) * 64.0  # undo the 2^-6 of the e4m3 codes
-        su = e8m0_to_f32(tl.load(u_scale + c)) * 64.0
-        pg = tl.dot(a, tl.trans(wg), input_precision="ieee" if INTERP else "tf32")
-        acc_g += pg * (sa[:, None] * sg[None, :])
-        pu = tl.dot(a, tl.trans(wu), input_precision="ieee" if INTERP else "tf32")
-        acc_u += pu * (sa[:, None] * su[None, :])
+    for kb in range(0, H // 128):  # one activation scale, four weight-scale chunks
+        sa = _act_scale(as_row + kb, ok)  # [BM]
+        gw = tl.load(g_scale + kb)  # [128] int32: 4 scale bytes
+        uw = tl.load(u_scale + kb)
+        blk_g = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+        blk_u = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+        for c in tl.static_range(4):
+            a_even, a_odd = _act_pair(a_rows + kb * 128 + c * 32, ok, INTERP)
+            bg = tl.load(g_rows + kb * 64 + c * 16).to(tl.uint8, bitcast=True)
+            bu = tl.load(u_rows + kb * 64 + c * 16).to(tl.uint8, bitcast=True)
+            blk_g = _chunk(blk_g, a_even, a_odd, bg, gw, c, USE_ASM, INTERP)
+            blk_u = _chunk(blk_u, a_even, a_odd, bu, uw, c, USE_ASM, INTERP)
+        acc_g += blk_g * sa[:, None]
+        acc_u += blk_u * sa[:, None]
 
     gate = round_bf16(acc_g, INTERP)  # fp4_gemm writes bf16; Expert.forward reads it as fp32
     up = round_bf16(acc_u, INTERP)
@@ -171,6 +209,7 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr,  #
     USE_ASM: tl.constexpr, INTERP: tl.constexpr,  #
 ):
+    """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs."""
     e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, BLOCK_M, STEPS)
     if e >= E:
         return
@@ -179,24 +218,22 @@ def _moe_down_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # hidden columns
     col_ok = cols < H
     offs16 = tl.arange(0, 16)
-    offs32 = tl.arange(0, 32)
     w_rows = w_ptr + e.to(tl.int64) * stride_we + cols[:, None].to(tl.int64) * stride_wn \
         + offs16[None, :]  # [BN, 16]
     w_scale = ws_ptr + e.to(tl.int64) * stride_wse + cols.to(tl.int64) * stride_wsn  # [BN]
-    a_rows = hq_ptr + rows[:, None].to(tl.int64) * stride_hm + offs32[None, :]  # [BM, 32]
+    a_rows = hq_ptr + rows[:, None].to(tl.int64) * stride_hm + 2 * offs16[None, :]  # [BM, 16]
     as_row = hs_ptr + rows.to(tl.int64) * stride_hsm
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for c in range(0, INTER // 32):
-        a = tl.load(a_rows + c * 32, mask=ok[:, None], other=0.0)
-        if INTERP:
-            a = a.to(tl.float32)
-        sa = e8m0_to_f32(tl.load(as_row + c // 4, mask=ok, other=127))
-        b = tl.load(w_rows + c * 16, mask=col_ok[:, None], other=0).to(tl.uint8, bitcast=True)
-        w = _fp4_tile(b, USE_ASM, INTERP)
-        sw = e8m0_to_f32(tl.load(w_scale + c, mask=col_ok, other=127)) * 64.0
-        part = tl.dot(a, tl.trans(w), input_precision="ieee" if INTERP else "tf32")
-        acc += part * (sa[:, None] * sw[None, :])
+    for kb in range(0, INTER // 128):
+        sa = _act_scale(as_row + kb, ok)
+        sw = tl.load(w_scale + kb, mask=col_ok, other=0)  # [BN] int32: 4 scale bytes
+        blk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(4):
+            a_even, a_odd = _act_pair(a_rows + kb * 128 + c * 32, ok, INTERP)
+            b = tl.load(w_rows + kb * 64 + c * 16, mask=col_ok[:, None], other=0)
+            blk = _chunk(blk, a_even, a_odd, b.to(tl.uint8, bitcast=True), sw, c, USE_ASM, INTERP)
+        acc += blk * sa[:, None]
 
     if INTERP:  # the interpreter's bf16 cast truncates: round on the bits
         acc = round_bf16(acc, True)
@@ -287,7 +324,8 @@ def fp4_moe(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
 
     hq = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=dev)  # [R sorted, I]
     hs = torch.empty(rows, inter // FP8_BLOCK, dtype=torch.uint8, device=dev)  # [R, I/128] e8m0
-    ws13, ws2 = s13.view(torch.uint8), s2.view(torch.uint8)
+    # one int32 word per row and 128 inputs holds that block's four per-32 scale bytes
+    ws13, ws2 = s13.view(torch.uint8).view(torch.int32), s2.view(torch.uint8).view(torch.int32)
     _moe_up_kernel[(slots, inter // 128)](
         xq, xs.view(torch.uint8), order, route_w, block_end, row_end,
         w13, ws13, hq.view(torch.uint8), hs,

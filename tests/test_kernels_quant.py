@@ -403,11 +403,12 @@ def test_cuda_fp8_linear_configs_agree(cfg):
 
 @gpu_test
 @pytest.mark.parametrize("asm", [False, True])
-@pytest.mark.parametrize("tokens", [64, 1024])
-def test_cuda_fp4_moe_v4_flash(asm, tokens):
+@pytest.mark.parametrize("tokens,block_m,block_n,warps", [
+    (64, 16, 128, 4), (64, 16, 64, 4), (1024, 32, 128, 8), (1024, 64, 128, 8)])
+def test_cuda_fp4_moe_v4_flash(asm, tokens, block_m, block_n, warps):
     x, ids, wts, w13, s13, w2, s2 = _moe_case(32, 4096, 2048, tokens, 6, seed=23,
                                               skew=tokens > 64, device="cuda")
-    cfg = MoeConfig(16 if tokens == 64 else 64, 64, 4, 4, asm)
+    cfg = MoeConfig(block_m, block_n, warps, 3, asm)
     out = fp4_moe(x, ids, wts, w13, s13, w2, s2, 10.0, config=cfg)
     ref = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, 10.0)
     assert rel_err(out, ref) < 4e-3
