@@ -253,7 +253,7 @@ def bench_linear(env: Env, case: LinearCase, m: int, hw: dict) -> dict:
         row["TFLOPs"] = flop / row["triton_us"] / 1e6
         row["weight_GBps"] = case.weight_bytes / row["triton_us"] / 1e3
     if m <= 64 and "triton_us" in row:
-        row["floor_us"] = case.weight_bytes / hw["copy_GBps"] / 1e3
+        row["floor_us"] = case.weight_bytes / hw.get("copy_GBps", float("nan")) / 1e3
         row["x_floor"] = row["triton_us"] / row["floor_us"]
     if m > 64:
         for key in ("scaled_mm_us", "scaled_mm_fast_us"):
@@ -337,7 +337,9 @@ def bench_alternatives(env: Env, case: LinearCase, m: int, configs: list[GemmCon
 
 
 def phase_gemm(env: Env, result: dict, save: Callable[[], None]) -> None:
-    hw = ceilings(env)
+    hw = attempt("ceilings", ceilings, env)
+    if "copy_GBps" not in hw:  # reported; the ratios to it come out NaN
+        hw = {"copy_GBps": float("nan"), "bf16_matmul_TFLOPs": float("nan"), **hw}
     result["ceilings"] = hw
     print(f"ceilings: copy {fmt(hw['copy_GBps'], '.0f')} GB/s (read + write), bf16 matmul "
           f"{fmt(hw['bf16_matmul_TFLOPs'], '.0f')} TFLOP/s, fp8 _scaled_mm "
@@ -376,12 +378,18 @@ def phase_gemm(env: Env, result: dict, save: Callable[[], None]) -> None:
         return
     print("alternatives:")
     alt = []
+    result["gemm_alternatives"] = alt
     for name, case in cases.items():
         for m in rows_m:
+            configs = None
             if m <= 64 and name in ("wq_a", "wq_b", "wkv", "wo_b", "tiny_a"):
-                alt += bench_alternatives(env, case, m, decode_alternatives(m))
+                configs = decode_alternatives(m)
             elif m > 64:
-                alt += bench_alternatives(env, case, m, PREFILL_ALTERNATIVES)
+                configs = PREFILL_ALTERNATIVES
+            if configs:
+                got = attempt(f"{name} M={m} alternatives", bench_alternatives, env, case, m,
+                              configs)
+                alt += got if isinstance(got, list) else [got]
         save()
     result["gemm_alternatives"] = alt
     save()
@@ -544,7 +552,8 @@ def phase_moe(env: Env, result: dict, save: Callable[[], None]) -> None:
         hw = {"copy_GBps": float("nan")}
     print(f"MoE layer: {spec}", flush=True)
     layer = moe_layer(env, spec)
-    runs = [bench_moe(env, layer, spec, 64 if not env.smoke else 4, hw, check=True)]
+    runs = [attempt("moe T=64", bench_moe, env, layer, spec, 64 if not env.smoke else 4, hw,
+                    check=True)]
     result["moe"] = runs
     save()
     if not env.quick:
