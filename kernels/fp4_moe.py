@@ -27,8 +27,11 @@ from the release.
 The weights never leave FP4 in memory: a program loads packed bytes and turns each nibble into
 the e4m3 code of 2^-6 times its e2m1 value with a few bit operations (kernels.act_quant
 .fp4_to_e4m3, four bytes per instruction in inline PTX on the GPU; the 2^6 goes into the chunk's
-scale), so the dot runs on fp8 operands and the result is bit-identical to fp4_gemm's
-fp4 -> fp32 -> fp8 cast.
+scale). Both operands then go to the tensor cores as fp16, which holds every e4m3 value exactly
+(for these row counts Triton's sm_90 path, mma.sync, upcasts fp8 to fp16 anyway), so every
+product is exact as in fp4_gemm's fp4 -> fp32 -> fp8 cast and fp8 dot. The low nibbles (even k)
+and the high ones (odd k) of a 32-value chunk are two K=16 dots against the even and the odd
+activations: no interleave in registers.
 
 Kernels:
 1. act_quant of x.
