@@ -7,6 +7,9 @@ Public API (imports torch and triton only):
     slots = positions_to_slots(positions, page_table, page_size)
     pre, post, comb = hc_weights(mixes, base, scale, n, iters, eps)      # mHC stream mixing
     y = rms_norm(x, weight_or_None, eps); y = apply_rope(x, cos, sin, inverse=False)
+    xq, xs = quantize_activations(x)                      # FP8 per 128, ue8m0 scales
+    y = fp8_linear(x, weight_fp8, scale_e8m0)             # the V4 release's FP8 linear()
+    y = fp4_experts(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)  # FP4 experts
 
 Dispatch: CUDA tensors run the Triton kernels (kernels.sparse_mla, kernels.indexer, kernels.mhc,
 kernels.rowwise: no host sync, shape-only allocations, so decode steps can be captured in CUDA
@@ -18,10 +21,12 @@ backend with
 
 Without CUDA, "triton" runs in Triton's interpreter (kernels.env sets TRITON_INTERPRET=1 when
 this package is imported first). ``kernels.naive`` holds the "before" kernels for benchmarks.
+The checkpoint formats (FP8 128x128 blocks, FP4 experts) and their exact torch definitions are in
+``kernels.quant``; the quantized kernels in kernels.act_quant, kernels.fp8_gemm, kernels.fp4_moe.
 """
 
 from kernels import env  # noqa: F401, I001  (must precede the kernel modules: picks interpreter mode)
-from kernels import naive, reference
+from kernels import naive, quant, reference
 from kernels.dispatch import (
     apply_rope,
     hc_weights,
@@ -30,16 +35,23 @@ from kernels.dispatch import (
     sparse_mla_decode,
     use_backend,
 )
+from kernels.fp4_moe import stack_fp4_experts
 from kernels.paging import positions_to_slots
+from kernels.quant_dispatch import fp4_experts, fp8_linear, quantize_activations
 
 __all__ = [
     "apply_rope",
+    "fp4_experts",
+    "fp8_linear",
     "hc_weights",
     "indexer_topk",
     "naive",
     "positions_to_slots",
+    "quant",
+    "quantize_activations",
     "reference",
     "rms_norm",
     "sparse_mla_decode",
+    "stack_fp4_experts",
     "use_backend",
 ]

@@ -18,6 +18,10 @@ import pytest
 import pytest_asyncio
 import redis
 
+# First of all: without CUDA, kernels.env must set TRITON_INTERPRET before any module imports
+# triton (triton reads it once), or every Triton kernel a test launches on CPU fails.
+import kernels  # noqa: F401
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
