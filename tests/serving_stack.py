@@ -53,6 +53,7 @@ class Proc:
     log: Path
     port: int
     metrics_port: int = 0
+    credentials: grpc.ChannelCredentials | None = None  # TLS to this worker (None: plaintext)
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
@@ -66,7 +67,12 @@ class Proc:
 
     def load(self) -> pb.LoadResponse:
         stub = grpc_api.PrefillStub if self.name.startswith("prefill") else grpc_api.DecodeStub
-        with grpc.insecure_channel(self.address) as channel:
+        channel = (
+            grpc.insecure_channel(self.address)
+            if self.credentials is None
+            else grpc.secure_channel(self.address, self.credentials)
+        )
+        with channel:
             return stub(channel).Load(pb.LoadRequest(), metadata=token_metadata(TOKEN), timeout=5)
 
     def failures(self, cause: str) -> float:
