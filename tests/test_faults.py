@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import httpx
@@ -272,3 +273,32 @@ def test_grpc_with_mutual_tls_end_to_end(model, redis_server, tmp_path, certs):
         wait_for(prefill.all_kv_free, 30, "prefill to free every page")
     finally:
         s.stop()
+
+
+def test_a_short_soak_with_faults_ends_every_request_and_leaks_nothing(model, tmp_path):
+    """loadtest/soak.py as CI can afford it: users stream while the decode worker is killed and
+    restarted and Redis is stopped; every request ends (answered or a clear error) and, once
+    idle, every page is free on both workers."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from loadtest.soak import Fault, SoakConfig, run_soak
+
+    cfg = SoakConfig(
+        users=3,
+        seconds=20.0,
+        faults=[Fault("kill-decode", 4.0, 3.0), Fault("stop-redis", 11.0, 3.0)],
+        model=str(model),
+        output_tokens=(4, 24),
+        lease_s=3.0,
+        quiet_s=8.0,
+        log_dir=str(tmp_path),
+    )
+    result = run_soak(cfg)
+    assert result["hung"] == 0
+    assert result["outcomes"].get("ok", 0) > 0, result["outcomes"]
+    clear = {"ok", "HTTP 429", "HTTP 503", "HTTP 504", "error event in stream"}
+    assert set(result["outcomes"]) <= clear, result["errors"]
+    assert result["leaked_pages"] == {"prefill": 0, "decode": 0}
+    assert [e["fault"] for e in result["fault_events"] if e["begin"]] == [
+        "kill-decode",
+        "stop-redis",
+    ]
