@@ -121,6 +121,9 @@ def write_card(path: Path, log: dict) -> None:
         f"{final['window']}-byte windows, each scored from bos; the exported bf16 weights computed in fp32). A",
         "model that knows nothing scores 8 bits per byte.",
         "",
+        *([f"Periodic evaluations below used the first {args['eval_bytes']:,} held-out bytes, in bf16 where the "
+           "training ran in bf16.", ""] if args.get("eval_bytes") else
+          ["Periodic evaluations below used all held-out bytes, in the training precision.", ""]),
         "| step | train loss (nats/byte, running mean) | held-out bits/byte |",
         "|---:|---:|---:|",
         *_curve_rows(log),
@@ -133,7 +136,8 @@ def write_card(path: Path, log: dict) -> None:
         lines += [
             f"dsaserve's engine (fp32, CPU) scores the first {check['windows']} held-out windows at "
             f"{check['engine_bpb']:.4f} bits per byte, HF transformers at {check['hf_bpb']:.4f} "
-            f"(relative difference {check['rel_diff']:.1e}).",
+            f"(relative difference {check['rel_diff']:.1e}; logits of the first window differ by "
+            f"{check['logits_rel_err']:.1e} relative).",
             "",
         ]
     sample = log.get("sample") or {}

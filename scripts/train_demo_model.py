@@ -81,20 +81,29 @@ SMOKE_OVERRIDES = dict(
 )
 
 
+MIN_TRANSFORMERS = "5.24"   # the version whose deepseek_v4 the engine is tested against
+_INSTALL_HINT = ("Install the wheel first, e.g.\n  python3 -m pip install --no-index --no-deps --target /tmp/site "
+                 ".whl/*.whl && export PYTHONPATH=/tmp/site:$PWD")
+
+
 def require_deepseek_v4():
     """transformers' DeepSeek-V4 classes, or exit with a message that says how to get them."""
     try:
         import transformers
-    except ImportError:
-        sys.exit("error: transformers is not installed; this script needs transformers >= 5.24 "
-                 "(DeepseekV4ForCausalLM). pip install 'transformers>=5.24'")
+    except ImportError as e:
+        sys.exit(f"error: cannot import transformers ({e}); this script needs transformers >= {MIN_TRANSFORMERS} "
+                 f"(DeepseekV4ForCausalLM). {_INSTALL_HINT}")
+    from packaging.version import Version
+    where = f"transformers {transformers.__version__} from {Path(transformers.__file__).parent}"
     try:
         from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     except ImportError:
-        sys.exit(f"error: transformers {transformers.__version__} (from {Path(transformers.__file__).parent}) has no "
-                 "deepseek_v4 model; this script needs transformers >= 5.24. Install the wheel first, e.g.\n"
-                 "  python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl && "
-                 "export PYTHONPATH=/tmp/site:$PWD")
+        sys.exit(f"error: {where} has no deepseek_v4 model; this script needs transformers >= {MIN_TRANSFORMERS}. "
+                 + _INSTALL_HINT)
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        # Older deepseek_v4 code differs (precision of norms and RoPE, the `cache` argument).
+        sys.exit(f"error: {where}: this script needs transformers >= {MIN_TRANSFORMERS}, the deepseek_v4 "
+                 f"implementation dsaserve's engine is tested against. {_INSTALL_HINT}")
     return transformers, DeepseekV4Config, DeepseekV4ForCausalLM
 
 
@@ -109,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="wall-clock budget for the whole run, startup and export included: the step count "
                         "(and so the LR schedule) is fitted to it after a few timed steps")
-    p.add_argument("--reserve-s", type=float, default=40.0, help="part of the budget kept for final eval and export")
+    p.add_argument("--reserve-s", type=float, default=40.0, help="seconds of the budget kept for export, sample and engine check (the final eval's own estimate is added)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
     p.add_argument("--warmup-steps", type=int, default=100)
@@ -293,14 +302,20 @@ def engine_check(out_dir: Path, hf_model, windows: list[bytes], device: torch.de
         count += len(w)
     engine_bpb = nats / math.log(2) / count
     hf_bpb = bits_per_byte(hf_model, windows, len(windows), device, contextlib.nullcontext)
+    with torch.no_grad():   # and the logits themselves, on the first window
+        ids = [BOS, *windows[0][:-1]]
+        ref = hf_model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0].double().cpu()
+        ours = llm.score(ids).double()
     return {"windows": len(windows), "bytes": count, "engine_bpb": engine_bpb, "hf_bpb": hf_bpb,
-            "rel_diff": abs(engine_bpb - hf_bpb) / hf_bpb, "seconds": round(time.monotonic() - t, 1)}
+            "rel_diff": abs(engine_bpb - hf_bpb) / hf_bpb,
+            "logits_rel_err": ((ours - ref).norm() / ref.norm()).item(), "seconds": round(time.monotonic() - t, 1)}
 
 
 # ----------------------------------------------------------------------------------------- training
 
 def lr_at(step: int, total: int, args) -> float:
-    warmup = min(args.warmup_steps, max(1, total // 10))
+    """Linear warmup, then cosine from --lr down to --min-lr-ratio x --lr at step `total`."""
+    warmup = max(1, min(args.warmup_steps, args.steps // 10))   # fixed by --steps, not the fitted total
     if step < warmup:
         return args.lr * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
@@ -322,13 +337,17 @@ def elapsed() -> float:
     return time.monotonic() - T_START
 
 
-def train(args, model, train_bytes: torch.Tensor, eval_windows: list[bytes], device, autocast, log: dict) -> None:
+def train(args, model, train_bytes: torch.Tensor, eval_windows: list[bytes], final_eval_scale: float,
+          device, autocast, log: dict) -> None:
+    """Train in place. With --time-budget-s, the step count is fitted to the budget once steps
+    3..13 are timed, keeping back --reserve-s plus the final evaluation's estimated time (the
+    periodic eval's time x final_eval_scale)."""
     opt = make_optimizer(model, args)
     balance = BalanceTracker(model, args.bias_update_rate)
     gen = torch.Generator().manual_seed(args.seed + 2)
     total = args.steps
     calib_from, calib_to = 3, 13          # steps timed to fit the schedule to the time budget
-    t_calib = None
+    t_calib, reserve = None, args.reserve_s
     run_loss, run_n, t_log = torch.zeros((), device=device), 0, time.monotonic()
     model.train()
     step = 0
@@ -339,21 +358,24 @@ def train(args, model, train_bytes: torch.Tensor, eval_windows: list[bytes], dev
             eval_s = time.monotonic() - t_eval
             log["evals"].append({"step": step, "heldout_bpb": round(bpb, 4), "elapsed_s": round(elapsed(), 1)})
             print(f"step {step:5d}  held-out {bpb:.4f} bits/byte  ({eval_s:.1f} s)", flush=True)
-            log.setdefault("eval_seconds", round(eval_s, 2))
+            if step == 0:
+                log["eval_seconds"] = round(eval_s, 2)
+                reserve = args.reserve_s + eval_s * final_eval_scale
+                log["reserve_seconds"] = round(reserve, 1)
         if step == calib_from:
             _sync(device)
             t_calib = time.monotonic()
         if step == calib_to and args.time_budget_s:
             _sync(device)
             step_s = (time.monotonic() - t_calib) / (calib_to - calib_from)
-            left = args.time_budget_s - args.reserve_s - elapsed()
+            left = args.time_budget_s - reserve - elapsed()
             per_step = step_s + log["eval_seconds"] / args.eval_every
             fitted = calib_to + max(0, int(left / per_step))
             if fitted < total:
                 total = fitted
             log["step_seconds_calibrated"] = round(step_s, 4)
             print(f"calibrated: {step_s * 1e3:.0f} ms/step, {left:.0f} s left -> {total} steps", flush=True)
-        if args.time_budget_s and elapsed() > args.time_budget_s - args.reserve_s * 0.75:
+        if args.time_budget_s and elapsed() > args.time_budget_s - reserve * 0.75:
             print(f"time budget reached at step {step}; stopping", flush=True)
             log["stopped_by_budget_at"] = step
             break
@@ -460,8 +482,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{len(heldout)} held out; startup {elapsed():.1f} s on {log['environment']['device']}", flush=True)
 
     eval_windows = heldout_windows(heldout, args.seq_len, args.eval_bytes)
+    # the final eval reads all held-out bytes in fp32 (twice the cost of bf16 on a GPU, roughly)
+    final_eval_scale = len(heldout) / sum(map(len, eval_windows)) * (2 if device.type == "cuda" else 1)
     t_train = time.monotonic()
-    train(args, model, train_bytes, eval_windows, device, autocast, log)
+    train(args, model, train_bytes, eval_windows, final_eval_scale, device, autocast, log)
     log["train_seconds"] = round(time.monotonic() - t_train, 1)
 
     export(model, out)
