@@ -25,26 +25,26 @@ import time
 
 T_START = time.monotonic()  # the time budget counts from here (before the heavy imports)
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import os  # noqa: E402
-import platform  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo_model_card import write_card, write_loss_png  # noqa: E402
+from demo_model_card import write_card, write_loss_png
 
-from engine.tiny_tokenizer import PLAY_CHAT_TEMPLATE, write_tiny_tokenizer  # noqa: E402
+from engine.tiny_tokenizer import PLAY_CHAT_TEMPLATE, write_tiny_tokenizer
 
 BOS, EOS, VOCAB = 256, 257, 262     # the tiny tokenizer: byte b is token b, then bos, eos, 4 chat tokens
 HELDOUT_FRACTION = 0.05
@@ -260,7 +260,7 @@ def bits_per_byte(model, windows: list[bytes], batch_size: int, device: torch.de
     by_len: dict[int, list[bytes]] = {}
     for w in windows:
         by_len.setdefault(len(w), []).append(w)
-    for length, group in by_len.items():
+    for group in by_len.values():
         for i in range(0, len(group), batch_size):
             targets = torch.tensor([list(w) for w in group[i : i + batch_size]], device=device)
             with autocast():
@@ -371,8 +371,7 @@ def train(args, model, train_bytes: torch.Tensor, eval_windows: list[bytes], fin
             left = args.time_budget_s - reserve - elapsed()
             per_step = step_s + log["eval_seconds"] / args.eval_every
             fitted = calib_to + max(0, int(left / per_step))
-            if fitted < total:
-                total = fitted
+            total = min(total, fitted)
             log["step_seconds_calibrated"] = round(step_s, 4)
             print(f"calibrated: {step_s * 1e3:.0f} ms/step, {left:.0f} s left -> {total} steps", flush=True)
         if args.time_budget_s and elapsed() > args.time_budget_s - reserve * 0.75:
@@ -452,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
-        autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+        autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
     else:
         autocast = contextlib.nullcontext
     out = Path(args.out)
@@ -502,19 +501,19 @@ def main(argv: list[str] | None = None) -> None:
         log["sample"] = {"prompt": "ROMEO:", "temperature": 0.8, "seed": args.seed,
                          "text": sample_text(reloaded, b"ROMEO:", args.sample_tokens, 0.8, args.seed, device)}
         print("sample:\n" + log["sample"]["text"], flush=True)
-    except Exception as e:  # the model is already written; a failed extra must not lose it
+    except Exception as e:  # noqa: BLE001 (the model is written; a failed extra must not lose the run)
         log["sample"] = {"error": f"{type(e).__name__}: {e}"}
     if not args.no_engine_check:
         try:
             log["engine_check"] = engine_check(out, reloaded, all_windows[:4], device)
             print(f"engine check: {log['engine_check']}", flush=True)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (reported in the log and the output)
             log["engine_check"] = {"error": f"{type(e).__name__}: {e}"}
             print(f"engine check failed: {log['engine_check']['error']}", flush=True)
     log["wall_seconds"] = round(elapsed(), 1)
     try:
         log["loss_png"] = write_loss_png(out / "loss.png", log)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 (matplotlib missing or failing: no plot, the rest stands)
         log["loss_png"] = f"not written: {type(e).__name__}: {e}"
     write_card(out / "README.md", log)
     _write_log(out, log)
