@@ -118,7 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="wall-clock budget for the whole run, startup and export included: the step count "
                         "(and so the LR schedule) is fitted to it after a few timed steps")
-    p.add_argument("--reserve-s", type=float, default=40.0, help="seconds of the budget kept for export, sample and engine check (the final eval's own estimate is added)")
+    p.add_argument("--reserve-s", type=float, default=40.0,
+                   help="seconds of the budget kept for export, sample and engine check "
+                        "(the final eval's estimated time is kept back as well)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as a fraction of --lr")
     p.add_argument("--warmup-steps", type=int, default=100)
