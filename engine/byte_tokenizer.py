@@ -44,9 +44,36 @@ CHAT_TEMPLATE = r"""{%- set ns = namespace(system='') -%}
 {%- endif -%}
 """
 
+# The trained demo model (engine/assets/dsaserve-demo-v4) has only read plays, and never saw the
+# turn tokens: a chat becomes a scene. System text opens it as plain prose; each user turn is a
+# ROMEO speech and each assistant turn a JULIET speech (a message's optional `name` replaces
+# the speaker), in the corpus's layout `NAME:\ntext\n\n`; the reply is prompted by `JULIET:\n`.
+# The model never learned to end a turn (no eos in its data): replies run to max_tokens unless
+# the client passes a stop string such as "\n\n".
+PLAY_CHAT_TEMPLATE = r"""{%- set ns = namespace(system='') -%}
+{%- for message in messages if message.role in ['system', 'developer'] -%}
+    {%- set ns.system = ns.system + message.content | trim + '\n\n' -%}
+{%- endfor -%}
+{{- bos_token + ns.system -}}
+{%- for message in messages -%}
+    {%- if message.role in ['user', 'assistant'] -%}
+        {%- set speaker = message.name if message.name is defined and message.name else ('ROMEO' if message.role == 'user' else 'JULIET') -%}
+        {{- speaker | upper + ':\n' + message.content | trim + '\n\n' -}}
+    {%- elif message.role not in ['system', 'developer'] -%}
+        {{- raise_exception('the demo model has no ' + message.role + ' role') -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- 'JULIET:\n' -}}
+{%- endif -%}
+"""
 
-def write_byte_tokenizer(out_dir: str | os.PathLike) -> int:
-    """Write the tiny tokenizer's files into `out_dir` (created if needed); return its vocab size.
+
+def write_byte_tokenizer(out_dir: str | os.PathLike, chat_template: str = CHAT_TEMPLATE) -> int:
+    """Write the byte-level tokenizer's files into `out_dir` (created if needed); return its vocab size.
+
+    `chat_template` is the Jinja template stored in tokenizer_config.json (DeepSeek's turn layout
+    by default; the trained demo model uses PLAY_CHAT_TEMPLATE).
 
     The files are byte-identical on every run, so a model directory built twice hashes the same.
     """
@@ -61,7 +88,7 @@ def write_byte_tokenizer(out_dir: str | os.PathLike) -> int:
             "add_bos_token": True,
             "add_eos_token": False,
             "bos_token": BOS_TOKEN,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": chat_template,
             "clean_up_tokenization_spaces": False,
             "eos_token": EOS_TOKEN,
             "tokenizer_class": "PreTrainedTokenizerFast",

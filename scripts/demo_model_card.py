@@ -1,0 +1,236 @@
+"""The demo model's card (README.md) and loss plot, rendered from train_demo_model.py's log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_loss_png(path: Path, log: dict) -> str:
+    """Train loss and held-out bits per byte against steps; needs matplotlib (else raises)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    train = log["train"]
+    ax.plot(
+        [e["step"] for e in train], [e["train_bpb"] for e in train], label="train (running mean)"
+    )
+    evals = log["evals"]
+    ax.plot([e["step"] for e in evals], [e["heldout_bpb"] for e in evals], "o-", label="held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per byte")
+    ax.set_ylim(bottom=0, top=min(9.0, max([e["heldout_bpb"] for e in evals] + [1.0]) + 0.5))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(
+        f"{log['model']}: {log['params']['total'] / 1e6:.1f} M params, {log['steps']} steps"
+    )
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path.name
+
+
+def _curve_rows(log: dict) -> list[str]:
+    by_step = {e["step"]: e for e in log["train"]}
+    rows = []
+    for ev in log["evals"]:
+        prior = [s for s in by_step if s <= ev["step"]]
+        tr = by_step[max(prior)] if prior else None
+        loss = f"{tr['train_loss']:.3f}" if tr else "—"
+        rows.append(f"| {ev['step']} | {loss} | {ev['heldout_bpb']:.3f} |")
+    return rows
+
+
+def _architecture_rows(cfg: dict, params: dict, seq_len: int) -> list[str]:
+    kinds = {
+        "sliding_attention": "sliding",
+        "compressed_sparse_attention": "CSA",
+        "heavily_compressed_attention": "HCA",
+    }
+    rates = cfg["compress_rates"]
+    rope_dim = int(cfg["head_dim"] * cfg["partial_rotary_factor"])
+    rows = [
+        (
+            "layers",
+            f"{cfg['num_hidden_layers']}: "
+            + ", ".join(
+                f"{kinds[a]} + {'hash MoE' if m == 'hash_moe' else 'routed MoE'}"
+                for a, m in zip(cfg["layer_types"], cfg["mlp_layer_types"])
+            ),
+        ),
+        ("hidden size", cfg["hidden_size"]),
+        (
+            "attention",
+            f"{cfg['num_attention_heads']} query heads x {cfg['head_dim']} (last {rope_dim} RoPE), "
+            f"one shared K=V head, q rank {cfg['q_lora_rank']}, output {cfg['o_groups']} groups x "
+            f"rank {cfg['o_lora_rank']}, per-head sinks",
+        ),
+        ("sliding window", cfg["sliding_window"]),
+        (
+            "CSA",
+            f"1 entry per {rates['compressed_sparse_attention']} tokens (overlapping windows); lightning "
+            f"indexer {cfg['index_n_heads']} heads x {cfg['index_head_dim']}, top-{cfg['index_topk']}",
+        ),
+        ("HCA", f"1 entry per {rates['heavily_compressed_attention']} tokens, all visible"),
+        (
+            "MoE",
+            f"{cfg['n_routed_experts']} routed experts (top-{cfg['num_experts_per_tok']}, sqrtsoftplus, "
+            f"aux-loss-free bias balancing) + 1 shared, intermediate {cfg['moe_intermediate_size']}; "
+            f"first {cfg['mlp_layer_types'].count('hash_moe')} layers hash-routed",
+        ),
+        (
+            "mHC",
+            f"{cfg['hc_mult']} residual streams, {cfg['hc_sinkhorn_iters']} Sinkhorn iterations",
+        ),
+        (
+            "RoPE",
+            f"sliding: theta {cfg['rope_theta']:g}; CSA/HCA: theta {cfg['compress_rope_theta']:g} + YaRN "
+            f"(factor {cfg['rope_parameters']['compress'].get('factor')})",
+        ),
+        ("vocabulary", f"{cfg['vocab_size']} (256 bytes + bos, eos and 4 chat tokens)"),
+        (
+            "context",
+            f"{cfg['max_position_embeddings']} positions (trained on {seq_len}-token windows)",
+        ),
+        (
+            "parameters",
+            f"{params['total']:,} ({params['active_per_token']:,} active per token; "
+            f"indexer {params['indexer']:,}, untrained)",
+        ),
+    ]
+    return [f"| {k} | {v} |" for k, v in rows]
+
+
+def write_card(path: Path, log: dict) -> None:
+    args, data, final = log["args"], log["data"], log["final"]
+    cfg = log["config"]
+    epochs = log["tokens"] / data["train_bytes"]
+    env = log["environment"]
+    lines = [
+        f"# {log['model']}",
+        "",
+        "dsaserve's built-in demo model: a small DeepSeek-V4 (every layer kind of the architecture) trained for a",
+        "few minutes on Shakespeare, so that `dsaserve up` answers with text rather than noise. It is a demo of the",
+        "serving stack, not a useful language model: it continues plays byte by byte, and follows no instructions.",
+        "",
+        "## Data",
+        "",
+        f"`data/tinyshakespeare.txt` from this repository ({data['bytes']:,} bytes, sha256 `{data['sha256'][:16]}…`;",
+        "Shakespeare's plays, public domain, from karpathy/char-rnn), one token per byte. The first",
+        f"{data['train_bytes']:,} bytes train; the last 5% (bytes {data['heldout_from_byte']:,} to the end,",
+        f"{data['heldout_bytes']:,} bytes) are held out and only evaluated.",
+        "",
+        "## Architecture",
+        "",
+        "| | |",
+        "|---|---|",
+        *_architecture_rows(cfg, log["params"], args["seq_len"]),
+        "",
+        "**The lightning indexer is untrained.** Its top-k choice of compressed entries has no gradient (DeepSeek",
+        "trains it with a separate distillation loss against the attention scores), so its weights are frozen at",
+        "their random initialization; the rest of the model learned to use whatever entries it selects.",
+        "",
+        "## Training",
+        "",
+        "HF transformers' `DeepseekV4ForCausalLM` (the reference implementation of the architecture) trained by",
+        "`scripts/train_demo_model.py`:",
+        "",
+        f"- {log['steps']} steps of {args['batch_size']} windows x {args['seq_len']} tokens (bos + bytes from a "
+        f"random offset): {log['tokens']:,} tokens, {epochs:.1f} passes over the training bytes",
+        f"- AdamW (betas 0.9/0.95, weight decay {args['weight_decay']} on matrices), peak LR {args['lr']:g}, "
+        f"{args['warmup_steps']}-step warmup, cosine to {args['min_lr_ratio']:g} x peak, gradient clip "
+        f"{args['grad_clip']:g}",
+        f"- {'bf16 autocast, fp32 master weights' if args['device'].startswith('cuda') else 'fp32'} on "
+        f"{env['device']}; seed {args['seed']}",
+        f"- {log['train_seconds']:.0f} s of training, {log['wall_seconds']:.0f} s for the whole run "
+        f"(torch {env['torch']}, transformers {env['transformers']})",
+        "",
+        "## Results",
+        "",
+        f"**Held-out: {final['heldout_bpb']:.3f} bits per byte** (all {final['heldout_bytes']:,} held-out bytes in "
+        f"{final['window']}-byte windows, each scored from bos; the exported bf16 weights computed in fp32). A",
+        "model that knows nothing scores 8 bits per byte.",
+        "",
+        *(
+            [
+                f"Periodic evaluations below used the first {args['eval_bytes']:,} held-out bytes, in bf16 where the "
+                "training ran in bf16.",
+                "",
+            ]
+            if args.get("eval_bytes")
+            else [
+                "Periodic evaluations below used all held-out bytes, in the training precision.",
+                "",
+            ]
+        ),
+        "| step | train loss (nats/byte, running mean) | held-out bits/byte |",
+        "|---:|---:|---:|",
+        *_curve_rows(log),
+        "",
+    ]
+    if isinstance(log.get("loss_png"), str) and log["loss_png"].endswith(".png"):
+        lines += ["![loss curve](loss.png)", ""]
+    check = log.get("engine_check") or {}
+    if "engine_bpb" in check:
+        lines += [
+            f"dsaserve's engine (fp32, CPU) scores the first {check['windows']} held-out windows at "
+            f"{check['engine_bpb']:.4f} bits per byte, HF transformers at {check['hf_bpb']:.4f} "
+            f"(relative difference {check['rel_diff']:.1e}; logits of the first window differ by "
+            f"{check['logits_rel_err']:.1e} relative).",
+            "",
+        ]
+    sample = log.get("sample") or {}
+    if "text" in sample:
+        lines += [
+            f"## Sample (prompt `ROMEO:`, temperature {sample['temperature']}, seed {sample['seed']})",
+            "",
+            "```text",
+            sample["text"].replace("```", "'''"),
+            "```",
+            "",
+        ]
+    lines += [
+        "## Use",
+        "",
+        "The chat template renders a conversation as a scene: system text opens it, user turns are ROMEO's",
+        "speeches, assistant turns JULIET's (a message's `name` renames the speaker), and the reply is prompted",
+        "with `JULIET:`. The model never learned to end a turn (its data has no eos): a reply runs to",
+        '`max_tokens` unless the request stops it, e.g. with `"stop": ["\\n\\n"]`.',
+        "",
+        "## Limitations",
+        "",
+        f"- Trained on {args['seq_len']}-token windows: text far beyond that length is out of distribution.",
+        "- Only ASCII Shakespeare: other bytes and languages are noise to it.",
+        "- Untrained indexer (above); no multi-token-prediction layer; no quantization.",
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        "python3 scripts/train_demo_model.py " + " ".join(_cli_args(args)),
+        "```",
+        "",
+        "`train_log.json` holds every logged step and evaluation.",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _cli_args(args: dict) -> list[str]:
+    shown = ["device", "steps", "batch_size", "seq_len", "time_budget_s", "lr", "seed", "smoke"]
+    out = []
+    for key in shown:
+        value = args.get(key)
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        out.append(
+            flag
+            if value is True
+            else f"{flag} {value:g}"
+            if isinstance(value, float)
+            else f"{flag} {value}"
+        )
+    out.append("--out dsaserve-demo-v4")
+    return out
