@@ -302,11 +302,11 @@ async def _run(cfg: SoakConfig, stack: LocalStack) -> dict[str, Any]:
 
 def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     """Start a stack, load it with faults, stop it; the report as a dict."""
-    from services.worker.process import default_model_dir
+    from engine.demo_model import DEMO_MODEL_DIR
 
     log_dir = Path(cfg.log_dir or f"/tmp/dsaserve-soak-{os.getpid()}")
     log_dir.mkdir(parents=True, exist_ok=True)
-    stack = LocalStack(cfg.model or default_model_dir(), log_dir, cfg.engine_flags, cfg.lease_s)
+    stack = LocalStack(cfg.model or str(DEMO_MODEL_DIR), log_dir, cfg.engine_flags, cfg.lease_s)
     try:
         stack.start()
         return asyncio.run(_run(cfg, stack)) | {"logs": str(log_dir)}

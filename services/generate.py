@@ -41,10 +41,10 @@ Settings = GenerateSettings
 
 def run(s: GenerateSettings) -> None:
     from engine import LLM, SamplingParams
+    from engine.demo_model import DEMO_MODEL_DIR
     from engine.tokenizer import ChatTemplateError
-    from services.worker.process import default_model_dir
 
-    llm = LLM(s.model or default_model_dir(), **dataclasses.asdict(s.engine))
+    llm = LLM(s.model or DEMO_MODEL_DIR, **dataclasses.asdict(s.engine))
     if s.chat is not None:
         try:
             prompts = [llm.tokenizer.encode_chat(json.loads(s.chat))]

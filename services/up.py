@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, setting
+from engine.demo_model import DEMO_MODEL_DIR
 from services import settings
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,7 @@ class Stack:
 
 
 def run(s: UpSettings) -> None:
-    from services.worker.process import default_model_dir
-
-    model = s.model or default_model_dir()  # made once here, not raced by two workers
+    model = s.model or str(DEMO_MODEL_DIR)
     token = secrets.token_hex(16)
     stack = Stack()
     stopping = False

@@ -70,7 +70,7 @@ def test_smoke_training_exports_a_model_the_engine_serves(tmp_path):
     assert check["rel_diff"] < 1e-4 and check["logits_rel_err"] < 1e-4, check
     assert "untrained" in (out / "README.md").read_text()
 
-    llm = LLM(out, max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory=32 << 20)
+    llm = LLM(out, max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory_bytes=32 << 20)
     [res] = llm.generate(
         llm.tokenizer.encode_chat([{"role": "user", "content": "Speak."}]),
         SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 import grpc
 
+from engine.demo_model import DEMO_MODEL_DIR
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from services import connections
@@ -38,12 +39,6 @@ from services.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ENGINE_WATCH_S = 0.5  # how often the worker checks that its engine thread still runs
-
-
-def default_model_dir() -> str:
-    from engine.models.deepseek_v4.tiny import default_tiny_model_dir
-
-    return str(default_tiny_model_dir())
 
 
 class RoleService:
@@ -79,7 +74,7 @@ class Worker:
 
     def __init__(self, settings: WorkerSettings, role: str) -> None:
         self.settings, self.role = settings, role
-        model_dir = settings.model or default_model_dir()
+        model_dir = settings.model or str(DEMO_MODEL_DIR)
         self.model_name = settings.served_model_name or os.path.basename(
             os.path.normpath(model_dir)
         )

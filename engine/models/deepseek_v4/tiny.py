@@ -1,17 +1,17 @@
-"""The built-in tiny DeepSeek-V4 checkpoint: every layer type, in a few MB, made in seconds.
+"""A tiny random DeepSeek-V4 checkpoint (`dsaserve make-tiny-model`): every layer type, in a
+few MB, made in seconds.
 
 Random but deterministic weights (a fixed seed), written under DeepSeek's release names
-(which HF transformers' loader also accepts), with the byte-level tiny tokenizer. Its text
-is noise; it exists to run the whole stack - sliding, CSA (with >= 16 indexer heads and an
-index_topk that real prompts exceed) and HCA layers, hash-routed and routed MoE - anywhere.
+(which HF transformers' loader also accepts), with the byte-level tokenizer. Its text is
+noise; it exists to run the whole stack - sliding, CSA (with >= 16 indexer heads and an
+index_topk that real prompts exceed) and HCA layers, hash-routed and routed MoE - in tests and
+on any machine. The built-in model users meet is the trained one (engine/demo_model.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -20,9 +20,6 @@ from safetensors.torch import save_file
 from engine.byte_tokenizer import write_byte_tokenizer
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.weights import build_model
-
-TINY_VERSION = 1
-TINY_MODEL_NAME = "dsaserve-tiny-v4"
 
 
 def tiny_config(vocab_size: int) -> dict:
@@ -78,7 +75,6 @@ def tiny_config(vocab_size: int) -> dict:
         "bos_token_id": 256,
         "eos_token_id": 257,
         "dtype": "float32",
-        "dsaserve_tiny_version": TINY_VERSION,
     }
 
 
@@ -141,22 +137,3 @@ def _split_experts(tensors: dict[str, torch.Tensor], inter: int) -> dict[str, to
         else:
             out[name] = t.contiguous()
     return out
-
-
-def default_tiny_model_dir() -> Path:
-    """The tiny model under the user cache directory, made on first use."""
-    root = (
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        / "dsaserve"
-        / f"v{TINY_VERSION}"
-    )
-    cache = root / TINY_MODEL_NAME  # the directory's name is the served model id
-    if not (cache / "model.safetensors").exists():
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".", dir=cache.parent))
-        make_tiny_model(tmp)
-        try:
-            os.replace(tmp, cache)
-        except OSError:  # another process made it first
-            shutil.rmtree(tmp)
-    return cache
