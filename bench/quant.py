@@ -538,7 +538,7 @@ def moe_layer(env: Env, spec: dict) -> MoeLayer:
 
 def bf16_experts(env: Env, spec: dict, w13, s13, w2, s2) -> torch.nn.Module:
     """engine/moe.py's RoutedExperts (torch._grouped_mm) holding the dequantized weights."""
-    from engine.moe import RoutedExperts
+    from engine.models.deepseek_v4.moe import RoutedExperts
 
     with torch.device("meta"):
         mod = RoutedExperts(spec["experts"], spec["hidden"], spec["inter"], spec["limit"])
