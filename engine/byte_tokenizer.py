@@ -57,7 +57,8 @@ PLAY_CHAT_TEMPLATE = r"""{%- set ns = namespace(system='') -%}
 {{- bos_token + ns.system -}}
 {%- for message in messages -%}
     {%- if message.role in ['user', 'assistant'] -%}
-        {%- set speaker = message.name if message.name is defined and message.name else ('ROMEO' if message.role == 'user' else 'JULIET') -%}
+        {%- set speaker = message.name if message.name is defined and message.name
+                          else ('ROMEO' if message.role == 'user' else 'JULIET') -%}
         {{- speaker | upper + ':\n' + message.content | trim + '\n\n' -}}
     {%- elif message.role not in ['system', 'developer'] -%}
         {{- raise_exception('the demo model has no ' + message.role + ' role') -}}
@@ -70,10 +71,11 @@ PLAY_CHAT_TEMPLATE = r"""{%- set ns = namespace(system='') -%}
 
 
 def write_byte_tokenizer(out_dir: str | os.PathLike, chat_template: str = CHAT_TEMPLATE) -> int:
-    """Write the byte-level tokenizer's files into `out_dir` (created if needed); return its vocab size.
+    """Write the byte-level tokenizer's files into `out_dir`; return its vocab size.
 
-    `chat_template` is the Jinja template stored in tokenizer_config.json (DeepSeek's turn layout
-    by default; the trained demo model uses PLAY_CHAT_TEMPLATE).
+    `out_dir` is created if needed. `chat_template` is the Jinja template stored in
+    tokenizer_config.json (DeepSeek's turn layout by default; the trained demo model uses
+    PLAY_CHAT_TEMPLATE).
 
     The files are byte-identical on every run, so a model directory built twice hashes the same.
     """

@@ -58,27 +58,29 @@ def _architecture_rows(cfg: dict, params: dict, seq_len: int) -> list[str]:
             f"{cfg['num_hidden_layers']}: "
             + ", ".join(
                 f"{kinds[a]} + {'hash MoE' if m == 'hash_moe' else 'routed MoE'}"
-                for a, m in zip(cfg["layer_types"], cfg["mlp_layer_types"])
+                for a, m in zip(cfg["layer_types"], cfg["mlp_layer_types"], strict=True)
             ),
         ),
         ("hidden size", cfg["hidden_size"]),
         (
             "attention",
-            f"{cfg['num_attention_heads']} query heads x {cfg['head_dim']} (last {rope_dim} RoPE), "
-            f"one shared K=V head, q rank {cfg['q_lora_rank']}, output {cfg['o_groups']} groups x "
-            f"rank {cfg['o_lora_rank']}, per-head sinks",
+            f"{cfg['num_attention_heads']} query heads x {cfg['head_dim']} "
+            f"(last {rope_dim} RoPE), one shared K=V head, q rank {cfg['q_lora_rank']}, "
+            f"output {cfg['o_groups']} groups x rank {cfg['o_lora_rank']}, per-head sinks",
         ),
         ("sliding window", cfg["sliding_window"]),
         (
             "CSA",
-            f"1 entry per {rates['compressed_sparse_attention']} tokens (overlapping windows); lightning "
-            f"indexer {cfg['index_n_heads']} heads x {cfg['index_head_dim']}, top-{cfg['index_topk']}",
+            f"1 entry per {rates['compressed_sparse_attention']} tokens (overlapping windows); "
+            f"lightning indexer {cfg['index_n_heads']} heads x {cfg['index_head_dim']}, "
+            f"top-{cfg['index_topk']}",
         ),
         ("HCA", f"1 entry per {rates['heavily_compressed_attention']} tokens, all visible"),
         (
             "MoE",
-            f"{cfg['n_routed_experts']} routed experts (top-{cfg['num_experts_per_tok']}, sqrtsoftplus, "
-            f"aux-loss-free bias balancing) + 1 shared, intermediate {cfg['moe_intermediate_size']}; "
+            f"{cfg['n_routed_experts']} routed experts (top-{cfg['num_experts_per_tok']}, "
+            "sqrtsoftplus, aux-loss-free bias balancing) + 1 shared, "
+            f"intermediate {cfg['moe_intermediate_size']}; "
             f"first {cfg['mlp_layer_types'].count('hash_moe')} layers hash-routed",
         ),
         (
@@ -87,7 +89,8 @@ def _architecture_rows(cfg: dict, params: dict, seq_len: int) -> list[str]:
         ),
         (
             "RoPE",
-            f"sliding: theta {cfg['rope_theta']:g}; CSA/HCA: theta {cfg['compress_rope_theta']:g} + YaRN "
+            f"sliding: theta {cfg['rope_theta']:g}; "
+            f"CSA/HCA: theta {cfg['compress_rope_theta']:g} + YaRN "
             f"(factor {cfg['rope_parameters']['compress'].get('factor')})",
         ),
         ("vocabulary", f"{cfg['vocab_size']} (256 bytes + bos, eos and 4 chat tokens)"),
@@ -112,15 +115,21 @@ def write_card(path: Path, log: dict) -> None:
     lines = [
         f"# {log['model']}",
         "",
-        "dsaserve's built-in demo model: a small DeepSeek-V4 (every layer kind of the architecture) trained for a",
-        "few minutes on Shakespeare, so that `dsaserve up` answers with text rather than noise. It is a demo of the",
-        "serving stack, not a useful language model: it continues plays byte by byte, and follows no instructions.",
+        "dsaserve's built-in demo model: a small DeepSeek-V4 "
+        "(every layer kind of the architecture) trained for a",
+        "few minutes on Shakespeare, so that `dsaserve up` answers with text rather than noise. "
+        "It is a demo of the",
+        "serving stack, not a useful language model: it continues plays byte by byte, "
+        "and follows no instructions.",
         "",
         "## Data",
         "",
-        f"`data/tinyshakespeare.txt` from this repository ({data['bytes']:,} bytes, sha256 `{data['sha256'][:16]}…`;",
-        "Shakespeare's plays, public domain, from karpathy/char-rnn), one token per byte. The first",
-        f"{data['train_bytes']:,} bytes train; the last 5% (bytes {data['heldout_from_byte']:,} to the end,",
+        f"`data/tinyshakespeare.txt` from this repository ({data['bytes']:,} bytes, "
+        f"sha256 `{data['sha256'][:16]}…`;",
+        "Shakespeare's plays, public domain, from karpathy/char-rnn), one token per byte. "
+        "The first",
+        f"{data['train_bytes']:,} bytes train; "
+        f"the last 5% (bytes {data['heldout_from_byte']:,} to the end,",
         f"{data['heldout_bytes']:,} bytes) are held out and only evaluated.",
         "",
         "## Architecture",
@@ -129,35 +138,42 @@ def write_card(path: Path, log: dict) -> None:
         "|---|---|",
         *_architecture_rows(cfg, log["params"], args["seq_len"]),
         "",
-        "**The lightning indexer is untrained.** Its top-k choice of compressed entries has no gradient (DeepSeek",
-        "trains it with a separate distillation loss against the attention scores), so its weights are frozen at",
-        "their random initialization; the rest of the model learned to use whatever entries it selects.",
+        "**The lightning indexer is untrained.** Its top-k choice of compressed entries "
+        "has no gradient (DeepSeek",
+        "trains it with a separate distillation loss against the attention scores), "
+        "so its weights are frozen at",
+        "their random initialization; "
+        "the rest of the model learned to use whatever entries it selects.",
         "",
         "## Training",
         "",
-        "HF transformers' `DeepseekV4ForCausalLM` (the reference implementation of the architecture) trained by",
+        "HF transformers' `DeepseekV4ForCausalLM` "
+        "(the reference implementation of the architecture) trained by",
         "`scripts/train_demo_model.py`:",
         "",
-        f"- {log['steps']} steps of {args['batch_size']} windows x {args['seq_len']} tokens (bos + bytes from a "
-        f"random offset): {log['tokens']:,} tokens, {epochs:.1f} passes over the training bytes",
-        f"- AdamW (betas 0.9/0.95, weight decay {args['weight_decay']} on matrices), peak LR {args['lr']:g}, "
-        f"{args['warmup_steps']}-step warmup, cosine to {args['min_lr_ratio']:g} x peak, gradient clip "
-        f"{args['grad_clip']:g}",
-        f"- {'bf16 autocast, fp32 master weights' if args['device'].startswith('cuda') else 'fp32'} on "
-        f"{env['device']}; seed {args['seed']}",
-        f"- {log['train_seconds']:.0f} s of training, {log['wall_seconds']:.0f} s for the whole run "
+        f"- {log['steps']} steps of {args['batch_size']} windows x {args['seq_len']} tokens "
+        f"(bos + bytes from a random offset): {log['tokens']:,} tokens, "
+        f"{epochs:.1f} passes over the training bytes",
+        f"- AdamW (betas 0.9/0.95, weight decay {args['weight_decay']} on matrices), "
+        f"peak LR {args['lr']:g}, {args['warmup_steps']}-step warmup, "
+        f"cosine to {args['min_lr_ratio']:g} x peak, gradient clip {args['grad_clip']:g}",
+        f"- {'bf16 autocast, fp32 master weights' if args['device'].startswith('cuda') else 'fp32'}"
+        f" on {env['device']}; seed {args['seed']}",
+        f"- {log['train_seconds']:.0f} s of training, "
+        f"{log['wall_seconds']:.0f} s for the whole run "
         f"(torch {env['torch']}, transformers {env['transformers']})",
         "",
         "## Results",
         "",
-        f"**Held-out: {final['heldout_bpb']:.3f} bits per byte** (all {final['heldout_bytes']:,} held-out bytes in "
-        f"{final['window']}-byte windows, each scored from bos; the exported bf16 weights computed in fp32). A",
+        f"**Held-out: {final['heldout_bpb']:.3f} bits per byte** "
+        f"(all {final['heldout_bytes']:,} held-out bytes in {final['window']}-byte windows, "
+        "each scored from bos; the exported bf16 weights computed in fp32). A",
         "model that knows nothing scores 8 bits per byte.",
         "",
         *(
             [
-                f"Periodic evaluations below used the first {args['eval_bytes']:,} held-out bytes, in bf16 where the "
-                "training ran in bf16.",
+                f"Periodic evaluations below used the first {args['eval_bytes']:,} held-out bytes, "
+                "in bf16 where the training ran in bf16.",
                 "",
             ]
             if args.get("eval_bytes")
@@ -176,8 +192,8 @@ def write_card(path: Path, log: dict) -> None:
     check = log.get("engine_check") or {}
     if "engine_bpb" in check:
         lines += [
-            f"dsaserve's engine (fp32, CPU) scores the first {check['windows']} held-out windows at "
-            f"{check['engine_bpb']:.4f} bits per byte, HF transformers at {check['hf_bpb']:.4f} "
+            f"dsaserve's engine (fp32, CPU) scores the first {check['windows']} held-out windows "
+            f"at {check['engine_bpb']:.4f} bits per byte, HF transformers at {check['hf_bpb']:.4f} "
             f"(relative difference {check['rel_diff']:.1e}; logits of the first window differ by "
             f"{check['logits_rel_err']:.1e} relative).",
             "",
@@ -185,7 +201,8 @@ def write_card(path: Path, log: dict) -> None:
     sample = log.get("sample") or {}
     if "text" in sample:
         lines += [
-            f"## Sample (prompt `ROMEO:`, temperature {sample['temperature']}, seed {sample['seed']})",
+            f"## Sample (prompt `ROMEO:`, temperature {sample['temperature']}, "
+            f"seed {sample['seed']})",
             "",
             "```text",
             sample["text"].replace("```", "'''"),
@@ -195,14 +212,18 @@ def write_card(path: Path, log: dict) -> None:
     lines += [
         "## Use",
         "",
-        "The chat template renders a conversation as a scene: system text opens it, user turns are ROMEO's",
-        "speeches, assistant turns JULIET's (a message's `name` renames the speaker), and the reply is prompted",
-        "with `JULIET:`. The model never learned to end a turn (its data has no eos): a reply runs to",
+        "The chat template renders a conversation as a scene: system text opens it, "
+        "user turns are ROMEO's",
+        "speeches, assistant turns JULIET's (a message's `name` renames the speaker), "
+        "and the reply is prompted",
+        "with `JULIET:`. The model never learned to end a turn (its data has no eos): "
+        "a reply runs to",
         '`max_tokens` unless the request stops it, e.g. with `"stop": ["\\n\\n"]`.',
         "",
         "## Limitations",
         "",
-        f"- Trained on {args['seq_len']}-token windows: text far beyond that length is out of distribution.",
+        f"- Trained on {args['seq_len']}-token windows: "
+        "text far beyond that length is out of distribution.",
         "- Only ASCII Shakespeare: other bytes and languages are noise to it.",
         "- Untrained indexer (above); no multi-token-prediction layer; no quantization.",
         "",

@@ -16,7 +16,8 @@ learns to use whatever it selects.
 One H200, about 4 minutes:
     python3 scripts/train_demo_model.py --device cuda --out OUT/dsaserve-demo-v4 --time-budget-s 240
 CPU smoke run (seconds; --smoke shrinks the model):
-    python3 scripts/train_demo_model.py --device cpu --smoke --steps 20 --seq-len 128 --batch-size 4 --out /tmp/demo
+    python3 scripts/train_demo_model.py --device cpu --smoke --steps 20 --seq-len 128 \
+        --batch-size 4 --out /tmp/demo
 """
 
 from __future__ import annotations
@@ -25,26 +26,26 @@ import time
 
 T_START = time.monotonic()  # the time budget counts from here (before the heavy imports)
 
-import argparse
-import contextlib
-import hashlib
-import json
-import math
-import os
-import platform
-import sys
-from pathlib import Path
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-import torch
-import torch.nn.functional as F
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo_model_card import write_card, write_loss_png
+from demo_model_card import write_card, write_loss_png  # noqa: E402
 
-from engine.byte_tokenizer import PLAY_CHAT_TEMPLATE, write_byte_tokenizer
+from engine.byte_tokenizer import PLAY_CHAT_TEMPLATE, write_byte_tokenizer  # noqa: E402
 
 BOS, EOS, VOCAB = (
     256,
@@ -128,7 +129,8 @@ SMOKE_OVERRIDES = dict(
 
 MIN_TRANSFORMERS = "5.24"  # the version whose deepseek_v4 the engine is tested against
 _INSTALL_HINT = (
-    "Install the wheel first, e.g.\n  python3 -m pip install --no-index --no-deps --target /tmp/site "
+    "Install the wheel first, e.g.\n"
+    "  python3 -m pip install --no-index --no-deps --target /tmp/site "
     ".whl/*.whl && export PYTHONPATH=/tmp/site:$PWD"
 )
 
@@ -139,7 +141,8 @@ def require_deepseek_v4():
         import transformers
     except ImportError as e:
         sys.exit(
-            f"error: cannot import transformers ({e}); this script needs transformers >= {MIN_TRANSFORMERS} "
+            f"error: cannot import transformers ({e}); "
+            f"this script needs transformers >= {MIN_TRANSFORMERS} "
             f"(DeepseekV4ForCausalLM). {_INSTALL_HINT}"
         )
     from packaging.version import Version
@@ -149,14 +152,14 @@ def require_deepseek_v4():
         from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     except ImportError:
         sys.exit(
-            f"error: {where} has no deepseek_v4 model; this script needs transformers >= {MIN_TRANSFORMERS}. "
-            + _INSTALL_HINT
+            f"error: {where} has no deepseek_v4 model; "
+            f"this script needs transformers >= {MIN_TRANSFORMERS}. " + _INSTALL_HINT
         )
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
         # Older deepseek_v4 code differs (precision of norms and RoPE, the `cache` argument).
         sys.exit(
-            f"error: {where}: this script needs transformers >= {MIN_TRANSFORMERS}, the deepseek_v4 "
-            f"implementation dsaserve's engine is tested against. {_INSTALL_HINT}"
+            f"error: {where}: this script needs transformers >= {MIN_TRANSFORMERS}, "
+            f"the deepseek_v4 implementation dsaserve's engine is tested against. {_INSTALL_HINT}"
         )
     return transformers, DeepseekV4Config, DeepseekV4ForCausalLM
 
@@ -361,7 +364,10 @@ class BalanceTracker:
             self.last.append(load.max() / load.mean().clamp(min=1))
 
     def imbalance(self) -> list[float]:
-        """Each routed gate's max/mean expert load in the last step (1 = even; top-k of n: at most n/k)."""
+        """Each routed gate's max/mean expert load in the last step.
+
+        1 = even; top-k of n: at most n/k.
+        """
         return [round(float(x), 2) for x in self.last]
 
 
@@ -612,7 +618,8 @@ def export(model, out: Path) -> None:
     size = (out / "model.safetensors").stat().st_size
     if size > MAX_EXPORT_BYTES:
         print(
-            f"WARNING: model.safetensors is {size / 2**20:.1f} MiB (> {MAX_EXPORT_BYTES >> 20} MiB)",
+            f"WARNING: model.safetensors is {size / 2**20:.1f} MiB "
+            f"(> {MAX_EXPORT_BYTES >> 20} MiB)",
             flush=True,
         )
     from tokenizers import Tokenizer
@@ -643,8 +650,8 @@ def main(argv: list[str] | None = None) -> None:
     est = export_bytes_estimate(model)
     if est > MAX_EXPORT_BYTES:
         sys.exit(
-            f"error: the export would be {est / 2**20:.1f} MiB, over the {MAX_EXPORT_BYTES >> 20} MiB a "
-            "returned file may have; shrink the config"
+            f"error: the export would be {est / 2**20:.1f} MiB, "
+            f"over the {MAX_EXPORT_BYTES >> 20} MiB a returned file may have; shrink the config"
         )
     log = {
         "model": MODEL_NAME,
@@ -672,8 +679,9 @@ def main(argv: list[str] | None = None) -> None:
         "evals": [],
     }
     print(
-        f"DeepSeek-V4 demo: {counts['total'] / 1e6:.2f} M parameters ({counts['active_per_token'] / 1e6:.2f} M "
-        f"active per token, indexer {counts['indexer'] / 1e6:.2f} M frozen); {split} training bytes, "
+        f"DeepSeek-V4 demo: {counts['total'] / 1e6:.2f} M parameters "
+        f"({counts['active_per_token'] / 1e6:.2f} M active per token, "
+        f"indexer {counts['indexer'] / 1e6:.2f} M frozen); {split} training bytes, "
         f"{len(heldout)} held out; startup {elapsed():.1f} s on {log['environment']['device']}",
         flush=True,
     )
