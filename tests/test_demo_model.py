@@ -4,20 +4,15 @@ on its trained weights."""
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
-
 import pytest
 import torch
-import torch.nn.functional as F
 
+from bench.numerics import BOS, bits_per_byte, heldout_windows
 from engine import LLM, SamplingParams
 from engine.demo_model import DEMO_MODEL_DIR
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = DEMO_MODEL_DIR
-BOS = 256
+
 WINDOWS = 6  # held-out windows scored (3 KB at the 512-byte training window): a few seconds
 
 # Bits per byte on held-out Shakespeare, for scale: a model that knows nothing scores 8.0; byte
@@ -30,22 +25,6 @@ WINDOWS = 6  # held-out windows scored (3 KB at the 512-byte training window): a
 MAX_HELDOUT_BPB = 2.8
 
 
-def _heldout_windows() -> list[bytes]:
-    log = json.loads((MODEL_DIR / "train_log.json").read_text())
-    window = log["args"]["seq_len"]
-    text = (REPO / "data" / "tinyshakespeare.txt").read_bytes()[log["data"]["heldout_from_byte"] :]
-    return [text[i * window : (i + 1) * window] for i in range(WINDOWS)]
-
-
-def _bits_per_byte(logits_of, windows: list[bytes]) -> float:
-    nats, count = 0.0, 0
-    for w in windows:
-        logits = logits_of([BOS, *w[:-1]])
-        nats += F.cross_entropy(logits.float(), torch.tensor(list(w)), reduction="sum").item()
-        count += len(w)
-    return nats / math.log(2) / count
-
-
 @pytest.fixture(scope="module")
 def llm():
     return LLM(
@@ -54,7 +33,7 @@ def llm():
 
 
 def test_heldout_bits_per_byte_beats_a_4gram(llm):
-    bpb = _bits_per_byte(llm.score, _heldout_windows())
+    bpb = bits_per_byte(llm.score, heldout_windows(WINDOWS))
     assert bpb < MAX_HELDOUT_BPB, bpb
 
 
@@ -65,13 +44,13 @@ def test_engine_matches_hf_on_trained_weights(llm):
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         pytest.skip("transformers has no DeepSeek-V4")
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-    windows = _heldout_windows()[:2]
+    windows = heldout_windows(2)
 
     @torch.no_grad()
     def hf_logits(ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids]), use_cache=False).logits[0].float()
 
-    engine_bpb, hf_bpb = _bits_per_byte(llm.score, windows), _bits_per_byte(hf_logits, windows)
+    engine_bpb, hf_bpb = bits_per_byte(llm.score, windows), bits_per_byte(hf_logits, windows)
     assert abs(engine_bpb - hf_bpb) / hf_bpb < 1e-4, (engine_bpb, hf_bpb)
     ids = [BOS, *windows[0][:-1]]
     ours, ref = llm.score(ids).double(), hf_logits(ids).double()
