@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry
 
 from services.metrics import exposition
@@ -227,7 +227,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if reason is None else 503)
 
 
-@_ops.get("/metrics")
+@_ops.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     st = _state(request)
     st.metrics.set_workers(
