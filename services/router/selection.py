@@ -63,6 +63,7 @@ class WorkerSelector:
     def unhealthy(self, role: Role) -> list[WorkerRecord]:
         """The live workers of `role` in a cool-down now."""
         now = time.monotonic()
+        # Drop cool-downs that are over, so workers that come and go leave nothing behind.
         self._benched = {w: end for w, end in self._benched.items() if end > now}
         return [w for w in self.live(role) if w.worker_id in self._benched]
 
