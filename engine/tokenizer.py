@@ -22,6 +22,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import processors
 
+from engine import token_bound
+
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 _REPLACEMENT = "\ufffd"  # what decoding puts in place of an incomplete or invalid UTF-8 sequence
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -101,6 +103,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """One more than the largest token id (base vocabulary plus added tokens)."""
         return self._vocab_size
+
+    def max_chars_per_token(self) -> int | None:
+        """The most text characters one token covers, or None if unknown (`engine.token_bound`):
+        a text of n characters encodes to at least ceil(n / this) tokens. Reads the whole
+        vocabulary: call it once."""
+        return token_bound.max_chars_per_token(json.loads(self._backend.to_str()))
 
     @property
     def all_special_ids(self) -> frozenset[int]:

@@ -5,6 +5,10 @@ TTL (default 6 s). `WorkerRegistration` rewrites it every TTL/3 with fresh load 
 missed beats still leave it alive and a dead worker's key expires on its own. `RegistryWatcher`
 re-reads all keys every TTL/2 (SCAN + MGET), so a worker that stops beating leaves the router's
 snapshot within TTL + TTL/2 < 2 TTL.
+
+Redis is not on the request path: while it is unreachable the router keeps routing to the
+workers it last saw (they were healthy then, and forgetting them would stop all traffic), and
+says so (`RegistryWatcher.up`).
 """
 
 from __future__ import annotations
@@ -136,7 +140,14 @@ class WorkerRegistration:
 
 
 class RegistryWatcher:
-    """An in-memory snapshot of the live workers, refreshed every TTL/2."""
+    """An in-memory snapshot of the live workers, refreshed every TTL/2.
+
+    A worker leaves the snapshot only when a successful refresh no longer finds it: it
+    deregistered, or its TTL expired. A failed refresh changes nothing. Nor does a worker's
+    absence in the first TTL after Redis comes back: live workers may not have beaten since
+    (a restarted Redis starts empty, a paused one expires every key when it resumes), so the
+    snapshot keeps what it had until each of them had a TTL to write its record again.
+    """
 
     def __init__(self, redis_url: str, ttl_s: float = DEFAULT_TTL_S) -> None:
         if ttl_s <= 0:
@@ -146,7 +157,23 @@ class RegistryWatcher:
         self._redis: aioredis.Redis | None = None
         self._task: asyncio.Task[None] | None = None
         self._snapshot: list[WorkerRecord] = []
+        self._up = False  # did the last refresh reach Redis?
         self._refreshed_at = 0.0  # monotonic time of the last successful refresh
+        self._keep_until = 0.0  # monotonic time until which absent workers are kept
+
+    @property
+    def refresh_interval_s(self) -> float:
+        """How often the snapshot is re-read: the longest a new worker waits to be seen."""
+        return self._ttl_s / 2
+
+    @property
+    def up(self) -> bool:
+        """Whether the last refresh reached Redis."""
+        return self._up
+
+    def last_refresh_age_s(self) -> float:
+        """Seconds since the snapshot was last read from Redis."""
+        return time.monotonic() - self._refreshed_at
 
     async def start(self) -> None:
         """Read the registry once (raising if Redis is unreachable), then keep refreshing."""
@@ -173,7 +200,24 @@ class RegistryWatcher:
         return [w for w in self._snapshot if w.role == role and (model is None or w.model == model)]
 
     async def refresh(self) -> None:
-        """Replace the snapshot with what Redis holds now."""
+        """Update the snapshot from what Redis holds now; on failure keep it and raise."""
+        try:
+            records = await self._read()
+        except BaseException:
+            self._up = False
+            raise
+        now = time.monotonic()
+        if not self._up and self._refreshed_at:  # back after an outage
+            self._keep_until = now + self._ttl_s
+        self._up = True
+        fresh = {w.worker_id: w for w in records}
+        if now < self._keep_until:
+            for worker in self._snapshot:  # may not have beaten since Redis came back: keep it
+                fresh.setdefault(worker.worker_id, worker)
+        self._snapshot = sorted(fresh.values(), key=lambda w: w.worker_id)
+        self._refreshed_at = now
+
+    async def _read(self) -> list[WorkerRecord]:
         assert self._redis is not None, "start() the watcher first"
         keys = [key async for key in self._redis.scan_iter(match=KEY_PREFIX + "*", count=1000)]
         values = await self._redis.mget(keys) if keys else []
@@ -185,16 +229,22 @@ class RegistryWatcher:
                 records.append(WorkerRecord.from_json(value))
             except (ValueError, TypeError) as e:
                 log.warning("ignoring malformed registry entry %r: %s", key, e)
-        self._snapshot = sorted(records, key=lambda w: w.worker_id)
-        self._refreshed_at = time.monotonic()
+        return records
 
     async def _watch(self) -> None:
         while True:
-            await asyncio.sleep(self._ttl_s / 2)
+            await asyncio.sleep(self.refresh_interval_s)
+            was_up = self._up
             try:
                 await self.refresh()
             except (aioredis.RedisError, OSError) as e:
-                log.warning("registry refresh failed: %s", e)
-                # Without Redis we cannot tell who is alive; stale records would route to the dead.
-                if time.monotonic() - self._refreshed_at > self._ttl_s:
-                    self._snapshot = []
+                if was_up:  # once per outage, not every refresh
+                    log.warning(
+                        "registry unreachable (%s); routing to the %d workers last seen "
+                        "until it is back",
+                        e,
+                        len(self._snapshot),
+                    )
+                continue
+            if not was_up:
+                log.warning("registry reachable again; %d workers", len(self._snapshot))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -87,6 +89,39 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     except RuntimeError:  # the free port was taken in between: one more try on a new port
         proc, url = _start_redis(log)
     yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@dataclass
+class PrivateRedis:
+    """A redis-server of one test's own, which the test may pause to make Redis unreachable."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open and commands hang, as on a stuck or partitioned Redis."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    """A redis-server for this test alone; resumed if paused, and stopped, at teardown."""
+    try:
+        proc, url = _start_redis(tmp_path / "private-redis.log")
+    except RuntimeError:  # the free port was taken in between: one more try on a new port
+        proc, url = _start_redis(tmp_path / "private-redis.log")
+    server = PrivateRedis(url, proc)
+    yield server
+    server.resume()
     proc.terminate()
     try:
         proc.wait(timeout=10)

@@ -249,6 +249,39 @@ def test_compose_commands_use_only_contract_flags() -> None:
     assert set(found) == {"router", "prefill", "decode", "make-tiny-model"}, found
 
 
+def _router_commands() -> Iterator[tuple[str, list[str]]]:
+    """Every `dsaserve router` command line of the deploy files, with where it is."""
+    for files in ((COMPOSE,), (COMPOSE, COMPOSE_GPU)):
+        for name, svc in load_compose(*files).items():
+            command = svc.get("command") or []
+            command = (
+                shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
+            )
+            for cmd in dsaserve_commands(command):
+                yield f"{files[-1].name}:{name}", cmd
+    for path, doc in k8s_docs():
+        for spec in pod_specs(doc):
+            for c in containers(spec):
+                argv = [str(a) for a in (c.get("command") or []) + (c.get("args") or [])]
+                for cmd in dsaserve_commands(argv):
+                    yield f"{path.name}:{c['name']}", cmd
+    for line in (DEPLOY / "Dockerfile.router").read_text().splitlines():
+        if line.startswith("CMD "):
+            yield "Dockerfile.router", json.loads(line.removeprefix("CMD "))
+
+
+def test_containers_bind_the_router_to_every_interface() -> None:
+    """`dsaserve router` binds 127.0.0.1 unless told otherwise, which in a container no one
+    outside could reach: every deploy file says 0.0.0.0 itself (and requires API keys)."""
+    routers = [(where, cmd) for where, cmd in _router_commands() if cmd[1] == "router"]
+    assert {where.split(":")[0] for where, _ in routers} >= {
+        "docker-compose.yml",
+        "router.yaml",
+        "Dockerfile.router",
+    }
+    assert [where for where, cmd in routers if flag_value(cmd, "--host") != "0.0.0.0"] == []
+
+
 def test_compose_ports_healthchecks_and_mounts_agree() -> None:
     services = load_compose(COMPOSE)
     scrape = {

@@ -24,6 +24,7 @@ from services.registry import (
     WorkerRegistration,
     worker_key,
 )
+from tests.conftest import PrivateRedis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -187,3 +188,41 @@ async def test_killed_worker_leaves_the_snapshot_within_two_ttls(redis_url: str)
             proc.kill()
             await proc.wait()
         await watcher.stop()
+
+
+@pytest.mark.asyncio
+async def test_watcher_keeps_its_workers_while_redis_is_unreachable(
+    private_redis: PrivateRedis,
+) -> None:
+    ttl_s = 1.0
+    url = private_redis.url
+    stays, leaves = (
+        WorkerRegistration(url, record(worker_id), Load, ttl_s=ttl_s) for worker_id in ("p1", "p2")
+    )
+    watcher = RegistryWatcher(url, ttl_s=ttl_s)
+    try:
+        await stays.start()
+        await leaves.start()
+        await watcher.start()
+        assert watcher.up
+
+        private_redis.pause()
+        await wait_until(lambda: not watcher.up, timeout_s=20)  # the watcher noticed
+        # Well past a TTL without a refresh, the workers last seen are still routed to.
+        await wait_until(lambda: watcher.last_refresh_age_s() > 3 * ttl_s, timeout_s=20)
+        assert [w.worker_id for w in watcher.workers("prefill")] == ["p1", "p2"]
+
+        private_redis.resume()
+        await wait_until(lambda: watcher.up, timeout_s=20)
+        # Every key expired while Redis was paused; until the workers beat again, the watcher
+        # keeps them.
+        assert [w.worker_id for w in watcher.workers("prefill")] == ["p1", "p2"]
+        await leaves.stop()  # deregisters: deletes its key
+        await wait_until(
+            lambda: [w.worker_id for w in watcher.workers("prefill")] == ["p1"], timeout_s=20
+        )
+    finally:
+        private_redis.resume()
+        await watcher.stop()
+        await stays.stop()
+        await leaves.stop()

@@ -6,6 +6,8 @@ workers do it (WorkerRegistration), pointing at addresses nothing needs to answe
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.load import Load
 from services.registry import WorkerRecord, WorkerRegistration
 from services.router.settings import RouterSettings
+from tests.conftest import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-router-model"
@@ -108,6 +111,125 @@ async def test_invalid_chat_fields_are_400(
     assert_openai_error(response, 400, param=param, says=says)
 
 
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"stop": ["ok", "\ud800"]}, "stop[1]"),
+        ({"messages": [{"role": "user", "content": "a\udfffb"}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"model": "\ud800"}, "model"),
+        ({"user": "\udc00"}, "user"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_lone_surrogates_are_400(http: httpx.AsyncClient, patch: dict, param: str) -> None:
+    # json.dumps writes lone surrogates as \uXXXX escapes, as a fuzzer's client would send them.
+    body = json.dumps(CHAT | patch).encode()
+    response = await http.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert_openai_error(response, 400, param=param, says="lone UTF-16 surrogate")
+
+
+@pytest.mark.asyncio
+async def test_lone_surrogate_prompt_and_field_name_are_400(http: httpx.AsyncClient) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "x\ud800"}).encode()
+    response = await http.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert_openai_error(response, 400, param="prompt", says="surrogate")
+    # Not even a field's name may be half a character.
+    body = json.dumps(CHAT | {"\ud800": 1}).encode()
+    response = await http.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert_openai_error(response, 400, says="unicode")
+
+
+@pytest.mark.parametrize(
+    ("patch", "param", "says"),
+    [
+        ({"top_k": 2**31}, "top_k", "2147483647"),
+        ({"top_k": -2}, "top_k", "-1"),
+        ({"max_tokens": 2**32}, "max_tokens", "4294967295"),
+        ({"max_completion_tokens": 2**40}, "max_completion_tokens", "4294967295"),
+        ({"seed": 2**63}, "seed", "9223372036854775808"),
+        ({"seed": -(2**63) - 1}, "seed", "-9223372036854775808"),
+        ({"temperature": float("nan")}, "temperature", "finite"),
+        ({"top_p": float("inf")}, "top_p", "finite"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_numbers_outside_their_wire_range_are_400(
+    http: httpx.AsyncClient, patch: dict, param: str, says: str
+) -> None:
+    body = json.dumps(CHAT | patch).encode()  # NaN and Infinity as Python's json writes them
+    response = await http.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert_openai_error(response, 400, param=param, says=says)
+
+
+@pytest.mark.parametrize(
+    ("route", "patch", "param", "says"),
+    [
+        ("chat", {"logit_bias": {"50256": -100}}, "logit_bias", "{} or null"),
+        ("chat", {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ("chat", {"logprobs": True}, "logprobs", "false or null"),
+        ("chat", {"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ("chat", {"response_format": {"type": "json_object"}}, "response_format", "text"),
+        ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, None, "name"),
+        (
+            "chat",
+            {"stream": True, "stream_options": {"include_obfuscation": True}},
+            "stream_options.include_obfuscation",
+            "not supported",
+        ),
+        ("completion", {"logprobs": 0}, "logprobs", "not supported"),
+        ("completion", {"echo": True}, "echo", "not supported"),
+        ("chat", {"temprature": 0.5}, "temprature", "unrecognized request argument"),
+        ("completion", {"messages": []}, "messages", "unrecognized request argument"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_unimplemented_and_unknown_fields_are_400_by_name(
+    http: httpx.AsyncClient, route: str, patch: dict, param: str | None, says: str
+) -> None:
+    if route == "chat":
+        response = await http.post("/v1/chat/completions", json=CHAT | patch)
+    else:
+        response = await http.post("/v1/completions", json={"prompt": "hi"} | patch)
+    message = assert_openai_error(response, 400, param=param, says=says)
+    assert (param or "name") in message
+
+
+@pytest.mark.asyncio
+async def test_no_op_values_of_unimplemented_fields_are_accepted(http: httpx.AsyncClient) -> None:
+    no_ops = {
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "logit_bias": {},
+        "logprobs": False,
+        "top_logprobs": None,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "user": "user-42",
+        "n": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+        "messages": [{"role": "user", "content": "hi", "name": None, "tool_calls": []}],
+    }
+    # Past validation, tokenization and the wire message, to the 503 of an empty registry.
+    response = await http.post("/v1/chat/completions", json=CHAT | no_ops)
+    assert_openai_error(response, 503, says="no live prefill")
+    text = {"prompt": "hi", "logit_bias": None, "echo": False, "best_of": 1, "suffix": ""}
+    assert_openai_error(await http.post("/v1/completions", json=text), 503)
+
+
 @pytest.mark.asyncio
 async def test_missing_messages_is_400(http: httpx.AsyncClient) -> None:
     assert_openai_error(
@@ -147,6 +269,70 @@ async def test_prompt_plus_max_tokens_over_context_is_400(http: httpx.AsyncClien
         await http.post("/v1/chat/completions", json=body), 400, param="max_tokens"
     )
     assert "65 tokens" in message and "at most 59" in message
+
+
+@pytest.mark.asyncio
+async def test_prompt_that_cannot_fit_is_refused_before_tokenizing(
+    http: httpx.AsyncClient,
+) -> None:
+    # No token of the tiny tokenizer covers more than 21 characters (its bos token), so 2000
+    # characters are at least 96 tokens: over the 64-token context without counting them.
+    chat = CHAT | {"messages": [{"role": "user", "content": "x" * 2000}]}
+    message = assert_openai_error(
+        await http.post("/v1/chat/completions", json=chat), 400, param="messages"
+    )
+    assert "at least 98 tokens" in message  # the rendered prompt: bos, turn markers, text
+    response = await http.post("/v1/completions", json={"prompt": "x" * 2000})
+    message = assert_openai_error(response, 400, param="prompt", says="at least 96 tokens")
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.asyncio
+async def test_body_over_max_request_bytes_is_413(
+    start_router: StartRouter, router_model_dir: Path, redis_url: str
+) -> None:
+    exact = json.dumps(CHAT).encode()
+    router = await start_router(
+        RouterSettings(str(router_model_dir), redis_url, max_request_bytes=len(exact))
+    )
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+        json_headers = {"content-type": "application/json"}
+        # At the limit: read, validated, on to the 503 of an empty registry.
+        response = await http.post("/v1/chat/completions", content=exact, headers=json_headers)
+        assert response.status_code == 503
+        # One byte over, declared in Content-Length: refused before reading.
+        response = await http.post(
+            "/v1/chat/completions", content=exact + b" ", headers=json_headers
+        )
+        assert_openai_error(response, 413, says=f"at most {len(exact)} bytes")
+
+    # No Content-Length, and no end (chunked): counted as it arrives and refused there, while
+    # the client is still sending. Without the limit the router would wait for the end.
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: router\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        head = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+        chunk, sent = 1 << 16, 0
+        while not head.done():
+            assert sent < 1 << 26, "no answer while 64 MiB of body kept coming"
+            writer.write(b"%x\r\n%s\r\n" % (chunk, b" " * chunk))
+            await writer.drain()
+            await asyncio.sleep(0)  # a turn for the router, which runs on this event loop
+            sent += chunk
+        assert head.result().startswith(b"HTTP/1.1 413 ")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.result().split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        error = json.loads(await reader.readexactly(length))["error"]
+        assert error["code"] == "request_too_large" and "longer" in error["message"]
+    finally:
+        writer.close()
 
 
 @pytest.mark.parametrize(
@@ -210,7 +396,9 @@ async def test_unknown_model_is_404(router: Any) -> None:
 @pytest.mark.asyncio
 async def test_unknown_route_is_404(http: httpx.AsyncClient) -> None:
     assert_openai_error(await http.get("/v1/engines"), 404, says="unknown route")
-    assert_openai_error(await http.get("/v1/chat/completions"), 405)
+    response = await http.get("/v1/chat/completions")
+    assert_openai_error(response, 405)
+    assert response.headers["allow"] == "POST"
 
 
 # ---------------------------------------------------------------- 503, /health, /v1/models
@@ -220,6 +408,8 @@ async def test_unknown_route_is_404(http: httpx.AsyncClient) -> None:
 async def test_no_workers_is_503(http: httpx.AsyncClient) -> None:
     response = await http.post("/v1/chat/completions", json=CHAT)
     assert_openai_error(response, 503, says="no live prefill or decode worker")
+    # A worker shows up at the watcher's next refresh, every TTL/2 (3 s by default).
+    assert response.headers["retry-after"] == "3"
 
 
 @pytest.mark.asyncio
@@ -267,10 +457,13 @@ async def test_health_needs_both_roles(
     await router.refresh_registry()
     response = await http.get("/health")
     assert response.status_code == 200
-    assert response.json() == {
+    body = response.json()
+    assert body.pop("registry")["up"] is True
+    assert body == {
         "status": "ok",
         "model": MODEL,
         "workers": {"prefill": 1, "decode": 1},
+        "unhealthy_workers": {"prefill": 0, "decode": 0},
     }
 
 
@@ -288,6 +481,32 @@ async def test_models_lists_the_served_model(
     )
     async with httpx.AsyncClient(base_url=renamed.url) as http:
         assert (await http.get("/v1/models")).json()["data"][0]["id"] == "deepseek-v4"
+
+
+# ---------------------------------------------------------------- /openapi.json
+
+
+@pytest.mark.asyncio
+async def test_openapi_lists_the_error_responses_the_router_sends(
+    http: httpx.AsyncClient,
+) -> None:
+    schema = (await http.get("/openapi.json")).json()
+    assert "422" not in json.dumps(schema["paths"])  # FastAPI's default; the router sends 400
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "429", "503", "504", "default"}
+        for status in ("400", "413", "503", "default"):
+            ref = responses[status]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/ErrorBody")
+        assert (
+            set(responses["429"]["headers"]) == set(responses["503"]["headers"]) == {"Retry-After"}
+        )
+    assert set(schema["paths"]["/v1/models"]["get"]["responses"]) == {"200", "401", "default"}
+    detail = schema["components"]["schemas"]["ErrorDetail"]
+    assert set(detail["required"]) == {"message", "type", "param", "code"}
+    # Unknown fields are refused, and the schema says so.
+    chat = schema["components"]["schemas"]["ChatCompletionRequest"]
+    assert chat["additionalProperties"] is False
 
 
 # ---------------------------------------------------------------- /metrics
@@ -324,6 +543,52 @@ async def test_metrics_parse_and_count_outcomes(
     ):
         assert samples[(f"dsaserve_router_{histogram}_count", ())] == 0
     assert samples[("dsaserve_router_prompt_tokens_total", ())] == 0
+
+
+# ---------------------------------------------------------------- exposure
+
+
+async def _startup_log(argv: list[str]) -> str:
+    """`dsaserve router ARGV`'s output up to uvicorn's "running on" line; then it is stopped."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "router",
+        *argv,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    lines: list[str] = []
+    try:
+        while not lines or "Uvicorn running on" not in lines[-1]:
+            line = await asyncio.wait_for(proc.stderr.readline(), timeout=60)
+            assert line, "the router exited:\n" + "".join(lines)
+            lines.append(line.decode())
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), timeout=30)
+    return "".join(lines)
+
+
+@pytest.mark.asyncio
+async def test_router_binds_loopback_unless_told_and_warns_when_open(
+    router_model_dir: Path, redis_url: str
+) -> None:
+    common = ["--model", str(router_model_dir), "--redis-url", redis_url]
+    log = await _startup_log([*common, "--port", str(free_port())])
+    assert "Uvicorn running on http://127.0.0.1:" in log
+    assert "WITHOUT AUTHENTICATION" not in log
+
+    log = await _startup_log([*common, "--host", "0.0.0.0", "--port", str(free_port())])
+    assert "Uvicorn running on http://0.0.0.0:" in log
+    warning = next(line for line in log.splitlines() if "WITHOUT AUTHENTICATION" in line)
+    assert " WARNING " in warning and "--api-key" in warning
+
+    keyed = [*common, "--host", "0.0.0.0", "--port", str(free_port()), "--api-key", "k"]
+    assert "WITHOUT AUTHENTICATION" not in await _startup_log(keyed)
 
 
 # ---------------------------------------------------------------- torch-free

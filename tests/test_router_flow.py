@@ -270,7 +270,8 @@ async def test_request_fields_reach_the_workers(serve: Serve, make_router: Any) 
     sent = prefill.prefill_requests[0]
     assert list(sent.prompt_token_ids) == [256, 258, ord("h"), ord("i"), 259]
     s = sent.sampling
-    assert (round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (0.5, 0.9, 7, 2**64 - 1)
+    # A negative OpenAI seed lands in the worker's seed range [0, 2**63).
+    assert (round(s.temperature, 3), round(s.top_p, 3), s.top_k, s.seed) == (0.5, 0.9, 7, 2**63 - 1)
     assert (list(s.stop), s.ignore_eos, s.max_tokens) == (
         ["\n"],
         True,
@@ -479,6 +480,7 @@ async def test_full_admission_queue_is_429(serve: Serve, make_router: Any) -> No
             assert first.status_code == 200  # headers are out: it holds the only slot
             second = await http.post("/v1/chat/completions", json=CHAT)
             assert second.status_code == 429 and second.json()["error"]["code"] == "queue_full"
+            assert second.headers["retry-after"] == "1"
             hold.set()
             assert (await sse_events(first))[-1] == "[DONE]"
         third = await http.post("/v1/chat/completions", json=CHAT)  # the slot is free again
@@ -490,3 +492,91 @@ async def wait_metric_zero(router: Any, name: str) -> None:
     while await metric(router, name) != 0:
         assert time.monotonic() < deadline, f"{name} did not return to 0"
         await asyncio.sleep(0.02)
+
+
+@pytest.mark.asyncio
+async def test_max_inflight_per_key_is_429_for_that_key_only(
+    serve: Serve, make_router: Any
+) -> None:
+    hold = asyncio.Event()
+    await serve("prefill", "p1")
+    await serve("decode", "d1", hold_decode=hold)
+    router = await make_router(api_keys=("k1", "k2"), max_inflight_per_key=1)
+    k1, k2 = ({"Authorization": f"Bearer {k}"} for k in ("k1", "k2"))
+    streaming = CHAT | {"stream": True}
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        try:
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=streaming, headers=k1
+            ) as first:
+                assert first.status_code == 200  # k1's one request is in flight
+                second = await http.post("/v1/chat/completions", json=CHAT, headers=k1)
+                assert second.status_code == 429, second.text
+                assert second.json()["error"]["code"] == "too_many_requests_per_key"
+                assert second.headers["retry-after"] == "1"
+                async with http.stream(
+                    "POST", "/v1/chat/completions", json=streaming, headers=k2
+                ) as other_key:
+                    assert other_key.status_code == 200
+                    hold.set()
+                    assert (await sse_events(other_key))[-1] == "[DONE]"
+                assert (await sse_events(first))[-1] == "[DONE]"
+        finally:
+            hold.set()
+        again = await http.post("/v1/chat/completions", json=CHAT, headers=k1)
+        assert again.status_code == 200, again.text  # the key's slot was given back
+    assert await metric(router, 'dsaserve_router_failures_total{cause="key_limit"}') == 1
+
+
+@pytest.mark.asyncio
+async def test_line_separators_in_text_stay_inside_their_sse_event(
+    serve: Serve, make_router: Any
+) -> None:
+    # Characters str.splitlines() breaks at, which JSON may leave raw: httpx's aiter_lines()
+    # (used by sse_events) would split an event there and fail to parse it.
+    breaks = [chr(i) for i in range(0x110000) if len(f"a{chr(i)}b".splitlines()) > 1]
+    text = "".join(f"{c}x" for c in breaks)
+    await serve("prefill", "p1", first_text="He")
+    await serve("decode", "d1", chunks=(text, "end"))
+    router = await make_router()
+    async with (
+        httpx.AsyncClient(base_url=router.url) as http,
+        http.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as r,
+    ):
+        events = await sse_events(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "He" + text + "end"
+
+
+@pytest.mark.asyncio
+async def test_unhealthy_worker_is_skipped_while_another_can_serve(
+    serve: Serve, make_router: Any
+) -> None:
+    await serve("prefill", "p1")
+    benched = await serve("decode", "d1")
+    healthy = await serve("decode", "d2")
+    router = await make_router(policy="round_robin")
+    selector = router.app.state.router.selector
+    selector.mark_unhealthy("d1", 600, "stalled")
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        for _ in range(4):  # round robin would give d1 every other request
+            assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        health = (await http.get("/health")).json()
+        assert health["unhealthy_workers"] == {"prefill": 0, "decode": 1}
+        assert (len(benched.decode_requests), len(healthy.decode_requests)) == (0, 4)
+        assert (
+            await metric(
+                router,
+                'dsaserve_router_workers_marked_unhealthy_total{reason="stalled",role="decode"}',
+            )
+            == 1
+        )
+        assert await metric(router, 'dsaserve_router_unhealthy_workers{role="decode"}') == 1
+
+        # Every candidate benched: they are tried anyway rather than refusing for sure.
+        selector.mark_unhealthy("d2", 600, "stalled")
+        assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        # A cool-down that is over excludes nothing any more (0 s: over at once).
+        selector.mark_unhealthy("p1", 0, "unavailable")
+        assert selector.unhealthy("prefill") == []
+        selector.mark_unhealthy("gone", 600, "stalled")  # not in the registry: ignored
+    assert len(benched.decode_requests) + len(healthy.decode_requests) == 5

@@ -354,3 +354,53 @@ def test_router_without_workers_answers_503(model, redis_server, tmp_path):
         assert res.status_code == 503 and "prefill" in res.json()["error"]["message"]
     finally:
         s.stop()
+
+
+def test_router_keeps_serving_its_workers_while_redis_is_down(model, private_redis, tmp_path):
+    """Redis paused (SIGSTOP, as a hung or partitioned Redis): the router keeps routing to the
+    workers it last saw and says the registry is down; once Redis is back, a worker that
+    deregisters leaves routing."""
+    s = Stack(model, private_redis.url, tmp_path, ttl=2.0)
+    try:
+        prefill, decode = s.worker("prefill"), s.worker("decode")
+        router = s.router()
+        s.wait_ready(prefill, decode)
+        url = s.wait_healthy(router)
+
+        def registry() -> dict:
+            return httpx.get(url + "/health", timeout=10).json()["registry"]
+
+        def ask(c: openai.OpenAI) -> None:
+            res = c.chat.completions.create(
+                model=model.name, messages=MESSAGES, max_tokens=4, temperature=0
+            )
+            assert res.choices[0].finish_reason == "length"
+
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+            # The decode worker reads the prefill worker's NIXL descriptor from Redis when it
+            # first pairs with it: pair them while Redis is up.
+            ask(c)
+            private_redis.pause()
+            wait_for(lambda: registry()["up"] is False, 30, "the router to see Redis is down")
+            # Well past one TTL without a refresh: the old router had forgotten every worker.
+            wait_for(lambda: registry()["last_refresh_age_s"] > 2 * s.ttl, 30, "two TTLs")
+            health = httpx.get(url + "/health", timeout=10)
+            assert health.status_code == 200, health.text
+            assert health.json()["workers"] == {"prefill": 1, "decode": 1}
+            ask(c)
+            metrics = httpx.get(url + "/metrics", timeout=10).text
+            assert "\ndsaserve_router_registry_up 0.0\n" in metrics
+
+            private_redis.resume()
+            wait_for(lambda: registry()["up"], 30, "the router to reach Redis again")
+            ask(c)
+        decode.proc.terminate()  # a clean stop deletes the worker's registry record
+        decode.proc.wait(timeout=30)
+        wait_for(
+            lambda: http_status(url + "/health") == 503, 10 * s.ttl, "the decode worker to leave"
+        )
+        message = httpx.get(url + "/health", timeout=10).json()["message"]
+        assert "No live decode worker" in message
+    finally:
+        private_redis.resume()
+        s.stop()

@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, decoders, models
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.byte_tokenizer import BOS_TOKEN, EOS_TOKEN, _byte_to_unicode, write_byte_tokenizer
+from engine.token_bound import min_tokens
 from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -472,3 +473,81 @@ print(detok.text)
     result = _run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "<｜User｜>hi<｜Assistant｜>\n"
+
+
+# ---------------------------------------------------------------- a bound without tokenizing
+
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog " * 3,
+    "DeepSeek sparse attention: 稀疏注意力 and 😀 emoji, 1234567890 numbers\n\tend",
+    "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+]
+
+
+def _byte_level_bpe() -> BackendTokenizer:
+    """A byte-level BPE with real merges, trained here (as DeepSeek's is, at a larger scale)."""
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=False), pre_tokenizers.ByteLevel()]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator(_CORPUS * 20, trainer)
+    backend.add_tokens([AddedToken("<｜User｜>", normalized=False)])
+    return backend
+
+
+def _metaspace_bpe() -> BackendTokenizer:
+    """A SentencePiece-style BPE: '▁' for spaces, unknown characters as byte tokens."""
+    backend = BackendTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", *bytes_])
+    backend.train_from_iterator(_CORPUS * 20, trainer)
+    return backend
+
+
+def _random_text(rng: random.Random) -> str:
+    pieces = ["a", " ", "the ", "fox", "稀疏", "😀", "1", "\n", "<｜User｜>", "\u0301", "Z"]
+    return "".join(rng.choice(pieces) * rng.randint(1, 40) for _ in range(rng.randint(1, 30)))
+
+
+@pytest.mark.parametrize("build", [_byte_level_bpe, _metaspace_bpe, None])
+def test_token_bound_never_exceeds_the_real_count(build, tok: Tokenizer) -> None:
+    tokenizer = tok if build is None else Tokenizer(build())
+    max_chars = tokenizer.max_chars_per_token()
+    assert max_chars is not None and max_chars > 1
+    rng = random.Random(0)
+    texts = [*_CORPUS, *(_random_text(rng) for _ in range(300))]
+    counts = [(len(tokenizer.encode(t)), min_tokens(t, max_chars)) for t in texts]
+    assert all(real >= bound for real, bound in counts)
+    assert max(bound for _, bound in counts) > 1  # the bound says something
+
+
+def test_token_bound_of_the_tiny_tokenizer_is_its_longest_added_token(tok: Tokenizer) -> None:
+    assert tok.max_chars_per_token() == len(BOS_TOKEN)
+
+
+def _without_bound(change) -> BackendTokenizer:
+    backend = _byte_level_bpe()
+    change(backend)
+    return backend
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        # Each can make one token of an unbounded run of characters, or drop characters.
+        BackendTokenizer(models.WordPiece({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),
+        BackendTokenizer(models.BPE({"a": 0, "<unk>": 1}, [], unk_token="<unk>", fuse_unk=True)),
+        _without_bound(lambda b: setattr(b, "pre_tokenizer", pre_tokenizers.Whitespace())),
+        _without_bound(lambda b: setattr(b, "normalizer", normalizers.NFC())),
+        _without_bound(lambda b: setattr(b, "normalizer", normalizers.Strip())),
+        _without_bound(lambda b: b.add_tokens([AddedToken("<x>", lstrip=True)])),
+        _without_bound(lambda b: b.enable_truncation(8)),
+    ],
+    ids=["wordpiece", "fused-unk", "whitespace", "nfc", "strip", "lstrip-token", "truncation"],
+)
+def test_no_token_bound_where_characters_may_vanish(backend: BackendTokenizer) -> None:
+    assert Tokenizer(backend).max_chars_per_token() is None

@@ -6,6 +6,7 @@ check -> admission -> prefill worker (policy) -> Prefill -> first token out -> D
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import random
 import time
@@ -16,15 +17,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry
 
 from services.metrics import exposition
-from services.registry import RegistryWatcher
+from services.registry import ROLES, RegistryWatcher
 
-from .admission import Admission
+from .admission import Admission, KeyLimit
+from .body import LimitedRoute
 from .clients import WorkerClients
-from .errors import APIError, install_handlers
+from .errors import APIError, error_responses, install_handlers
 from .metrics import RequestCounter, RequestTimer, RouterMetrics
 from .model import ServedModel
 from .pd import Generation, PDFlow
@@ -43,6 +45,7 @@ class RouterState:
     watcher: RegistryWatcher
     clients: WorkerClients
     admission: Admission
+    key_limit: KeyLimit
     selector: WorkerSelector
     flow: PDFlow
 
@@ -56,10 +59,18 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     clients = WorkerClients(s.cluster_token, s.tls)
     admission = Admission(s.max_inflight, s.max_queue)
     metrics.track_admission(lambda: admission.waiting, lambda: admission.inflight)
-    selector = WorkerSelector(watcher, model.name, s.policy, clients.inflight, rng)
-    state = RouterState(
-        s, model, metrics, watcher, clients, admission, selector, PDFlow(selector, clients)
+    metrics.track_registry(lambda: watcher.up, watcher.last_refresh_age_s)
+    selector = WorkerSelector(
+        watcher,
+        model.name,
+        s.policy,
+        clients.inflight,
+        rng,
+        on_mark=lambda worker, reason: metrics.marked_unhealthy.labels(worker.role, reason).inc(),
     )
+    key_limit = KeyLimit(s.max_inflight_per_key)
+    flow = PDFlow(selector, clients)
+    state = RouterState(s, model, metrics, watcher, clients, admission, key_limit, selector, flow)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -84,6 +95,8 @@ def _state(request: Request) -> RouterState:
 
 
 async def _require_api_key(request: Request) -> None:
+    """Let the request through with a valid key (then `request.state.api_key` is that key)."""
+    request.state.api_key = None
     keys = _state(request).settings.api_keys
     if not keys:
         return
@@ -91,7 +104,8 @@ async def _require_api_key(request: Request) -> None:
     presented = token.strip().encode()
     # compare_digest on every key: the time taken must not reveal how much of a key matched.
     valid = [hmac.compare_digest(presented, key.encode()) for key in keys]
-    if scheme.lower() != "bearer" or not any(valid):
+    request.state.api_key = next((k for k, ok in zip(keys, valid, strict=True) if ok), None)
+    if scheme.lower() != "bearer" or request.state.api_key is None:
         raise APIError(
             401,
             "Missing or invalid API key: send 'Authorization: Bearer <key>' with a key the "
@@ -100,16 +114,29 @@ async def _require_api_key(request: Request) -> None:
         )
 
 
-_v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key)])
+_v1 = APIRouter(
+    prefix="/v1",
+    dependencies=[Depends(_require_api_key)],
+    route_class=LimitedRoute,
+    responses=error_responses(401),
+)
 _ops = APIRouter()
 
+_GENERATED = {
+    200: {
+        "description": "The completion: one JSON object, or with `stream` an SSE stream",
+        "content": {"application/json": {}, "text/event-stream": {}},
+    },
+    **error_responses(400, 401, 404, 413, 429, 503, 504),
+}
 
-@_v1.post("/chat/completions")
+
+@_v1.post("/chat/completions", responses=_GENERATED)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await _generate(request, body, ChatShape, "chatcmpl", "messages")
 
 
-@_v1.post("/completions")
+@_v1.post("/completions", responses=_GENERATED)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     return await _generate(request, body, TextShape, "cmpl", "prompt")
 
@@ -124,33 +151,36 @@ async def _generate(
     arrival = time.monotonic()
     st = _state(request)
     st.model.check_name(body.model)
-    prompt_ids = await st.model.prompt_ids(body)
-    max_tokens = st.model.max_tokens(len(prompt_ids), body.requested_max_tokens(), prompt_param)
-    timeout_s = st.settings.request_timeout_s
-    await st.admission.acquire(arrival + timeout_s - time.monotonic())
-    gen = Generation(
-        request_id=f"{id_prefix}-{uuid.uuid4().hex}",
-        prompt_ids=prompt_ids,
-        sampling=body.sampling(max_tokens),
-        deadline=arrival + timeout_s,
-        timeout_s=timeout_s,
-        timer=RequestTimer(st.metrics, arrival),
-    )
-    events = st.flow.generate(gen)
-    try:
+    # What the request holds is released when its answer is complete: by the stream once it
+    # owns them, else on leaving this block.
+    with contextlib.ExitStack() as slots:
+        key = request.state.api_key
+        st.key_limit.acquire(key)  # before tokenizing: a key over its limit costs nothing
+        slots.callback(st.key_limit.release, key)
+        prompt_ids = await st.model.prompt_ids(body)
+        requested = body.requested_max_tokens()
+        max_tokens = st.model.max_tokens(len(prompt_ids), requested, prompt_param)
+        timeout_s = st.settings.request_timeout_s
+        await st.admission.acquire(arrival + timeout_s - time.monotonic())
+        slots.callback(st.admission.release)
+        gen = Generation(
+            request_id=f"{id_prefix}-{uuid.uuid4().hex}",
+            prompt_ids=prompt_ids,
+            sampling=body.sampling(max_tokens),
+            deadline=arrival + timeout_s,
+            timeout_s=timeout_s,
+            timer=RequestTimer(st.metrics, arrival),
+        )
+        events = st.flow.generate(gen)
         first = await anext(events)  # prefill happens here, so its errors keep their HTTP status
-    except BaseException:
-        st.admission.release()
-        raise
-    shape = shape_type(gen.request_id, st.model.name, body.include_usage)
-    if body.stream:
-        # From here the stream owns the admission slot and the generation.
-        return EventStream(events, first, shape, request.state, st.admission.release)
-    try:
-        return await answer(events, first, shape, request)
-    finally:
-        await events.aclose()
-        st.admission.release()
+        shape = shape_type(gen.request_id, st.model.name, body.include_usage)
+        if body.stream:
+            # From here the stream owns the slots and the generation.
+            return EventStream(events, first, shape, request.state, slots.pop_all().close)
+        try:
+            return await answer(events, first, shape, request)
+        finally:
+            await events.aclose()
 
 
 @_v1.get("/models")
@@ -173,23 +203,35 @@ async def live() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@_ops.get("/health")
+@_ops.get(
+    "/health",
+    responses={503: {"description": "No prefill and decode worker pair can serve now"}},
+)
 async def health(request: Request) -> JSONResponse:
+    """200 while a prefill and a decode worker can serve; says whether Redis is reachable
+    (while it is not, the router serves with the workers it last saw)."""
     st = _state(request)
     reason = st.selector.unavailable_reason()
     body: dict[str, Any] = {
         "status": "ok" if reason is None else "unavailable",
         "model": st.model.name,
-        "workers": {role: len(st.selector.live(role)) for role in ("prefill", "decode")},
+        "workers": {role: len(st.selector.live(role)) for role in ROLES},
+        "unhealthy_workers": {role: len(st.selector.unhealthy(role)) for role in ROLES},
+        "registry": {
+            "up": st.watcher.up,
+            "last_refresh_age_s": round(st.watcher.last_refresh_age_s(), 3),
+        },
     }
     if reason is not None:
         body["message"] = reason
     return JSONResponse(body, status_code=200 if reason is None else 503)
 
 
-@_ops.get("/metrics")
+@_ops.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     st = _state(request)
-    st.metrics.set_live_workers(lambda role: len(st.selector.live(role)))
+    st.metrics.set_workers(
+        lambda role: len(st.selector.live(role)), lambda role: len(st.selector.unhealthy(role))
+    )
     content, content_type = exposition(st.metrics.registry)
     return Response(content, media_type=content_type)

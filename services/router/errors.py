@@ -15,7 +15,10 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .fields import unsupported_message
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +27,23 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
     504: "timeout_error",
 }
 
-_CAUSES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "invalid_request"}
+_CAUSES = {
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "invalid_request",
+    413: "request_too_large",
+}
+# Seconds a client should wait before retrying a 429 or 503 (`Retry-After`), unless the error
+# knows better: capacity frees up as requests finish, which takes about this long.
+DEFAULT_RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -42,13 +55,20 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         cause: str | None = None,
+        retry_after_s: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
+        # Messages may quote client input; a lone surrogate in it could not be sent as UTF-8.
+        message, param = _printable(message), None if param is None else _printable(param)
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.cause = cause or _CAUSES.get(status, "internal")
+        self.headers = dict(headers or {})
+        if status in (429, 503):
+            self.headers["Retry-After"] = str(retry_after_s or DEFAULT_RETRY_AFTER_S)
 
     def body(self) -> dict[str, Any]:
         error_type = _TYPES.get(
@@ -64,7 +84,11 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # gRPC status from a worker -> (HTTP status, metric cause). Anything else is a 500.
@@ -107,8 +131,12 @@ def timeout_error(seconds: float, where: str) -> APIError:
 
 
 def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """The first pydantic error as (message, param), phrased for someone fixing their request."""
-    first = errors[0]
+    """One pydantic error as (message, param), phrased for someone fixing their request.
+
+    The deepest one: of a union's members, the one that got furthest says what was meant
+    (a list of text parts with a bad part, rather than "not a string").
+    """
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     # Drop "body" and pydantic's union-member tags ("str", "list[int]", "function-after[...]").
     loc = [p for p in first.get("loc", ()) if p != "body" and not _is_union_tag(p)]
     if first.get("type") == "json_invalid":
@@ -119,6 +147,8 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
             return "The request body is empty; send a JSON object.", None
         return f"The request body must be a JSON object: {first.get('msg')}", None
     param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+    if first.get("type") == "extra_forbidden":
+        return unsupported_message(str(loc[-1]), param), param
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return f"Invalid value for '{param}': {msg}", param
 
@@ -151,7 +181,10 @@ def install_handlers(app: FastAPI) -> None:
             )
         else:
             message = str(exc.detail)
-        return await _api_error(request, APIError(exc.status_code, message))
+        # Starlette's 405 names the allowed methods in `Allow`; keep it.
+        return await _api_error(
+            request, APIError(exc.status_code, message, headers=dict(exc.headers or {}))
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -159,3 +192,46 @@ def install_handlers(app: FastAPI) -> None:
         return await _api_error(
             request, APIError(500, f"Internal router error: {type(exc).__name__}: {exc}")
         )
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error response's body (the schema /openapi.json gives for each error status)."""
+
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {
+    400: "Invalid request: a field's value, an unknown or unsupported field, or a prompt over "
+    "the context",
+    401: "Missing or invalid API key",
+    404: "Unknown model",
+    413: "Request body over --max-request-bytes",
+    429: "At capacity (admission queue full, or this API key's limit)",
+    503: "No live worker can serve the request",
+    504: "The request did not finish within --request-timeout",
+    "default": "Internal error",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses for these error statuses (and a 500 as the default), so /openapi.json
+    lists what the router really sends: its own error body, never FastAPI's 422."""
+    responses: dict[int | str, dict[str, Any]] = {}
+    for status in (*statuses, "default"):
+        response: dict[str, Any] = {"model": ErrorBody, "description": _DESCRIPTIONS[status]}
+        if status in (429, 503):
+            response["headers"] = {
+                "Retry-After": {
+                    "description": "Seconds to wait before retrying",
+                    "schema": {"type": "integer"},
+                }
+            }
+        responses[status] = response
+    return responses

@@ -61,15 +61,43 @@ class RouterMetrics:
         self.live_workers = Gauge(
             p + "live_workers", "Workers in the registry snapshot.", ["role"], registry=registry
         )
+        self.unhealthy_workers = Gauge(
+            p + "unhealthy_workers",
+            "Live workers benched for a cool-down after failing (picked only if no other is).",
+            ["role"],
+            registry=registry,
+        )
+        self.marked_unhealthy = Counter(
+            p + "workers_marked_unhealthy",
+            "Times a worker was benched, by role and reason.",
+            ["role", "reason"],
+            registry=registry,
+        )
+        self.registry_up = Gauge(
+            p + "registry_up",
+            "1 if the last registry refresh reached Redis; at 0 the router routes to the "
+            "workers it last saw.",
+            registry=registry,
+        )
+        self.registry_age = Gauge(
+            p + "registry_last_refresh_age_seconds",
+            "Seconds since the worker snapshot was last read from Redis.",
+            registry=registry,
+        )
 
     def track_admission(self, waiting: Callable[[], int], inflight: Callable[[], int]) -> None:
         """Read the admission counters at scrape time instead of mirroring every change."""
         self.queue_depth.set_function(waiting)
         self.inflight.set_function(inflight)
 
-    def set_live_workers(self, count: Callable[[Role], int]) -> None:
+    def track_registry(self, up: Callable[[], bool], age_s: Callable[[], float]) -> None:
+        self.registry_up.set_function(lambda: float(up()))
+        self.registry_age.set_function(age_s)
+
+    def set_workers(self, live: Callable[[Role], int], unhealthy: Callable[[Role], int]) -> None:
         for role in ROLES:
-            self.live_workers.labels(role).set(count(role))
+            self.live_workers.labels(role).set(live(role))
+            self.unhealthy_workers.labels(role).set(unhealthy(role))
 
 
 class RequestCounter:

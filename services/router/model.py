@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import ContextLengthError, resolve_max_tokens
+from engine.token_bound import min_tokens
 from engine.tokenizer import Tokenizer
 
 from .errors import APIError
@@ -25,6 +26,8 @@ class ServedModel:
     path: str
     context_length: int  # prompt + completion tokens: --max-model-len, or max_position_embeddings
     tokenizer: Tokenizer
+    # Bounds a prompt's token count from its length (None: this tokenizer allows no bound).
+    max_chars_per_token: int | None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -45,7 +48,8 @@ class ServedModel:
             )
         name = served_name or os.path.basename(os.path.normpath(model_dir))
         limit = max_model_len or context_length
-        return cls(name, model_dir, limit, Tokenizer.from_pretrained(model_dir))
+        tokenizer = Tokenizer.from_pretrained(model_dir)
+        return cls(name, model_dir, limit, tokenizer, tokenizer.max_chars_per_token())
 
     def check_name(self, requested: str | None) -> None:
         if requested is not None and requested != self.name:
@@ -58,16 +62,21 @@ class ServedModel:
             )
 
     async def prompt_ids(self, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
-        """Render and tokenize off the event loop: long prompts take milliseconds of CPU."""
+        """Render and tokenize off the event loop: long prompts take milliseconds of CPU, and
+        a prompt that cannot fit the context is refused before it is tokenized at all."""
         if isinstance(request, ChatCompletionRequest):
             messages = [m.for_template() for m in request.messages]
             try:
-                return await asyncio.to_thread(
-                    self.tokenizer.encode_chat, messages, add_generation_prompt=True
+                text = await asyncio.to_thread(
+                    self.tokenizer.apply_chat_template, messages, add_generation_prompt=True
                 )
+                self._check_fits(text, "messages")
+                # As encode_chat does: the template wrote bos itself.
+                return await asyncio.to_thread(self.tokenizer.encode, text)
             except ValueError as e:  # ChatTemplateError, or text that is not valid Unicode
                 raise APIError(400, f"Invalid messages: {e}", param="messages") from e
         if isinstance(request.prompt, str):
+            self._check_fits(request.prompt, "prompt")
             try:
                 # As in vLLM's completions API, a text prompt gets the special tokens (BOS).
                 return await asyncio.to_thread(
@@ -83,6 +92,21 @@ class ServedModel:
                 param="prompt",
             )
         return list(request.prompt)
+
+    def _check_fits(self, text: str, param: str) -> None:
+        """Refuse `text` if even its fewest possible tokens leave no room for output."""
+        if self.max_chars_per_token is None:
+            return
+        fewest = min_tokens(text, self.max_chars_per_token)
+        if fewest >= self.context_length:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.context_length} tokens, but the "
+                f"prompt has at least {fewest} tokens ({len(text)} characters), which leaves no "
+                "room for output; shorten it.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def max_tokens(self, prompt_tokens: int, requested: int | None, prompt_param: str) -> int:
         """The completion budget: what was asked for, or by default the rest of the context."""

@@ -1,42 +1,88 @@
-"""Request bodies of the OpenAI API subset the router serves (pydantic; unknown fields ignored).
+"""Request bodies of the OpenAI API subset the router serves (pydantic).
 
 Field names and ranges follow OpenAI's schema; `top_k` and `ignore_eos` are the usual vLLM/SGLang
-extensions. Only what a worker can honour is accepted: `n` must be 1, message content is text.
+extensions. Only what a worker can honour is accepted: `n` must be 1, message content is text,
+OpenAI fields the router does not implement pass only at values that change nothing
+(`fields.py`), and unknown fields are refused by name. Every number fits its wire type
+(proto/dsaserve.proto) and every string is valid Unicode, so building the gRPC request cannot
+fail on anything a client sent.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from services.rpc import pb
 
+from . import fields
+from .fields import NoOp
+
 MAX_STOP_STRINGS = 4
-_UINT64 = 2**64
+UINT32_MAX = 2**32 - 1  # max_tokens on the wire
+INT32_MAX = 2**31 - 1  # top_k on the wire
+INT64 = 2**63  # OpenAI's seed is a signed 64-bit integer
+SEED_SPAN = 2**63  # the worker takes seeds in [0, 2**63) (a torch generator's range)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _whole_unicode(text: str) -> str:
+    # JSON escapes can smuggle half a UTF-16 pair into a str; it has no UTF-8 form, so neither
+    # the tokenizer nor protobuf could take it.
+    if (surrogate := _SURROGATE.search(text)) is not None:
+        raise ValueError(
+            f"the text is not valid Unicode: a lone UTF-16 surrogate "
+            f"(\\u{ord(surrogate.group()):04x}) at index {surrogate.start()}"
+        )
+    return text
+
+
+Text = Annotated[str, AfterValidator(_whole_unicode)]
+
+
+class _Body(BaseModel):
+    """A JSON object of the API: unknown fields refused, unimplemented ones only as no-ops."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    no_op_fields: ClassVar[Mapping[str, NoOp]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_no_ops(cls, data: object) -> object:
+        return fields.drop_no_ops(data, cls.no_op_fields, lambda name: name in cls.model_fields)
+
+
+class StreamOptions(_Body):
+    no_op_fields = fields.STREAM_OPTIONS
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_Body):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None  # None = the one served model
-    max_tokens: int | None = Field(default=None, ge=1)
+    model: Text | None = None  # None = the one served model
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # -1 and 0 both mean off (vLLM accepts both)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=_UINT64)
-    stop: list[str] = Field(default_factory=list)  # OpenAI also takes a single string
+    # -1 and 0 both mean off (vLLM accepts both)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
+    stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
 
     @field_validator("n")
     @classmethod
@@ -88,28 +134,31 @@ class _GenerationRequest(BaseModel):
         if self.top_k is not None:
             params.top_k = max(self.top_k, 0)
         if self.seed is not None:
-            params.seed = self.seed % _UINT64  # OpenAI seeds are signed 64-bit
+            # Folds OpenAI's signed seeds into the worker's range; equal seeds stay equal.
+            params.seed = self.seed % SEED_SPAN
         return params
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
+class TextPart(_Body):
+    type: Literal["text"]
+    text: Text
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Body):
+    no_op_fields = fields.MESSAGE
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
-    @field_validator("content")
+    @field_validator("content", mode="before")
     @classmethod
-    def _text_only(cls, content: str | list[TextPart] | None) -> str | list[TextPart] | None:
+    def _text_only(cls, content: object) -> object:
+        # Before validation, so an image part is named as such, not as a malformed text part.
         for part in content if isinstance(content, list) else []:
-            if part.type != "text" or part.text is None:
-                raise ValueError(f"only text content parts are supported, got type {part.type!r}")
+            if isinstance(part, dict) and part.get("type") != "text":
+                raise ValueError(
+                    f"only text content parts are supported, got type {part.get('type')!r}"
+                )
         return content
 
     def for_template(self) -> dict[str, Any]:
@@ -123,8 +172,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_GenerationRequest):
+    no_op_fields = fields.CHAT
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI's newer name wins when a client sends both.
@@ -136,7 +187,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int]
+    no_op_fields = fields.COMPLETION
+
+    prompt: Text | list[int]
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -31,6 +31,10 @@ class RouterSettings:
     policy: str = setting("least_load", "worker balancing policy", choices=sorted(POLICIES))
     max_inflight: int = setting(256, "requests running at once")
     max_queue: int = setting(1024, "requests waiting for a slot before 429s")
+    max_inflight_per_key: int = setting(
+        0, "requests one API key may have running or queued at once; 429 above (0 = no limit)"
+    )
+    max_request_bytes: int = setting(8 << 20, "largest request body accepted; 413 above")
     max_model_len: int | None = setting(
         None, "longest prompt + output (default: the model's max_position_embeddings)"
     )
@@ -41,7 +45,9 @@ class RouterSettings:
     request_timeout_s: float = setting(
         600.0, "seconds from a request's arrival to its last token", flag="--request-timeout"
     )
-    host: str = setting("0.0.0.0", "HTTP bind address")
+    host: str = setting(
+        "127.0.0.1", "HTTP bind address (0.0.0.0: every interface; give an --api-key then)"
+    )
     port: int = setting(8000, "HTTP port")
     tls: GrpcTLS = field(default_factory=GrpcTLS)  # of the gRPC calls to workers
 
@@ -49,6 +55,18 @@ class RouterSettings:
         checks = [
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
             (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
+            (
+                self.max_inflight_per_key >= 0,
+                f"max_inflight_per_key must be >= 0, got {self.max_inflight_per_key}",
+            ),
+            (
+                self.max_inflight_per_key == 0 or bool(self.api_keys),
+                "max_inflight_per_key limits each --api-key; give the router API keys",
+            ),
+            (
+                self.max_request_bytes >= 1,
+                f"max_request_bytes must be >= 1, got {self.max_request_bytes}",
+            ),
             (
                 self.request_timeout_s > 0,
                 f"request_timeout must be positive, got {self.request_timeout_s}",

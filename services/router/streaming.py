@@ -26,14 +26,15 @@ from .responses import Shape
 log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
+# Where Python's str.splitlines() breaks a line, besides what JSON escapes anyway (\n, \r and the
+# other control characters): a client that splits the stream with it (httpx's aiter_lines) would
+# cut a chunk in two, so these go out as \u escapes.
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
 
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return (
-        b"data: "
-        + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-        + b"\n\n"
-    )
+    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + text.translate(_LINE_BREAKS).encode() + b"\n\n"
 
 
 def client_closed() -> APIError:

@@ -1,0 +1,121 @@
+"""OpenAI request fields the router accepts without implementing them, and only at no-op values.
+
+Client libraries often send fields at their defaults (`presence_penalty: 0`, `logit_bias: {}`):
+refusing those would break them for nothing. Silently ignoring a value that means something
+(`logit_bias: {"50256": -100}`) would instead answer a question the client did not ask. So each
+field here says which values change nothing; those are dropped before validation, and any other
+value is a 400 naming the field. A field in neither these tables nor the schemas is refused as
+unknown (the schemas forbid extra fields).
+
+To implement a field: declare it on its schema in `schemas.py` and delete its line here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class NoOp:
+    """The values of an unimplemented field that change nothing, and how an error names them."""
+
+    values: tuple[Any, ...]
+
+    def __call__(self, value: object) -> bool:
+        # Compare types too: `0 == False`, but `logprobs: 0` asks for something on completions.
+        return value is None or any(type(value) is type(v) and value == v for v in self.values)
+
+    def describe(self) -> str:
+        return " or ".join([*(json.dumps(v) for v in self.values), "null"])
+
+
+ZERO = NoOp((0, 0.0))
+NULL = NoOp(())
+FALSE = NoOp((False,))
+EMPTY_LIST = NoOp(([],))
+EMPTY_OBJECT = NoOp(({},))
+
+# Both generation routes.
+GENERATION: Mapping[str, NoOp] = {
+    "frequency_penalty": ZERO,
+    "presence_penalty": ZERO,
+    "logit_bias": EMPTY_OBJECT,
+    "response_format": NoOp(({"type": "text"},)),
+    "store": FALSE,
+    "metadata": EMPTY_OBJECT,  # only used with store
+    "service_tier": NoOp(("auto", "default")),
+    # vLLM/SGLang extensions, at their defaults
+    "min_p": ZERO,
+    "repetition_penalty": NoOp((1, 1.0)),
+    "min_tokens": NoOp((0,)),
+    "stop_token_ids": EMPTY_LIST,
+    "skip_special_tokens": NoOp((True,)),
+}
+
+# /v1/chat/completions only.
+CHAT: Mapping[str, NoOp] = {
+    **GENERATION,
+    "logprobs": FALSE,
+    "top_logprobs": NoOp((0,)),
+    "tools": EMPTY_LIST,
+    "tool_choice": NoOp(("none", "auto")),  # without tools both mean a plain answer
+    "parallel_tool_calls": NoOp((True, False)),  # without tools it has nothing to act on
+    "functions": EMPTY_LIST,
+    "function_call": NoOp(("none", "auto")),
+    "reasoning_effort": NULL,
+    "chat_template_kwargs": EMPTY_OBJECT,
+    "modalities": NoOp((["text"],)),
+    "audio": NULL,
+    "prediction": NULL,
+    "web_search_options": NULL,
+}
+
+# /v1/completions only.
+COMPLETION: Mapping[str, NoOp] = {
+    **GENERATION,
+    "logprobs": NULL,
+    "echo": FALSE,
+    "best_of": NoOp((1,)),
+    "suffix": NoOp(("",)),
+}
+
+# A chat message, and `stream_options`.
+MESSAGE: Mapping[str, NoOp] = {
+    "name": NULL,
+    "tool_calls": EMPTY_LIST,
+    "tool_call_id": NULL,
+    "function_call": NULL,
+    "refusal": NULL,
+    "reasoning_content": NULL,
+}
+STREAM_OPTIONS: Mapping[str, NoOp] = {
+    "continuous_usage_stats": FALSE,
+    "include_obfuscation": FALSE,
+}
+
+_ALL = (CHAT, COMPLETION, MESSAGE, STREAM_OPTIONS)
+
+
+def drop_no_ops(data: object, table: Mapping[str, NoOp], declared: Callable[[str], bool]) -> object:
+    """`data` without the undeclared fields of `table` whose value changes nothing.
+
+    What is left over and undeclared, the schema refuses as an extra field.
+    """
+    if not isinstance(data, dict):
+        return data
+    return {k: v for k, v in data.items() if declared(k) or k not in table or not table[k](v)}
+
+
+def unsupported_message(name: str, param: str) -> str:
+    """The 400 for an extra field `name` at `param`: unimplemented (with its no-op values) or
+    unknown."""
+    no_op = next((t[name] for t in _ALL if name in t), None)
+    if no_op is None:
+        return f"Unrecognized request argument supplied: {param}"
+    return (
+        f"'{param}' is not supported by this server; it is accepted only as "
+        f"{no_op.describe()}, which changes nothing"
+    )
