@@ -580,3 +580,28 @@ async def test_unhealthy_worker_is_skipped_while_another_can_serve(
         assert selector.unhealthy("prefill") == []
         selector.mark_unhealthy("gone", 600, "stalled")  # not in the registry: ignored
     assert len(benched.decode_requests) + len(healthy.decode_requests) == 5
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_decode_stream_is_abandoned_and_its_worker_skipped(
+    serve: Serve, make_router: Any, redis_url: str
+) -> None:
+    """A decode worker whose stream goes silent (alive, engine stuck): the stream ends with an
+    error after the stall timeout, the call is cancelled, and new requests go elsewhere."""
+    await serve("prefill", "p1")
+    stuck = await serve("decode", "d1", hold_decode=asyncio.Event())
+    router = await make_router(stall_timeout_s=0.5)
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        async with http.stream("POST", "/v1/chat/completions", json=CHAT | {"stream": True}) as r:
+            events = await sse_events(r)
+        error = events[-2]["error"]
+        assert "sent nothing for 0.5 s" in error["message"]
+        assert error["type"] == "service_unavailable_error"
+        await asyncio.wait_for(stuck.decode_cancelled.wait(), WAIT_S)
+        await serve("decode", "d2")
+        await router.refresh_registry()
+        health = (await http.get("/health")).json()
+        assert health["unhealthy_workers"] == {"prefill": 0, "decode": 1}
+        ok = await http.post("/v1/chat/completions", json=CHAT)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+    assert await metric(router, 'dsaserve_router_failures_total{cause="stalled"}') == 1

@@ -69,7 +69,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         on_mark=lambda worker, reason: metrics.marked_unhealthy.labels(worker.role, reason).inc(),
     )
     key_limit = KeyLimit(s.max_inflight_per_key)
-    flow = PDFlow(selector, clients)
+    flow = PDFlow(selector, clients, s.stall_timeout_s)
     state = RouterState(s, model, metrics, watcher, clients, admission, key_limit, selector, flow)
 
     @asynccontextmanager

@@ -54,6 +54,7 @@ _REFUSED = {
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.UNAUTHENTICATED,
 }
+UNHEALTHY_FOR_S = 30.0  # a worker that failed or stalled is skipped this long by new requests
 # Decode errors (DecodeError.cause) after which the same request may well succeed.
 _RETRYABLE_CAUSES = {"lease_expired", "transfer", "prefill_unreachable", "peer_unknown"}
 _FINISH_REASONS: dict[int, str] = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
@@ -76,9 +77,12 @@ class Generation:
 
 
 class PDFlow:
-    def __init__(self, selector: WorkerSelector, clients: WorkerClients) -> None:
+    def __init__(
+        self, selector: WorkerSelector, clients: WorkerClients, stall_timeout_s: float
+    ) -> None:
         self._selector = selector
         self._clients = clients
+        self._stall_timeout_s = stall_timeout_s
 
     async def generate(self, gen: Generation) -> AsyncGenerator[Event, None]:
         prefill_worker, first = await self._retry_once(
@@ -110,7 +114,7 @@ class PDFlow:
                             return
                         if event is not None:
                             yield event
-                        response = await self._read(call, decode_worker)
+                        response = await self._read(call, decode_worker, gen)
                 raise APIError(
                     500,
                     f"decode worker {decode_worker.address} ended the stream "
@@ -169,6 +173,7 @@ class PDFlow:
                 last = from_grpc(e, role, worker.address)
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise last from None
+                self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "unavailable")
                 log.warning(
                     "%s worker %s unavailable (%s); retrying on another",
                     role,
@@ -223,11 +228,29 @@ class PDFlow:
             while await call.read() is not grpc.aio.EOF:
                 pass
 
-    @staticmethod
-    async def _read(call: DecodeCall, worker: WorkerRecord) -> pb.DecodeResponse:
+    async def _read(
+        self, call: DecodeCall, worker: WorkerRecord, gen: Generation
+    ) -> pb.DecodeResponse:
+        """The stream's next message. A worker that sends nothing for the stall timeout is
+        abandoned (and skipped by new requests for a while): gRPC keepalive catches a dead or
+        frozen process, this catches a live one whose engine stopped producing."""
+        stall = min(self._stall_timeout_s, gen.remaining("while decoding"))
         try:
-            return await call.read()
+            return await asyncio.wait_for(call.read(), stall)
+        except TimeoutError:
+            call.cancel()
+            if stall < self._stall_timeout_s:  # the request's own deadline came first
+                raise timeout_error(gen.timeout_s, "while decoding") from None
+            self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "stalled")
+            raise APIError(
+                503,
+                f"decode worker {worker.address} sent nothing for {stall:g} s and was abandoned; "
+                "retry the request.",
+                cause="stalled",
+            ) from None
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "unavailable")
             raise from_grpc(e, "decode", worker.address) from None
 
     @staticmethod

@@ -49,6 +49,11 @@ class RouterSettings:
         "127.0.0.1", "HTTP bind address (0.0.0.0: every interface; give an --api-key then)"
     )
     port: int = setting(8000, "HTTP port")
+    stall_timeout_s: float = setting(
+        30.0,
+        "seconds a decode stream may send nothing before it is abandoned and its worker skipped",
+        flag="--stall-timeout",
+    )
     tls: GrpcTLS = field(default_factory=GrpcTLS)  # of the gRPC calls to workers
 
     def __post_init__(self) -> None:
@@ -66,6 +71,10 @@ class RouterSettings:
             (
                 self.max_request_bytes >= 1,
                 f"max_request_bytes must be >= 1, got {self.max_request_bytes}",
+            ),
+            (
+                self.stall_timeout_s > 0,
+                f"stall_timeout must be positive, got {self.stall_timeout_s}",
             ),
             (
                 self.request_timeout_s > 0,
