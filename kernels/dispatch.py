@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from kernels import indexer, mhc, naive, reference, rowwise, sparse_mla
+from kernels import indexer, kv_quant, mhc, naive, reference, rowwise, sparse_mla
 
 Backend = Literal["triton", "reference", "naive"]
 _forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
@@ -116,6 +116,30 @@ def indexer_topk(
         "naive": naive.indexer_topk,
     }[_backend(q)]
     return impl(q, weights, k_cache, page_table, lengths, topk, scale=scale)
+
+
+def store_kv_fp8(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Quantize-on-write of attention entries: kv [N, 512] (bf16; fp16/fp32 accepted) into
+    slots [N] (int32/int64) of an FP8 pool uint8 [num_pages, P * 584], in place.
+
+    Row i goes to slot slots[i] (page slots[i] // P, row slots[i] % P) in kernels.kv_quant's
+    layout; slots outside [0, num_pages * P) are skipped; a slot named twice gets one of its
+    rows. The CUDA path (one program per 16-32 rows and 64-value group) reads nothing back to the
+    host, so it runs inside captured decode graphs."""
+    impl = kv_quant.store_kv if _backend(kv) != "reference" else kv_quant.store_kv_reference
+    impl(pool, slots, kv)
+
+
+def store_index_k_fp8(pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:
+    """Quantize-on-write of indexer keys: keys [N, Di] into slots [N] of an FP8 pool uint8
+    [num_pages, P * (Di + 4)] (kernels.kv_quant), in place; slots outside [0, num_pages * P) are
+    skipped. Graph-safe on CUDA like store_kv_fp8."""
+    impl = (
+        kv_quant.store_index_k
+        if _backend(keys) != "reference"
+        else kv_quant.store_index_k_reference
+    )
+    impl(pool, slots, keys)
 
 
 def hc_weights(
