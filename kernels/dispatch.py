@@ -60,7 +60,11 @@ def sparse_mla_decode(
     q        [B, H, D] bf16 (fp16/fp32/float64 accepted; float64 on the reference only); H a
              multiple of 16, D = d_v + rope width (512 or 576 with d_v = 512).
     kv       [S, D], q's dtype: one row per slot of a layer's pool, one KV head shared by all
-             query heads; K = the whole row, V = its first d_v columns.
+             query heads; K = the whole row, V = its first d_v columns. Or an FP8 pool, uint8
+             [num_pages, P * 584] (kernels.kv_quant: 448 e4m3 + 64 bf16 values and 7 ue8m0
+             scales a row, S = num_pages * P slots, slot s at page s // P, row s % P); then
+             D = d_v = 512, q is bf16/fp16/fp32, and every row is read as its exact
+             dequantization (K = V = the whole row).
     indices  [B, K] int32 slot ids; -1 (or any id outside [0, S)) is skipped, anywhere.
     sm_scale softmax scale applied to q . K.
     sinks    [H] fp32 or None: per-head sink logit added to the softmax denominator.
@@ -99,9 +103,12 @@ def indexer_topk(
 ) -> torch.Tensor:
     """Lightning-indexer top-k over each row's real context.
 
-    q           [B, Hi, Di] indexer queries (RoPE applied), k_cache's dtype.
+    q           [B, Hi, Di] indexer queries (RoPE applied), k_cache's dtype (bf16/fp16/fp32
+                with an FP8 pool).
     weights     [B, Hi] fp32.
-    k_cache     [num_pages, P, Di] paged keys.
+    k_cache     [num_pages, P, Di] paged keys, or an FP8 pool uint8 [num_pages, P * (Di + 4)]
+                (kernels.kv_quant: Di e4m3 codes and one fp32 scale a key), read as its exact
+                dequantization.
     page_table [B, max_pages] int32; lengths [B] int32.
 
     Entry j of row b (j < lengths[b]) is k_cache[page_table[b, j // P], j % P], scored
