@@ -48,6 +48,10 @@ class IndexerConfig:
     select_block: int  # candidates per step of the radix select
     num_warps: int
     num_stages: int
+    # Load the next tile's keys (and the page ids of the one after) before scoring this one.
+    # The score loop is not software-pipelined (the in-loop top-k cut holds loops), so without
+    # this every tile waits for two dependent loads, page id then keys, at long contexts.
+    prefetch: bool = True
 
 
 def default_config(batch: int, device: torch.device) -> IndexerConfig:
@@ -128,6 +132,7 @@ def _score_kernel(
     EMIT: tl.constexpr,
     SELECT_BLOCK: tl.constexpr,  #
     KEYS_FP8: tl.constexpr,
+    PREFETCH: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  #
 ):
@@ -156,21 +161,54 @@ def _score_kernel(
         count = 0
         floor = tl.zeros([], tl.uint32)  # keys <= floor cannot enter this split's top-k
         pt_row = pt_ptr + b * stride_pt
-        for t0 in range(start, end, BLOCK_N):
-            j = t0 + tl.arange(0, BLOCK_N)
-            valid = j < end
-            page = tl.load(pt_row + j // page_size, mask=valid, other=0)
-            k, k_scale = _load_keys(
+        if PREFETCH:  # the first tile's keys and the second tile's page ids
+            j = start + tl.arange(0, BLOCK_N)
+            page = tl.load(pt_row + j // page_size, mask=j < end, other=0)
+            k_next, scale_next = _load_keys(
                 kc_ptr,
                 page,
                 j % page_size,
-                valid,
+                j < end,
                 stride_kp,
                 stride_ks,
                 page_size,
                 dims,
                 KEYS_FP8,
             )
+            j += BLOCK_N
+            page_next = tl.load(pt_row + j // page_size, mask=j < end, other=0)
+        for t0 in range(start, end, BLOCK_N):
+            j = t0 + tl.arange(0, BLOCK_N)
+            valid = j < end
+            if PREFETCH:  # this tile's keys arrived during the previous tile; ask for the next
+                k, k_scale = k_next, scale_next
+                j1 = j + BLOCK_N
+                k_next, scale_next = _load_keys(
+                    kc_ptr,
+                    page_next,
+                    j1 % page_size,
+                    j1 < end,
+                    stride_kp,
+                    stride_ks,
+                    page_size,
+                    dims,
+                    KEYS_FP8,
+                )
+                j2 = j1 + BLOCK_N
+                page_next = tl.load(pt_row + j2 // page_size, mask=j2 < end, other=0)
+            else:
+                page = tl.load(pt_row + j // page_size, mask=valid, other=0)
+                k, k_scale = _load_keys(
+                    kc_ptr,
+                    page,
+                    j % page_size,
+                    valid,
+                    stride_kp,
+                    stride_ks,
+                    page_size,
+                    dims,
+                    KEYS_FP8,
+                )
             logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
             score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale  # [BLOCK_N]
             if KEYS_FP8:  # a power-of-two key scale commutes with the dot, ReLU and head sum
@@ -294,6 +332,7 @@ def indexer_topk(
         EMIT=cfg.num_splits == 1,
         SELECT_BLOCK=cfg.select_block,
         KEYS_FP8=keys_fp8,
+        PREFETCH=cfg.prefetch,
         UPCAST=INTERPRET,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps,

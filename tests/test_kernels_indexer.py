@@ -16,21 +16,23 @@ TOPK = 8
 LENGTHS = [0, 1, TOPK - 1, TOPK, TOPK + 1, 37, 100, 5]  # ragged, incl. 0 and the topk edge
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(
+    "num_splits,prefetch", [(1, True), (3, True), (3, False)], ids=["s1", "s3", "s3-no-prefetch"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_picks_the_top_scores(num_splits, dtype):
+def test_triton_picks_the_top_scores(num_splits, prefetch, dtype):
     case = indexer_case(LENGTHS, topk=TOPK, dtype=dtype, seed=num_splits)
-    cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1)
+    cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1, prefetch)
     idx = case.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
     check_topk(idx, case, 1e-6 if dtype == torch.float32 else 1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits,prefetch", [(1, True), (3, True), (3, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_fp8_keys_pick_the_top_scores_of_the_dequantized_keys(num_splits, dtype):
+def test_triton_fp8_keys_pick_the_top_scores_of_the_dequantized_keys(num_splits, prefetch, dtype):
     fp8, dequantized = fp8_indexer_case(indexer_case(LENGTHS, topk=TOPK, dtype=dtype, seed=4))
     assert fp8.k_cache.dtype == torch.uint8 and fp8.k_cache.shape[1] == 4 * (32 + 4)
-    cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1)
+    cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1, prefetch)
     idx = fp8.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
     check_topk(idx, dequantized, 1e-6 if dtype == torch.float32 else 1e-5)
 
