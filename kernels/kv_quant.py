@@ -372,12 +372,12 @@ def store_index_k(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> N
 
 
 @triton.jit
-def load_kv_fp8(pool_ptr, slot, valid, stride_page, PAGE: tl.constexpr):
-    """Attention entries at slot [BLOCK_N] (int32 slot ids) of an FP8 pool, dequantized: fp32
-    [BLOCK_N, 512], rows where `valid` is false are 0. The NoPE values are loaded as
-    [BLOCK_N, 8, 64] (group 7 = the RoPE columns, taken from the bf16 part) so each 64-value
-    group meets its scale by broadcasting, then reshaped; a token's 7 scales (+ pad) are one
-    8-byte load."""
+def load_kv_fp8(pool_ptr, slot, valid, stride_page, PAGE: tl.constexpr, OUT: tl.constexpr):
+    """Attention entries at slot [BLOCK_N] (int32 slot ids) of an FP8 pool, dequantized: OUT
+    [BLOCK_N, 512] (exact for bf16/fp16/fp32), rows where `valid` is false are 0. The NoPE
+    values are loaded as [BLOCK_N, 8, 64] (group 7 = the RoPE columns, taken from the bf16 part)
+    so each 64-value group meets its scale by broadcasting, then reshaped; a token's 7 scales
+    (+ pad) are one 8-byte load."""
     base = pool_ptr + (slot // PAGE).to(tl.int64) * stride_page  # [BLOCK_N] page starts
     data = base + (slot % PAGE) * _DATA
     g = tl.arange(0, _GROUPS + 1)
@@ -400,8 +400,8 @@ def load_kv_fp8(pool_ptr, slot, valid, stride_page, PAGE: tl.constexpr):
     )  # [BLOCK_N]: byte i = scale of group i (little-endian)
     scale = e8m0_to_f32((words[:, None] >> (8 * g).to(tl.int64)[None, :]) & 0xFF)  # [BLOCK_N, 8]
     x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
-    x = tl.where((g == _GROUPS)[None, :, None], rope.to(tl.float32)[:, None, :], x)
-    return tl.reshape(x, (slot.shape[0], (_GROUPS + 1) * _GROUP))
+    x = tl.where((g == _GROUPS)[None, :, None], rope.to(tl.float32)[:, None, :], x).to(OUT)
+    return tl.reshape(x, (slot.shape[0], (_GROUPS + 1) * _GROUP))  # cast first: half the bytes
 
 
 @triton.jit

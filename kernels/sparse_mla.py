@@ -56,15 +56,24 @@ def default_config(
 
 
 @triton.jit
-def _load_rows(kv_ptr, slot, valid, stride_kv, cols, KV_FP8: tl.constexpr, PAGE: tl.constexpr):
-    """Columns `cols` of the KV rows at slot [BLOCK_N], 0 where not valid: the pool's own dtype
-    for a plain pool ([S, D], row stride stride_kv), fp32 for an FP8 pool (kernels.kv_quant
-    layout, page stride stride_kv, P = PAGE; cols must then be all 512 columns)."""
+def _load_rows(
+    kv_ptr,
+    slot,
+    valid,
+    stride_kv,
+    cols,
+    KV_FP8: tl.constexpr,
+    PAGE: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Columns `cols` of the KV rows at slot [BLOCK_N] as DTYPE, 0 where not valid: a plain pool
+    is [S, D] with row stride stride_kv; an FP8 pool follows kernels.kv_quant (page stride
+    stride_kv, P = PAGE) and cols must then be all 512 columns."""
     if KV_FP8:
-        return load_kv_fp8(kv_ptr, slot, valid, stride_kv, PAGE)
+        return load_kv_fp8(kv_ptr, slot, valid, stride_kv, PAGE, DTYPE)
     else:
         rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-        return tl.load(rows + cols[None, :], mask=valid[:, None], other=0.0)
+        return tl.load(rows + cols[None, :], mask=valid[:, None], other=0.0).to(DTYPE)
 
 
 @triton.jit
@@ -141,13 +150,11 @@ def _sparse_mla_kernel(
         slot = tl.gather(chunk, tl.minimum(t0 + tl.arange(0, BLOCK_N), IDX_CHUNK - 1), 0)
         valid = (slot >= 0) & (slot < num_slots)
         # K and V, in q's dtype (fp32 under the interpreter)
-        kv_nope = _load_rows(kv_ptr, slot, valid, stride_kv, offs_v, KV_FP8, PAGE).to(q_nope.dtype)
+        kv_nope = _load_rows(kv_ptr, slot, valid, stride_kv, offs_v, KV_FP8, PAGE, q_nope.dtype)
         s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
         if D_ROPE > 0:
-            k_rope = _load_rows(kv_ptr, slot, valid, stride_kv, offs_r, KV_FP8, PAGE)
-            s = tl.dot(
-                q_rope, tl.trans(k_rope.to(q_rope.dtype)), acc=s, input_precision=DOT_PRECISION
-            )
+            k_rope = _load_rows(kv_ptr, slot, valid, stride_kv, offs_r, KV_FP8, PAGE, q_rope.dtype)
+            s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         p, alpha, m, l = softmax_step(s, m, l)
         acc = tl.dot(
