@@ -373,6 +373,20 @@ def kernel_breakdown(fn, args: tuple) -> dict[str, float]:
 PHASES = ("decode", "indexer", *long_context.PHASES)
 
 
+def record_failure(out: str, phase: str, rc: int) -> None:
+    """Note in the JSON that a phase's process failed, unless the phase recorded why itself."""
+    result = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            result = json.load(f)
+    errors = result.setdefault("errors", {})
+    if phase not in errors:
+        errors[phase] = f"the phase's process exited with {rc} before recording an error"
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", help="write the JSON here (merged into it if it exists)")
@@ -396,6 +410,8 @@ def main() -> None:
             if rc != 0:
                 print(f"== phase {phase} FAILED (exit {rc}); going on", flush=True)
                 failed.append(phase)
+                if args.out:  # a process that died before writing its error still leaves one
+                    record_failure(args.out, phase, rc)
         print(f"== done; failed phases: {failed or 'none'}; JSON: {args.out}")
         sys.exit(1 if failed else 0)
     phase = phases[0]
