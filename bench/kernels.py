@@ -2,13 +2,16 @@
 
     python -m bench.kernels --only decode --out bench/results/h200-kernels.json
     python -m bench.kernels --only indexer --out bench/results/h200-kernels.json  # merged in
+    python -m bench.kernels --only capacity store long-decode long-indexer \
+        --out bench/results/h200-kv-fp8.json      # long context, FP8 KV: bench/long_context.py
+    python -m bench.kernels --only capacity store long-decode long-indexer --smoke    # CPU
 
-A run measures the two ceilings (device-to-device copy bandwidth, bf16 matmul rate), checks
-every timed Triton variant against the float64 reference, then times each shape against the
-naive kernels and plain torch, and a few other tile/split configs at the target shapes. The two
-halves run as separate processes so a fault in one cannot poison the other's CUDA context.
-Times are medians of CUDA-event-timed CUDA-graph replays; each replay cycles through several
-input sets so gathered rows do not sit in L2.
+``decode`` and ``indexer`` measure the two ceilings (device-to-device copy bandwidth, bf16
+matmul rate), check every timed Triton variant against the float64 reference, then time each
+shape against the naive kernels and plain torch, and a few other tile/split configs at the
+target shapes. Several phases in one command run one process each, so a fault in one cannot
+poison another's CUDA context. Times are medians of CUDA-event-timed CUDA-graph replays; each
+replay cycles through several input sets so gathered rows do not sit in L2.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import dataclasses
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -25,6 +29,7 @@ import torch
 import triton
 
 import kernels
+from bench import long_context
 from kernels import indexer, naive, sparse_mla
 from kernels.indexer import IndexerConfig
 from kernels.sparse_mla import DecodeConfig
@@ -365,11 +370,56 @@ def kernel_breakdown(fn, args: tuple) -> dict[str, float]:
     return out
 
 
+PHASES = ("decode", "indexer", *long_context.PHASES)
+
+
+def record_failure(out: str, phase: str, rc: int) -> None:
+    """Note in the JSON that a phase's process failed, unless the phase recorded why itself."""
+    result = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            result = json.load(f)
+    errors = result.setdefault("errors", {})
+    if phase not in errors:
+        errors[phase] = f"the phase's process exited with {rc} before recording an error"
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", help="write the JSON here (merged into it if it exists)")
-    ap.add_argument("--only", choices=["decode", "indexer"], help="one half of the run")
+    ap.add_argument(
+        "--only", nargs="+", choices=PHASES, help="phases to run (default: all), one process each"
+    )
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, Triton interpreter, tiny shapes, no timing: the long-context / FP8 phases",
+    )
     args = ap.parse_args()
+    phases = args.only or (list(long_context.PHASES) if args.smoke else list(PHASES))
+    if len(phases) > 1:  # each phase in its own process: a CUDA fault stays in its phase
+        failed = []
+        for phase in phases:
+            cmd = [sys.executable, "-m", "bench.kernels", "--only", phase]
+            cmd += (["--out", args.out] if args.out else []) + (["--smoke"] if args.smoke else [])
+            print(f"== phase {phase}: {' '.join(cmd[1:])}", flush=True)
+            rc = subprocess.call(cmd)
+            if rc != 0:
+                print(f"== phase {phase} FAILED (exit {rc}); going on", flush=True)
+                failed.append(phase)
+                if args.out:  # a process that died before writing its error still leaves one
+                    record_failure(args.out, phase, rc)
+        print(f"== done; failed phases: {failed or 'none'}; JSON: {args.out}")
+        sys.exit(1 if failed else 0)
+    phase = phases[0]
+    if phase in long_context.PHASES:
+        long_context.run_phase(phase, args.out, args.smoke)
+        return
+    if args.smoke:
+        sys.exit(f"phase {phase} runs on CUDA only; --smoke covers {list(long_context.PHASES)}")
     t0 = time.time()
     props = torch.cuda.get_device_properties(DEV)
     hw = ceilings()
@@ -404,7 +454,7 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
 
-    if args.only != "indexer":
+    if phase == "decode":
         pool = torch.randn(POOL_SLOTS, 512, device=DEV, dtype=torch.bfloat16)
         print("kernel breakdown, V4-Flash B=64, default config:")
         result["breakdown_v4_b64"] = kernel_breakdown(
@@ -419,7 +469,7 @@ def main() -> None:
             [V4[3], V32[2]], decode_alternatives, hw, False
         )
         save()
-    if args.only != "decode":
+    if phase == "indexer":
         print("kernel breakdown, indexer B=32 real 8K, default config:")
         result["breakdown_idx_b32"] = kernel_breakdown(
             triton_indexer(None), indexer_inputs(32, 8192, 262144)[0]

@@ -5,6 +5,7 @@ Public API (imports torch and triton only):
     out, lse = sparse_mla_decode(q, kv, indices, sm_scale, *, d_v=512, sinks=None, lengths=None)
     idx = indexer_topk(q, weights, k_cache, page_table, lengths, topk, *, scale)
     slots = positions_to_slots(positions, page_table, page_size)
+    store_kv_fp8(pool, slots, kv); store_index_k_fp8(pool, slots, keys)  # FP8 KV, kernels.kv_quant
     pre, post, comb = hc_weights(mixes, base, scale, n, iters, eps)      # mHC stream mixing
     y = rms_norm(x, weight_or_None, eps); y = apply_rope(x, cos, sin, inverse=False)
     xq, xs = quantize_activations(x)                      # FP8 per 128, ue8m0 scales
@@ -26,13 +27,15 @@ The checkpoint formats (FP8 128x128 blocks, FP4 experts) and their exact torch d
 """
 
 from kernels import env  # noqa: F401, I001  (must precede the kernel modules: picks interpreter mode)
-from kernels import naive, quant, reference
+from kernels import kv_quant, naive, quant, reference
 from kernels.dispatch import (
     apply_rope,
     hc_weights,
     indexer_topk,
     rms_norm,
     sparse_mla_decode,
+    store_index_k_fp8,
+    store_kv_fp8,
     use_backend,
 )
 from kernels.fp4_moe import stack_fp4_experts
@@ -45,6 +48,7 @@ __all__ = [
     "fp8_linear",
     "hc_weights",
     "indexer_topk",
+    "kv_quant",
     "naive",
     "positions_to_slots",
     "quant",
@@ -53,5 +57,7 @@ __all__ = [
     "rms_norm",
     "sparse_mla_decode",
     "stack_fp4_experts",
+    "store_index_k_fp8",
+    "store_kv_fp8",
     "use_backend",
 ]

@@ -13,7 +13,7 @@ from typing import Literal
 
 import torch
 
-from kernels import indexer, mhc, naive, reference, rowwise, sparse_mla
+from kernels import indexer, kv_quant, mhc, naive, reference, rowwise, sparse_mla
 
 Backend = Literal["triton", "reference", "naive"]
 _forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
@@ -60,7 +60,11 @@ def sparse_mla_decode(
     q        [B, H, D] bf16 (fp16/fp32/float64 accepted; float64 on the reference only); H a
              multiple of 16, D = d_v + rope width (512 or 576 with d_v = 512).
     kv       [S, D], q's dtype: one row per slot of a layer's pool, one KV head shared by all
-             query heads; K = the whole row, V = its first d_v columns.
+             query heads; K = the whole row, V = its first d_v columns. Or an FP8 pool, uint8
+             [num_pages, P * 584] (kernels.kv_quant: 448 e4m3 + 64 bf16 values and 7 ue8m0
+             scales a row, S = num_pages * P slots, slot s at page s // P, row s % P); then
+             D = d_v = 512, q is bf16/fp16/fp32, and every row is read as its exact
+             dequantization (K = V = the whole row).
     indices  [B, K] int32 slot ids; -1 (or any id outside [0, S)) is skipped, anywhere.
     sm_scale softmax scale applied to q . K.
     sinks    [H] fp32 or None: per-head sink logit added to the softmax denominator.
@@ -99,9 +103,12 @@ def indexer_topk(
 ) -> torch.Tensor:
     """Lightning-indexer top-k over each row's real context.
 
-    q           [B, Hi, Di] indexer queries (RoPE applied), k_cache's dtype.
+    q           [B, Hi, Di] indexer queries (RoPE applied), k_cache's dtype (bf16/fp16/fp32
+                with an FP8 pool).
     weights     [B, Hi] fp32.
-    k_cache     [num_pages, P, Di] paged keys.
+    k_cache     [num_pages, P, Di] paged keys, or an FP8 pool uint8 [num_pages, P * (Di + 4)]
+                (kernels.kv_quant: Di e4m3 codes and one fp32 scale a key), read as its exact
+                dequantization.
     page_table [B, max_pages] int32; lengths [B] int32.
 
     Entry j of row b (j < lengths[b]) is k_cache[page_table[b, j // P], j % P], scored
@@ -116,6 +123,30 @@ def indexer_topk(
         "naive": naive.indexer_topk,
     }[_backend(q)]
     return impl(q, weights, k_cache, page_table, lengths, topk, scale=scale)
+
+
+def store_kv_fp8(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Quantize-on-write of attention entries: kv [N, 512] (bf16; fp16/fp32 accepted) into
+    slots [N] (int32/int64) of an FP8 pool uint8 [num_pages, P * 584], in place.
+
+    Row i goes to slot slots[i] (page slots[i] // P, row slots[i] % P) in kernels.kv_quant's
+    layout; slots outside [0, num_pages * P) are skipped; a slot named twice gets one of its
+    rows. The CUDA path (one program per 16-32 rows and 64-value group) reads nothing back to the
+    host, so it runs inside captured decode graphs."""
+    impl = kv_quant.store_kv if _backend(kv) != "reference" else kv_quant.store_kv_reference
+    impl(pool, slots, kv)
+
+
+def store_index_k_fp8(pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:
+    """Quantize-on-write of indexer keys: keys [N, Di] into slots [N] of an FP8 pool uint8
+    [num_pages, P * (Di + 4)] (kernels.kv_quant), in place; slots outside [0, num_pages * P) are
+    skipped. Graph-safe on CUDA like store_kv_fp8."""
+    impl = (
+        kv_quant.store_index_k
+        if _backend(keys) != "reference"
+        else kv_quant.store_index_k_reference
+    )
+    impl(pool, slots, keys)
 
 
 def hc_weights(

@@ -20,6 +20,11 @@ How it scales, for B rows, topk = k, splits = S, cap = k + max(room, BLOCK_N):
   [B, k] output; independent of the configured maximum context (page_table's width) and of the
   pool size. S depends on B only (about two programs per SM), so a decode graph keeps it.
 No host synchronisation: the call can be captured in a CUDA graph.
+
+Keys come from a plain cache [pages, P, Di] or an FP8 pool (uint8 pages, kernels.kv_quant): the
+score loop reads either through ``_load_keys``, a constexpr switch; FP8 keys enter the dot as
+their e4m3 codes and each entry's score is multiplied by its power-of-two scale afterwards
+(exact: relu(s * x) = s * relu(x) for s > 0, and scaling by 2^e commutes with fp32 rounding).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels.env import INTERPRET, dot_precision, num_sms
+from kernels.kv_quant import index_page_size, keys_per_page, load_index_k_fp8
 from kernels.radix_select import compact_top, float_to_key, radix_threshold
 
 
@@ -42,6 +48,10 @@ class IndexerConfig:
     select_block: int  # candidates per step of the radix select
     num_warps: int
     num_stages: int
+    # Load the next tile's keys (and the page ids of the one after) before scoring this one.
+    # The score loop is not software-pipelined (the in-loop top-k cut holds loops), so without
+    # this every tile waits for two dependent loads, page id then keys, at long contexts.
+    prefetch: bool = True
 
 
 def default_config(batch: int, device: torch.device) -> IndexerConfig:
@@ -77,6 +87,22 @@ def _emit_row(keys, pos, counts, n, idx_row, topk, cap, num_splits, SELECT_BLOCK
 
 
 @triton.jit
+def _load_keys(
+    kc_ptr, page, off, valid, stride_kp, stride_ks, page_size, dims, KEYS_FP8: tl.constexpr
+):
+    """Keys at (page, offset) [BLOCK_N], 0 where not valid, and their per-token scales: a plain
+    cache [pages, P, Di] gives its own dtype (scales unused), an FP8 pool (kernels.kv_quant layout,
+    page stride stride_kp) gives fp32 e4m3 codes and fp32 scales."""
+    if KEYS_FP8:
+        return load_index_k_fp8(kc_ptr, page, off, valid, stride_kp, page_size, dims.shape[0])
+    else:
+        rows = kc_ptr + page.to(tl.int64) * stride_kp + off * stride_ks
+        # a row-only mask keeps the key loads 16 bytes wide
+        k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
+        return k, tl.full(valid.shape, 1.0, tl.float32)
+
+
+@triton.jit
 def _score_kernel(
     q_ptr,
     w_ptr,
@@ -105,6 +131,8 @@ def _score_kernel(
     BLOCK_N: tl.constexpr,  #
     EMIT: tl.constexpr,
     SELECT_BLOCK: tl.constexpr,  #
+    KEYS_FP8: tl.constexpr,
+    PREFETCH: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  #
 ):
@@ -132,17 +160,59 @@ def _score_kernel(
         end = tl.minimum(start + per_split, n)
         count = 0
         floor = tl.zeros([], tl.uint32)  # keys <= floor cannot enter this split's top-k
+        pt_row = pt_ptr + b * stride_pt
+        if PREFETCH:  # the first tile's keys and the second tile's page ids
+            j = start + tl.arange(0, BLOCK_N)
+            page = tl.load(pt_row + j // page_size, mask=j < end, other=0)
+            k_next, scale_next = _load_keys(
+                kc_ptr,
+                page,
+                j % page_size,
+                j < end,
+                stride_kp,
+                stride_ks,
+                page_size,
+                dims,
+                KEYS_FP8,
+            )
+            j += BLOCK_N
+            page_next = tl.load(pt_row + j // page_size, mask=j < end, other=0)
         for t0 in range(start, end, BLOCK_N):
             j = t0 + tl.arange(0, BLOCK_N)
             valid = j < end
-            page = tl.load(pt_ptr + b * stride_pt + j // page_size, mask=valid, other=0)
-            rows = kc_ptr + page.to(tl.int64) * stride_kp + (j % page_size) * stride_ks
-            # a row-only mask keeps the key loads 16 bytes wide
-            k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-            logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_HI, BLOCK_N]
+            if PREFETCH:  # this tile's keys arrived during the previous tile; ask for the next
+                k, k_scale = k_next, scale_next
+                j1 = j + BLOCK_N
+                k_next, scale_next = _load_keys(
+                    kc_ptr,
+                    page_next,
+                    j1 % page_size,
+                    j1 < end,
+                    stride_kp,
+                    stride_ks,
+                    page_size,
+                    dims,
+                    KEYS_FP8,
+                )
+                j2 = j1 + BLOCK_N
+                page_next = tl.load(pt_row + j2 // page_size, mask=j2 < end, other=0)
+            else:
+                page = tl.load(pt_row + j // page_size, mask=valid, other=0)
+                k, k_scale = _load_keys(
+                    kc_ptr,
+                    page,
+                    j % page_size,
+                    valid,
+                    stride_kp,
+                    stride_ks,
+                    page_size,
+                    dims,
+                    KEYS_FP8,
+                )
+            logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
             score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale  # [BLOCK_N]
+            if KEYS_FP8:  # a power-of-two key scale commutes with the dot, ReLU and head sum
+                score = score * k_scale
             key = float_to_key(score)
             keep = (valid & (key > floor)).to(tl.int32)
             dst = count + tl.cumsum(keep, 0) - keep
@@ -197,7 +267,11 @@ def check_indexer_args(q, weights, k_cache, page_table, lengths) -> None:
     """Validate shapes and dtypes (no data read)."""
     batch, n_heads, head_dim = q.shape
     assert weights.shape == (batch, n_heads) and weights.dtype == torch.float32
-    assert k_cache.dim() == 3 and k_cache.shape[2] == head_dim and k_cache.dtype == q.dtype
+    if k_cache.dtype == torch.uint8:  # FP8 pool [pages, P * (Di + 4)]
+        index_page_size(k_cache, head_dim)
+        assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), q.dtype
+    else:
+        assert k_cache.dim() == 3 and k_cache.shape[2] == head_dim and k_cache.dtype == q.dtype
     assert page_table.dim() == 2 and page_table.shape[0] == batch
     assert page_table.dtype == torch.int32 and lengths.dtype == torch.int32
     assert lengths.shape == (batch,)
@@ -221,7 +295,8 @@ def indexer_topk(
     k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
     batch, n_heads, head_dim = q.shape
     cfg = config or default_config(batch, q.device)
-    page_size = k_cache.shape[1]
+    keys_fp8 = k_cache.dtype == torch.uint8
+    page_size = keys_per_page(k_cache, head_dim)
     cap = topk + max(cfg.room, cfg.block_n)  # the kept top-k + room for at least one tile
     dev = q.device
     keys = torch.empty(batch, cfg.num_splits, cap, dtype=torch.int32, device=dev)
@@ -256,6 +331,8 @@ def indexer_topk(
         BLOCK_N=cfg.block_n,
         EMIT=cfg.num_splits == 1,
         SELECT_BLOCK=cfg.select_block,
+        KEYS_FP8=keys_fp8,
+        PREFETCH=cfg.prefetch,
         UPCAST=INTERPRET,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps,

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import keys_per_page
 from kernels.reference import indexer_scores, pick_topk
 from kernels.softmax import LOG2E, finalize, normalize, softmax_step
 from kernels.sparse_mla import check_decode_args
@@ -89,7 +90,9 @@ def sparse_mla_decode(
     sinks: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Naive sparse-MLA decode; semantics in kernels.dispatch.sparse_mla_decode."""
+    """Naive sparse-MLA decode; semantics in kernels.dispatch.sparse_mla_decode (plain pools
+    only: the "before" kernel has no FP8 variant)."""
+    assert kv.dtype != torch.uint8, "the naive decode reads plain pools only"
     d_rope = check_decode_args(q, kv, indices, d_v)
     q, kv = q.contiguous(), kv.contiguous()
     batch, heads, _ = q.shape
@@ -136,6 +139,6 @@ def indexer_topk(
 ) -> torch.Tensor:
     """Naive indexer top-k over a buffer padded to max_context (default: the page table's
     width x page size); semantics in kernels.dispatch.indexer_topk."""
-    width = max_context or page_table.shape[1] * k_cache.shape[1]
+    width = max_context or page_table.shape[1] * keys_per_page(k_cache, q.shape[2])
     scores = indexer_scores(q, weights, k_cache, page_table, width, scale)  # [B, width]
     return pick_topk(scores, lengths, topk)

@@ -1,8 +1,9 @@
 """Plain-torch references: the CPU path of the engine and the yardstick of the tests.
 
 Vectorised over rows (gather + einsum), computed in fp32, or in float64 when given float64 inputs,
-so fp32 inputs give exact results. They synchronise with the host and allocate by data
-(``lengths.max()``), so they are not for CUDA graphs.
+so fp32 inputs give exact results. FP8 pools (uint8, kernels.kv_quant) are read through their
+exact dequantization. They synchronise with the host and allocate by data (``lengths.max()``),
+so they are not for CUDA graphs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import kv_quant
 from kernels.paging import positions_to_slots
 
 
@@ -32,12 +34,14 @@ def sparse_mla_decode(
 
     compute_dtype overrides the arithmetic type (benchmarks time a bf16 variant)."""
     dtype = compute_dtype or _compute_dtype(q.dtype)
-    num_slots = kv.shape[0]
+    fp8 = kv.dtype == torch.uint8  # an FP8 pool: rows are dequantized as they are gathered
+    num_slots = kv.shape[0] * (kv_quant.kv_page_size(kv) if fp8 else 1)
     num_idx = indices.shape[1]
     valid = (indices >= 0) & (indices < num_slots)  # [B, K]
     if lengths is not None:
         valid &= torch.arange(num_idx, device=indices.device) < lengths[:, None]
-    rows = kv[indices.long().clamp(0, num_slots - 1)].to(dtype)  # [B, K, D]
+    slots = indices.long().clamp(0, num_slots - 1)
+    rows = (kv_quant.gather_kv(kv, slots) if fp8 else kv[slots]).to(dtype)  # [B, K, D]
     scores = torch.einsum("bhd,bkd->bhk", q.to(dtype), rows) * sm_scale  # [B, H, K]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H]; -inf for a row without valid entries
@@ -61,11 +65,15 @@ def indexer_scores(
     Positions past a row's length read whatever its page table points at; callers mask them."""
     batch, _, head_dim = q.shape
     dtype = _compute_dtype(q.dtype)
-    page_size = k_cache.shape[1]
+    fp8 = k_cache.dtype == torch.uint8  # an FP8 pool: keys are dequantized as they are gathered
+    page_size = kv_quant.keys_per_page(k_cache, head_dim)
+    num_slots = k_cache.shape[0] * page_size
     positions = torch.arange(width, device=q.device).expand(batch, width)
-    slots = positions_to_slots(positions, page_table, page_size).long()  # [B, width]
-    pool = k_cache.reshape(-1, head_dim)
-    keys = pool[slots.clamp(0, pool.shape[0] - 1)].to(dtype)  # [B, width, Di]
+    slots = positions_to_slots(positions, page_table, page_size).long().clamp(0, num_slots - 1)
+    if fp8:
+        keys = kv_quant.gather_index_k(k_cache, slots, head_dim).to(dtype)  # [B, width, Di]
+    else:
+        keys = k_cache.reshape(-1, head_dim)[slots].to(dtype)  # [B, width, Di]
     logits = torch.bmm(q.to(dtype), keys.transpose(1, 2)).relu()  # [B, Hi, width]
     return (logits * weights.to(dtype)[..., None]).sum(1) * scale
 

@@ -11,6 +11,10 @@ Work follows the real entries: each row reads only ``indices[b, :lengths[b]]``, 
 whole tiles. The grid and every buffer follow the input shapes only, and the wrapper does no host
 synchronisation, so a call can be captured in a CUDA graph. The same kernel serves prefill (one
 row per prompt token, B in the thousands, no split).
+
+The pool is plain ([S, D], q's dtype) or FP8 (uint8 pages, kernels.kv_quant): the one tile loop
+reads either through ``_load_rows``, a constexpr switch; the FP8 loader dequantizes each gathered
+tile to q's dtype (exactly: an e4m3 code times a power of two fits bf16) before the same dots.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.env import INTERPRET, dot_precision, num_sms
+from kernels.kv_quant import KV_DIM, kv_page_size, load_kv_fp8
 from kernels.softmax import LOG2E, finalize, normalize, softmax_step
 
 # Most slot ids one program loads (once, into registers): longer index lists get more splits.
@@ -48,6 +53,27 @@ def default_config(
     # >= 128 entries per split
     num_splits = max(1, min(num_sms(device) // programs, num_idx // 128, 32))
     return DecodeConfig(block_h, 16 if wide else 32, num_splits, 8 if block_h == 64 else 4, 3)
+
+
+@triton.jit
+def _load_rows(
+    kv_ptr,
+    slot,
+    valid,
+    stride_kv,
+    cols,
+    KV_FP8: tl.constexpr,
+    PAGE: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """Columns `cols` of the KV rows at slot [BLOCK_N] as DTYPE, 0 where not valid: a plain pool
+    is [S, D] with row stride stride_kv; an FP8 pool follows kernels.kv_quant (page stride
+    stride_kv, P = PAGE) and cols must then be all 512 columns."""
+    if KV_FP8:
+        return load_kv_fp8(kv_ptr, slot, valid, stride_kv, PAGE, DTYPE)
+    else:
+        rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
+        return tl.load(rows + cols[None, :], mask=valid[:, None], other=0.0).to(DTYPE)
 
 
 @triton.jit
@@ -81,6 +107,8 @@ def _sparse_mla_kernel(
     SPLIT: tl.constexpr,  #
     HAS_LENGTHS: tl.constexpr,
     HAS_SINKS: tl.constexpr,  #
+    KV_FP8: tl.constexpr,
+    PAGE: tl.constexpr,  #
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  #
 ):
@@ -121,15 +149,11 @@ def _sparse_mla_kernel(
         # predicated off), and an index past the chunk faulted on the H200
         slot = tl.gather(chunk, tl.minimum(t0 + tl.arange(0, BLOCK_N), IDX_CHUNK - 1), 0)
         valid = (slot >= 0) & (slot < num_slots)
-        kv_rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
-        kv_nope = tl.load(kv_rows + offs_v[None, :], mask=valid[:, None], other=0.0)  # K and V
-        if UPCAST:
-            kv_nope = kv_nope.to(tl.float32)
+        # K and V, in q's dtype (fp32 under the interpreter)
+        kv_nope = _load_rows(kv_ptr, slot, valid, stride_kv, offs_v, KV_FP8, PAGE, q_nope.dtype)
         s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
         if D_ROPE > 0:
-            k_rope = tl.load(kv_rows + offs_r[None, :], mask=valid[:, None], other=0.0)
-            if UPCAST:
-                k_rope = k_rope.to(tl.float32)
+            k_rope = _load_rows(kv_ptr, slot, valid, stride_kv, offs_r, KV_FP8, PAGE, q_rope.dtype)
             s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         p, alpha, m, l = softmax_step(s, m, l)
@@ -217,8 +241,13 @@ def supports(heads: int, dim: int, d_v: int) -> bool:
 def check_decode_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> int:
     """Validate shapes (no data read); return the rope width D - d_v."""
     batch, heads, dim = q.shape
-    assert kv.dim() == 2 and kv.shape[1] == dim, f"kv {tuple(kv.shape)} vs q {tuple(q.shape)}"
-    assert kv.dtype == q.dtype, f"kv {kv.dtype} vs q {q.dtype}"
+    if kv.dtype == torch.uint8:  # FP8 pool: K = V = the whole dequantized 512-wide row
+        kv_page_size(kv)
+        assert dim == d_v == KV_DIM, f"an FP8 pool holds {KV_DIM}-wide rows: q {dim}, d_v {d_v}"
+        assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), q.dtype
+    else:
+        assert kv.dim() == 2 and kv.shape[1] == dim, f"kv {tuple(kv.shape)} vs q {tuple(q.shape)}"
+        assert kv.dtype == q.dtype, f"kv {kv.dtype} vs q {q.dtype}"
     assert indices.dim() == 2 and indices.shape[0] == batch and indices.dtype == torch.int32
     assert heads % 16 == 0, f"heads must be a multiple of 16, got {heads}"
     d_rope = dim - d_v
@@ -242,6 +271,8 @@ def sparse_mla_decode(
     d_rope = check_decode_args(q, kv, indices, d_v)
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    kv_fp8 = kv.dtype == torch.uint8
+    page = kv_page_size(kv) if kv_fp8 else 1  # slots per row of kv
     batch, heads, _ = q.shape
     num_idx = indices.shape[1]
     cfg = config or default_config(batch, heads, num_idx, q.device, q.dtype)
@@ -280,7 +311,7 @@ def sparse_mla_decode(
         o_buf.stride(2),
         lse_buf.stride(0),
         lse_buf.stride(1),
-        kv.shape[0],
+        kv.shape[0] * page,
         num_idx,
         sm_scale * LOG2E,
         head_tiles,
@@ -293,6 +324,8 @@ def sparse_mla_decode(
         SPLIT=num_splits > 1,
         HAS_LENGTHS=lengths is not None,
         HAS_SINKS=sinks is not None,
+        KV_FP8=kv_fp8,
+        PAGE=page,
         UPCAST=INTERPRET,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps,

@@ -6,10 +6,12 @@ lists, ragged lengths including 0, rows with no valid index, values with a rando
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
+
+from kernels import kv_quant
 
 
 def gpu_test(fn):
@@ -115,6 +117,17 @@ def decode_case(
     )
 
 
+def fp8_decode_case(case: DecodeCase, page_size: int) -> tuple[DecodeCase, DecodeCase]:
+    """(case reading an FP8 pool, the same case on the pool's exact dequantization): every slot
+    of case.kv is quantized into pages of page_size slots, so slot ids keep their meaning."""
+    num_slots = case.kv.shape[0]
+    assert num_slots % page_size == 0, "whole pages, so the junk ids stay out of range"
+    pool = kv_quant.kv_pool(num_slots // page_size, page_size, case.kv.device)
+    slots = torch.arange(num_slots, device=case.kv.device)
+    kv_quant.store_kv_reference(pool, slots, case.kv)
+    return replace(case, kv=pool), replace(case, kv=kv_quant.gather_kv(pool, slots))
+
+
 @dataclass
 class IndexerCase:
     q: torch.Tensor  # [B, Hi, Di]
@@ -188,6 +201,16 @@ def indexer_case(
         topk,
         head_dim**-0.5,
     )
+
+
+def fp8_indexer_case(case: IndexerCase) -> tuple[IndexerCase, IndexerCase]:
+    """(case reading an FP8 key pool, the same case on the pool's exact dequantization)."""
+    num_pages, page_size, head_dim = case.k_cache.shape
+    pool = kv_quant.index_pool(num_pages, page_size, head_dim, case.k_cache.device)
+    slots = torch.arange(num_pages * page_size, device=pool.device)
+    kv_quant.store_index_k_reference(pool, slots, case.k_cache.reshape(-1, head_dim))
+    keys = kv_quant.gather_index_k(pool, slots, head_dim).view(case.k_cache.shape)
+    return replace(case, k_cache=pool), replace(case, k_cache=keys)
 
 
 def check_topk(idx: torch.Tensor, case: IndexerCase, tol: float) -> None:

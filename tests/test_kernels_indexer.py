@@ -10,19 +10,49 @@ import torch
 import kernels
 from kernels import indexer, naive, reference
 from kernels.indexer import IndexerConfig
-from tests.kernels_cases import check_topk, gpu_test, indexer_case
+from tests.kernels_cases import check_topk, fp8_indexer_case, gpu_test, indexer_case
 
 TOPK = 8
 LENGTHS = [0, 1, TOPK - 1, TOPK, TOPK + 1, 37, 100, 5]  # ragged, incl. 0 and the topk edge
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(
+    "num_splits,prefetch", [(1, True), (3, True), (3, False)], ids=["s1", "s3", "s3-no-prefetch"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_picks_the_top_scores(num_splits, dtype):
+def test_triton_picks_the_top_scores(num_splits, prefetch, dtype):
     case = indexer_case(LENGTHS, topk=TOPK, dtype=dtype, seed=num_splits)
-    cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1)
+    cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1, prefetch)
     idx = case.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
     check_topk(idx, case, 1e-6 if dtype == torch.float32 else 1e-5)
+
+
+@pytest.mark.parametrize("num_splits,prefetch", [(1, True), (3, True), (3, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fp8_keys_pick_the_top_scores_of_the_dequantized_keys(num_splits, prefetch, dtype):
+    fp8, dequantized = fp8_indexer_case(indexer_case(LENGTHS, topk=TOPK, dtype=dtype, seed=4))
+    assert fp8.k_cache.dtype == torch.uint8 and fp8.k_cache.shape[1] == 4 * (32 + 4)
+    cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1, prefetch)
+    idx = fp8.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
+    check_topk(idx, dequantized, 1e-6 if dtype == torch.float32 else 1e-5)
+
+
+def test_fp8_keys_change_the_ranking():
+    """The FP8 round trip moves scores enough to reorder entries, so a kernel reading the
+    original keys would fail the test above."""
+    case = indexer_case([100], topk=TOPK, seed=4)
+    _, dequantized = fp8_indexer_case(case)
+    assert not torch.equal(case.scores64().argsort(), dequantized.scores64().argsort())
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [reference.indexer_topk, naive.indexer_topk, kernels.indexer_topk],
+    ids=["reference", "naive", "dispatch"],
+)
+def test_torch_versions_read_fp8_keys(impl):
+    fp8, dequantized = fp8_indexer_case(indexer_case(LENGTHS, topk=TOPK, max_pages=30, seed=6))
+    check_topk(fp8.run(impl), dequantized, 1e-6)
 
 
 def test_triton_ties_and_negative_scores():
@@ -89,6 +119,23 @@ def test_cuda_real_shapes(dtype):
         max_pages=4096,
     )
     check_topk(case.run(kernels.indexer_topk), case, 1e-6 if dtype == torch.float32 else 1e-3)
+
+
+@gpu_test
+def test_cuda_fp8_keys_real_shapes():
+    lengths = [0, 100, 512, 513, 3000, 8192, 20000, 65536]
+    case = indexer_case(
+        lengths,
+        topk=512,
+        heads=64,
+        head_dim=128,
+        page_size=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_pages=4096,
+    )
+    fp8, dequantized = fp8_indexer_case(case)
+    check_topk(fp8.run(kernels.indexer_topk), dequantized, 1e-3)
 
 
 @gpu_test

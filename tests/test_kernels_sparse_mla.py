@@ -9,7 +9,7 @@ import torch
 import kernels
 from kernels import naive, reference, sparse_mla
 from kernels.sparse_mla import DecodeConfig
-from tests.kernels_cases import decode_case, gpu_test, rel_err
+from tests.kernels_cases import decode_case, fp8_decode_case, gpu_test, rel_err
 
 # Tolerances (relative error): fp32 arithmetic lands far under 1e-5; bf16 operands of the PV
 # product (p is rounded to bf16) land near 3e-3; lse comes from fp32 QK sums.
@@ -49,6 +49,46 @@ def test_triton_without_lengths_bf16(sinks):
     cfg = DecodeConfig(16, 16, 2, 4, 1)  # two head tiles per row
     out, lse = case.run(lambda *a, **k: sparse_mla.sparse_mla_decode(*a, **k, config=cfg))
     check(case, out, lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["single-pass", "split-k"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fp8_pool_matches_float64_on_dequantized_rows(dtype, num_splits):
+    """The FP8 pool (4-slot pages, holes and out-of-range ids included) must give exactly the
+    attention over its dequantized rows: the float64 yardstick reads those rows."""
+    fp8, dequantized = fp8_decode_case(decode_case(4, 16, 512, 37, dtype=dtype, seed=5), 4)
+    assert fp8.kv.dtype == torch.uint8 and fp8.kv.shape == (75, 4 * 584)
+    cfg = DecodeConfig(16, 16, num_splits, 4, 1)
+    out, lse = fp8.run(lambda *a, **k: sparse_mla.sparse_mla_decode(*a, **k, config=cfg))
+    check(dequantized, out, lse, dtype)
+
+
+def test_fp8_rows_are_not_the_bf16_rows():
+    """The FP8 round trip moves the NoPE values (so the test above can tell the pools apart)
+    and keeps the RoPE values."""
+    case = decode_case(2, 16, 512, 9, dtype=torch.bfloat16)
+    _, dequantized = fp8_decode_case(case, 4)
+    moved = dequantized.kv[:, :448] != case.kv[:, :448].float()
+    assert moved.float().mean() > 0.5
+    assert torch.equal(dequantized.kv[:, 448:], case.kv[:, 448:].float())
+
+
+def test_reference_and_dispatch_read_fp8_pools():
+    fp8, dequantized = fp8_decode_case(decode_case(3, 16, 512, 21, seed=2), 4)
+    out, lse = fp8.run(kernels.sparse_mla_decode)  # CPU: the reference
+    check(dequantized, out, lse)
+    with kernels.use_backend("triton"):
+        check(dequantized, *fp8.run(kernels.sparse_mla_decode))
+    with pytest.raises(AssertionError, match="plain pools"):
+        fp8.run(naive.sparse_mla_decode)
+
+
+def test_fp8_pool_shape_checks():
+    fp8, _ = fp8_decode_case(decode_case(2, 16, 512, 9), 4)
+    with pytest.raises(AssertionError, match="512-wide"):
+        sparse_mla.sparse_mla_decode(fp8.q[..., :256], fp8.kv, fp8.indices, 0.1, d_v=256)
+    with pytest.raises(AssertionError, match="a token"):
+        sparse_mla.sparse_mla_decode(fp8.q, fp8.kv[:, :-8], fp8.indices, 0.1)
 
 
 def test_naive_matches_float64():
@@ -103,6 +143,14 @@ def test_default_config_follows_shapes_only():
 def test_cuda_real_shapes(batch, heads, dim, num_idx, dtype):
     case = decode_case(batch, heads, dim, num_idx, slots=1 << 20, dtype=dtype, device="cuda")
     check(case, *case.run(kernels.sparse_mla_decode), dtype)
+
+
+@gpu_test
+@pytest.mark.parametrize("batch", [1, 64, 2048], ids=["b1", "b64", "prefill-rows"])
+def test_cuda_fp8_pool_real_shapes(batch):
+    case = decode_case(batch, 64, 512, 640, slots=1 << 20, dtype=torch.bfloat16, device="cuda")
+    fp8, dequantized = fp8_decode_case(case, 64)
+    check(dequantized, *fp8.run(kernels.sparse_mla_decode), torch.bfloat16)
 
 
 @gpu_test
