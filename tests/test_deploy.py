@@ -41,6 +41,7 @@ CHOICES = {f.option[2:]: set(f.choices) for fs in _FLAGS.values() for f in fs if
 SWITCHES = {f.option[2:] for fs in _FLAGS.values() for f in fs if not f.takes_value}
 ENV = {
     "DSASERVE_CLUSTER_TOKEN": "test-token",
+    "REDIS_PASSWORD": "redis-secret",
     "DSASERVE_API_KEY": "k1,k2",
     "DSASERVE_MODEL_DIR": "/srv/ckpt",
 }
@@ -228,6 +229,32 @@ def test_compose_refuses_to_run_without_secrets(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     assert "DSASERVE_CLUSTER_TOKEN" in result.stderr
+    token_only = {"DSASERVE_API_KEY": "k", "DSASERVE_CLUSTER_TOKEN": "t"}
+    result = _docker_compose("-f", str(COMPOSE), "config", "-q", env=token_only, tmp_path=tmp_path)
+    assert result.returncode != 0 and "REDIS_PASSWORD" in result.stderr
+
+
+def test_redis_requires_the_password_every_client_uses() -> None:
+    services = load_compose(COMPOSE)
+    redis_cmd = services["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--requirepass") + 1] == "${REDIS_PASSWORD}"
+    for name in ("router", "prefill", "decode"):
+        url = compose_env(services[name])["DSASERVE_REDIS_URL"]
+        assert url.startswith("redis://:${REDIS_PASSWORD"), (name, url)
+    (redis_k8s,) = [
+        c for _, d in k8s_docs() for spec in pod_specs(d) for c in containers(spec)
+        if c["name"] == "redis"
+    ]  # fmt: skip
+    assert "--requirepass" in redis_k8s["args"]
+    for _, doc in k8s_docs():
+        for spec in pod_specs(doc):
+            for c in containers(spec):
+                env = {e["name"]: e for e in c.get("env") or []}
+                if c["name"] in ("router", "worker") and "image" in c:  # not a patch
+                    assert "$(REDIS_PASSWORD)" in env["DSASERVE_REDIS_URL"]["value"], c["name"]
+                    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == (
+                        "redis-password"
+                    )
 
 
 def test_compose_commands_use_only_contract_flags() -> None:
