@@ -27,9 +27,10 @@ def cos_sin(angle, PRECISE: tl.constexpr):
     would lower to cos.approx, which is far off at angles of 1e5 rad. The interpreter has no
     libdevice: numpy's cos/sin there."""
     if PRECISE:
-        return libdevice.cos(angle), libdevice.sin(angle)
+        c, s = libdevice.cos(angle), libdevice.sin(angle)
     else:
-        return tl.cos(angle), tl.sin(angle)
+        c, s = tl.cos(angle), tl.sin(angle)
+    return c, s
 
 
 @triton.jit

@@ -40,15 +40,15 @@ def _window_tile(
     feature half (Ca), the others the second (COL_OFF = head_dim; 0 without overlap)."""
     tok = first + i  # position of the token in slot i
     live = (i < W) & (tok >= 0)
-    new = tok == pos  # this step's token: read from the inputs, not from the ring
     pair = (p < HD // 2)[None, :]
+    new = (tok == pos)[:, None] & pair  # this step's token: read from the inputs, not the ring
+    old = (live & (tok != pos))[:, None] & pair
     col = tl.where(i >= RATE, COL_OFF, 0)[:, None] + 2 * p[None, :]  # [BLOCK_W, BLOCK_P]
-    old = (live & ~new)[:, None] & pair
     here = ring_ptr + ((tl.where(live, tok, 0) % ROWS) * F)[:, None] + col
     x0 = tl.load(here, mask=old, other=0.0).to(tl.float32)
     x1 = tl.load(here + 1, mask=old, other=0.0).to(tl.float32)
-    x0 += tl.load(new_ptr + col, mask=new[:, None] & pair, other=0.0).to(tl.float32)
-    x1 += tl.load(new_ptr + col + 1, mask=new[:, None] & pair, other=0.0).to(tl.float32)
+    x0 += tl.load(new_ptr + col, mask=new, other=0.0).to(tl.float32)
+    x1 += tl.load(new_ptr + col + 1, mask=new, other=0.0).to(tl.float32)
     if SCORE:
         bias = ape_ptr + (i % RATE)[:, None] * F + col
         ok = live[:, None] & pair
@@ -86,6 +86,9 @@ def _compress_decode_kernel(
     BLOCK_P: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
+    DTYPE: tl.constexpr = ring_kv_ptr.dtype.element_ty
+    W: tl.constexpr = 2 * RATE if OVERLAP else RATE  # slots a window pools
+    COL_OFF: tl.constexpr = HD if OVERLAP else 0  # where window w's own features (Cb) start
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b)
     slab = tl.load(slab_ptr + b)
@@ -98,9 +101,6 @@ def _compress_decode_kernel(
     tl.store(ring_kv + at, tl.load(new_kv + f, mask=f < F), mask=f < F)
     tl.store(ring_gate + at, tl.load(new_gate + f, mask=f < F), mask=f < F)
     if (pos + 1) % RATE == 0:
-        DTYPE: tl.constexpr = ring_kv_ptr.dtype.element_ty
-        W: tl.constexpr = 2 * RATE if OVERLAP else RATE
-        COL_OFF: tl.constexpr = HD if OVERLAP else 0
         window = pos // RATE
         first = window * RATE  # position of slot 0
         if OVERLAP:
@@ -185,7 +185,7 @@ def compress_decode(
         return
     window_slots = 2 * rate if overlap else rate
     block_p = halves(head_dim)
-    block_w = min(triton.next_power_of_2(window_slots), max(1, 4096 // block_p))
+    block_w = min(triton.next_power_of_2(window_slots), max(1, 2048 // block_p))
     _compress_decode_kernel[(rows_d,)](
         kv,
         gate,
@@ -213,5 +213,5 @@ def compress_decode(
         BLOCK_W=block_w,
         BLOCK_P=block_p,
         PRECISE=not INTERPRET,
-        num_warps=8 if block_w * block_p >= 4096 else 4,
+        num_warps=8 if window_slots * block_p > 4096 else 4,
     )

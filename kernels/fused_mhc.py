@@ -5,11 +5,12 @@ broadcast product, a batched matmul, an add), then HyperConnection (an fp32 copy
 streams, an RMS norm, the [N, n*D] x [n*D, (2+n)*n] fp32 GEMM, the weights kernel, a product,
 a sum, a cast) and the sublayer's RMSNorm. Here:
 
-1. ``_hc_mix_kernel``, grid (row blocks, D / BLOCK_D): each program merges its [rows, n, BLOCK_D]
-   tile of the streams (post * out + comb^T @ streams, rounded as the engine rounds) and writes
-   it, then multiplies the tile, still in registers, with fn's matching columns (fp32 tl.dot,
-   IEEE) and sums its squares: split-K partials [splits, N, (2+n)*n] and [splits, N]. RMS
-   normalisation is a per-row scalar, so it commutes with the GEMM and is applied to the sums.
+1. ``_hc_mix_kernel``, grid (row blocks, splits of D; about two programs per SM): each program
+   walks its slice of the hidden channels BLOCK_D at a time, one output stream at a time: merges
+   the tile (post * out + comb^T @ streams, rounded as the engine rounds) and writes it, then
+   multiplies it, still in registers, with fn's matching columns (fp32 tl.dot, IEEE) and sums
+   its squares: split-K partials [splits, N, (2+n)*n] and [splits, N]. RMS normalisation is a
+   per-row scalar, so it commutes with the GEMM and is applied to the sums.
 2. ``_hc_finish_kernel``, grid (N,): sums a row's partials in a fixed order (deterministic),
    scales them by rsqrt(mean square + eps), turns them into (pre, post, comb) with
    kernels.mhc's jit function (sigmoids, Sinkhorn), then collapses the row's streams with pre,
@@ -24,11 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.env import num_sms
 from kernels.fused_common import round_to
 from kernels.mhc import hc_mix_weights
 
 MIX_ROWS = 16  # rows per mix program: tl.dot's smallest M
-MIX_COLS = 64  # hidden channels per mix program; x n streams = the dot's K
+MIX_BLOCK = 32  # hidden channels per step of a mix program (the dot's K per stream)
 
 
 @triton.jit
@@ -43,6 +45,7 @@ def _hc_mix_kernel(
     sq_ptr,  # [splits, N] fp32 partial sums of squares (MIX)
     rows,
     D,
+    cols,  # hidden channels per split, a multiple of BLOCK_D
     NS: tl.constexpr,
     M: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -54,46 +57,42 @@ def _hc_mix_kernel(
     DTYPE: tl.constexpr = streams_ptr.dtype.element_ty
     split = tl.program_id(1)
     r = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    d = split * BLOCK_D + tl.arange(0, BLOCK_D)
-    j = tl.arange(0, NS)
+    m = tl.arange(0, M_PAD)
     row_live = r < rows
-    live = row_live[:, None] & (d < D)[None, :]  # [BLOCK_N, BLOCK_D]
-    at = r[:, None, None] * (NS * D) + j[None, :, None] * D + d[None, None, :]  # [BLOCK_N, NS, BD]
-    if MERGE:
-        # new[:, j] = post_j * out + sum_i comb[i, j] * streams[:, i]: each term rounded to the
-        # model dtype (a broadcast product and a bmm in the engine), then their sum
-        acc = tl.zeros((BLOCK_N, NS, BLOCK_D), tl.float32)
-        for i in tl.static_range(NS):
-            s_i = tl.load(
-                streams_ptr + r[:, None] * (NS * D) + i * D + d[None, :], mask=live, other=0.0
-            ).to(tl.float32)
-            c_i = tl.load(
-                comb_ptr + r[:, None] * (NS * NS) + i * NS + j[None, :],
-                mask=row_live[:, None],
-                other=0.0,
-            )
-            acc += round_to(c_i, DTYPE)[:, :, None] * s_i[:, None, :]
-        p = tl.load(post_ptr + r[:, None] * NS + j[None, :], mask=row_live[:, None], other=0.0)
-        o = tl.load(out_ptr + r[:, None] * D + d[None, :], mask=live, other=0.0).to(tl.float32)
-        x = round_to(round_to(p, DTYPE)[:, :, None] * o[:, None, :], DTYPE) + round_to(acc, DTYPE)
-        x = round_to(x, DTYPE)
-        tl.store(new_ptr + at, x.to(DTYPE), mask=live[:, None, :])
-    else:
-        x = tl.load(streams_ptr + at, mask=live[:, None, :], other=0.0).to(tl.float32)
+    dot = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+    sq = tl.zeros((BLOCK_N,), tl.float32)
+    for d0 in range(split * cols, tl.minimum(split * cols + cols, D), BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        live = row_live[:, None] & (d < D)[None, :]  # [BLOCK_N, BLOCK_D]
+        tile = r[:, None] * (NS * D) + d[None, :]  # stream 0 of the tile; stream j at + j * D
+        for j in tl.static_range(NS):  # one output stream at a time: 2-D tiles only
+            if MERGE:
+                # new_j = post_j * out + sum_i comb[i, j] * streams_i: each term rounded to the
+                # model dtype (a broadcast product and a bmm in the engine), then their sum
+                acc = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+                for i in tl.static_range(NS):
+                    c = tl.load(comb_ptr + r * (NS * NS) + i * NS + j, mask=row_live, other=0.0)
+                    s = tl.load(streams_ptr + tile + i * D, mask=live, other=0.0).to(tl.float32)
+                    acc += round_to(c, DTYPE)[:, None] * s
+                p = round_to(tl.load(post_ptr + r * NS + j, mask=row_live, other=0.0), DTYPE)
+                o = tl.load(out_ptr + r[:, None] * D + d[None, :], mask=live, other=0.0)
+                x = round_to(p[:, None] * o.to(tl.float32), DTYPE) + round_to(acc, DTYPE)
+                x = round_to(x, DTYPE)
+                tl.store(new_ptr + tile + j * D, x.to(DTYPE), mask=live)
+            else:
+                x = tl.load(streams_ptr + tile + j * D, mask=live, other=0.0).to(tl.float32)
+            if MIX:  # x_j's share of flatten(streams) @ fn^T: fn's columns j * D + d
+                f = tl.load(
+                    fn_ptr + m[None, :] * (NS * D) + (j * D + d)[:, None],
+                    mask=(d < D)[:, None] & (m < M)[None, :],
+                    other=0.0,
+                )  # [BLOCK_D, M_PAD]
+                dot = tl.dot(x, f, dot, input_precision="ieee")
+                sq += tl.sum(x * x, axis=1)
     if MIX:
-        a = tl.reshape(x, (BLOCK_N, NS * BLOCK_D))  # column k: stream k // BLOCK_D
-        k = tl.arange(0, NS * BLOCK_D)
-        kd = split * BLOCK_D + k % BLOCK_D
-        m = tl.arange(0, M_PAD)
-        f = tl.load(
-            fn_ptr + m[None, :] * (NS * D) + ((k // BLOCK_D) * D + kd)[:, None],
-            mask=(kd < D)[:, None] & (m < M)[None, :],
-            other=0.0,
-        )  # [NS * BLOCK_D, M_PAD]
-        dot = tl.dot(a, f, input_precision="ieee")  # [BLOCK_N, M_PAD]
         part = (split * rows + r)[:, None] * M + m[None, :]
         tl.store(dot_ptr + part, dot, mask=row_live[:, None] & (m < M)[None, :])
-        tl.store(sq_ptr + split * rows + r, tl.sum(a * a, axis=1), mask=row_live)
+        tl.store(sq_ptr + split * rows + r, sq, mask=row_live)
 
 
 @triton.jit
@@ -167,7 +166,11 @@ def _mix(
     """Launch _hc_mix_kernel: (merged streams or the input, partial mixes, partial squares)."""
     rows, ns, dim = streams.shape
     assert streams.is_contiguous() and ns & (ns - 1) == 0, "contiguous, power-of-two streams"
-    splits = triton.cdiv(dim, MIX_COLS)
+    # about two programs per SM, from the shape only (CUDA graphs); fewer splits, less partials
+    row_blocks, blocks = triton.cdiv(rows, MIX_ROWS), triton.cdiv(dim, MIX_BLOCK)
+    cols = triton.cdiv(blocks, min(blocks, triton.cdiv(2 * num_sms(streams.device), row_blocks)))
+    cols *= MIX_BLOCK
+    splits = triton.cdiv(dim, cols)
     new = torch.empty_like(streams) if merge is not None else streams
     if merge is not None:
         assert all(t.is_contiguous() for t in merge)
@@ -178,7 +181,7 @@ def _mix(
         sq = torch.empty(splits, rows, dtype=torch.float32, device=streams.device)
     if rows:
         out, post, comb = merge if merge is not None else (streams, streams, streams)
-        _hc_mix_kernel[(triton.cdiv(rows, MIX_ROWS), splits)](
+        _hc_mix_kernel[(row_blocks, splits)](
             streams,
             out,
             post,
@@ -189,14 +192,15 @@ def _mix(
             sq if sq is not None else streams,
             rows,
             dim,
+            cols,
             NS=ns,
             M=width,
             M_PAD=max(16, triton.next_power_of_2(width)),
             MERGE=merge is not None,
             MIX=fn is not None,
             BLOCK_N=MIX_ROWS,
-            BLOCK_D=MIX_COLS,
-            num_warps=4,
+            BLOCK_D=MIX_BLOCK,
+            num_warps=8,
         )
     return new, dot, sq
 

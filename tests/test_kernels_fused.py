@@ -124,6 +124,15 @@ def test_rope_ops_touch_only_rope_channels(tiny):
     torch.testing.assert_close(back, normed, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_hc_pre_splits_long_rows(tiny, merge):
+    """With many rows each mix program walks several channel blocks (fewer, longer splits);
+    the partial sums still add up to the reference."""
+    step = GlueStep(tiny, list(range(130)), device="cpu", dtype=torch.float32)
+    op = step.hc_pre(merge)
+    assert compare(op, op.run(op.fused, "triton"), op.run(op.fused, "reference")) < 1e-5
+
+
 def test_hc_pre_weights_are_mhc_weights(tiny):
     """comb comes out doubly stochastic (columns exactly, rows nearly) and post in (0, 2)."""
     step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
