@@ -26,6 +26,7 @@ from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
 from engine.models.deepseek_v4.mhc import HyperConnection, merge_streams
 from engine.models.deepseek_v4.tiny import tiny_config
 from engine.step import RowSpan, StepState, build_step_inputs
+from kernels import fused_reference
 from tests.kernels_cases import rel_err
 
 V4_FLASH = {  # V4-Flash's attention, compressor, indexer and mHC widths; one layer per kind
@@ -57,6 +58,12 @@ class Op:
         default_factory=dict
     )  # written arg -> row to ignore
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def reference(self) -> Callable:
+        """The engine's torch sequence (kernels.fused_reference): run with no backend forced, its
+        row-wise kernels are the engine's (Triton on CUDA, torch on CPU)."""
+        return getattr(fused_reference, self.fused.__name__)
 
     def fresh_args(self) -> tuple:
         """Copies of the arguments, for one call (the op writes into some of them)."""
@@ -430,12 +437,11 @@ def as_tuple(out: Any) -> tuple:
     return out if isinstance(out, tuple) else (out,)
 
 
-def compare(op: Op, got: tuple[Any, list], want: tuple[Any, list]) -> float:
-    """Largest relative error over the op's outputs and, for the arguments it writes, over the
-    rows `want` changed (other rows must keep their values exactly; op.skip_rows are ignored);
-    integer tensors must be equal. Returns inf on any exact mismatch."""
+def paired(op: Op, got: tuple[Any, list], want: tuple[Any, list]) -> list | None:
+    """(got, want) tensor pairs to compare: the op's outputs, and of each argument it writes the
+    rows `want` changed (op.skip_rows excepted). None if `got` changed any other row."""
     (out_a, w_a), (out_b, w_b) = got, want
-    pairs = list(zip(as_tuple(out_a), as_tuple(out_b), strict=True))
+    pairs = [(a, b) for a, b in zip(as_tuple(out_a), as_tuple(out_b), strict=True)]
     for i, a, b in zip(op.writes, w_a, w_b, strict=True):
         before = op.args[i]
         changed = (b != before).flatten(1).any(dim=1)  # rows the op wrote
@@ -443,8 +449,17 @@ def compare(op: Op, got: tuple[Any, list], want: tuple[Any, list]) -> float:
         if i in op.skip_rows:
             keep[op.skip_rows[i]] = False
         if not torch.equal(a[keep & ~changed], before[keep & ~changed]):
-            return math.inf
+            return None
         pairs.append((a[keep & changed], b[keep & changed]))
+    return pairs
+
+
+def compare(op: Op, got: tuple[Any, list], want: tuple[Any, list]) -> float:
+    """Largest relative error over paired(op, got, want); inf if integer results differ or
+    `got` wrote where `want` did not."""
+    pairs = paired(op, got, want)
+    if pairs is None:
+        return math.inf
     worst = 0.0
     for a, b in pairs:
         if a is None or b is None:

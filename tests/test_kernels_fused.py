@@ -57,7 +57,7 @@ def test_reference_is_the_engine_code(tiny, name, mixed):
         pytest.skip("decode rows only")
     step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32, prefill=PREFILL * mixed)
     op = _op(step, name)
-    assert compare(op, op.run(op.fused, "reference"), op.run(op.engine)) == 0.0
+    assert compare(op, op.run(op.reference), op.run(op.engine)) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -72,7 +72,7 @@ def test_triton_matches_reference(tiny, name, dtype, mixed, tol):
         pytest.skip("decode rows only")
     step = GlueStep(tiny, POSITIONS, device="cpu", dtype=dtype, prefill=PREFILL * mixed)
     op = _op(step, name)
-    assert compare(op, op.run(op.fused, "triton"), op.run(op.fused, "reference")) < tol
+    assert compare(op, op.run(op.fused, "triton"), op.run(op.reference)) < tol
 
 
 @pytest.mark.parametrize("kind", ["csa", "index", "hca"])
@@ -130,7 +130,7 @@ def test_hc_pre_splits_long_rows(tiny, merge):
     the partial sums still add up to the reference."""
     step = GlueStep(tiny, list(range(130)), device="cpu", dtype=torch.float32)
     op = step.hc_pre(merge)
-    assert compare(op, op.run(op.fused, "triton"), op.run(op.fused, "reference")) < 1e-5
+    assert compare(op, op.run(op.fused, "triton"), op.run(op.reference)) < 1e-5
 
 
 def test_hc_pre_weights_are_mhc_weights(tiny):
@@ -173,7 +173,7 @@ def test_fused_glue_on_gpu(mixed):
     for op in step.ops():
         if mixed and op.name in DECODE_ONLY:
             continue
-        ref = op.run(op.fused, "reference")
+        ref = op.run(op.reference)
         assert compare(op, ref, op.run(op.engine)) == 0.0, op.name
         err = compare(op, op.run(op.fused, "triton"), ref)
         assert err < 1e-2, (op.name, err)
