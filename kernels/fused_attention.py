@@ -1,6 +1,6 @@
 """Attention's glue around its projections and its sparse-MLA kernel, fused.
 
-attention_pre, one launch instead of four to six (unweighted RMS norm of q per head, RoPE of q,
+attention_pre, one launch instead of seven (unweighted RMS norm of q per head, RoPE of q,
 RMSNorm of kv, RoPE of kv, the scratch write, and for decode rows the ring write that the engine
 does after attention as a gather + scatter): programs [0, q_programs) each take BLOCK_R query
 head rows, the others BLOCK_R key/value rows; a row is normalised in fp32, rounded to the model

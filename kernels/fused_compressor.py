@@ -175,18 +175,18 @@ def compress_decode(
 ) -> None:
     """Triton path of kernels.compress_decode (semantics there); windows that stay open write
     nothing to `target`."""
-    rows_d, feats = kv.shape
+    n, feats = kv.shape
     rate, head_dim = ape.shape[0], norm_weight.shape[0]
     overlap = feats == 2 * head_dim
     assert overlap or feats == head_dim, (feats, head_dim)
     assert kv.stride(1) == gate.stride(1) == 1 and entry_table.stride(1) == 1
     assert ring_kv.is_contiguous() and ring_gate.is_contiguous() and target.is_contiguous()
-    if rows_d == 0:
+    if n == 0:
         return
     window_slots = 2 * rate if overlap else rate
     block_p = halves(head_dim)
     block_w = min(triton.next_power_of_2(window_slots), max(1, 2048 // block_p))
-    _compress_decode_kernel[(rows_d,)](
+    _compress_decode_kernel[(n,)](
         kv,
         gate,
         positions,

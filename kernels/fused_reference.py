@@ -34,33 +34,59 @@ def compress_decode(
     target: torch.Tensor,
     trash_slot: int,
 ) -> None:
-    """Compressor._decode_rows + _pool (semantics in kernels.fused_dispatch.compress_decode)."""
-    rate, d = ape.shape[0], norm_weight.shape[0]
+    """Compressor._decode_rows (semantics in kernels.fused_dispatch.compress_decode)."""
+    rate = ape.shape[0]
     rows = ring_kv.shape[1]
     ring_kv[slab, positions.remainder(rows)] = kv
     ring_gate[slab, positions.remainder(rows)] = gate
     window = torch.div(positions, rate, rounding_mode="floor")  # [D]
     cur_rows = (window * rate)[:, None] + torch.arange(rate, device=positions.device)  # [D, rate]
-    cur_kv = ring_kv[slab[:, None], cur_rows.remainder(rows)]  # [D, rate, F]
-    cur_gate = ring_gate[slab[:, None], cur_rows.remainder(rows)]
-    if kv.shape[1] == 2 * d:  # overlap: window w-1's Ca half, then window w's Cb half
+    cur = (
+        ring_kv[slab[:, None], cur_rows.remainder(rows)],
+        ring_gate[slab[:, None], cur_rows.remainder(rows)],
+    )
+    prev = None
+    if kv.shape[1] == 2 * norm_weight.shape[0]:  # overlap: window w-1 joins window w
         prev_rows = (cur_rows - rate).remainder(rows)
-        prev_kv, prev_gate = ring_kv[slab[:, None], prev_rows], ring_gate[slab[:, None], prev_rows]
-        values = torch.cat((prev_kv[..., :d], cur_kv[..., d:]), dim=1)  # [D, 2*rate, d]
-        score = torch.cat((prev_gate[..., :d] + ape[:, :d], cur_gate[..., d:] + ape[:, d:]), dim=1)
-        score[:, :rate] = score[:, :rate].masked_fill((window < 1)[:, None, None], float("-inf"))
-    else:
-        values, score = cur_kv, cur_gate + ape
-    weights = score.softmax(dim=1, dtype=torch.float32).to(values.dtype)
-    pooled = rms_norm((values * weights).sum(dim=1), norm_weight, eps)  # [D, d]
-    freqs = (window * rate).to(torch.float32)[:, None] * inv_freq[None, :]  # RotaryTable
-    entries = apply_rope(pooled, freqs.cos().to(pooled.dtype), freqs.sin().to(pooled.dtype))
+        prev = (ring_kv[slab[:, None], prev_rows], ring_gate[slab[:, None], prev_rows], window >= 1)
+    entries = pool_windows(cur, prev, ape, norm_weight, eps, inv_freq, window * rate)
     closes = (positions + 1).remainder(rate) == 0
     entry = torch.where(closes, window, 0)
     req = torch.arange(positions.shape[0], device=positions.device)
     page = entry_table[req, torch.div(entry, page_size, rounding_mode="floor")].long()
     slots = page * page_size + entry.remainder(page_size)
     target.index_copy_(0, torch.where(closes, slots, trash_slot), entries)
+
+
+def pool_windows(
+    cur: tuple[torch.Tensor, torch.Tensor],
+    prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    first_pos: torch.Tensor,
+) -> torch.Tensor:
+    """Compressor._pool, the entries of M closing windows (prefill chunks use it as it is).
+
+    cur = (kv, gate) [M, rate, F] of the windows; prev = (kv, gate) [M, rate, F] of the windows
+    before them and a [M] bool validity mask (overlapping compressors), else None; ape
+    [rate, F] fp32; norm_weight [head_dim] fp32; inv_freq [rope_dim // 2] fp32 the "compress"
+    RoPE table's; first_pos [M] int64 each window's first position. Returns [M, head_dim]:
+    softmax(gate + ape)-weighted sums over the slots (2 * rate with overlap: Ca of the previous
+    window, Cb of this one), RMS-normalised, RoPE at first_pos, in kv's dtype.
+    """
+    d, rate = norm_weight.shape[0], ape.shape[0]
+    if prev is None:
+        kv, score = cur[0], cur[1] + ape
+    else:
+        kv = torch.cat((prev[0][..., :d], cur[0][..., d:]), dim=1)  # [M, 2*rate, d]
+        score = torch.cat((prev[1][..., :d] + ape[:, :d], cur[1][..., d:] + ape[:, d:]), dim=1)
+        score[:, :rate] = score[:, :rate].masked_fill(~prev[2][:, None, None], float("-inf"))
+    weights = score.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+    pooled = rms_norm((kv * weights).sum(dim=1), norm_weight, eps)
+    freqs = first_pos.to(torch.float32)[:, None] * inv_freq[None, :]  # as RotaryTable does
+    return apply_rope(pooled, freqs.cos().to(pooled.dtype), freqs.sin().to(pooled.dtype))
 
 
 def indexer_query(

@@ -141,7 +141,7 @@ class GlueStep:
     def randn(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen, device=self.dev).to(dtype or self.dtype)
 
-    def _module(self, module: torch.nn.Module) -> torch.nn.Module:
+    def random_params(self, module: torch.nn.Module) -> torch.nn.Module:
         """module on the device with random parameters: norm weights and scales near 1, biases
         and slot biases around 0, matrices scaled by fan-in."""
         module = module.to(self.dev)
@@ -165,7 +165,7 @@ class GlueStep:
         head_dim = cfg.index_head_dim if kind == "index" else cfg.head_dim
         group = "hca" if kind == "hca" else "csa"
         rate = cfg.compress_rate(layer)
-        comp = self._module(
+        comp = self.random_params(
             Compressor(cfg.hidden_size, head_dim, rate, kind != "hca", cfg.rms_norm_eps)
         )
         ring = pool.index_ring[layer] if kind == "index" else pool.comp_ring[layer]
@@ -305,7 +305,7 @@ class GlueStep:
         )
 
     def _hc(self) -> tuple[HyperConnection, RMSNorm]:
-        return self._module(HyperConnection(self.cfg)), self._module(
+        return self.random_params(HyperConnection(self.cfg)), self.random_params(
             RMSNorm(self.cfg.hidden_size, self.cfg.rms_norm_eps)
         )
 
@@ -365,7 +365,7 @@ class GlueStep:
 
     def attention_pre(self) -> Op:
         cfg, step, D = self.cfg, self.step, self.num_decode
-        norm = self._module(RMSNorm(cfg.head_dim, cfg.rms_norm_eps))
+        norm = self.random_params(RMSNorm(cfg.head_dim, cfg.rms_norm_eps))
         group, layer = "csa", self.layer[CSA]
         cos, sin = step.rope("compress")
         n, heads = self.inp.num_rows, cfg.num_heads

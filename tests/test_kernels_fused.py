@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import kernels
+from engine.models.deepseek_v4.compressor import Compressor
+from kernels import fused_reference
 from tests.fused_cases import GlueStep, Op, as_tuple, compare, model_config
 from tests.kernels_cases import gpu_test
 
@@ -73,6 +75,25 @@ def test_triton_matches_reference(tiny, name, dtype, mixed, tol):
     step = GlueStep(tiny, POSITIONS, device="cpu", dtype=dtype, prefill=PREFILL * mixed)
     op = _op(step, name)
     assert compare(op, op.run(op.fused, "triton"), op.run(op.reference)) < tol
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pool_windows_is_the_compressors_pooling(tiny, overlap):
+    """kernels.fused_reference.pool_windows is Compressor._pool bit for bit, so the engine's
+    prefill path can call it once the decode path calls the kernel."""
+    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
+    rate, d = 4, tiny.head_dim
+    comp = step.random_params(Compressor(tiny.hidden_size, d, rate, overlap, tiny.rms_norm_eps))
+    feats, g = comp.ape.shape[1], torch.Generator().manual_seed(3)
+    cur = tuple(torch.randn(5, rate, feats, generator=g) for _ in range(2))
+    prev = (*(torch.randn(5, rate, feats, generator=g) for _ in range(2)), torch.rand(5) < 0.6)
+    prev = prev if overlap else None
+    first = torch.tensor([0, 4, 12, 400, 1020])
+    inv_freq = step.rope["compress"].inv_freq
+    got = fused_reference.pool_windows(
+        cur, prev, comp.ape, comp.norm.weight, comp.norm.eps, inv_freq, first
+    )
+    assert torch.equal(got, comp._pool(cur, prev, first, step.step))
 
 
 @pytest.mark.parametrize("kind", ["csa", "index", "hca"])
