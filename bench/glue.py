@@ -50,16 +50,16 @@ MAX_CONTEXT = 1 << 20  # V4-Flash's: sets the HCA index lists' width in decode g
 CONTEXT = 32768
 BATCHES = (1, 64)
 SMOKE_POSITIONS = [0, 3, 7, 15, 18, 47, 63, 100]
-PHASES = {
-    "compressor": lambda s: [s.compress("csa"), s.compress("index"), s.compress("hca")],
-    "indexer": lambda s: [
-        s.indexer_query(),
-        s.sparse_indices(SLIDING),
-        s.sparse_indices(CSA),
-        s.sparse_indices(HCA),
+PHASES: dict[str, list[Callable[[GlueStep], Op]]] = {  # each op built and measured on its own
+    "compressor": [lambda s, k=k: s.compress(k) for k in ("csa", "index", "hca")],
+    "indexer": [lambda s: s.indexer_query()]
+    + [lambda s, k=k: s.sparse_indices(k) for k in (SLIDING, CSA, HCA)],
+    "mhc": [
+        lambda s: s.hc_pre(merge=False),
+        lambda s: s.hc_pre(merge=True),
+        lambda s: s.hc_merge(),
     ],
-    "mhc": lambda s: [s.hc_pre(merge=False), s.hc_pre(merge=True), s.hc_merge()],
-    "attention": lambda s: [s.attention_pre(), s.attention_post()],
+    "attention": [lambda s: s.attention_pre(), lambda s: s.attention_post()],
 }
 
 
@@ -80,19 +80,19 @@ def steps(phase: str, smoke: bool) -> Iterator[tuple[str, GlueStep]]:
     if phase == "compressor":
         rows.append(("B=64 all close", [CONTEXT + 128 * k - 1 for k in range(1, 65)]))
     for label, positions in rows:
-        step = GlueStep(
-            cfg,
-            positions,
-            device="cuda",
-            dtype=torch.bfloat16,
-            kv_bytes=2 << 30,
-            page_size=64,
-            hca_width=MAX_CONTEXT // 128 + 1,
-            seed=len(positions),
+        yield (
+            label,
+            GlueStep(
+                cfg,
+                positions,
+                device="cuda",
+                dtype=torch.bfloat16,
+                kv_bytes=2 << 30,
+                page_size=64,
+                hca_width=MAX_CONTEXT // 128 + 1,
+                seed=len(positions),
+            ),
         )
-        yield label, step
-        del step
-        torch.cuda.empty_cache()
 
 
 # ---- measurements ----------------------------------------------------------------------------
@@ -146,8 +146,12 @@ def copy_gbps() -> float:
     return 2 * src.numel() * 4 / ms / 1e6
 
 
-def measure(op: Op, label: str, smoke: bool, gbps: float) -> dict:
-    """One op: correctness of the Triton path against the torch sequence, then both timed."""
+def measure(
+    build: Callable[[GlueStep], Op], step: GlueStep, label: str, smoke: bool, gbps: float
+) -> dict:
+    """One op: correctness of the Triton path against the torch sequence, then (unless smoke)
+    both timed."""
+    op = build(step)
     row = {"op": op.name, "batch": label, "floor_bytes": op.floor_bytes, **op.info}
     ref = op.run(op.reference)
     got = op.run(op.fused, "triton")
@@ -208,12 +212,15 @@ def run_phase(phase: str, smoke: bool, result: dict, save: Callable[[], None]) -
     rows[:] = [r for r in rows if r.get("phase") != phase]  # a rerun replaces the phase's rows
     print(f"== {phase}: copy {gbps:.0f} GB/s", flush=True)
     for label, step in steps(phase, smoke):
-        for op in PHASES[phase](step):
-            r = attempt(f"{op.name} {label}", measure, op, label, smoke, gbps)
+        for i, build in enumerate(PHASES[phase]):
+            r = attempt(f"{phase} op {i} {label}", measure, build, step, label, smoke, gbps)
             r["phase"] = phase
             rows.append(r)
             print_row(r)
             save()
+        del step  # this step's KV pool goes before the next one is built
+        if not smoke:
+            torch.cuda.empty_cache()
 
 
 def summarize(result: dict) -> None:
