@@ -12,6 +12,18 @@ Public API (imports torch and triton only):
     y = fp8_linear(x, weight_fp8, scale_e8m0)             # the V4 release's FP8 linear()
     y = fp4_experts(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)  # FP4 experts
 
+Fused decode glue (kernels.fused_dispatch; one or two launches each where the engine runs 5-25):
+
+    compress_decode(kv, gate, positions, slab, ring_kv, ring_gate, ape, norm_weight, eps,
+                    inv_freq, entry_table, page_size, target, trash_slot)   # CSA / HCA decode
+    q, weights, lengths = indexer_query(q, weights, cos, sin, positions, rate)
+    indices, lengths = sparse_indices(positions, row_req, req_past, req_row0, table, ...)
+    streams, post, comb, x = hc_pre(streams, fn, base, scale, norm_weight, iters, hc_eps,
+                                    norm_eps, merge=(out, post, comb) | None)
+    streams = hc_merge(streams, out, post, comb)
+    q, kv = attention_pre(q, kv, kv_weight, eps, cos, sin, cache, scratch_slots, ring_slots)
+    out = attention_post(out, cos, sin)                      # inverse RoPE, in place
+
 Dispatch: CUDA tensors run the Triton kernels (kernels.sparse_mla, kernels.indexer, kernels.mhc,
 kernels.rowwise: no host sync, shape-only allocations, so decode steps can be captured in CUDA
 graphs); CPU tensors run the plain-torch references (kernels.reference, exact in fp32). Force a
@@ -39,14 +51,29 @@ from kernels.dispatch import (
     use_backend,
 )
 from kernels.fp4_moe import stack_fp4_experts
+from kernels.fused_dispatch import (
+    attention_post,
+    attention_pre,
+    compress_decode,
+    hc_merge,
+    hc_pre,
+    indexer_query,
+    sparse_indices,
+)
 from kernels.paging import positions_to_slots
 from kernels.quant_dispatch import fp4_experts, fp8_linear, quantize_activations
 
 __all__ = [
     "apply_rope",
+    "attention_post",
+    "attention_pre",
+    "compress_decode",
     "fp4_experts",
     "fp8_linear",
+    "hc_merge",
+    "hc_pre",
     "hc_weights",
+    "indexer_query",
     "indexer_topk",
     "kv_quant",
     "naive",
@@ -55,6 +82,7 @@ __all__ = [
     "quantize_activations",
     "reference",
     "rms_norm",
+    "sparse_indices",
     "sparse_mla_decode",
     "stack_fp4_experts",
     "store_index_k_fp8",

@@ -18,6 +18,26 @@ ROWS_PER_PROGRAM = 32
 
 
 @triton.jit
+def hc_mix_weights(pre, post, c, base_ptr, scale_ptr, eps, N: tl.constexpr, ITERS: tl.constexpr):
+    """Mixes of R rows, pre and post [R, N] and c [R, N, N] fp32 (in registers), to the weights
+    (pre, post, comb) of the module docstring. Shared with kernels.fused_mhc, which computes the
+    mixes in registers."""
+    i = tl.arange(0, N)
+    s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    pre = tl.sigmoid(pre * s_pre + tl.load(base_ptr + i)[None, :]) + eps
+    post = 2 * tl.sigmoid(post * s_post + tl.load(base_ptr + N + i)[None, :])
+    cell = i[:, None] * N + i[None, :]  # [N, N] offsets of comb
+    c = c * s_comb + tl.load(base_ptr + 2 * N + cell)[None, :, :]  # [R, N, N]
+    c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
+    c = c / tl.sum(c, axis=2)[:, :, None] + eps
+    c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    for _ in tl.static_range(ITERS - 1):
+        c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
+        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    return pre, post, c
+
+
+@triton.jit
 def _hc_weights_kernel(
     mix_ptr,
     base_ptr,
@@ -36,26 +56,19 @@ def _hc_weights_kernel(
     i = tl.arange(0, N)
     width = (2 + N) * N
     row = mix_ptr + r[:, None] * width  # [BLOCK, 1]
-    s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-    pre = (
-        tl.load(row + i[None, :], mask=live[:, None], other=0.0) * s_pre
-        + tl.load(base_ptr + i)[None, :]
-    )
-    post = (
-        tl.load(row + N + i[None, :], mask=live[:, None], other=0.0) * s_post
-        + tl.load(base_ptr + N + i)[None, :]
-    )
-    tl.store(pre_ptr + r[:, None] * N + i[None, :], tl.sigmoid(pre) + eps, mask=live[:, None])
-    tl.store(post_ptr + r[:, None] * N + i[None, :], 2 * tl.sigmoid(post), mask=live[:, None])
     cell = i[:, None] * N + i[None, :]  # [N, N] offsets of comb
-    c = tl.load(row[:, :, None] + 2 * N + cell[None, :, :], mask=live[:, None, None], other=0.0)
-    c = c * s_comb + tl.load(base_ptr + 2 * N + cell)[None, :, :]  # [BLOCK, N, N]
-    c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-    c = c / tl.sum(c, axis=2)[:, :, None] + eps
-    c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
-    for _ in tl.static_range(ITERS - 1):
-        c = c / (tl.sum(c, axis=2)[:, :, None] + eps)
-        c = c / (tl.sum(c, axis=1)[:, None, :] + eps)
+    pre, post, c = hc_mix_weights(
+        tl.load(row + i[None, :], mask=live[:, None], other=0.0),
+        tl.load(row + N + i[None, :], mask=live[:, None], other=0.0),
+        tl.load(row[:, :, None] + 2 * N + cell[None, :, :], mask=live[:, None, None], other=0.0),
+        base_ptr,
+        scale_ptr,
+        eps,
+        N,
+        ITERS,
+    )
+    tl.store(pre_ptr + r[:, None] * N + i[None, :], pre, mask=live[:, None])
+    tl.store(post_ptr + r[:, None] * N + i[None, :], post, mask=live[:, None])
     tl.store(comb_ptr + r[:, None, None] * N * N + cell[None, :, :], c, mask=live[:, None, None])
 
 

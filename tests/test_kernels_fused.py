@@ -1,0 +1,222 @@
+"""Fused decode glue (kernels.fused_*): the torch references are the engine's own code, and the
+Triton kernels (interpreter on CPU, compiled on CUDA) match them.
+
+Every op runs on a real KVPool/StepState (tests.fused_cases): the tiny model's widths on CPU,
+V4-Flash's on a GPU. Decode rows sit at positions chosen for the edges: position 0, the first
+CSA window (no previous window to overlap), windows that close for CSA only and for both CSA
+and HCA, rows whose windows stay open; a mixed step adds a prefill chunk behind them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from engine.models.deepseek_v4.compressor import Compressor
+from kernels import fused_reference
+from tests.fused_cases import GlueStep, Op, as_tuple, compare, model_config
+from tests.kernels_cases import gpu_test
+
+POSITIONS = [0, 3, 7, 15, 18, 47, 63, 100]  # tiny model: CSA rate 4, HCA rate 16, window 16
+PREFILL = ((20, 6),)  # a chunk of 6 rows of a request that has 20 tokens
+OPS = [
+    "compress_csa",
+    "compress_index",
+    "compress_hca",
+    "indexer_query",
+    "sparse_indices_swa",
+    "sparse_indices_csa",
+    "sparse_indices_hca",
+    "hc_pre",
+    "hc_pre_merge",
+    "hc_merge",
+    "attention_pre",
+    "attention_post",
+]
+# compressors handle decode rows only; attention_pre writes the ring of decode rows only, the
+# engine also persists prefill rows (after attention), so a mixed step differs there by design
+DECODE_ONLY = {"compress_csa", "compress_index", "compress_hca", "attention_pre"}
+
+
+def _op(step: GlueStep, name: str) -> Op:
+    ops = {op.name: op for op in step.ops()}
+    assert set(ops) == set(OPS)
+    return ops[name]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return model_config("tiny")
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("name", OPS)
+def test_reference_is_the_engine_code(tiny, name, mixed):
+    """Bit for bit: the references are what the engine computes now, so swapping the engine's
+    code for kernels.fused_dispatch changes no numbers beyond the kernels' rounding."""
+    if mixed and name in DECODE_ONLY:
+        pytest.skip("decode rows only")
+    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32, prefill=PREFILL * mixed)
+    op = _op(step, name)
+    assert compare(op, op.run(op.reference), op.run(op.engine)) == 0.0
+
+
+@pytest.mark.parametrize(
+    "dtype,mixed,tol",
+    [(torch.float32, False, 1e-5), (torch.float32, True, 1e-5), (torch.bfloat16, False, 3e-2)],
+)
+@pytest.mark.parametrize("name", OPS)
+def test_triton_matches_reference(tiny, name, dtype, mixed, tol):
+    """fp32: rounding-level agreement. bf16: the interpreter truncates fp32 -> bf16 casts
+    (torch rounds to nearest), which leaves up to about 1% in the merged streams."""
+    if mixed and name in DECODE_ONLY:
+        pytest.skip("decode rows only")
+    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=dtype, prefill=PREFILL * mixed)
+    op = _op(step, name)
+    assert compare(op, op.run(op.fused, "triton"), op.run(op.reference)) < tol
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_pool_windows_is_the_compressors_pooling(tiny, overlap):
+    """kernels.fused_reference.pool_windows is Compressor._pool bit for bit, so the engine's
+    prefill path can call it once the decode path calls the kernel."""
+    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
+    rate, d = 4, tiny.head_dim
+    comp = step.random_params(Compressor(tiny.hidden_size, d, rate, overlap, tiny.rms_norm_eps))
+    feats, g = comp.ape.shape[1], torch.Generator().manual_seed(3)
+    cur = tuple(torch.randn(5, rate, feats, generator=g) for _ in range(2))
+    prev = (*(torch.randn(5, rate, feats, generator=g) for _ in range(2)), torch.rand(5) < 0.6)
+    prev = prev if overlap else None
+    first = torch.tensor([0, 4, 12, 400, 1020])
+    inv_freq = step.rope["compress"].inv_freq
+    got = fused_reference.pool_windows(
+        cur, prev, comp.ape, comp.norm.weight, comp.norm.eps, inv_freq, first
+    )
+    assert torch.equal(got, comp._pool(cur, prev, first, step.step))
+
+
+@pytest.mark.parametrize("kind", ["csa", "index", "hca"])
+def test_compress_decode_writes_only_closed_windows(tiny, kind):
+    """The kernel writes one pool row per closing window (none to the trash slot), and a
+    window's entry depends only on its own tokens: rewriting the ring rows of other positions
+    (the stale ones before window 0 included) changes nothing."""
+    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
+    op = step.compress(kind)
+    (_, written) = op.run(op.fused, "triton")
+    target = op.args[12]
+    changed = (written[2] != target).any(dim=1)
+    assert int(changed.sum()) == op.info["closing_rows"] > 0
+    assert not changed[op.args[13]]  # the trash slot
+    rate = op.args[6].shape[0]
+    overlap = op.args[0].shape[1] == 2 * op.args[7].shape[0]
+    ring_kv, ring_gate = op.args[4], op.args[5]
+    rows = ring_kv.shape[1]
+    for b, pos in enumerate(POSITIONS):  # scramble what no closing window of row b may read
+        w = pos // rate
+        if (pos + 1) % rate:
+            continue
+        first = max(w - 1, 0) * rate if overlap else w * rate
+        used = {p % rows for p in range(first, pos + 1)}
+        other = torch.tensor([r for r in range(rows) if r not in used], dtype=torch.long)
+        slab = int(op.args[3][b])
+        ring_kv[slab, other] = torch.randn(len(other), ring_kv.shape[-1]) * 100
+        ring_gate[slab, other] = torch.randn(len(other), ring_gate.shape[-1]) * 100
+    (_, again) = op.run(op.fused, "triton")
+    assert torch.equal(again[2], written[2])
+
+
+def test_rope_ops_touch_only_rope_channels(tiny):
+    """indexer_query and attention_post rotate the trailing rope_dim channels, nothing else;
+    attention_post undoes attention_pre's rotation of the same row's query."""
+    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
+    rope = tiny.rope_dim
+    for op in (step.indexer_query(), step.attention_post()):
+        q = op.args[0]
+        out, _ = op.run(op.fused, "triton")
+        rotated = as_tuple(out)[0]
+        assert torch.equal(rotated[..., :-rope], q[..., :-rope])
+        assert not torch.equal(rotated[..., -rope:], q[..., -rope:])
+    pre = step.attention_pre()
+    with kernels.use_backend("triton"):
+        (q, _), _ = pre.run(pre.fused, "triton")
+        back = kernels.attention_post(q.clone(), *pre.args[4:6])
+    normed = kernels.reference.rms_norm(pre.args[0], None, tiny.rms_norm_eps)
+    torch.testing.assert_close(back, normed, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_hc_pre_splits_long_rows(tiny, merge):
+    """With many rows each mix program walks several channel blocks (fewer, longer splits);
+    the partial sums still add up to the reference."""
+    step = GlueStep(tiny, list(range(130)), device="cpu", dtype=torch.float32)
+    op = step.hc_pre(merge)
+    assert compare(op, op.run(op.fused, "triton"), op.run(op.reference)) < 1e-5
+
+
+def test_hc_pre_weights_are_mhc_weights(tiny):
+    """comb comes out doubly stochastic (columns exactly, rows nearly) and post in (0, 2)."""
+    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
+    op = step.hc_pre(merge=True)
+    (_, post, comb, _), _ = op.run(op.fused, "triton")
+    n = tiny.hc_mult
+    assert torch.allclose(comb.sum(-2), torch.ones(len(POSITIONS), n), atol=1e-5)
+    assert torch.allclose(comb.sum(-1), torch.ones(len(POSITIONS), n), atol=2e-2)
+    assert ((post > 0) & (post < 2)).all()
+
+
+# ---------------------------------------------------------------- GPU, V4-Flash widths
+
+
+def _v4_step(mixed: bool = False) -> GlueStep:
+    """64 decode rows around 32K tokens (about a quarter close a CSA window) plus rows that close
+    an HCA window, and with `mixed` a 300-row prefill chunk, on a page size of 64."""
+    gen = torch.Generator().manual_seed(7)
+    positions = (32768 + torch.randint(0, 4096, (60,), generator=gen)).tolist()
+    positions += [127, 255, 32767, 128 * 300 - 1]
+    return GlueStep(
+        model_config("v4-flash"),
+        positions,
+        device="cuda",
+        dtype=torch.bfloat16,
+        prefill=((4000, 300),) if mixed else (),
+        kv_bytes=1 << 30,
+        page_size=64,
+    )
+
+
+@gpu_test
+@pytest.mark.parametrize("mixed", [False, True])
+def test_fused_glue_on_gpu(mixed):
+    """V4-Flash widths, bf16: references == engine code exactly, Triton within bf16 rounding of
+    them (index lists exactly)."""
+    step = _v4_step(mixed)
+    for op in step.ops():
+        if mixed and op.name in DECODE_ONLY:
+            continue
+        ref = op.run(op.reference)
+        assert compare(op, ref, op.run(op.engine)) == 0.0, op.name
+        err = compare(op, op.run(op.fused, "triton"), ref)
+        assert err < 1e-2, (op.name, err)
+
+
+@gpu_test
+def test_fused_glue_replays_in_cuda_graphs():
+    """Each Triton op captures in a CUDA graph (a host sync or an allocation sized by data would
+    fail the capture) and its replay equals an eager call on the same inputs, bit for bit."""
+    step = _v4_step()
+    for op in step.ops():
+        captured_args, eager_args = op.fresh_args(), op.fresh_args()
+        with kernels.use_backend("triton"):
+            op.fused(*op.fresh_args(), **op.kwargs)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = op.fused(*captured_args, **op.kwargs)
+            graph.replay()
+            eager = op.fused(*eager_args, **op.kwargs)
+        torch.cuda.synchronize()
+        for a, b in zip(as_tuple(captured), as_tuple(eager), strict=True):
+            assert (a is None and b is None) or torch.equal(a, b), op.name
+        for i in op.writes:
+            assert torch.equal(captured_args[i], eager_args[i]), op.name
