@@ -167,6 +167,13 @@ def test_a_checkpoint_without_mtp_tensors_drops_the_mtp_layer(release, tmp_path)
     assert len(_load(path).mtp) == 0 and len(_load(path, torch.bfloat16, True).mtp) == 0
 
 
+def test_a_config_without_mtp_layers_skips_the_mtp_tensors(release, tmp_path):
+    path = shutil.copytree(release, tmp_path / "mtp_off")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    assert len(_load(path).mtp) == 0
+
+
 def test_format_errors_are_named(release, tmp_path):
     def edit(t):
         t["layers.0.attn.wq_a.weight"] = torch.zeros(128, 128, dtype=torch.bfloat16)

@@ -13,8 +13,9 @@ weight of a dense model, and always `wo_a` (as the release's convert.py does) an
 experts.
 
 The MTP layers (`mtp.N.*`) load when the checkpoint has any of their tensors; a checkpoint
-without them (HF's save_pretrained writes none) drops them from the model. Anything missing,
-unexpected, mis-shaped or in the wrong format is reported in one error.
+without them (HF's save_pretrained writes none) drops them from the model, and a config.json
+with `num_nextn_predict_layers: 0` skips them. Anything else missing, unexpected, mis-shaped or
+in the wrong format is reported in one error.
 """
 
 from __future__ import annotations
@@ -185,6 +186,7 @@ class _Loader:
         state = dict(model.named_parameters()) | dict(model.named_buffers())
         self.state = {k: v for k, v in state.items() if not k.startswith("rope_tables.")}
         self.keys = keys  # checkpoint name -> the open file holding it
+        self.mtp = len(model.mtp) > 0  # (config.json may turn the checkpoint's MTP layers off)
         self.scale_of = {
             key.removesuffix(suffix) + ".weight": key
             for key in keys
@@ -204,6 +206,8 @@ class _Loader:
         if key in self.scales or _SKIP.match(key):
             return 0
         target = canonical_target(key, self.inter)
+        if not self.mtp and target.param.startswith("mtp."):
+            return 0
         dest = self.state.get(target.param)
         if dest is None:
             self.problems["unexpected"].append(key)
@@ -214,12 +218,12 @@ class _Loader:
         if dest.dtype in _QUANTIZED:
             return self._copy_quantized(key, scale_key, target, dest)
         codes = self.keys[key].get_slice(key)
-        shape = list(codes.get_shape())
-        if scale_key is not None and codes.get_dtype() == "I8":
-            shape[-1] *= 2  # FP4: two codes a byte
-        elif scale_key is None and codes.get_dtype() in ("F8_E4M3", "I8"):
-            self.problems["wrong format"].append(f"{key}: {codes.get_dtype()} without a scale")
+        shape, fmt = list(codes.get_shape()), codes.get_dtype()
+        if scale_key is None and fmt in ("F8_E4M3", "I8"):
+            self.problems["wrong format"].append(f"{key}: {fmt} without a scale")
             return 0
+        if scale_key is not None and fmt != "F8_E4M3":
+            shape[-1] *= 2  # FP4: two codes a byte
         if not self._shape_ok(key, shape, dest):
             return 0
         tensor = self.keys[key].get_tensor(key)
