@@ -5,6 +5,8 @@ Decodes the checkpoint's raw bytes from their bit layouts (e4m3: sign, 4-bit exp
 nibble first) in float64, without torch's float8 casts and without kernels.quant, and restates
 the release's `linear()` (inference/model.py: act_quant, then fp8_gemm / fp4_gemm to bf16) and
 `Expert.forward` (SwiGLU in fp32, the routing weight before w2) on those values.
+`assert_layers_compute_the_release` holds an engine's quantized layers to them (CPU and GPU
+tests share it; no HF transformers needed).
 """
 
 from __future__ import annotations
@@ -16,9 +18,20 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from engine import LLM, SamplingParams
+from engine.layers.fp8_linear import Fp8Linear
+from engine.models.deepseek_v4.moe import Fp4Experts
+
 _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_TABLE = _MAGNITUDES + tuple(-v for v in _MAGNITUDES)  # codes 8-15: sign bit set (-0.0 too)
 SCALE_SUFFIX = ".scale"
+TOKENS = 264  # the release tiny model's tokenizer (its vocabulary has 384 rows)
+ENGINE = dict(max_num_batched_tokens=512, page_size=8, kv_cache_memory_bytes=64 << 20)
+
+
+def release_ids(n: int, seed: int) -> list[int]:
+    """n random token ids of the release tiny model's tokenizer."""
+    return torch.randint(0, TOKENS, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -108,3 +121,51 @@ def release_experts(
         h = weights[tok, slot, None].float() * (F.silu(gate) * up)
         y[tok] += release_linear(h.to(x.dtype), w2[e]).float()
     return y
+
+
+def _dequantized(raw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    return dequantize(raw[f"{name}.weight"], raw[f"{name}.scale"])
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def _emulate(model, raw, name: str, args: list[torch.Tensor]) -> torch.Tensor:
+    """What the release computes for one call of the quantized layer `name`."""
+    if not name.endswith(".experts"):
+        return release_linear(args[0], _dequantized(raw, name))
+    module = model.get_submodule(name)
+    experts = range(module.w13.shape[0])
+    w1, w3, w2 = (
+        [_dequantized(raw, f"{name}.{e}.{w}") for e in experts] for w in ("w1", "w3", "w2")
+    )
+    return release_experts(*args, w1, w3, w2, module.limit)
+
+
+def assert_layers_compute_the_release(llm: LLM, raw: dict[str, torch.Tensor]) -> None:
+    """Record every quantized layer's input and output through a 300-token prefill and a few
+    decode steps (eager: hooks see no graph replays), then hold each output to the emulation
+    of the release on the same input: relative error < 1e-3."""
+    model, calls = llm.engine.model, []
+    hooks = [
+        module.register_forward_hook(
+            lambda m, args, out, name=name: calls.append((name, [a.cpu() for a in args], out.cpu()))
+        )
+        for name, module in model.named_modules()
+        if isinstance(module, (Fp8Linear, Fp4Experts))
+    ]
+    try:
+        llm.score(release_ids(300, 11))
+        llm.generate(release_ids(37, 12), SamplingParams(max_tokens=4, temperature=0))
+    finally:
+        for h in hooks:
+            h.remove()
+    kinds = {name.rsplit(".", 1)[-1] for name, _, _ in calls}
+    assert kinds >= {"wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3", "experts"}, kinds
+    errors: dict[str, float] = {}
+    for name, args, got in calls:
+        errors[name] = max(errors.get(name, 0.0), _rel_err(got, _emulate(model, raw, name, args)))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-3, (worst, errors[worst])

@@ -18,27 +18,18 @@ from safetensors.torch import save_file
 from transformers import DeepseekV4ForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.layers.fp8_linear import Fp8Linear
-from engine.models.deepseek_v4.moe import Fp4Experts
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from tests.hf_reference import hf_greedy, hf_logits
-from tests.kernels_cases import gpu_test
 from tests.release_reference import (
-    dequantize,
+    ENGINE,
+    TOKENS,
+    assert_layers_compute_the_release,
     dequantized_checkpoint,
     read_checkpoint,
-    release_experts,
-    release_linear,
+    release_ids,
 )
 
 SEQ = 300  # HCA (rate 128): 2 entries; CSA (rate 4): 75 entries > index_topk 8
-TOKENS = 264  # the release tiny model's tokenizer (its vocabulary has 384 rows)
-ENGINE = dict(max_num_batched_tokens=512, page_size=8, kv_cache_memory_bytes=64 << 20)
-QUANTIZED = dict(dtype="bfloat16", quantized_compute=True, **ENGINE)
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, TOKENS, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,80 +65,25 @@ def dequantized(release):
 
 @pytest.fixture(scope="module")
 def quantized(release):
-    return LLM(release, **QUANTIZED)
+    return LLM(release, dtype="bfloat16", quantized_compute=True, **ENGINE)
 
 
 def test_dequantized_logits_match_hf(hf, dequantized):
-    ids = _ids(SEQ, 7)
+    ids = release_ids(SEQ, 7)
     assert _rel_err(dequantized.score(ids), hf_logits(hf, ids)) < 1e-4
 
 
 @pytest.mark.parametrize("prompt_len", [1, 40, 290])
 def test_dequantized_greedy_tokens_match_hf(hf, dequantized, prompt_len):
-    prompt = _ids(prompt_len, prompt_len)
+    prompt = release_ids(prompt_len, prompt_len)
     [res] = dequantized.generate(
         prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     )
     assert res.token_ids == hf_greedy(hf, prompt, 24, vocab=TOKENS)
 
 
-def _dequantized(raw, name: str) -> torch.Tensor:
-    return dequantize(raw[f"{name}.weight"], raw[f"{name}.scale"])
-
-
-def _release_outputs(model, raw, calls) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """(layer, engine output, emulated output) for each recorded call of a quantized layer."""
-    out = []
-    for name, args, got in calls:
-        args = [a.cpu() for a in args]
-        if name.endswith(".experts"):
-            module = model.get_submodule(name)
-            experts = range(module.w13.shape[0])
-            w1, w3, w2 = (
-                [_dequantized(raw, f"{name}.{e}.{w}") for e in experts] for w in ("w1", "w3", "w2")
-            )
-            want = release_experts(*args, w1, w3, w2, module.limit)
-        else:
-            want = release_linear(args[0], _dequantized(raw, name))
-        out.append((name, got.cpu(), want))
-    return out
-
-
-def _check_quantized_layers(llm: LLM, raw) -> None:
-    """Record every quantized layer's input and output through a prefill and a few decode
-    steps, then hold each output to the emulation of the release on the same input."""
-    model, calls = llm.engine.model, []
-    hooks = [
-        module.register_forward_hook(
-            lambda m, args, out, name=name: calls.append((name, [a.clone() for a in args], out))
-        )
-        for name, module in model.named_modules()
-        if isinstance(module, (Fp8Linear, Fp4Experts))
-    ]
-    try:
-        llm.score(_ids(SEQ, 11))
-        llm.generate(_ids(37, 12), SamplingParams(max_tokens=4, temperature=0))
-    finally:
-        for h in hooks:
-            h.remove()
-    kinds = {name.rsplit(".", 1)[-1] for name, _, _ in calls}
-    assert kinds >= {"wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3", "experts"}, kinds
-    errors = {}
-    for name, got, want in _release_outputs(model, raw, calls):
-        errors[name] = max(errors.get(name, 0.0), _rel_err(got, want))
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < 1e-3, (worst, errors[worst])
-
-
 def test_quantized_layers_compute_the_release_arithmetic(quantized, raw):
-    _check_quantized_layers(quantized, raw)
-
-
-@gpu_test
-def test_quantized_layers_on_the_gpu_compute_the_release_arithmetic(release, raw):
-    """The Triton kernels (act_quant, FP8 GEMM with and without fused quantization, FP4 MoE),
-    eager so that the hooks see every step."""
-    _check_quantized_layers(LLM(release, device="cuda", enforce_eager=True, **QUANTIZED), raw)
+    assert_layers_compute_the_release(quantized, raw)
 
 
 def test_greedy_agreement_of_the_quantized_path(dequantized, quantized, release):
@@ -158,11 +94,11 @@ def test_greedy_agreement_of_the_quantized_path(dequantized, quantized, release)
     logits by a few percent, so agreement is well below 100% but far above chance (1/264)."""
     bf16 = LLM(release, dtype="bfloat16", quantized_compute=False, **ENGINE)
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    prompts = [_ids(n, n) for n in (1, 5, 17, 40, 77, 130, 200, 290)]
+    prompts = [release_ids(n, n) for n in (1, 5, 17, 40, 77, 130, 200, 290)]
     reference = [r.token_ids for r in dequantized.generate(prompts, greedy)]
     report = {}
     for name, llm in (("quantized", quantized), ("bf16", bf16)):
-        ids = [_ids(SEQ, seed) for seed in range(4)]
+        ids = [release_ids(SEQ, seed) for seed in range(4)]
         top1 = [
             (llm.score(x)[:, :TOKENS].argmax(-1) == dequantized.score(x)[:, :TOKENS].argmax(-1))
             .float()
