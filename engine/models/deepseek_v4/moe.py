@@ -66,7 +66,7 @@ class RoutedExperts(torch.nn.Module):
         gate_up = _grouped_mm(x[token], self.w13.transpose(1, 2), offs=offsets)  # [T*k, 2*inter]
         hidden = clamped_swiglu(gate_up[:, : self.inter], gate_up[:, self.inter :], self.limit)
         out = _grouped_mm(hidden, self.w2.transpose(1, 2), offs=offsets)  # [T*k, hidden]
-        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)  # (fp32 router)
         return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
 
 
