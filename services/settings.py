@@ -151,7 +151,8 @@ def _add(group: Any, flag: Flag, default: Any) -> None:
             kwargs["required"] = True
     if flag.positional:
         kwargs.pop("dest")
-        group.add_argument(flag.dest, metavar=flag.dest.upper(), **kwargs)
+        kwargs["metavar"] = flag.dest.upper()
+        group.add_argument(flag.dest, **kwargs)
         return
     names = [flag.short, flag.option] if flag.short else [flag.option]
     group.add_argument(*names, **kwargs)

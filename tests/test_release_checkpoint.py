@@ -15,6 +15,7 @@ from engine.models import ConfigError
 from engine.models.deepseek_v4.config import CSA, MOE, SLIDING, ModelConfig
 from engine.models.deepseek_v4.tiny import FORMATS, make_tiny_model, tiny_config
 from engine.models.deepseek_v4.weights import WeightsError, build_model, load_weights
+from services import cli
 from services import make_tiny_model as make_tiny_model_command
 from tests.release_reference import dequantize, read_checkpoint
 
@@ -202,5 +203,9 @@ def test_quantized_compute_needs_a_quantized_checkpoint():
         build_model(ModelConfig.from_hf(tiny_config(262)), torch.bfloat16, "cpu", quantized=True)
 
 
-def test_make_tiny_model_command_offers_the_formats():
-    assert make_tiny_model_command.FORMATS == FORMATS
+def test_make_tiny_model_command_writes_the_release_format(tmp_path, capsys):
+    assert make_tiny_model_command.FORMATS == FORMATS  # (kept apart so --help needs no torch)
+    cli.main(["make-tiny-model", str(tmp_path / "m"), "--format", "release", "--seed", "3"])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "m")
+    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
+    assert len(_load(tmp_path / "m", torch.bfloat16, quantized=True).mtp) == 1
