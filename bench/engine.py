@@ -1,13 +1,15 @@
 """H200 benchmark of the engine's decode step on a V4-Flash-width model slice.
 
     python -m bench.engine --out bench/results/h200-engine.json
+    python -m bench.engine --experts 256 --out bench/results/h200-engine-256.json
+    python -m bench.engine --smoke              # CPU: tiny widths through the same code
 
 The slice has V4-Flash's real widths (hidden 4096, 64 heads x 512, q_lora 1024, 8 output
 groups, indexer 64 x 128 with top-512, window 128, CSA rate 4, HCA rate 128, mHC x4, vocab
-129280) and a few layers of each kind with fewer experts so it fits one GPU; weights are
-random bf16. Requests get a synthetic KV history of the stated context (random pool
-contents: attention cost does not depend on the values), then decode with the engine's own
-scheduler, runner (CUDA graphs) and sampler.
+129280) and a few layers of each kind with fewer experts (all 256 with --experts 256: 38.7 B
+params, 81 GB in bf16) so it fits one GPU; weights are random bf16. Requests get a synthetic
+KV history of the stated context (random pool contents: attention cost does not depend on the
+values), then decode with the engine's own scheduler, runner (CUDA graphs) and sampler.
 
 One run:
 1. checks the Triton path against the plain-torch reference inside the engine (prefill chunk
@@ -18,12 +20,19 @@ One run:
    configured maximum (1M tokens = 262K compressed entries) with fp32 matmuls;
 4. prefill tokens/s;
 5. the per-kernel-class time of one decode step (torch profiler) against each class's
-   roofline floor (bytes at the measured copy bandwidth, FLOPs at the measured matmul rate).
+   roofline floor (bytes at the measured copy bandwidth, FLOPs at the measured matmul rate);
+6. the same slice with the release's weight formats, quantized from the bf16 weights as the
+   checkpoint stores them (FP8 e4m3 linears with 128x128 ue8m0 block scales, FP4 routed
+   experts, wo_a and the rest dense) and computed as the release does (kernels.fp8_linear,
+   kernels.fp4_experts): its Triton path against its plain-torch reference, its logits against
+   the bf16 model's, decode tokens/s at the same concurrencies and contexts (the ratio to bf16
+   in the same run), prefill tokens/s and the kernel classes of one step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -34,7 +43,10 @@ import torch
 import kernels
 from bench.kernels import ceilings
 from engine.kv_pool import KVCacheConfig, KVPool
-from engine.models.deepseek_v4.config import ModelConfig
+from engine.layers.fp8_linear import Fp8Linear
+from engine.models.deepseek_v4.config import ModelConfig, Quantization
+from engine.models.deepseek_v4.model import DeepseekV4
+from engine.models.deepseek_v4.moe import Fp4Experts
 from engine.models.deepseek_v4.weights import build_model
 from engine.request import Request, Status
 from engine.runner import ModelRunner
@@ -42,10 +54,28 @@ from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.step import RowSpan, build_step_inputs
+from kernels.quant import quantize_fp4, quantize_fp8_blocks
 
-DEV = torch.device("cuda")
 MAX_CONTEXT = 1 << 20  # V4-Flash's max_position_embeddings: the "configured maximum"
 BEFORE = "before (naive kernels, indexer padded to 1M tokens)"
+RELEASE = "release weights (FP8 linears, FP4 experts)"
+GRAPH_SIZES = [1, 16, 64]
+# --smoke: the slice at widths a CPU runs in seconds (multiples of the FP8 block where needed)
+SMOKE_WIDTHS = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "head_dim": 128,
+    "q_lora_rank": 128,
+    "o_groups": 2,
+    "o_lora_rank": 128,
+    "sliding_window": 16,
+    "moe_intermediate_size": 128,
+    "index_n_heads": 16,
+    "index_head_dim": 64,
+    "index_topk": 16,
+    "max_position_embeddings": 4096,
+}
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
 LAYERS = [
     "sliding_attention",
@@ -57,7 +87,7 @@ LAYERS = [
 ]
 
 
-def slice_config(num_experts: int) -> ModelConfig:
+def slice_config(num_experts: int, smoke: bool = False) -> ModelConfig:
     return ModelConfig.from_hf(
         {
             "model_type": "deepseek_v4",
@@ -89,13 +119,15 @@ def slice_config(num_experts: int) -> ModelConfig:
                 "factor": 16,
                 "original_max_position_embeddings": 65536,
             },
+            "num_nextn_predict_layers": 0,  # the MTP layer does not run in a decode step
+            **(SMOKE_WIDTHS if smoke else {}),
         }
     )
 
 
-def random_model(cfg: ModelConfig):
-    model = build_model(cfg, torch.bfloat16, DEV)
-    gen = torch.Generator(DEV).manual_seed(0)
+def random_model(cfg: ModelConfig, dev: torch.device) -> DeepseekV4:
+    model = build_model(cfg, torch.bfloat16, dev)
+    gen = torch.Generator(dev).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
@@ -106,15 +138,57 @@ def random_model(cfg: ModelConfig):
             gate = layer.ffn.gate
             if gate.hashed:
                 gate.tid2eid.copy_(
-                    torch.randint(0, cfg.num_experts, gate.tid2eid.shape, device=DEV, generator=gen)
+                    torch.randint(0, cfg.num_experts, gate.tid2eid.shape, device=dev, generator=gen)
                 )
     return model
 
 
+@torch.no_grad()
+def release_model(dense: DeepseekV4) -> DeepseekV4:
+    """The model with the release checkpoint's formats, quantized from `dense`'s weights as the
+    checkpoint's producer would (kernels.quant: power-of-two scales, round to nearest even),
+    one tensor (one expert) at a time; dense parameters are copied."""
+    cfg = dataclasses.replace(dense.cfg, quantization=Quantization(expert_dtype="fp4"))
+    model = build_model(cfg, torch.bfloat16, dense.embed.weight.device, quantized=True)
+    done = set()
+    for name, module in model.named_modules():
+        source = dense.get_submodule(name)
+        if isinstance(module, Fp8Linear):
+            for dst, src in zip(
+                (module.weight, module.scale), quantize_fp8_blocks(source.weight), strict=True
+            ):
+                dst.copy_(src)
+        elif isinstance(module, Fp4Experts):
+            for e in range(cfg.num_experts):
+                for codes, scales, weight in (
+                    (module.w13, module.s13, source.w13),
+                    (module.w2, module.s2, source.w2),
+                ):
+                    q, s = quantize_fp4(weight[e])
+                    codes[e].copy_(q)
+                    scales[e].copy_(s)
+        else:
+            continue
+        done |= {f"{name}.{p}" for p, _ in module.named_parameters()}
+    dense_state = dict(dense.named_parameters()) | dict(dense.named_buffers())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name not in done:
+            t.copy_(dense_state[name])
+    return model.eval()
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
 class Bench:
-    def __init__(self, cfg: ModelConfig, max_seqs: int, kv_bytes: int) -> None:
-        self.cfg = cfg
-        self.model = random_model(cfg)
+    def __init__(self, cfg: ModelConfig, max_seqs: int, kv_bytes: int, dev: torch.device) -> None:
+        self.cfg, self.dev, self.max_context = cfg, dev, cfg.max_position_embeddings
         self.pool = KVPool(
             cfg,
             KVCacheConfig(
@@ -124,15 +198,23 @@ class Bench:
                 max_num_batched_tokens=8192,
             ),
             dtype=torch.bfloat16,
-            device=DEV,
-            max_context=MAX_CONTEXT,
+            device=dev,
+            max_context=self.max_context,
         )
-        gen = torch.Generator(DEV).manual_seed(1)
+        gen = torch.Generator(dev).manual_seed(1)
         for group in self.pool.groups.values():  # a synthetic history: any values will do
             for t in list(group.kv.values()) + list(group.index_k.values()):
                 t.normal_(0, 1, generator=gen)
-        self.runner = ModelRunner(self.model, self.pool, DEV, MAX_CONTEXT)
         self.scheduler = Scheduler(self.pool, 8192)
+        self.use(random_model(cfg, dev))
+
+    def use(self, model: DeepseekV4) -> None:
+        """Run `model` from now on, on the same pool (its layout does not depend on the weights),
+        with decode graphs captured for it on the GPU."""
+        self.model = model
+        self.runner = ModelRunner(model, self.pool, self.dev, self.max_context)
+        if self.dev.type == "cuda":
+            self.runner.capture_decode_graphs(GRAPH_SIZES)
 
     def requests(self, n: int, context: int) -> list[Request]:
         """n requests that have `context` tokens computed and one sampled token to decode next."""
@@ -172,7 +254,7 @@ class Bench:
         reqs = self.requests(n, context)
         for _ in range(3):
             self.decode_step()
-        torch.cuda.synchronize()
+        _sync(self.dev)
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -183,35 +265,42 @@ class Bench:
         return n / step_s, step_s * 1e3
 
 
-def check_against_reference(bench: Bench) -> dict:
+def decode_logits(bench: Bench, reqs: list[Request], eager: bool = False) -> torch.Tensor:
+    """Logits of one decode step of `reqs`, graph-replayed where graphs are captured (eager:
+    run the model, in the current kernel backend); their state is kept, so another model or
+    backend can run the same step on the same history."""
+    specs = [RowSpan(r.num_computed, 1, r.slab, [11]) for r in reqs]
+    graphs = bench.runner.graphs
+    if graphs and not eager:
+        return graphs[min(b for b in graphs if b >= len(specs))].run(specs).clone()
+    inp = build_step_inputs(bench.pool, specs, len(specs), bench.dev)
+    return bench.model(bench.pool, inp, torch.arange(len(specs), device=bench.dev))
+
+
+def check_against_reference(bench: Bench, context: int, prefill: int) -> dict:
     """Logits of the Triton path vs the plain-torch reference on the same state."""
     out = {}
-    reqs = bench.requests(4, 3000)
-    specs = [RowSpan(r.num_computed, 1, r.slab, [11]) for r in reqs]
-    inp = build_step_inputs(bench.pool, specs, len(specs), DEV)
-    rows = torch.arange(len(specs), device=DEV)
+    reqs = bench.requests(4, context)
     with kernels.use_backend("reference"):
-        ref = bench.model(bench.pool, inp, rows)
-    graph = bench.runner.graphs[min(b for b in bench.runner.graphs if b >= len(specs))]
-    got = graph.run(specs)
-    out["decode_graph_vs_reference_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        ref = decode_logits(bench, reqs, eager=True)
+    out["decode_graph_vs_reference_rel_err"] = _rel_err(decode_logits(bench, reqs), ref)
     bench.release(reqs)
     [r] = bench.requests(1, 0)
     r.prompt_token_ids = torch.randint(
-        0, bench.cfg.vocab_size, (2048,), generator=torch.Generator().manual_seed(3)
+        0, bench.cfg.vocab_size, (prefill,), generator=torch.Generator().manual_seed(3)
     ).tolist()
-    assert bench.scheduler.try_allocate(r, 2049)
-    spec = [RowSpan(0, 2048, r.slab, r.prompt_token_ids)]
-    inp = build_step_inputs(bench.pool, spec, 0, DEV)
-    last = torch.tensor([2047], device=DEV)
+    assert bench.scheduler.try_allocate(r, prefill + 1)
+    spec = [RowSpan(0, prefill, r.slab, r.prompt_token_ids)]
+    inp = build_step_inputs(bench.pool, spec, 0, bench.dev)
+    last = torch.tensor([prefill - 1], device=bench.dev)
     with kernels.use_backend("reference"):
         ref, ref_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
     got, got_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
-    out["prefill_2048_vs_reference_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+    out[f"prefill_{prefill}_vs_reference_rel_err"] = _rel_err(got, ref)
     # Where the two paths part: a jump at one layer kind is a bug, steady growth is bf16
     # rounding amplified through the random model.
-    out["prefill_2048_per_layer_rel_err"] = [
-        f"{kind}: {((a.float() - b.float()).norm() / b.float().norm()).item():.4f}"
+    out[f"prefill_{prefill}_per_layer_rel_err"] = [
+        f"{kind}: {_rel_err(a, b):.4f}"
         for kind, a, b in zip(LAYERS, got_layers, ref_layers, strict=True)
     ]
     bench.release([r])
@@ -238,11 +327,11 @@ def prefill_tokens_per_s(bench: Bench, length: int) -> float:
     assert bench.scheduler.try_allocate(r, length + 1)
     batch = ScheduledBatch(prefill=[(r, length)])
     bench.runner.execute(batch)  # warm-up (compiles the prefill shapes)
-    torch.cuda.synchronize()
+    _sync(bench.dev)
     r.num_computed = 0
     t0 = time.perf_counter()
     bench.runner.execute(batch)
-    torch.cuda.synchronize()
+    _sync(bench.dev)
     dt = time.perf_counter() - t0
     bench.release([r])
     return length / dt
@@ -369,23 +458,38 @@ def floors_ms(cfg: ModelConfig, model, n: int, context: int, hw: dict) -> dict[s
     return {k: max(b / bw, f / rate) for k, (b, f) in classes.items()}
 
 
+def _weight_gb(model: DeepseekV4) -> float:
+    return sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU, tiny widths: every phase runs, times mean nothing",
+    )
     args = parser.parse_args()
-    hw = ceilings()
-    cfg = slice_config(args.experts)
-    bench = Bench(cfg, max_seqs=72, kv_bytes=8 << 30)
-    bench.runner.capture_decode_graphs([1, 16, 64])
+    smoke = args.smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+    contexts, concurrency = ((64, 256), (1, 4)) if smoke else ((4096, 32768), (1, 16, 64))
+    check_context, check_prefill = (200, 200) if smoke else (3000, 2048)
+    steps = 2 if smoke else args.steps
+    hw = {} if smoke else ceilings()
+    cfg = slice_config(args.experts, smoke)
+    bench = Bench(cfg, max_seqs=72, kv_bytes=(64 << 20) if smoke else 8 << 30, dev=dev)
+    bf16 = bench.model
     result: dict = {
         "hardware": hw,
         "config": {
             "layers": LAYERS,
             "experts": args.experts,
-            "params_B": sum(p.numel() for p in bench.model.parameters()) / 1e9,
-            "max_context": MAX_CONTEXT,
+            "params_B": sum(p.numel() for p in bf16.parameters()) / 1e9,
+            "weights_GB": {"bf16": _weight_gb(bf16)},
+            "max_context": cfg.max_position_embeddings,
         },
         "decode": [],
         "errors": {},
@@ -400,12 +504,12 @@ def main() -> None:
             result["errors"][name] = traceback.format_exc()
             print(f"{name} failed:\n{result['errors'][name]}", flush=True)
 
-    def correctness() -> None:
-        result["correctness"] = check_against_reference(bench)
-        print("correctness:", result["correctness"], flush=True)
+    def correctness(key: str = "correctness") -> None:
+        result[key] = check_against_reference(bench, check_context, check_prefill)
+        print(f"{key}:", result[key], flush=True)
 
     def decode(config: str, concurrency: tuple[int, ...], steps: int) -> None:
-        for context in (4096, 32768):
+        for context in contexts:
             for n in concurrency:
                 tps, ms = bench.decode_tokens_per_s(n, context, steps)
                 result["decode"].append(
@@ -419,20 +523,46 @@ def main() -> None:
                 )
                 print(result["decode"][-1], flush=True)
 
-    def classes() -> None:
-        result["step_parts_ms_c64_32k"] = profile_step(bench, 64, 32768)
-        result["step_classes_ms_c64_32k"] = step_classes(result["step_parts_ms_c64_32k"])
-        result["floors_ms_c64_32k"] = floors_ms(cfg, bench.model, 64, 32768, hw)
+    def classes(prefix: str = "") -> None:
+        parts = profile_step(bench, 64, 32768)
+        result[f"{prefix}step_parts_ms_c64_32k"] = parts
+        result[f"{prefix}step_classes_ms_c64_32k"] = step_classes(parts)
 
-    def prefill() -> None:
-        result["prefill_tok_s"] = {str(n): prefill_tokens_per_s(bench, n) for n in (2048, 8192)}
-        print("prefill:", result["prefill_tok_s"], flush=True)
+    def prefill(key: str = "prefill_tok_s") -> None:
+        lengths = (200,) if smoke else (2048, 8192)
+        result[key] = {str(n): prefill_tokens_per_s(bench, n) for n in lengths}
+        print(f"{key}:", result[key], flush=True)
+
+    def release() -> None:
+        """The same slice with the release's formats, on the same pool, then back to bf16."""
+        model = release_model(bf16)
+        result["config"]["weights_GB"]["release"] = _weight_gb(model)
+        bf16_runner = bench.runner
+        reqs = bench.requests(4, check_context)
+        ref = decode_logits(bench, reqs)
+        try:
+            bench.use(model)
+            result["release_vs_bf16_decode_logits_rel_err"] = _rel_err(
+                decode_logits(bench, reqs), ref
+            )
+            bench.release(reqs)
+            print("release vs bf16:", result["release_vs_bf16_decode_logits_rel_err"], flush=True)
+            phase("release correctness", lambda: correctness("release_correctness"))
+            phase("release decode", lambda: decode(RELEASE, concurrency, steps))
+            phase("release prefill", lambda: prefill("release_prefill_tok_s"))
+            if not smoke:
+                phase("release classes", lambda: classes("release_"))
+        finally:
+            bench.release([r for r in reqs if r.request_id in bench.scheduler.requests])
+            bench.model, bench.runner = bf16, bf16_runner
+
+    def bf16_classes() -> None:
+        classes()
+        result["floors_ms_c64_32k"] = floors_ms(cfg, bf16, 64, 32768, hw)
 
     def before() -> None:
-        fast_runner, bench.runner = (
-            bench.runner,
-            ModelRunner(bench.model, bench.pool, DEV, MAX_CONTEXT),
-        )
+        fast_runner = bench.runner
+        bench.runner = ModelRunner(bf16, bench.pool, dev, bench.max_context)
         try:
             with kernels.use_backend("naive"):
                 bench.runner.capture_decode_graphs([64])
@@ -441,41 +571,65 @@ def main() -> None:
             bench.runner = fast_runner
 
     phase("correctness", correctness)
-    phase("decode", lambda: decode("dsaserve", (1, 16, 64), args.steps))
-    phase("classes", classes)
+    phase("decode", lambda: decode("dsaserve", concurrency, steps))
+    phase("release", release)
+    if not smoke:  # the profiler's CUDA timeline and the naive kernels' graphs need the GPU
+        phase("classes", bf16_classes)
     phase("prefill", prefill)
-    phase("before", before)
-    rows = result["decode"]
-    for context in (4096, 32768):
-        after = [
-            r
-            for r in rows
-            if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == context
-        ]
-        naive = [r for r in rows if r["config"] == BEFORE and r["context"] == context]
-        if after and naive:
-            result[f"speedup_vs_before_c64_{context}"] = after[0]["tok_s"] / naive[0]["tok_s"]
-    step = [
-        r
-        for r in rows
-        if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == 32768
-    ]
-    if step and "floors_ms_c64_32k" in result:
-        result["step_over_floor_c64_32k"] = step[0]["step_ms"] / sum(
-            result["floors_ms_c64_32k"].values()
-        )
+    if not smoke:
+        phase("before", before)
+    summarize(result)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
     print_table(result)
 
 
+def summarize(result: dict) -> None:
+    """Ratios between rows of the same run."""
+
+    def tok_s(config: str, n: int, context: int) -> float | None:
+        return next(
+            (
+                r["tok_s"]
+                for r in result["decode"]
+                if (r["config"], r["concurrency"], r["context"]) == (config, n, context)
+            ),
+            None,
+        )
+
+    for context in (4096, 32768):
+        after, naive = tok_s("dsaserve", 64, context), tok_s(BEFORE, 64, context)
+        if after and naive:
+            result[f"speedup_vs_before_c64_{context}"] = after / naive
+    ratios = {}
+    for r in result["decode"]:
+        base = tok_s("dsaserve", r["concurrency"], r["context"])
+        if r["config"] == RELEASE and base:
+            ratios[f"c{r['concurrency']}_ctx{r['context']}"] = r["tok_s"] / base
+    if ratios:
+        result["release_vs_bf16_tok_s"] = ratios
+    step = [
+        r
+        for r in result["decode"]
+        if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == 32768
+    ]
+    if step and "floors_ms_c64_32k" in result:
+        result["step_over_floor_c64_32k"] = step[0]["step_ms"] / sum(
+            result["floors_ms_c64_32k"].values()
+        )
+
+
 def print_table(result: dict) -> None:
     hw = result["hardware"]
+    machine = (
+        f"H200: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
+        if hw
+        else "smoke run on the CPU (times mean nothing)"
+    )
+    weights = {k: round(v, 2) for k, v in result["config"]["weights_GB"].items()}
     print(
-        f"\nH200: copy {hw['copy_GBps']:.0f} GB/s, "
-        f"bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s; "
-        f"slice {result['config']['params_B']:.2f} B params; "
+        f"\n{machine}; slice {result['config']['params_B']:.2f} B params, weights GB {weights}; "
         f"correctness {result.get('correctness')}; "
         f"failed phases: {sorted(result['errors']) or 'none'}"
     )
@@ -490,6 +644,19 @@ def print_table(result: dict) -> None:
         {k: round(v, 1) for k, v in result.items() if k.startswith("speedup")},
     )
     print("prefill tok/s:", {k: round(v) for k, v in result.get("prefill_tok_s", {}).items()})
+    if "release_vs_bf16_decode_logits_rel_err" in result:
+
+        def rounded(key: str, digits: int) -> dict:
+            return {k: round(v, digits) for k, v in result.get(key, {}).items()}
+
+        print(
+            f"release weights: decode logits vs bf16 rel. error "
+            f"{result['release_vs_bf16_decode_logits_rel_err']:.4f}; "
+            f"Triton vs reference {result.get('release_correctness')}; "
+            f"tok/s / bf16 {rounded('release_vs_bf16_tok_s', 2)}; "
+            f"prefill tok/s {rounded('release_prefill_tok_s', 0)}; "
+            f"step classes c=64 32K (ms) {rounded('release_step_classes_ms_c64_32k', 3)}"
+        )
     if "step_classes_ms_c64_32k" not in result:
         return
     total = sum(result["step_classes_ms_c64_32k"].values())

@@ -54,6 +54,13 @@ class EngineConfig:
         "longest prompt + output (default: the model's max_position_embeddings)",
         aliases=("--context-length",),
     )
+    quantized_compute: bool | None = setting(
+        None,
+        "FP8/FP4 checkpoints: keep the weights quantized and compute as the release does (FP8 "
+        "activations, block-scaled GEMMs, FP4 experts), or dequantize them at load and run "
+        "dense (--no-quantized-compute). Default: quantized for bfloat16, dequantized for "
+        "float32",
+    )
     enforce_eager: bool = setting(
         False, "never capture CUDA graphs for decode steps", aliases=("--no-cuda-graphs",)
     )

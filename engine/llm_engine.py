@@ -76,7 +76,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
         dtype = _DTYPES[config.dtype]
-        self.model = family.build_model(cfg, dtype, self.device)
+        quantized = config.quantized_compute
+        if quantized is None:  # the release computes in bf16 with FP8 activations
+            quantized = cfg.quantization is not None and dtype is torch.bfloat16
+        self.model = family.build_model(cfg, dtype, self.device, quantized=quantized)
         family.load_weights(self.model, model_dir)
         kv_cfg = KVCacheConfig(
             memory_bytes=self._kv_budget(),
@@ -125,12 +128,13 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
-        vocab = self.model_config.vocab_size
+        # Rows of a padded embedding past the tokenizer are no tokens: refuse them too.
+        vocab = min(self.model_config.vocab_size, self.tokenizer.vocab_size)
         if n == 0:
             raise RequestError("the prompt is empty")
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+            raise RequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
         try:
             max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
         except ContextLengthError as e:

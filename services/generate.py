@@ -42,6 +42,7 @@ Settings = GenerateSettings
 def run(s: GenerateSettings) -> None:
     from engine import LLM, SamplingParams
     from engine.demo_model import DEMO_MODEL_DIR
+    from engine.llm_engine import RequestError
     from engine.tokenizer import ChatTemplateError
 
     llm = LLM(s.model or DEMO_MODEL_DIR, **dataclasses.asdict(s.engine))
@@ -63,7 +64,11 @@ def run(s: GenerateSettings) -> None:
         stop=list(s.stop),
         ignore_eos=s.ignore_eos,
     )
-    for result in llm.generate(prompts, params):
+    try:
+        results = llm.generate(prompts, params)
+    except RequestError as e:  # e.g. a token id the tokenizer does not have
+        sys.exit(f"dsaserve generate: {e}")
+    for result in results:
         if s.json:
             answer = {
                 "token_ids": result.token_ids,

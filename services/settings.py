@@ -9,7 +9,8 @@ dataclass contributes its fields as a flag group (a worker's settings hold an `E
 
 The command line wins over the environment. Repeatable flags (tuple fields) take a
 comma-separated list from the environment, and the first use on the command line replaces that
-list; on/off flags take 1/0, true/false, yes/no or on/off. Old flag names listed as `aliases`
+list; on/off flags take 1/0, true/false, yes/no or on/off, and those whose field defaults to
+None (decided later) also have a `--no-` form. Old flag names listed as `aliases`
 still work, on the command line and as variables, but --help shows only the current name.
 """
 
@@ -133,7 +134,9 @@ def _add(group: Any, flag: Flag, default: Any) -> None:
     required = default is dataclasses.MISSING
     help_ = flag.help if flag.positional else f"{flag.help} [env {flag.env}]"
     kwargs: dict[str, Any] = {"dest": flag.dest, "help": help_}
-    if flag.kind is bool:
+    if flag.kind is bool and flag.default is None:  # on, off, or unset (the field decides)
+        kwargs.update(action=argparse.BooleanOptionalAction, default=default)
+    elif flag.kind is bool:
         kwargs.update(action="store_true", default=bool(default))
     elif flag.kind is tuple:
         kwargs.update(action=_Repeatable, default=list(default) if not required else [])
@@ -148,7 +151,8 @@ def _add(group: Any, flag: Flag, default: Any) -> None:
             kwargs["required"] = True
     if flag.positional:
         kwargs.pop("dest")
-        group.add_argument(flag.dest, metavar=flag.dest.upper(), **kwargs)
+        kwargs["metavar"] = flag.dest.upper()
+        group.add_argument(flag.dest, **kwargs)
         return
     names = [flag.short, flag.option] if flag.short else [flag.option]
     group.add_argument(*names, **kwargs)

@@ -94,13 +94,16 @@ def hf_logits(model: DeepseekV4ForCausalLM, token_ids: list[int]) -> torch.Tenso
 
 
 @torch.no_grad()
-def hf_greedy(model: DeepseekV4ForCausalLM, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens through HF's own cache (its compressor, indexer and window caches).
+def hf_greedy(
+    model: DeepseekV4ForCausalLM, prompt: list[int], n: int, vocab: int | None = None
+) -> list[int]:
+    """n greedy tokens through HF's own cache (its compressor, indexer and window caches),
+    among the first `vocab` ids (the tokenizer's, when the embedding is padded past it).
 
     A plain loop rather than `generate`, whose padding heuristics would mask prompt tokens
     equal to the pad id."""
     out = model(torch.tensor([prompt]), use_cache=True)
-    tokens = [int(out.logits[0, -1].argmax())]
+    tokens = [int(out.logits[0, -1, :vocab].argmax())]
     for pos in range(len(prompt), len(prompt) + n - 1):
         out = model(
             torch.tensor([[tokens[-1]]]),
@@ -108,5 +111,5 @@ def hf_greedy(model: DeepseekV4ForCausalLM, prompt: list[int], n: int) -> list[i
             use_cache=True,
             position_ids=torch.tensor([[pos]]),
         )
-        tokens.append(int(out.logits[0, -1].argmax()))
+        tokens.append(int(out.logits[0, -1, :vocab].argmax()))
     return tokens

@@ -4,7 +4,8 @@ The CPU comparisons run fp32 on both sides, so they test the GPU code path rathe
 bf16 rounding: on a random model bf16 drifts from fp32 by a few percent per layer whichever
 kernels run (measured on an H200: 8% after six layers with Triton, 8% with the reference
 kernels). CUDA graphs are captured for bf16 (torch's grouped GEMM of other dtypes syncs with
-the host on CUDA), and are checked against eager bf16 on the same state.
+the host on CUDA), and are checked against eager bf16 on the same state. The release-format
+tiny model runs its FP8/FP4 layers on the Triton kernels, held to the release's arithmetic.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from engine import LLM, SamplingParams
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.step import RowSpan, build_step_inputs
 from tests.kernels_cases import gpu_test
+from tests.release_reference import (
+    ENGINE,
+    TOKENS,
+    assert_layers_compute_the_release,
+    read_checkpoint,
+    release_ids,
+)
 
 GPU = dict(device="cuda", kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -25,6 +33,11 @@ PROMPTS = ["Once upon a time", "0123456789" * 20, "x"]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -73,3 +86,22 @@ def test_demo_model_numerics_on_the_gpu_path():
     assert result["decode_graph_batch_sizes"], "decode steps must replay CUDA graphs"
     assert result["bpb_rel_diff"] < 0.01, result
     assert result["greedy_agreement"] >= 0.95, result
+
+
+@gpu_test
+def test_quantized_layers_on_the_gpu_compute_the_release_arithmetic(release):
+    """The Triton kernels (act_quant, the FP8 GEMM with and without fused quantization, the
+    FP4 MoE), eager so that the hooks see every step."""
+    llm = LLM(release, device="cuda", dtype="bfloat16", enforce_eager=True, **ENGINE)
+    assert_layers_compute_the_release(llm, read_checkpoint(release))
+
+
+@gpu_test
+def test_graph_replayed_quantized_decode_never_samples_padded_ids(release):
+    """bf16 decode steps of the quantized model replay CUDA graphs whose logits live in the
+    graph's own output buffer: the padded-vocabulary mask writes into it."""
+    llm = LLM(release, device="cuda", dtype="bfloat16", kv_cache_memory_bytes=256 << 20)
+    assert llm.engine.runner.graphs and llm.engine.model.quant is not None
+    sampled = SamplingParams(max_tokens=48, temperature=1.0, seed=5, ignore_eos=True)
+    for res in llm.generate([release_ids(4, 0), release_ids(200, 1)], sampled):
+        assert len(res.token_ids) == 48 and max(res.token_ids) < TOKENS

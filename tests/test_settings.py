@@ -72,6 +72,21 @@ def test_switches_from_the_environment(raw: str, expected: bool) -> None:
     assert config.enforce_eager is expected
 
 
+@pytest.mark.parametrize(
+    ("argv", "environ", "expected"),
+    [
+        ([], {}, None),
+        (["--quantized-compute"], {}, True),
+        (["--no-quantized-compute"], {}, False),
+        ([], {"DSASERVE_QUANTIZED_COMPUTE": "0"}, False),
+        (["--quantized-compute"], {"DSASERVE_QUANTIZED_COMPUTE": "0"}, True),
+    ],
+)
+def test_undecided_switches_are_on_off_or_unset(argv, environ, expected) -> None:
+    """A `bool | None` field left unset stays None (the engine decides from the dtype)."""
+    assert settings.parse(EngineConfig, argv, "engine", environ).quantized_compute is expected
+
+
 def test_nested_engine_settings_and_vllm_names() -> None:
     s = settings.parse(
         DecodeSettings,

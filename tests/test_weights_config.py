@@ -18,8 +18,10 @@ from engine.models.deepseek_v4.config import (
     ConfigError,
     ModelConfig,
 )
-from engine.models.deepseek_v4.tiny import make_tiny_model, tiny_config
+from engine.models.deepseek_v4.tiny import make_tiny_model, release_tiny_config, tiny_config
 from engine.models.deepseek_v4.weights import WeightsError, build_model, load_weights
+
+RELEASE_QC = release_tiny_config()["quantization_config"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,14 @@ def test_legacy_field_names_are_accepted():
         ({"model_type": "llama"}, "model_type"),
         ({"num_key_value_heads": 8}, "num_key_value_heads"),
         ({"scoring_func": "softmax"}, "scoring_func"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config.scale_fmt"),
+        (
+            {"quantization_config": {**RELEASE_QC, "weight_block_size": [64, 64]}},
+            "quantization_config.weight_block_size",
+        ),
+        ({"quantization_config": {**RELEASE_QC, "expert_dtype": "int4"}}, "expert_dtype"),
+        ({"expert_dtype": "fp4"}, "expert_dtype"),
         ({"layer_types": ["sliding_attention"] * 5}, "layer_types"),
         ({"compress_ratios": [0, 4, 3, 4, 128, 4], "layer_types": None}, "compress_ratios"),
         ({"o_groups": 3}, "o_groups"),

@@ -4,11 +4,13 @@ Each family is a package that exposes the same names, so the runtime never impor
 name:
 
     ModelConfig.from_dir(dir)          the checkpoint's config.json, parsed and validated
-    build_model(cfg, dtype, device)    the module in its run-time dtypes, weights not yet loaded
+    build_model(cfg, dtype, device, quantized)
+                                       the module in its run-time dtypes, weights not yet loaded
+                                       (quantized: keep an FP8/FP4 checkpoint's formats)
     load_weights(model, dir)           fill it from the checkpoint's safetensors
 
 Families are imported on first use, so this module (and `read_config`) stays torch-free.
-DeepSeek-V3.2 (`deepseek_v32`) and the V4 multi-token-prediction draft layer come next.
+DeepSeek-V3.2 (`deepseek_v32`) comes next.
 """
 
 from __future__ import annotations

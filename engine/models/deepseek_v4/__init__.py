@@ -1,5 +1,6 @@
-"""DeepSeek-V4: config, modules (mHC, attention with compressors and the lightning indexer, MoE),
-checkpoint loading and the tiny random checkpoint. The family interface is in engine.models.
+"""DeepSeek-V4: config, modules (mHC, attention with compressors and the lightning indexer, MoE,
+the MTP layer), checkpoint loading (the release's FP8/FP4 formats included) and the tiny random
+checkpoints. The family interface is in engine.models.
 
 The names are resolved on first use: the runtime's KV pool reads this family's config module,
 which must not pull in the modules (they import the runtime's step state in turn).

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.fp8_linear import linear
 from engine.layers.norm import RMSNorm, unweighted_rms_norm
 from engine.models.deepseek_v4.compressor import Compressor
-from engine.models.deepseek_v4.config import CSA, SLIDING, ModelConfig
+from engine.models.deepseek_v4.config import CSA, SLIDING, ModelConfig, Quantization
 from engine.models.deepseek_v4.indexer import Indexer
 from engine.profiling import profiled
 from engine.step import StepState
@@ -22,9 +23,11 @@ from kernels import apply_rope, sparse_mla_decode
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, quant: Quantization | None = None) -> None:
+        """quant: the checkpoint's formats to keep in memory (None: dense weights)."""
         super().__init__()
-        kind = cfg.layer_types[layer]
+        kind = cfg.attention_kind(layer)
+        fp8 = quant is not None
         self.layer, self.heads, self.head_dim, self.groups = (
             layer,
             cfg.num_heads,
@@ -33,16 +36,16 @@ class Attention(torch.nn.Module):
         )
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
         self.rope_kind = "main" if kind == SLIDING else "compress"
-        self.wq_a = torch.nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank, fp8)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = torch.nn.Linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim, bias=False)
-        self.wkv = torch.nn.Linear(cfg.hidden_size, cfg.head_dim, bias=False)
-        self.norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.wq_b = linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim, fp8)
+        self.wkv = linear(cfg.hidden_size, cfg.head_dim, fp8)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         group_in = cfg.num_heads * cfg.head_dim // cfg.o_groups
-        self.wo_a = torch.nn.Parameter(
-            torch.zeros(cfg.o_groups * cfg.o_lora_rank, group_in)
-        )  # block-diagonal
-        self.wo_b = torch.nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        # Block-diagonal, dense even in FP8 checkpoints: the release's convert.py dequantizes it
+        # and runs the grouped projection as a bf16 einsum.
+        self.wo_a = torch.nn.Parameter(torch.zeros(cfg.o_groups * cfg.o_lora_rank, group_in))
+        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, fp8)
         self.attn_sink = torch.nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32))
         self.compressor = None
         self.indexer = None
@@ -55,7 +58,7 @@ class Attention(torch.nn.Module):
                 eps=cfg.rms_norm_eps,
             )
         if kind == CSA:
-            self.indexer = Indexer(cfg, layer)
+            self.indexer = Indexer(cfg, layer, quant)
 
     def forward(self, x: torch.Tensor, step: StepState) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]; reads and writes this layer's KV state through `step`."""
@@ -69,7 +72,7 @@ class Attention(torch.nn.Module):
         q_residual = self.q_norm(self.wq_a(x))  # [N, q_lora]
         q = unweighted_rms_norm(self.wq_b(q_residual).view(n, self.heads, self.head_dim), self.eps)
         q = apply_rope(q, cos, sin)  # [N, H, D]
-        kv = apply_rope(self.norm(self.wkv(x)), cos, sin)  # [N, D]
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [N, D]
 
         slots = pool.groups[group].kv[self.layer]  # [S, D]
         slots.index_copy_(0, step.scratch_slots(group), kv)

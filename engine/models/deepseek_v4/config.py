@@ -2,8 +2,12 @@
 
 Accepts the field names HF transformers' `DeepseekV4Config` accepts, legacy ones included
 (`compress_ratios`, `compress_rate_csa`/`compress_rate_hca`, `num_hash_layers`,
-`qk_rope_head_dim`, a flat `rope_scaling`/`rope_parameters`). A config this engine cannot
-serve raises `ConfigError` naming the field.
+`qk_rope_head_dim`, a flat `rope_scaling`/`rope_parameters`), and the release's quantization
+fields (`quantization_config`, top-level `expert_dtype`). A config this engine cannot serve
+raises `ConfigError` naming the field.
+
+Layer indices past `num_layers` are the multi-token-prediction (MTP) layers, as in the release
+(`compress_ratios` has one entry per layer and then one per MTP layer).
 """
 
 from __future__ import annotations
@@ -24,6 +28,18 @@ SLIDING, CSA, HCA = (
 LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 HASH_MOE, MOE = "hash_moe", "moe"
+FP8_BLOCK = 128  # the release's FP8 weight block (128 x 128) and activation group
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a quantized checkpoint stores its linear weights (the release's formats).
+
+    FP8 e4m3 weights with one ue8m0 scale per 128x128 block (`<name>.scale`); routed experts
+    either FP4 (e2m1 pairs in int8 [out, in/2], one ue8m0 scale per 32 inputs) or FP8 like the
+    rest. Norms, router, head, embeddings and compressor projections stay dense."""
+
+    expert_dtype: str  # "fp4" | "fp8"
 
 
 @dataclass(frozen=True)
@@ -60,10 +76,20 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    mtp_layer_types: tuple[str, ...]  # attention kind of each MTP layer (layer num_layers + i)
+    quantization: Quantization | None  # None: a dense (bf16/fp32) checkpoint
+
+    def attention_kind(self, layer: int) -> str:
+        """The attention kind of `layer`, MTP layers (num_layers + i) included."""
+        return (self.layer_types + self.mtp_layer_types)[layer]
+
+    def mlp_kind(self, layer: int) -> str:
+        # The release hashes layer ids below n_hash_layers only: MTP layers route by score.
+        return self.mlp_layer_types[layer] if layer < self.num_layers else MOE
 
     def compress_rate(self, layer: int) -> int:
         """Tokens per compressed entry for `layer` (0 for sliding-only layers)."""
-        kind = self.layer_types[layer]
+        kind = self.attention_kind(layer)
         return 0 if kind == SLIDING else self.compress_rates[kind]
 
     def layers_of(self, kind: str) -> list[int]:
@@ -102,7 +128,11 @@ def _get(
     return value
 
 
-def _layer_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
+def _layer_types(
+    raw: dict[str, Any], n: int, n_mtp: int
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(kinds of the n layers, kinds of the n_mtp MTP layers: sliding where the config has no
+    entry for them)."""
     if raw.get("layer_types") is not None:
         types = list(raw["layer_types"])
         field = "layer_types"
@@ -115,9 +145,10 @@ def _layer_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
         types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
         field = "layer_types"
     _require(len(types) >= n, field, f"has {len(types)} entries for {n} layers")
-    bad = [t for t in types[:n] if t not in LAYER_TYPES]
+    types = types[: n + n_mtp] + [SLIDING] * max(0, n + n_mtp - len(types))
+    bad = [t for t in types if t not in LAYER_TYPES]
     _require(not bad, field, f"entries must be one of {LAYER_TYPES}, got {bad}")
-    return tuple(types[:n])
+    return tuple(types[:n]), tuple(types[n:])
 
 
 def _mlp_layer_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
@@ -186,14 +217,11 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     _require(
         model_type == "deepseek_v4", "model_type", f"must be 'deepseek_v4', got {model_type!r}"
     )
-    _require(
-        raw.get("quantization_config") is None,
-        "quantization_config",
-        "quantized (FP8/FP4) checkpoints are not supported yet; use a bf16/fp32 checkpoint",
-    )
-
     n = _get(raw, "num_hidden_layers", 43, int)
     _require(n >= 1, "num_hidden_layers", "must be >= 1")
+    n_mtp = _get(raw, "num_nextn_predict_layers", 1, int)
+    _require(n_mtp >= 0, "num_nextn_predict_layers", "must be >= 0")
+    layer_types, mtp_layer_types = _layer_types(raw, n, n_mtp)
     hidden = _get(raw, "hidden_size", 4096, int)
     heads = _get(raw, "num_attention_heads", 64, int)
     head_dim = _get(raw, "head_dim", 512, int)
@@ -271,7 +299,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         o_groups=o_groups,
         o_lora_rank=_get(raw, "o_lora_rank", 1024, int),
         sliding_window=_get(raw, "sliding_window", 128, int),
-        layer_types=_layer_types(raw, n),
+        layer_types=layer_types,
         compress_rates=compress_rates,
         mlp_layer_types=_mlp_layer_types(raw, n),
         num_experts=num_experts,
@@ -293,4 +321,40 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        mtp_layer_types=mtp_layer_types,
+        quantization=_quantization(raw),
     )
+
+
+def _quantization(raw: dict[str, Any]) -> Quantization | None:
+    qc = raw.get("quantization_config")
+    expert_dtype = raw.get("expert_dtype")
+    if qc is None:
+        _require(
+            expert_dtype is None,
+            "expert_dtype",
+            "quantized experts need the FP8 `quantization_config` of the release",
+        )
+        return None
+    _require(isinstance(qc, dict), "quantization_config", "must be an object")
+    # The one format the kernels implement; fields a checkpoint leaves out take its values.
+    release = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    for key, want in release.items():
+        got = qc.get(key, want)
+        _require(got == want, f"quantization_config.{key}", f"must be {want!r}, got {got!r}")
+    # Scales stored as fp32 (DeepSeek-V3's format) are not read: the release's are ue8m0.
+    _require(
+        qc.get("scale_fmt") == "ue8m0",
+        "quantization_config.scale_fmt",
+        f"must be 'ue8m0' (power-of-two scales), got {qc.get('scale_fmt')!r}",
+    )
+    block = qc.get("weight_block_size")
+    _require(
+        block is not None and list(block) == [FP8_BLOCK, FP8_BLOCK],
+        "quantization_config.weight_block_size",
+        f"must be [{FP8_BLOCK}, {FP8_BLOCK}], got {block!r}",
+    )
+    # V4 writes expert_dtype at the top level, V4.1 inside quantization_config (as HF moves it).
+    experts = qc.get("expert_dtype", expert_dtype) or "fp8"
+    _require(experts in ("fp4", "fp8"), "expert_dtype", f"must be 'fp4' or 'fp8', got {experts!r}")
+    return Quantization(expert_dtype=experts)

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.fp8_linear import linear
 from engine.models.deepseek_v4.compressor import Compressor
-from engine.models.deepseek_v4.config import ModelConfig
+from engine.models.deepseek_v4.config import ModelConfig, Quantization
 from engine.step import StepState
 from kernels import apply_rope, indexer_topk, positions_to_slots
 
 
 class Indexer(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, quant: Quantization | None = None) -> None:
         super().__init__()
         self.heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.rate, self.layer = cfg.compress_rate(layer), layer
-        self.wq_b = torch.nn.Linear(cfg.q_lora_rank, self.heads * self.head_dim, bias=False)
+        self.wq_b = linear(cfg.q_lora_rank, self.heads * self.head_dim, quant is not None)
         self.weights_proj = torch.nn.Linear(cfg.hidden_size, self.heads, bias=False)
         self.compressor = Compressor(
             cfg.hidden_size, self.head_dim, self.rate, overlap=True, eps=cfg.rms_norm_eps

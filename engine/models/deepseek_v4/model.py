@@ -1,7 +1,8 @@
 """DeepSeek-V4 for causal LM over a flat batch of rows (prefill chunks and decode tokens).
 
 Parameter names follow DeepSeek's release (`layers.N.attn.wq_a.weight`, ...); weights.py
-maps HF `save_pretrained` names onto them.
+maps HF `save_pretrained` names onto them. The multi-token-prediction layers (`mtp.N.*`) are
+built and loaded but not run by `forward` (speculative decoding will).
 """
 
 from __future__ import annotations
@@ -11,44 +12,25 @@ import torch
 from engine.kv_pool import KVPool
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import RotaryTable
-from engine.models.deepseek_v4.attention import Attention
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.mhc import HyperConnection, HyperHead, merge_streams
-from engine.models.deepseek_v4.moe import MoE
+from engine.models.deepseek_v4.block import Block
+from engine.models.deepseek_v4.config import ModelConfig, Quantization
+from engine.models.deepseek_v4.mhc import HyperHead
+from engine.models.deepseek_v4.mtp import MTPLayer
 from engine.profiling import profiled
 from engine.step import StepInputs, StepState
 
 
-class Block(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hc_attn = HyperConnection(cfg)
-        self.hc_ffn = HyperConnection(cfg)
-        self.attn = Attention(cfg, layer)
-        self.ffn = MoE(cfg, layer)
-
-    def forward(self, streams: torch.Tensor, step: StepState) -> torch.Tensor:
-        """streams [N, hc_mult, hidden] -> same shape."""
-        with profiled("mhc"):
-            post, comb, x = self.hc_attn(streams)
-        out = self.attn(self.attn_norm(x), step)
-        with profiled("mhc"):
-            streams = merge_streams(streams, out, post, comb)
-            post, comb, x = self.hc_ffn(streams)
-        with profiled("moe"):
-            out = self.ffn(self.ffn_norm(x), step.inp.token_ids)
-        with profiled("mhc"):
-            return merge_streams(streams, out, post, comb)
-
-
 class DeepseekV4(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, quant: Quantization | None = None) -> None:
+        """quant: the checkpoint's formats kept in memory (FP8 linears, FP4 experts) and computed
+        as the release does; None: every weight dense, in the default dtype."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.quant = cfg, quant
         self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = torch.nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = torch.nn.ModuleList(Block(cfg, i, quant) for i in range(cfg.num_layers))
+        self.mtp = torch.nn.ModuleList(
+            MTPLayer(cfg, cfg.num_layers + i, quant) for i in range(len(cfg.mtp_layer_types))
+        )
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

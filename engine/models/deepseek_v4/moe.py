@@ -1,12 +1,20 @@
 """DeepSeek-V4 MoE: sqrt-softplus router (or a frozen token-id hash for the first layers),
-routed experts through grouped GEMMs, plus one shared expert."""
+routed experts through grouped GEMMs, plus one shared expert.
+
+Routed experts come dense (`RoutedExperts`, torch grouped GEMMs) or, for the release's FP4
+checkpoint computed natively, as `Fp4Experts` (kernels.fp4_experts). The router and the SwiGLU
+run in fp32 as in the release, whatever the activation dtype.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from engine.models.deepseek_v4.config import HASH_MOE, ModelConfig
+import kernels
+from engine.layers.fp8_linear import linear
+from engine.models.deepseek_v4.config import HASH_MOE, ModelConfig, Quantization
+from kernels.quant import FP4_BLOCK
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -17,15 +25,16 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class SharedExpert(torch.nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+    def __init__(self, hidden: int, inter: int, limit: float, fp8: bool) -> None:
         super().__init__()
-        self.w1 = torch.nn.Linear(hidden, inter, bias=False)  # gate
-        self.w2 = torch.nn.Linear(inter, hidden, bias=False)  # down
-        self.w3 = torch.nn.Linear(hidden, inter, bias=False)  # up
+        self.w1 = linear(hidden, inter, fp8)  # gate
+        self.w2 = linear(inter, hidden, fp8)  # down
+        self.w3 = linear(hidden, inter, fp8)  # up
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+        h = clamped_swiglu(self.w1(x).float(), self.w3(x).float(), self.limit)
+        return self.w2(h.to(x.dtype))
 
 
 class RoutedExperts(torch.nn.Module):
@@ -57,8 +66,40 @@ class RoutedExperts(torch.nn.Module):
         gate_up = _grouped_mm(x[token], self.w13.transpose(1, 2), offs=offsets)  # [T*k, 2*inter]
         hidden = clamped_swiglu(gate_up[:, : self.inter], gate_up[:, self.inter :], self.limit)
         out = _grouped_mm(hidden, self.w2.transpose(1, 2), offs=offsets)  # [T*k, hidden]
-        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)  # (fp32 router)
         return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
+
+
+class Fp4Experts(torch.nn.Module):
+    """All experts' FP4 weights in the layout of kernels.fp4_moe (`kernels.stack_fp4_experts`):
+
+        w13 [E, 2I, H/2] int8 (rows 0..I-1: w1 = gate, I..2I-1: w3 = up), s13 [E, 2I, H/32] e8m0
+        w2  [E, H, I/2] int8, s2 [E, H, I/32] e8m0
+
+    The loader copies each expert's checkpoint tensors into its slices, so the weights never
+    exist in another format. Arithmetic: the release's Expert.forward (FP8 activations, the
+    routing weight applied to h before w2, outputs summed in fp32)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+
+        def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+        e8m0 = torch.float8_e8m0fnu
+        self.w13 = param(num_experts, 2 * inter, hidden // 2, dtype=torch.int8)
+        self.s13 = param(num_experts, 2 * inter, hidden // FP4_BLOCK, dtype=e8m0)
+        self.w2 = param(num_experts, hidden, inter // 2, dtype=torch.int8)
+        self.s2 = param(num_experts, hidden, inter // FP4_BLOCK, dtype=e8m0)
+        self.limit = limit
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden], expert_ids/weights [T, k] -> fp32 [T, hidden]."""
+        return kernels.fp4_experts(
+            x, expert_ids, weights, self.w13, self.s13, self.w2, self.s2, self.limit
+        )
 
 
 class Gate(torch.nn.Module):
@@ -78,7 +119,8 @@ class Gate(torch.nn.Module):
         self, x: torch.Tensor, token_ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (expert ids [T, k], weights [T, k])."""
-        logits = F.linear(x, self.weight)
+        # fp32 as in the release: bf16 logits can flip the top-k choice
+        logits = F.linear(x.float(), self.weight.float())
         scores = (
             F.softplus(logits).sqrt() if self.scoring == "sqrtsoftplus" else torch.sigmoid(logits)
         )
@@ -92,13 +134,19 @@ class Gate(torch.nn.Module):
 
 
 class MoE(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, quant: Quantization | None = None) -> None:
+        """quant: the checkpoint's formats to keep in memory (None: dense weights). FP8 routed
+        experts have no kernel here: they are dequantized at load like a dense checkpoint's."""
         super().__init__()
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
-        self.gate = Gate(cfg, hashed=cfg.mlp_layer_types[layer] == HASH_MOE)
-        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, inter, limit)
-        self.shared_experts = SharedExpert(cfg.hidden_size, inter, limit)
+        self.gate = Gate(cfg, hashed=cfg.mlp_kind(layer) == HASH_MOE)
+        if quant is not None and quant.expert_dtype == "fp4":
+            self.experts = Fp4Experts(cfg.num_experts, cfg.hidden_size, inter, limit)
+        else:
+            self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, inter, limit)
+        self.shared_experts = SharedExpert(cfg.hidden_size, inter, limit, fp8=quant is not None)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, token_ids)
-        return self.experts(x, ids, weights) + self.shared_experts(x)
+        # FP4 experts return fp32 sums: add the shared expert there, as the release does
+        return (self.experts(x, ids, weights) + self.shared_experts(x)).to(x.dtype)

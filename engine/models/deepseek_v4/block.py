@@ -1,0 +1,37 @@
+"""One DeepSeek-V4 decoder block: attention and MoE, each between mHC stream mixes."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.norm import RMSNorm
+from engine.models.deepseek_v4.attention import Attention
+from engine.models.deepseek_v4.config import ModelConfig, Quantization
+from engine.models.deepseek_v4.mhc import HyperConnection, merge_streams
+from engine.models.deepseek_v4.moe import MoE
+from engine.profiling import profiled
+from engine.step import StepState
+
+
+class Block(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, quant: Quantization | None = None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_attn = HyperConnection(cfg)
+        self.hc_ffn = HyperConnection(cfg)
+        self.attn = Attention(cfg, layer, quant)
+        self.ffn = MoE(cfg, layer, quant)
+
+    def forward(self, streams: torch.Tensor, step: StepState) -> torch.Tensor:
+        """streams [N, hc_mult, hidden] -> same shape."""
+        with profiled("mhc"):
+            post, comb, x = self.hc_attn(streams)
+        out = self.attn(self.attn_norm(x), step)
+        with profiled("mhc"):
+            streams = merge_streams(streams, out, post, comb)
+            post, comb, x = self.hc_ffn(streams)
+        with profiled("moe"):
+            out = self.ffn(self.ffn_norm(x), step.inp.token_ids)
+        with profiled("mhc"):
+            return merge_streams(streams, out, post, comb)

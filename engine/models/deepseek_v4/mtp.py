@@ -1,0 +1,43 @@
+"""DeepSeek-V4's multi-token-prediction (MTP) layer: a full decoder block that drafts the token
+after next, loaded now so that speculative decoding can use it.
+
+Built like the release's `MTPBlock` (inference/model.py), whose checkpoint tensors are, for MTP
+layer i (model layer num_layers + i):
+
+    mtp.i.e_proj.{weight,scale}, mtp.i.h_proj.{weight,scale}   FP8 [hidden, hidden]
+    mtp.i.enorm.weight, mtp.i.hnorm.weight, mtp.i.norm.weight   norms [hidden]
+    mtp.i.hc_head_{fn,base,scale}                                its own mHC head collapse
+    mtp.i.<everything a block has>                              attn.*, ffn.* (routed by score,
+                                                                 never hashed), hc_attn_*, ...
+
+The embedding and the LM head are the main model's (the V4-Flash checkpoint stores none under
+mtp.*). The release's forward, for streams h [N, hc_mult, hidden] of the main model's last
+layer at position t and the embedding e of token t+1:
+
+    x = e_proj(enorm(e))[:, None] + h_proj(hnorm(h))     # every stream gets the embedding
+    x = block(x)                                         # attention at position t+1
+    logits = head(norm(hc_head(x)))                      # the draft for token t+2
+"""
+
+from __future__ import annotations
+
+from engine.layers.fp8_linear import linear
+from engine.layers.norm import RMSNorm
+from engine.models.deepseek_v4.block import Block
+from engine.models.deepseek_v4.config import ModelConfig, Quantization
+from engine.models.deepseek_v4.mhc import HyperHead
+
+
+class MTPLayer(Block):
+    """A Block (same parameter names, so `mtp.i.attn.wq_a.weight` loads like a layer's) plus
+    the projections and norms that feed it the next token's embedding."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, quant: Quantization | None = None) -> None:
+        super().__init__(cfg, layer, quant)
+        fp8 = quant is not None
+        self.e_proj = linear(cfg.hidden_size, cfg.hidden_size, fp8)
+        self.h_proj = linear(cfg.hidden_size, cfg.hidden_size, fp8)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg)
