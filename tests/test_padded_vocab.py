@@ -17,18 +17,20 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import RequestError
-from engine.models.deepseek_v4.tiny import TINY_MODEL_NAME, make_tiny_model
+from engine.models.deepseek_v4.tiny import make_tiny_model
 from tests.release_reference import TOKENS
 from tests.serving_stack import Stack
 
 SAMPLED = SamplingParams(max_tokens=48, temperature=1.0, seed=5, ignore_eos=True)
 PROMPT = [256, 72, 105, 33]  # bos "Hi!"
 
+MODEL_NAME = "dsaserve-tiny-release"  # the served id: the model directory's name
+
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     # (named like the demo model: the served model id is the directory's name)
-    return make_tiny_model(tmp_path_factory.mktemp("padded") / TINY_MODEL_NAME, fmt="release")
+    return make_tiny_model(tmp_path_factory.mktemp("padded") / MODEL_NAME, fmt="release")
 
 
 def test_padded_rows_would_win_without_the_mask(release):
@@ -109,7 +111,7 @@ def served(release, redis_server, tmp_path_factory):
 def test_served_completions_never_sample_padded_ids(served, release):
     """Prefill samples token 1, decode the rest, each worker masking its own logits: the text
     equals the offline API's, whose tokens are all below the tokenizer's size."""
-    body = {"model": TINY_MODEL_NAME, "prompt": PROMPT, "max_tokens": 48, "temperature": 1.0}
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 48, "temperature": 1.0}
     body |= {"seed": 5, "ignore_eos": True}
     r = httpx.post(served + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
@@ -121,7 +123,7 @@ def test_served_completions_never_sample_padded_ids(served, release):
 
 
 def test_served_prompts_with_padded_ids_are_refused(served):
-    body = {"model": TINY_MODEL_NAME, "prompt": [256, 300], "max_tokens": 4}
+    body = {"model": MODEL_NAME, "prompt": [256, 300], "max_tokens": 4}
     r = httpx.post(served + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 400
     assert "Prompt token ids must be in [0, 264); got [300]" in r.json()["error"]["message"]
