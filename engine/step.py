@@ -152,26 +152,6 @@ class StepState:
             req, torch.div(ring, P, rounding_mode="floor")
         ].long() * P + ring.remainder(P)
 
-    def window_indices(self, group: str) -> torch.Tensor:
-        """[N, W] slots of each row's sliding window (positions t-W+1..t), -1 before position 0.
-
-        Keys computed in this step are read from scratch rows, older ones from the ring.
-        """
-
-        def make() -> torch.Tensor:
-            inp, W = self.inp, self.pool.cfg.sliding_window
-            keys = (
-                inp.positions[:, None] - (W - 1) + torch.arange(W, device=inp.positions.device)
-            )  # [N, W]
-            req = inp.row_req[:, None]
-            past = inp.req_past[req]
-            scratch = self.pool.entry_slot_base(group) + inp.req_row0[req] + (keys - past)
-            ring = self.ring_slots(group, keys.clamp(min=0), req)
-            slots = torch.where(keys >= past, scratch, ring)
-            return torch.where(keys >= 0, slots, -1)
-
-        return self._cached(("window", group), make)
-
     def persist_slots(self, group: str) -> torch.Tensor:
         """[M] ring slots for the rows in `persist_rows`."""
         rows = self.inp.persist_rows
@@ -179,23 +159,3 @@ class StepState:
             ("persist", group),
             lambda: self.ring_slots(group, self.inp.positions[rows], self.inp.row_req[rows]),
         )
-
-    def entry_counts(self, ratio: int) -> torch.Tensor:
-        """[N] compressed entries visible to each row (entry w is visible once
-        (w+1)*ratio <= t+1)."""
-        return torch.div(self.inp.positions + 1, ratio, rounding_mode="floor")
-
-    def hca_indices(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([N, hca_width] slots of every visible HCA entry, -1 beyond; [N] counts)."""
-
-        def make() -> torch.Tensor:
-            inp = self.inp
-            counts = self.entry_counts(self.pool.groups["hca"].ratio)
-            entry = torch.arange(inp.hca_width, device=inp.positions.device)[None, :].expand(
-                inp.num_rows, -1
-            )
-            visible = entry < counts[:, None]
-            slots = self.entry_slots("hca", inp.row_req[:, None], torch.where(visible, entry, 0))
-            return torch.where(visible, slots, -1)
-
-        return self._cached(("hca",), make), self.entry_counts(self.pool.groups["hca"].ratio)

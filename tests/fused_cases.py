@@ -3,9 +3,8 @@ tests/test_kernels_fused.py (tiny model on CPU, V4-Flash on a GPU) and bench/glu
 
 A GlueStep is a real KVPool and StepState: requests with their pages allocated, rings and pools
 holding a random history, rows at chosen positions (decode rows first, then optional prefill
-chunks). Each op comes as an `Op`: the arguments of its kernels.fused_dispatch call, the engine
-code it replaces run on the same arguments (for parity), which arguments it writes, and the
-bytes it must move at least.
+chunks). Each op comes as an `Op`: the arguments of its kernels.fused_dispatch call, which
+arguments it writes, and the bytes it must move at least.
 """
 
 from __future__ import annotations
@@ -19,11 +18,11 @@ import torch
 
 import kernels
 from engine.kv_pool import KVCacheConfig, KVPool
-from engine.layers.norm import RMSNorm, unweighted_rms_norm
+from engine.layers.norm import RMSNorm
 from engine.layers.rope import RotaryTable
 from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
-from engine.models.deepseek_v4.mhc import HyperConnection, merge_streams
+from engine.models.deepseek_v4.mhc import HyperConnection
 from engine.models.deepseek_v4.tiny import tiny_config
 from engine.step import RowSpan, StepState, build_step_inputs
 from kernels import fused_reference
@@ -51,7 +50,6 @@ class Op:
     fused: Callable  # the kernels.fused_dispatch function
     args: tuple
     kwargs: dict
-    engine: Callable  # the engine's code for the same op, called as engine(*args, **kwargs)
     writes: tuple[int, ...]  # indices of the args the op writes into
     floor_bytes: int  # what any implementation must read and write
     skip_rows: dict[int, int] = dataclasses.field(
@@ -192,12 +190,6 @@ class GlueStep:
             trash,
         )
 
-        def engine(
-            kv, gate, pos, slab, ring_kv, ring_gate, ape, w, eps, inv_freq, tab, P, target, trash
-        ):
-            ring = (ring_kv, ring_gate)
-            comp._decode_rows(kv, gate, pos, slab, self.step, ring, target, group, trash)
-
         closes = int(((pos + 1) % rate == 0).sum())
         esize = ring[0].element_size()
         window = ring[0].shape[1]  # slots a closing window pools (2 * rate with overlap)
@@ -206,7 +198,6 @@ class GlueStep:
             kernels.compress_decode,
             args,
             {},
-            engine,
             (4, 5, 12),
             D * feats * esize * 4 + closes * (window * head_dim * esize * 2 + head_dim * esize),
             skip_rows={12: trash},
@@ -222,10 +213,6 @@ class GlueStep:
         )
         cos, sin = self.step.rope("compress")
 
-        def engine(q, weights, cos, sin, positions, rate):
-            lengths = self.step.entry_counts(rate).to(torch.int32)
-            return kernels.apply_rope(q, cos, sin), weights.float() * heads**-0.5, lengths
-
         esize = torch.empty((), dtype=self.dtype).element_size()
         return Op(
             "indexer_query",
@@ -239,7 +226,6 @@ class GlueStep:
                 rate,
             ),
             {},
-            engine,
             (),
             n * heads * (2 * cfg.rope_dim * esize + esize + 4) + n * 12,
         )
@@ -257,7 +243,8 @@ class GlueStep:
         )
         extra = 0
         if kind == CSA:
-            counts = step.entry_counts(cfg.compress_rate(self.layer[CSA]))
+            rate = cfg.compress_rate(self.layer[CSA])
+            counts = torch.div(inp.positions + 1, rate, rounding_mode="floor")  # visible entries
             picked = (
                 torch.rand(inp.num_rows, cfg.index_topk, generator=self.gen, device=self.dev)
                 * counts[:, None]
@@ -269,37 +256,11 @@ class GlueStep:
             kwargs.update(hca_ratio=pool.groups["hca"].ratio, hca_width=inp.hca_width)
             extra = inp.hca_width
 
-        def engine(positions, row_req, req_past, req_row0, table, **kw):
-            indices, lengths = step.window_indices(group), None
-            if kind == CSA:  # Indexer.forward's parts, then Attention's concatenation
-                entry_tables = step.table("csa")[:, pool.ring_pages :]
-                parts = (
-                    [(slice(0, inp.num_decode), entry_tables[: inp.num_decode])]
-                    if inp.num_decode
-                    else []
-                )
-                parts += [
-                    (slice(s.row0, s.row0 + s.num_rows), entry_tables[s.req].expand(s.num_rows, -1))
-                    for s in inp.segments
-                ]
-                picked = torch.cat(
-                    [kernels.positions_to_slots(kw["picked"][rows], t, P) for rows, t in parts]
-                )
-                indices = torch.cat((indices, picked), dim=1)
-            elif kind == HCA:
-                entries, counts = step.hca_indices()
-                indices, lengths = (
-                    torch.cat((indices, entries), dim=1),
-                    (counts + W).to(torch.int32),
-                )
-            return indices.to(torch.int32), lengths
-
         return Op(
             f"sparse_indices_{group}",
             kernels.sparse_indices,
             (inp.positions, inp.row_req, inp.req_past, inp.req_row0, step.table(group)),
             kwargs,
-            engine,
             (),
             inp.num_rows * ((W + extra) * 4 + (extra * 4 if kind == CSA else 0) + 8),
         )
@@ -321,12 +282,6 @@ class GlueStep:
         hc, norm = self._hc()
         streams, prev = self._streams()
 
-        def engine(streams, fn, base, scale, weight, iters, hc_eps, norm_eps, merge):
-            if merge is not None:
-                streams = merge_streams(streams, *merge)
-            post, comb, x = hc(streams)
-            return streams, post, comb, norm(x)
-
         N, n, D = streams.shape
         esize = streams.element_size()
         move = N * n * D * esize * (2 if merge else 1) + N * D * esize * (2 if merge else 1)
@@ -345,7 +300,6 @@ class GlueStep:
                 prev if merge else None,
             ),
             {},
-            engine,
             (),
             move + hc.fn.numel() * 4 + N * (n + n * n) * 4,
         )
@@ -358,7 +312,6 @@ class GlueStep:
             kernels.hc_merge,
             (streams, out, post, comb),
             {},
-            merge_streams,
             (),
             N * D * streams.element_size() * (2 * n + 1),
         )
@@ -369,14 +322,6 @@ class GlueStep:
         group, layer = "csa", self.layer[CSA]
         cos, sin = step.rope("compress")
         n, heads = self.inp.num_rows, cfg.num_heads
-
-        def engine(q, kv, kv_weight, eps, cos, sin, cache, scratch_slots, ring_slots):
-            q = kernels.apply_rope(unweighted_rms_norm(q, eps), cos, sin)
-            kv = kernels.apply_rope(norm(kv), cos, sin)
-            cache.index_copy_(0, scratch_slots, kv)
-            # after attention, in the engine
-            cache.index_copy_(0, step.persist_slots(group), kv[step.inp.persist_rows])
-            return q, kv
 
         esize = torch.empty((), dtype=self.dtype).element_size()
         row = cfg.head_dim * esize
@@ -395,7 +340,6 @@ class GlueStep:
                 step.persist_slots(group)[:D],
             ),
             {},
-            engine,
             (6,),
             n * heads * row * 2 + n * row * 3 + D * row,
         )
@@ -409,7 +353,6 @@ class GlueStep:
             kernels.attention_post,
             (self.randn(n, cfg.num_heads, cfg.head_dim), cos, sin),
             {},
-            lambda out, cos, sin: kernels.apply_rope(out, cos, sin, inverse=True),
             (),
             n * cfg.num_heads * cfg.rope_dim * esize * 2,
         )

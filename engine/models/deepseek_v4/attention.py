@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from engine.layers.fp8_linear import linear
-from engine.layers.norm import RMSNorm, unweighted_rms_norm
+from engine.layers.norm import RMSNorm
 from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import CSA, SLIDING, ModelConfig, Quantization
 from engine.models.deepseek_v4.indexer import Indexer
 from engine.profiling import profiled
 from engine.step import StepState
-from kernels import apply_rope, sparse_mla_decode
 
 
 class Attention(torch.nn.Module):
@@ -66,17 +66,26 @@ class Attention(torch.nn.Module):
             return self._forward(x, step)
 
     def _forward(self, x: torch.Tensor, step: StepState) -> torch.Tensor:
-        n, pool = x.shape[0], step.pool
+        n, pool, inp = x.shape[0], step.pool, step.inp
         group = pool.group_of_layer[self.layer]
         cos, sin = step.rope(self.rope_kind)
-        q_residual = self.q_norm(self.wq_a(x))  # [N, q_lora]
-        q = unweighted_rms_norm(self.wq_b(q_residual).view(n, self.heads, self.head_dim), self.eps)
-        q = apply_rope(q, cos, sin)  # [N, H, D]
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [N, D]
-
         slots = pool.groups[group].kv[self.layer]  # [S, D]
-        slots.index_copy_(0, step.scratch_slots(group), kv)
-        indices, lengths = step.window_indices(group), None  # [N, W]
+        q_residual = self.q_norm(self.wq_a(x))  # [N, q_lora]
+        # Per-head norm + RoPE of q; norm + RoPE of kv, written to the step's scratch rows and,
+        # for decode rows, to the ring (a decode row's ring slot lies outside every window of
+        # the step, so it can be written before attention).
+        q, kv = kernels.attention_pre(
+            self.wq_b(q_residual).view(n, self.heads, self.head_dim),
+            self.wkv(x),
+            self.kv_norm.weight,
+            self.eps,
+            cos,
+            sin,
+            slots,
+            step.scratch_slots(group),
+            step.persist_slots(group)[: inp.num_decode],
+        )  # [N, H, D], [N, D]
+        picked, hca = None, {}
         if self.compressor is not None:
             with profiled("compressor"):
                 self.compressor(
@@ -84,28 +93,39 @@ class Attention(torch.nn.Module):
                 )
             if self.indexer is not None:
                 with profiled("indexer"):
-                    picked = self.indexer(x, q_residual, step)
-                indices = torch.cat((indices, picked), dim=1)
+                    picked = self.indexer(x, q_residual, step)  # [N, topk] entry positions
             else:
-                entries, counts = step.hca_indices()
-                indices, lengths = (
-                    torch.cat((indices, entries), dim=1),
-                    (counts + self.window).to(torch.int32),
-                )
+                hca = {"hca_ratio": pool.groups[group].ratio, "hca_width": inp.hca_width}
+        indices, lengths = kernels.sparse_indices(
+            inp.positions,
+            inp.row_req,
+            inp.req_past,
+            inp.req_row0,
+            step.table(group),
+            ring_pages=pool.ring_pages,
+            page_size=pool.page_size,
+            scratch_base=pool.entry_slot_base(group),
+            window=self.window,
+            picked=picked,
+            **hca,
+        )  # [N, W (+ topk | hca_width)] int32 slots, -1 = none
         with profiled("sparse_mla"):
-            out, _ = sparse_mla_decode(
+            out, _ = kernels.sparse_mla_decode(
                 q,
                 slots,
-                indices.to(torch.int32),
+                indices,
                 self.head_dim**-0.5,
                 d_v=self.head_dim,
                 sinks=self.attn_sink,
                 lengths=lengths,
             )  # [N, H, D]
-        # Persist after attention: earlier queries of a long chunk still read the old ring rows.
-        slots.index_copy_(0, step.persist_slots(group), kv[step.inp.persist_rows])
-
-        out = apply_rope(out, cos, sin, inverse=True)
+        if inp.segments:
+            # Prefill rows persist after attention: earlier queries of a long chunk still read
+            # the old ring rows.
+            decode = inp.num_decode
+            rows = inp.persist_rows[decode:]
+            slots.index_copy_(0, step.persist_slots(group)[decode:], kv[rows])
+        out = kernels.attention_post(out, cos, sin)  # RoPE's rotation undone (V carried it)
         grouped = out.reshape(n, self.groups, -1).transpose(0, 1)  # [G, N, H*D/G]
         w = self.wo_a.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)  # [G, H*D/G, R]
         return self.wo_b(torch.bmm(grouped, w).transpose(0, 1).reshape(n, -1))

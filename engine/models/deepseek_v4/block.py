@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from engine.layers.norm import RMSNorm
 from engine.models.deepseek_v4.attention import Attention
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
-from engine.models.deepseek_v4.mhc import HyperConnection, merge_streams
+from engine.models.deepseek_v4.mhc import HyperConnection
 from engine.models.deepseek_v4.moe import MoE
 from engine.profiling import profiled
 from engine.step import StepState
@@ -26,12 +27,14 @@ class Block(torch.nn.Module):
     def forward(self, streams: torch.Tensor, step: StepState) -> torch.Tensor:
         """streams [N, hc_mult, hidden] -> same shape."""
         with profiled("mhc"):
-            post, comb, x = self.hc_attn(streams)
-        out = self.attn(self.attn_norm(x), step)
+            streams, post, comb, x = self.hc_attn.pre(streams, self.attn_norm.weight)
+        out = self.attn(x, step)
         with profiled("mhc"):
-            streams = merge_streams(streams, out, post, comb)
-            post, comb, x = self.hc_ffn(streams)
+            # The attention's write-back and the MoE's mix in one fused call.
+            streams, post, comb, x = self.hc_ffn.pre(
+                streams, self.ffn_norm.weight, merge=(out, post, comb)
+            )
         with profiled("moe"):
-            out = self.ffn(self.ffn_norm(x), step.inp.token_ids)
+            out = self.ffn(x, step.inp.token_ids)
         with profiled("mhc"):
-            return merge_streams(streams, out, post, comb)
+            return kernels.hc_merge(streams, out, post, comb)

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from engine.layers.norm import RMSNorm
 from engine.step import StepState
-from kernels import apply_rope
+from kernels.fused_reference import pool_windows
 
 
 class Compressor(torch.nn.Module):
@@ -46,16 +47,21 @@ class Compressor(torch.nn.Module):
         kv, gate = self.wkv(x), self.wgate(x)  # [N, feats]
         ring_kv, ring_gate = ring  # [seqs, ring_rows, feats]
         inp, D = step.inp, step.inp.num_decode
-        if D:
-            self._decode_rows(
+        if D:  # one fused launch: ring update, pooling, norm, RoPE, the entry's write
+            kernels.compress_decode(
                 kv[:D],
                 gate[:D],
                 inp.positions[:D],
                 inp.slab[:D],
-                step,
-                ring,
+                ring_kv,
+                ring_gate,
+                self.ape,
+                self.norm.weight,
+                self.norm.eps,
+                step.rope_tables["compress"].inv_freq,
+                step.table(group)[:, step.pool.ring_pages :],
+                step.pool.page_size,
                 target,
-                group,
                 trash_slot,
             )
         rows = ring_kv.shape[1]
@@ -90,50 +96,10 @@ class Compressor(torch.nn.Module):
             ring_kv[seg.slab, keep.remainder(rows)] = kv[chunk][keep - s]
             ring_gate[seg.slab, keep.remainder(rows)] = gate[chunk][keep - s]
 
-    def _decode_rows(self, kv, gate, pos, slab, step, ring, target, group, trash_slot) -> None:
-        """One new token per request, vectorised, with shapes independent of the data."""
-        ring_kv, ring_gate = ring
-        rows = ring_kv.shape[1]
-        ring_kv[slab, pos.remainder(rows)] = kv
-        ring_gate[slab, pos.remainder(rows)] = gate
-        window = torch.div(pos, self.rate, rounding_mode="floor")  # [D]
-        cur_rows = (window * self.rate)[:, None] + torch.arange(
-            self.rate, device=pos.device
-        )  # [D, rate]
-        cur = (
-            ring_kv[slab[:, None], cur_rows.remainder(rows)],
-            ring_gate[slab[:, None], cur_rows.remainder(rows)],
-        )
-        prev = None
-        if self.overlap:
-            prev_rows = (cur_rows - self.rate).remainder(rows)
-            prev = (
-                ring_kv[slab[:, None], prev_rows],
-                ring_gate[slab[:, None], prev_rows],
-                window >= 1,
-            )
-        entries = self._pool(cur, prev, window * self.rate, step)
-        closes = (pos + 1).remainder(self.rate) == 0
-        req = torch.arange(pos.shape[0], device=pos.device)
-        slots = step.entry_slots(group, req, torch.where(closes, window, 0))
-        target.index_copy_(0, torch.where(closes, slots, trash_slot), entries)
-
     def _pool(self, cur, prev, first_pos: torch.Tensor, step: StepState) -> torch.Tensor:
         """cur = (kv, gate) [M, rate, feats] of the closing windows; prev = the windows before
         them plus a [M] validity mask (overlap only) -> entries [M, head_dim]."""
-        d = self.head_dim
-        if prev is None:
-            kv, score = cur[0], cur[1] + self.ape
-        else:
-            kv = torch.cat((prev[0][..., :d], cur[0][..., d:]), dim=1)  # [M, 2*rate, d]
-            score = torch.cat(
-                (prev[1][..., :d] + self.ape[:, :d], cur[1][..., d:] + self.ape[:, d:]), dim=1
-            )
-            no_prev = ~prev[2]
-            score[:, : self.rate] = score[:, : self.rate].masked_fill(
-                no_prev[:, None, None], float("-inf")
-            )
-        weights = score.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        pooled = self.norm((kv * weights).sum(dim=1))
-        cos, sin = step.rope_tables["compress"](first_pos, pooled.dtype)
-        return apply_rope(pooled, cos, sin)
+        inv_freq = step.rope_tables["compress"].inv_freq
+        return pool_windows(
+            cur, prev, self.ape, self.norm.weight, self.norm.eps, inv_freq, first_pos
+        )

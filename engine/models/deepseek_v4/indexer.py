@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
+import kernels
 from engine.layers.fp8_linear import linear
 from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
 from engine.step import StepState
-from kernels import apply_rope, indexer_topk, positions_to_slots
 
 
 class Indexer(torch.nn.Module):
@@ -28,20 +28,23 @@ class Indexer(torch.nn.Module):
         )
 
     def forward(self, x: torch.Tensor, q_residual: torch.Tensor, step: StepState) -> torch.Tensor:
-        """x [N, hidden], q_residual [N, q_lora] -> [N, topk] slot ids of the picked entries
-        (-1 = none)."""
+        """x [N, hidden], q_residual [N, q_lora] -> [N, topk] int32 positions of the picked
+        compressed entries (-1 = none); kernels.sparse_indices maps them to slots."""
         pool, inp = step.pool, step.inp
         keys = pool.groups["csa"].index_k[self.layer]  # [slots, Di]
         self.compressor(x, step, pool.index_ring[self.layer], keys, "csa", pool.index_trash_slot())
         n = x.shape[0]
         cos, sin = step.rope("compress")
-        q = apply_rope(
-            self.wq_b(q_residual).view(n, self.heads, self.head_dim), cos, sin
-        )  # [N, Hi, Di]
-        weights = self.weights_proj(x).float() * self.heads**-0.5  # [N, Hi]
+        q, weights, lengths = kernels.indexer_query(
+            self.wq_b(q_residual).view(n, self.heads, self.head_dim),
+            self.weights_proj(x),
+            cos,
+            sin,
+            inp.positions,
+            self.rate,
+        )  # [N, Hi, Di] with RoPE, [N, Hi] fp32, [N] int32 visible entries
         num_pages = pool.groups["csa"].num_pages
         k_cache = keys[: num_pages * pool.page_size].view(num_pages, pool.page_size, self.head_dim)
-        lengths = step.entry_counts(self.rate).to(torch.int32)  # [N]
         entry_tables = step.table("csa")[:, pool.ring_pages :]  # [B, pages]
         # Decode rows are requests 0..D-1 in order; a prefill chunk's rows share one table,
         # broadcast without copying.
@@ -52,9 +55,8 @@ class Indexer(torch.nn.Module):
             (slice(s.row0, s.row0 + s.num_rows), entry_tables[s.req].expand(s.num_rows, -1))
             for s in inp.segments
         ]
-        picked = []
-        for rows, table in parts:
-            pos = indexer_topk(
+        picked = [
+            kernels.indexer_topk(
                 q[rows],
                 weights[rows],
                 k_cache,
@@ -63,5 +65,6 @@ class Indexer(torch.nn.Module):
                 self.topk,
                 scale=self.head_dim**-0.5,
             )
-            picked.append(positions_to_slots(pos, table, pool.page_size))
+            for rows, table in parts
+        ]
         return torch.cat(picked) if len(picked) > 1 else picked[0]

@@ -1,8 +1,9 @@
 """Manifold-constrained hyper-connections (mHC): the residual as `hc_mult` mixed streams.
 
 Each sublayer reads one collapsed input from the streams (weights `pre`), and writes back
-`post * output + comb^T @ streams`, where `comb` is pushed towards a doubly-stochastic
-matrix by Sinkhorn iterations so the residual mixing cannot blow up across depth.
+`post * output + comb^T @ streams` (kernels.hc_merge), where `comb` is pushed towards a
+doubly-stochastic matrix by Sinkhorn iterations so the residual mixing cannot blow up across
+depth.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import kernels
 from engine.layers.norm import unweighted_rms_norm
 from engine.models.deepseek_v4.config import ModelConfig
-from kernels import hc_weights
 
 
 class HyperConnection(torch.nn.Module):
@@ -31,24 +32,27 @@ class HyperConnection(torch.nn.Module):
         self.base = torch.nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
         self.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.float32))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [N, n, D] -> (post [N, n], comb [N, n, n], collapsed input [N, D]); the
-        weights in fp32."""
-        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.fn.float())  # [N, (2 + n) * n]
-        pre, post, comb = hc_weights(mixes, self.base, self.scale, self.n, self.iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
-
-
-def merge_streams(
-    streams: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> torch.Tensor:
-    """streams [N, n, D], sublayer output [N, D] -> new streams: post*out + comb^T @ streams."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(
-        comb.to(dtype).transpose(-1, -2), streams
-    )
+    def pre(
+        self,
+        streams: torch.Tensor,
+        norm_weight: torch.Tensor,
+        merge: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Before a sublayer: streams [N, n, D] (first written back with the previous sublayer's
+        `merge` = (output, post, comb), if given) -> (streams, post [N, n], comb [N, n, n], the
+        sublayer's input [N, D], collapsed and RMS-normalised with `norm_weight`). Fused:
+        kernels.hc_pre."""
+        return kernels.hc_pre(
+            streams,
+            self.fn,
+            self.base,
+            self.scale,
+            norm_weight,
+            self.iters,
+            self.hc_eps,
+            self.norm_eps,
+            merge,
+        )
 
 
 class HyperHead(torch.nn.Module):
