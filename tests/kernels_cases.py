@@ -22,7 +22,7 @@ def gpu_test(fn):
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| over the finite part of ref (0 when ref is all zero)."""
-    out, ref = out.double(), ref.double()
+    out, ref = out.double().cpu(), ref.double().cpu()
     finite = torch.isfinite(ref)
     assert torch.equal(finite, torch.isfinite(out)), "inf/nan pattern differs"
     diff = (out - ref)[finite].norm().item()
@@ -55,20 +55,22 @@ class DecodeCase:
         """float64 answer on the same (already rounded) input values, computed independently
         of kernels.reference: each row's valid slots are listed explicitly, and a sink is one
         more logit in the softmax (with no value row), as DeepSeek-V4 defines it."""
-        q, kv = self.q.double(), self.kv.double()
+        q, num_slots = self.q.double().cpu(), self.kv.shape[0]
+        indices = self.indices.cpu()
+        lengths = None if self.lengths is None else self.lengths.cpu()
         batch, heads, _ = q.shape
         out = torch.zeros(batch, heads, self.d_v, dtype=torch.float64)
         lse = torch.full((batch, heads), float("-inf"), dtype=torch.float64)
         for b in range(batch):
-            n = self.indices.shape[1] if self.lengths is None else int(self.lengths[b])
-            slots = [int(i) for i in self.indices[b, :n] if 0 <= int(i) < kv.shape[0]]
+            n = indices.shape[1] if lengths is None else int(lengths[b])
+            slots = [int(i) for i in indices[b, :n] if 0 <= int(i) < num_slots]
             if not slots:
                 continue
-            rows = kv[slots]  # [k, D]
+            rows = self.kv[torch.tensor(slots, device=self.kv.device)].double().cpu()  # [k, D]
             logits = q[b] @ rows.T * self.sm_scale  # [H, k]
             lse[b] = torch.logsumexp(logits, dim=1)
             if self.sinks is not None:
-                logits = torch.cat((logits, self.sinks.double()[:, None]), dim=1)
+                logits = torch.cat((logits, self.sinks.double().cpu()[:, None]), dim=1)
             probs = torch.softmax(logits, dim=1)[:, : len(slots)]
             out[b] = probs @ rows[:, : self.d_v]
         return out, lse.float()
@@ -157,14 +159,15 @@ class IndexerCase:
         batch, max_pages = self.page_table.shape
         page_size = self.k_cache.shape[1]
         out = torch.full((batch, max_pages * page_size), float("-inf"), dtype=torch.float64)
+        q, weights, k_cache = self.q.double().cpu(), self.weights.double().cpu(), self.k_cache.cpu()
         for b in range(batch):
             n = int(self.lengths[b])
             if n == 0:
                 continue
-            pages = self.page_table[b, : -(-n // page_size)]
-            keys = torch.cat([self.k_cache[int(p)].double() for p in pages])[:n]  # [n, D]
-            dots = (self.q[b].double() @ keys.T).clamp(min=0)  # [H, n]
-            out[b, :n] = (self.weights[b].double()[:, None] * dots).sum(dim=0) * self.scale
+            pages = self.page_table[b, : -(-n // page_size)].tolist()
+            keys = torch.cat([k_cache[p].double() for p in pages])[:n]  # [n, D]
+            dots = (q[b] @ keys.T).clamp(min=0)  # [H, n]
+            out[b, :n] = (weights[b][:, None] * dots).sum(dim=0) * self.scale
         return out
 
 

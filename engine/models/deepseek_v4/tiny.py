@@ -196,8 +196,10 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, fmt: str = "dense
 
 
 def _init(name: str, t: torch.Tensor, gen: torch.Generator, raw: dict) -> torch.Tensor:
-    if name.endswith("tid2eid"):
-        return torch.randint(0, raw["n_routed_experts"], t.shape, generator=gen, dtype=torch.int64)
+    if name.endswith("tid2eid"):  # distinct experts per token, as a hash router assigns them
+        vocab, k = t.shape
+        draws = torch.rand(vocab, raw["n_routed_experts"], generator=gen)
+        return draws.argsort(dim=1)[:, :k].contiguous()
     if name.endswith(("norm.weight", ".scale")):
         return 1 + 0.1 * torch.randn(t.shape, generator=gen)
     if t.dim() == 1:  # sinks, gate biases, mHC biases
