@@ -4,6 +4,10 @@ Byte `b` is token id `b`, so any text (and any byte sequence a random model samp
 then bos 256, eos 257, `<｜User｜>` 258, `<｜Assistant｜>` 259, `<think>` 260, `</think>` 261.
 The files are the ones a DeepSeek checkpoint ships (tokenizer.json, tokenizer_config.json,
 generation_config.json), so the tiny model exercises the same loading and chat-template path.
+
+The release variant (`release=True`) is the V4 release's tokenizer in miniature: also `｜DSML｜`
+262 and `<｜latest_reminder｜>` 263, and no chat template (the release ships none; its prompts
+come from `engine.chat.encode_messages`).
 """
 
 from __future__ import annotations
@@ -15,12 +19,17 @@ from pathlib import Path
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
+from engine.chat import tokens as v4
+from engine.tokenizer import byte_level_alphabet
+
+BOS_TOKEN = v4.BOS
+EOS_TOKEN = v4.EOS
 # As in DeepSeek's tokenizer.json, only bos/eos are "special" (dropped by skip_special_tokens);
 # the turn and think markers are plain added tokens, so decoded replies keep `</think>` for
 # reasoning parsers.
-CONTROL_TOKENS = ("<｜User｜>", "<｜Assistant｜>", "<think>", "</think>")
+CONTROL_TOKENS = (v4.USER, v4.ASSISTANT, v4.THINK_START, v4.THINK_END)
+# The release's other markers (tool calls, its internal reminder role), also plain added tokens.
+RELEASE_TOKENS = (v4.DSML, v4.LATEST_REMINDER)
 
 # DeepSeek's layout: bos, the system prompt(s), then `<｜User｜>q` / `<｜Assistant｜>a<eos>` turns,
 # and an open `<｜Assistant｜>` to prompt a reply. Tool turns need tokens this vocabulary lacks,
@@ -70,18 +79,21 @@ PLAY_CHAT_TEMPLATE = r"""{%- set ns = namespace(system='') -%}
 """
 
 
-def write_byte_tokenizer(out_dir: str | os.PathLike, chat_template: str = CHAT_TEMPLATE) -> int:
+def write_byte_tokenizer(
+    out_dir: str | os.PathLike, chat_template: str = CHAT_TEMPLATE, *, release: bool = False
+) -> int:
     """Write the byte-level tokenizer's files into `out_dir`; return its vocab size.
 
     `out_dir` is created if needed. `chat_template` is the Jinja template stored in
     tokenizer_config.json (DeepSeek's turn layout by default; the trained demo model uses
-    PLAY_CHAT_TEMPLATE).
+    PLAY_CHAT_TEMPLATE). `release`: the release's variant, with all its markers and no chat
+    template (see the module docstring).
 
     The files are byte-identical on every run, so a model directory built twice hashes the same.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    backend = _build_backend()
+    backend = _build_backend(CONTROL_TOKENS + RELEASE_TOKENS if release else CONTROL_TOKENS)
     bos_id, eos_id = backend.token_to_id(BOS_TOKEN), backend.token_to_id(EOS_TOKEN)
     (out / "tokenizer.json").write_text(backend.to_str(pretty=True) + "\n", encoding="utf-8")
     _write_json(
@@ -90,7 +102,7 @@ def write_byte_tokenizer(out_dir: str | os.PathLike, chat_template: str = CHAT_T
             "add_bos_token": True,
             "add_eos_token": False,
             "bos_token": BOS_TOKEN,
-            "chat_template": chat_template,
+            **({} if release else {"chat_template": chat_template}),
             "clean_up_tokenization_spaces": False,
             "eos_token": EOS_TOKEN,
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -100,14 +112,14 @@ def write_byte_tokenizer(out_dir: str | os.PathLike, chat_template: str = CHAT_T
     return backend.get_vocab_size(with_added_tokens=True)
 
 
-def _build_backend() -> BackendTokenizer:
+def _build_backend(control_tokens: tuple[str, ...]) -> BackendTokenizer:
     # BPE with no merges over the byte alphabet: every byte is its own token, so no <unk> exists.
-    vocab = {char: byte for byte, char in enumerate(_byte_to_unicode())}
+    vocab = {char: byte for byte, char in enumerate(byte_level_alphabet())}
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
     # No regex split: with no merges it would only cost time, and it never changes the ids.
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
-    for tokens, special in (((BOS_TOKEN, EOS_TOKEN), True), (CONTROL_TOKENS, False)):
+    for tokens, special in (((BOS_TOKEN, EOS_TOKEN), True), (control_tokens, False)):
         backend.add_tokens([AddedToken(t, special=special, normalized=False) for t in tokens])
     bos_id = backend.token_to_id(BOS_TOKEN)
     # Like DeepSeek's tokenizer.json, encoding with special tokens prepends bos.
@@ -115,15 +127,6 @@ def _build_backend() -> BackendTokenizer:
         single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, bos_id)]
     )
     return backend
-
-
-def _byte_to_unicode() -> list[str]:
-    """ByteLevel's stand-in character for each byte, indexed by byte value (GPT-2's map)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
-    printable |= set(range(ord("®"), 256))
-    unprintable = [b for b in range(256) if b not in printable]
-    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(unprintable)}
-    return [chars[b] for b in range(256)]
 
 
 def _write_json(path: Path, data: dict[str, object]) -> None:

@@ -20,7 +20,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import processors
+from tokenizers import decoders, processors
 
 from engine import token_bound
 
@@ -57,8 +57,14 @@ class Tokenizer:
         self._bos_token_id = None if bos_token is None else _token_id(backend, bos_token)
         eos_ids = [] if eos_token is None else [_token_id(backend, eos_token)]
         self._eos_token_ids = frozenset((*eos_ids, *extra_eos_token_ids))
-        self._special_ids = frozenset(
-            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        self._added_bytes = {i: token.content.encode() for i, token in added.items()}
+        # A byte-level vocabulary spells each byte as one character (GPT-2's alphabet).
+        self._byte_of = (
+            {c: b for b, c in enumerate(byte_level_alphabet())}
+            if isinstance(backend.decoder, decoders.ByteLevel)
+            else None
         )
 
     @classmethod
@@ -134,6 +140,15 @@ class Tokenizer:
             # The backend would silently drop it, hiding a sampler or model-size bug.
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to a text (OpenAI's logprobs `bytes`): exact even when a
+        token holds part of a UTF-8 character, which decoding it alone cannot show."""
+        if token_id in self._added_bytes:
+            return self._added_bytes[token_id]
+        if self._byte_of is not None:
+            return bytes(self._byte_of[c] for c in self._backend.id_to_token(token_id))
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
@@ -242,6 +257,15 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, read_offset
         self._pieces.append(piece)
         return piece
+
+
+def byte_level_alphabet() -> list[str]:
+    """ByteLevel's stand-in character for each byte, indexed by byte value (GPT-2's map)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    printable |= set(range(ord("®"), 256))
+    unprintable = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(unprintable)}
+    return [chars[b] for b in range(256)]
 
 
 class _TemplateRaised(jinja2.TemplateError):

@@ -78,11 +78,16 @@ def tiny_config(vocab_size: int) -> dict:
     }
 
 
-def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """Write the tiny checkpoint (config, weights, tokenizer) into out_dir; returns its path."""
+def make_tiny_model(
+    out_dir: str | os.PathLike, seed: int = 0, *, release_tokenizer: bool = False
+) -> Path:
+    """Write the tiny checkpoint (config, weights, tokenizer) into out_dir; returns its path.
+
+    release_tokenizer: the V4 release's tokenizer in miniature (all its markers, no chat
+    template), so chats go through `engine.chat.encode_messages` as the release's would."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = write_byte_tokenizer(out)
+    vocab = write_byte_tokenizer(out, release=release_tokenizer)
     raw = tiny_config(vocab)
     model = build_model(ModelConfig.from_hf(raw), torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
