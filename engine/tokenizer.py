@@ -18,6 +18,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, processors
@@ -25,6 +26,7 @@ from tokenizers import decoders, processors
 from engine import token_bound
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+_RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 _REPLACEMENT = "\ufffd"  # what decoding puts in place of an incomplete or invalid UTF-8 sequence
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -48,6 +50,11 @@ class Tokenizer:
         self._backend = backend
         self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         self._template = None if chat_template is None else _compile_template(chat_template)
+        self._template_variables = (
+            frozenset()
+            if chat_template is None
+            else frozenset(jinja2.meta.find_undeclared_variables(_JINJA.parse(chat_template)))
+        )
         # What a template sees besides the messages, as transformers passes it.
         self._template_tokens = {
             name: token
@@ -150,25 +157,45 @@ class Tokenizer:
             return bytes(self._byte_of[c] for c in self._backend.id_to_token(token_id))
         return self.decode([token_id], skip_special_tokens=False).encode()
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    @property
+    def chat_template_variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (empty without a template)."""
+        return self._template_variables
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **variables: Any,
     ) -> str:
         """Render `messages` into the prompt text the model was trained on.
 
-        Raises ChatTemplateError if the messages are malformed, the tokenizer has no chat
-        template, or the template fails (including its own `raise_exception`).
+        `tools` are OpenAI tool definitions; `variables` are more template variables (a
+        request's `chat_template_kwargs`), as transformers passes them. Raises
+        ChatTemplateError if the messages are malformed, the tokenizer has no chat template, or
+        the template fails (including its own `raise_exception`).
         """
         if self._template is None:
             raise ChatTemplateError("this tokenizer has no chat template")
         plain_messages = _validate_messages(messages)
+        reserved = sorted(_RESERVED_VARIABLES & variables.keys())
+        if reserved:
+            raise ChatTemplateError(f"template variables may not be named {', '.join(reserved)}")
         try:
             # transformers always passes tools and documents; templates test `tools is none`.
             return self._template.render(
+                **self._template_tokens,
+                **variables,
                 messages=plain_messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **self._template_tokens,
             )
         except _TemplateRaised as e:
             raise ChatTemplateError(f"chat template rejected the messages: {e.message}") from e
@@ -333,7 +360,26 @@ def _validate_message(where: str, message: Any) -> dict[str, Any]:
     # Like transformers, drop null fields (OpenAI clients send `"tool_calls": null`):
     # templates handle a missing key, but print "None" or fail on a null one.
     fields = {key: value for key, value in message.items() if value is not None}
-    return {**fields, "content": _text_content(f"{where}.content", message["content"])}
+    content = message["content"]
+    if content is None and role == "assistant":
+        content = ""  # a turn of tool calls only
+    if "tool_calls" in fields:
+        fields["tool_calls"] = [_template_tool_call(call) for call in fields["tool_calls"]]
+    return {**fields, "content": _text_content(f"{where}.content", content)}
+
+
+def _template_tool_call(call: Any) -> Any:
+    """A tool call with its `function.arguments` as an object, as templates expect (vLLM and
+    transformers both hand templates parsed arguments; OpenAI sends them as JSON text)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _text_content(where: str, content: Any) -> str:

@@ -155,6 +155,19 @@ def router_model_dir(tmp_path: Path) -> Path:
     return model_dir
 
 
+@pytest.fixture
+def v4_router_model_dir(tmp_path: Path) -> Path:
+    """A V4 checkpoint as the router sees it: the release's tokenizer (every V4 marker, no chat
+    template) and a deepseek_v4 config.json, so chats go through the release's encoder."""
+    from engine.byte_tokenizer import write_byte_tokenizer
+
+    model_dir = tmp_path / "tiny-v4-router-model"
+    write_byte_tokenizer(model_dir, release=True)
+    config = {"model_type": "deepseek_v4", "max_position_embeddings": 4096}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
 @dataclass
 class RunningRouter:
     url: str  # http://127.0.0.1:<port>
