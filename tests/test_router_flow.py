@@ -1,8 +1,9 @@
 """The prefill -> decode flow through the router, against scripted gRPC workers (no model).
 
-`ScriptedWorker` (tests/scripted_worker.py) speaks the real wire contract (proto/dsaserve.proto) from a script, so these
-tests pin the router's side: SSE format, usage, error mapping, retries, and that every exit path
-cancels Decode and aborts the prefill. End-to-end tests against real workers live elsewhere.
+`ScriptedWorker` (tests/scripted_worker.py) speaks the real wire contract (proto/dsaserve.proto)
+from a script, so these tests pin the router's side: SSE format, usage, error mapping, retries,
+and that every exit path cancels Decode and aborts the prefill. Chat replies (reasoning, tool
+calls), logprobs and n are in test_router_chat.py; tests against real workers live elsewhere.
 """
 
 from __future__ import annotations
