@@ -105,7 +105,7 @@ class TemplateChat:
             list(messages),
             add_generation_prompt=add_generation_prompt,
             tools=None if tools is None else list(tools),
-            **{**variables, **options.variables},
+            variables={**variables, **options.variables},
         )
 
 

@@ -172,7 +172,7 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
-        **variables: Any,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Render `messages` into the prompt text the model was trained on.
 
@@ -184,6 +184,7 @@ class Tokenizer:
         if self._template is None:
             raise ChatTemplateError("this tokenizer has no chat template")
         plain_messages = _validate_messages(messages)
+        variables = variables or {}
         reserved = sorted(_RESERVED_VARIABLES & variables.keys())
         if reserved:
             raise ChatTemplateError(f"template variables may not be named {', '.join(reserved)}")

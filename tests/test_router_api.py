@@ -505,6 +505,10 @@ async def test_tools_a_template_never_reads_are_400(http: httpx.AsyncClient) -> 
         assert_openai_error(response, 503)
     response = await http.post("/v1/completions", json={"prompt": "hi", "logprobs": 21})
     assert_openai_error(response, 400, param="logprobs", says="20")
+    # A template variable may not replace what the router passes a template.
+    body = CHAT | {"chat_template_kwargs": {"messages": []}}
+    response = await http.post("/v1/chat/completions", json=body)
+    assert_openai_error(response, 400, says="may not be named messages")
 
 
 # ---------------------------------------------------------------- /tokenize, /detokenize
