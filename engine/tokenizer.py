@@ -270,11 +270,15 @@ class IncrementalDetokenizer:
                 return self._emit(head[len(prefix_text) :], split)
         return ""
 
-    def flush(self) -> str:
-        """Emit whatever is held back, an unfinished character as U+FFFD (at end of stream)."""
+    def held(self) -> str:
+        """The text of the tokens held back, as `flush` would emit it now (nothing is emitted)."""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         window = self._decode(self._prefix_offset, len(self._ids))
-        return self._emit(window[len(prefix_text) :], len(self._ids))
+        return window[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Emit whatever is held back, an unfinished character as U+FFFD (at end of stream)."""
+        return self._emit(self.held(), len(self._ids))
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(

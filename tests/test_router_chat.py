@@ -21,6 +21,8 @@ import pytest_asyncio
 
 from engine.chat import encode_messages
 from engine.chat.tokens import DSML as D
+from engine.tokenizer import Tokenizer
+from services.router.logprobs import CompletionLogprobs, TokenTexts
 from services.rpc import pb
 from tests.scripted_worker import MODEL, WAIT_S, Serve, chunk_ids, scripted_logprob, sse_events
 
@@ -494,3 +496,15 @@ async def wait_until(condition: Any) -> None:
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition never held"
         await asyncio.sleep(0.01)  # polling a condition, bounded by the deadline
+
+
+def test_text_offsets_where_bytes_do_not_make_whole_characters(v4_router_model_dir: Path) -> None:
+    texts = TokenTexts(Tokenizer.from_pretrained(v4_router_model_dir))
+    logprobs = CompletionLogprobs(texts)
+    lp = pb.TokenLogprob(logprob=-1.0)
+    # "é" split in two, a lone lead byte that "H" turns into U+FFFD, then "!" after it.
+    ids = [0xC3, 0xA9, 0xC3, ord("H"), ord("!")]
+    offsets = [*logprobs.chunk(ids[:3], [lp] * 3)["text_offset"]]
+    offsets += logprobs.chunk(ids[3:], [lp] * 2)["text_offset"]
+    assert texts.tokenizer.decode(ids) == "é\ufffdH!"
+    assert offsets == [0, 0, 1, 2, 3]

@@ -9,8 +9,9 @@ and `text_offset`. Streamed chunks carry the same shapes for their own tokens.
 A token's `bytes` are exactly the bytes it adds to the text, so clients can rebuild characters
 split across tokens; its `token` is those bytes decoded, with U+FFFD for a partial character.
 Special tokens (the end-of-sequence token that ended a reply) are listed under their marker text.
-`text_offset` counts characters of the completion text, starting at 0, where each token's text
-begins; text a stop string cut off is past the end of the returned text.
+`text_offset` is where each token's text begins in the completion text, in characters from 0; a
+token that ends a character split across tokens begins where that character does, and text a
+stop string cut off lies past the end of the returned text.
 """
 
 from __future__ import annotations
@@ -64,12 +65,26 @@ class CompletionLogprobs:
     def __init__(self, texts: TokenTexts) -> None:
         self._texts = texts
         self._detokenizer = IncrementalDetokenizer(texts.tokenizer)
+        self._emitted = 0  # characters the detokenizer has emitted
+
+    def _offset(self, token_id: int) -> int:
+        """Where token `token_id`'s text begins: the first character its bytes change. A token
+        that finishes a character split across tokens begins where that character does."""
+        before = self._detokenizer.held()
+        piece = self._detokenizer.push(token_id)
+        after = piece + self._detokenizer.held()
+        same = next(
+            (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),
+            min(len(before), len(after)),
+        )
+        offset = self._emitted + same
+        self._emitted += len(piece)
+        return offset
 
     def chunk(self, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprob]) -> JSON:
         body: JSON = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
         for token_id, lp in zip(token_ids, logprobs, strict=True):
-            body["text_offset"].append(len(self._detokenizer.text))
-            self._detokenizer.push(token_id)
+            body["text_offset"].append(self._offset(token_id))
             token = self._texts.token(token_id)
             body["tokens"].append(token)
             body["token_logprobs"].append(_finite(lp.logprob))
