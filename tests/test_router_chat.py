@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import pytest_asyncio
@@ -489,6 +490,19 @@ async def test_a_client_that_leaves_ends_every_choice(serve: Serve, make_router:
         assert sorted(prefill.aborted) == sorted(r.request_id for r in decode.decode_requests)
     finally:
         hold.set()
+
+
+@pytest.mark.asyncio
+async def test_a_failed_prefill_fails_the_request_before_any_answer(
+    serve: Serve, make_router: Any
+) -> None:
+    prefill = await serve("prefill", "p1", prefill_status=grpc.StatusCode.INVALID_ARGUMENT)
+    decode = await serve("decode", "d1")
+    router = await make_router()
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        response = await http.post("/v1/chat/completions", json=CHAT | {"n": 3, "stream": True})
+    assert response.status_code == 400 and "scripted" in response.json()["error"]["message"]
+    assert len(prefill.prefill_requests) >= 1 and decode.decode_requests == []
 
 
 async def wait_until(condition: Any) -> None:
