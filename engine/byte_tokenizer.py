@@ -21,6 +21,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.chat import tokens as v4
+from engine.tokenizer import byte_level_alphabet
 
 BOS_TOKEN = v4.BOS
 EOS_TOKEN = v4.EOS
@@ -115,7 +116,7 @@ def write_byte_tokenizer(
 
 def _build_backend(control_tokens: tuple[str, ...]) -> BackendTokenizer:
     # BPE with no merges over the byte alphabet: every byte is its own token, so no <unk> exists.
-    vocab = {char: byte for byte, char in enumerate(_byte_to_unicode())}
+    vocab = {char: byte for byte, char in enumerate(byte_level_alphabet())}
     backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
     # No regex split: with no merges it would only cost time, and it never changes the ids.
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -128,15 +129,6 @@ def _build_backend(control_tokens: tuple[str, ...]) -> BackendTokenizer:
         single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, bos_id)]
     )
     return backend
-
-
-def _byte_to_unicode() -> list[str]:
-    """ByteLevel's stand-in character for each byte, indexed by byte value (GPT-2's map)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
-    printable |= set(range(ord("®"), 256))
-    unprintable = [b for b in range(256) if b not in printable]
-    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(unprintable)}
-    return [chars[b] for b in range(256)]
 
 
 def _write_json(path: Path, data: dict[str, object]) -> None:

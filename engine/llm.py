@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -19,6 +20,7 @@ class Result:
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length"
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the params asked
 
 
 class LLM:
@@ -57,12 +59,14 @@ class LLM:
             self.engine.add_request(key, prompt, p)
         tokens = {k: [] for k in keys}
         texts = {k: [] for k in keys}
+        logprobs: dict[str, list[TokenLogprobs]] = {k: [] for k in keys}
         reasons: dict[str, str] = {}
         try:
             while len(reasons) < len(keys):
                 for out in self.engine.step():
                     tokens[out.request_id] += out.new_token_ids
                     texts[out.request_id].append(out.text)
+                    logprobs[out.request_id] += out.logprobs or []
                     if out.finished:
                         reasons[out.request_id] = out.finish_reason
         finally:
@@ -75,8 +79,9 @@ class LLM:
                 token_ids=tokens[k],
                 text="".join(texts[k]),
                 finish_reason=reasons[k],
+                logprobs=logprobs[k] if q.logprobs is not None else None,
             )
-            for k, p in zip(keys, ids, strict=True)
+            for k, p, q in zip(keys, ids, params, strict=True)
         ]
 
     def score(self, token_ids: list[int]) -> torch.FloatTensor:

@@ -22,6 +22,7 @@ from engine import models
 from engine.config import EngineConfig
 from engine.kv_pool import KVCacheConfig, KVPool
 from engine.load import Load
+from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.request import Request, Status
 from engine.runner import ModelRunner
 from engine.sampler import sample
@@ -51,6 +52,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -285,8 +287,9 @@ class LLMEngine:
             logits[:, self.tokenizer.vocab_size :] = float("-inf")
         draws = [len(r.output_token_ids) for r in samplers]
         tokens = sample(logits, [r.params for r in samplers], draws)
+        logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in samplers])
         outputs = []
-        for req, token in zip(samplers, tokens, strict=True):
+        for req, token, token_lp in zip(samplers, tokens, logprobs, strict=True):
             reason = req.append_token(token)
             finished = reason is not None
             if req.prefill_only and req.status is Status.RUNNING:
@@ -297,7 +300,14 @@ class LLMEngine:
             elif finished:
                 self.scheduler.finish(req, reason)
             text = req.text.take(finished)
-            out = self._output(req, [token], text, reason, finished=finished or req.prefill_only)
+            out = self._output(
+                req,
+                [token],
+                text,
+                reason,
+                finished=finished or req.prefill_only,
+                logprobs=None if token_lp is None else [token_lp],
+            )
             if req.listener is not None:
                 req.listener(out)
             outputs.append(out)
@@ -305,7 +315,13 @@ class LLMEngine:
 
     @staticmethod
     def _output(
-        req: Request, tokens: list[int], text: str, reason: str | None, *, finished: bool
+        req: Request,
+        tokens: list[int],
+        text: str,
+        reason: str | None,
+        *,
+        finished: bool,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
@@ -315,6 +331,7 @@ class LLMEngine:
             finish_reason=reason,
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=len(req.output_token_ids),
+            logprobs=logprobs,
         )
 
     # ---------------------------------------------------------------- scoring

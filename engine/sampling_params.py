@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's top_logprobs cap)
+
 
 @dataclass
 class SamplingParams:
@@ -15,6 +17,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # None: no logprobs; k >= 0: each sampled token's logprob and the k likeliest alternatives
+    # (vLLM's convention), from the model's raw distribution (engine.logprobs).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +42,10 @@ class SamplingParams:
             (
                 self.seed is None or 0 <= self.seed < 2**63,
                 f"seed must be in [0, 2**63), got {self.seed}",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
             ),
         ]
         for ok, message in checks:

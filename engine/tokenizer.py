@@ -18,13 +18,15 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import processors
+from tokenizers import decoders, processors
 
 from engine import token_bound
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+_RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 _REPLACEMENT = "\ufffd"  # what decoding puts in place of an incomplete or invalid UTF-8 sequence
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -48,6 +50,11 @@ class Tokenizer:
         self._backend = backend
         self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
         self._template = None if chat_template is None else _compile_template(chat_template)
+        self._template_variables = (
+            frozenset()
+            if chat_template is None
+            else frozenset(jinja2.meta.find_undeclared_variables(_JINJA.parse(chat_template)))
+        )
         # What a template sees besides the messages, as transformers passes it.
         self._template_tokens = {
             name: token
@@ -57,8 +64,14 @@ class Tokenizer:
         self._bos_token_id = None if bos_token is None else _token_id(backend, bos_token)
         eos_ids = [] if eos_token is None else [_token_id(backend, eos_token)]
         self._eos_token_ids = frozenset((*eos_ids, *extra_eos_token_ids))
-        self._special_ids = frozenset(
-            i for i, token in backend.get_added_tokens_decoder().items() if token.special
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, token in added.items() if token.special)
+        self._added_bytes = {i: token.content.encode() for i, token in added.items()}
+        # A byte-level vocabulary spells each byte as one character (GPT-2's alphabet).
+        self._byte_of = (
+            {c: b for b, c in enumerate(byte_level_alphabet())}
+            if isinstance(backend.decoder, decoders.ByteLevel)
+            else None
         )
 
     @classmethod
@@ -135,25 +148,55 @@ class Tokenizer:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self._vocab_size})")
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token adds to a text (OpenAI's logprobs `bytes`): exact even when a
+        token holds part of a UTF-8 character, which decoding it alone cannot show."""
+        if token_id in self._added_bytes:
+            return self._added_bytes[token_id]
+        if self._byte_of is not None:
+            return bytes(self._byte_of[c] for c in self._backend.id_to_token(token_id))
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    @property
+    def chat_template_variables(self) -> frozenset[str]:
+        """The names the chat template reads from its context (empty without a template)."""
+        return self._template_variables
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Render `messages` into the prompt text the model was trained on.
 
-        Raises ChatTemplateError if the messages are malformed, the tokenizer has no chat
-        template, or the template fails (including its own `raise_exception`).
+        `tools` are OpenAI tool definitions; `variables` are more template variables (a
+        request's `chat_template_kwargs`), as transformers passes them. Raises
+        ChatTemplateError if the messages are malformed, the tokenizer has no chat template, or
+        the template fails (including its own `raise_exception`).
         """
         if self._template is None:
             raise ChatTemplateError("this tokenizer has no chat template")
         plain_messages = _validate_messages(messages)
+        variables = variables or {}
+        reserved = sorted(_RESERVED_VARIABLES & variables.keys())
+        if reserved:
+            raise ChatTemplateError(f"template variables may not be named {', '.join(reserved)}")
         try:
             # transformers always passes tools and documents; templates test `tools is none`.
             return self._template.render(
+                **self._template_tokens,
+                **variables,
                 messages=plain_messages,
-                tools=None,
+                tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **self._template_tokens,
             )
         except _TemplateRaised as e:
             raise ChatTemplateError(f"chat template rejected the messages: {e.message}") from e
@@ -227,11 +270,15 @@ class IncrementalDetokenizer:
                 return self._emit(head[len(prefix_text) :], split)
         return ""
 
-    def flush(self) -> str:
-        """Emit whatever is held back, an unfinished character as U+FFFD (at end of stream)."""
+    def held(self) -> str:
+        """The text of the tokens held back, as `flush` would emit it now (nothing is emitted)."""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         window = self._decode(self._prefix_offset, len(self._ids))
-        return self._emit(window[len(prefix_text) :], len(self._ids))
+        return window[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Emit whatever is held back, an unfinished character as U+FFFD (at end of stream)."""
+        return self._emit(self.held(), len(self._ids))
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(
@@ -242,6 +289,15 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, read_offset
         self._pieces.append(piece)
         return piece
+
+
+def byte_level_alphabet() -> list[str]:
+    """ByteLevel's stand-in character for each byte, indexed by byte value (GPT-2's map)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)}
+    printable |= set(range(ord("®"), 256))
+    unprintable = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(unprintable)}
+    return [chars[b] for b in range(256)]
 
 
 class _TemplateRaised(jinja2.TemplateError):
@@ -309,7 +365,26 @@ def _validate_message(where: str, message: Any) -> dict[str, Any]:
     # Like transformers, drop null fields (OpenAI clients send `"tool_calls": null`):
     # templates handle a missing key, but print "None" or fail on a null one.
     fields = {key: value for key, value in message.items() if value is not None}
-    return {**fields, "content": _text_content(f"{where}.content", message["content"])}
+    content = message["content"]
+    if content is None and role == "assistant":
+        content = ""  # a turn of tool calls only
+    if "tool_calls" in fields:
+        fields["tool_calls"] = [_template_tool_call(call) for call in fields["tool_calls"]]
+    return {**fields, "content": _text_content(f"{where}.content", content)}
+
+
+def _template_tool_call(call: Any) -> Any:
+    """A tool call with its `function.arguments` as an object, as templates expect (vLLM and
+    transformers both hand templates parsed arguments; OpenAI sends them as JSON text)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _text_content(where: str, content: Any) -> str:

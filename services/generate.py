@@ -21,6 +21,7 @@ class GenerateSettings:
     chat: str | None = setting(
         None, 'messages as JSON, e.g. \'[{"role": "user", "content": "Hi"}]\''
     )
+    thinking: bool = setting(False, "with --chat: render the chat in thinking mode")
     max_tokens: int = setting(64, "tokens to generate per prompt")
     temperature: float = setting(1.0, "sampling temperature (0 = greedy)")
     top_p: float = setting(1.0, "nucleus sampling mass")
@@ -41,16 +42,24 @@ Settings = GenerateSettings
 
 def run(s: GenerateSettings) -> None:
     from engine import LLM, SamplingParams
+    from engine.chat import parse_completion
+    from engine.chat_format import ChatOptions, chat_format, opens_reasoning
     from engine.demo_model import DEMO_MODEL_DIR
     from engine.llm_engine import RequestError
-    from engine.tokenizer import ChatTemplateError
 
-    llm = LLM(s.model or DEMO_MODEL_DIR, **dataclasses.asdict(s.engine))
+    model = s.model or DEMO_MODEL_DIR
+    llm = LLM(model, **dataclasses.asdict(s.engine))
+    reasoning = False
     if s.chat is not None:
+        # The router's choice of chat format: the template, or the V4 release's encoder.
         try:
-            prompts = [llm.tokenizer.encode_chat(json.loads(s.chat))]
-        except (json.JSONDecodeError, ChatTemplateError) as e:
+            text = chat_format(model, llm.tokenizer).render(
+                json.loads(s.chat), options=ChatOptions(thinking=s.thinking)
+            )
+        except ValueError as e:  # bad JSON, or a chat the format cannot render
             sys.exit(f"--chat: {e}")
+        reasoning = opens_reasoning(text)
+        prompts = [llm.tokenizer.encode(text)]
     elif s.prompt_token_ids:
         prompts = [[int(t) for t in p.split(",") if t.strip()] for p in s.prompt_token_ids]
     else:
@@ -75,6 +84,17 @@ def run(s: GenerateSettings) -> None:
                 "text": result.text,
                 "finish_reason": result.finish_reason,
             }
+            if s.chat is not None:
+                # The reply as the router's chat API reads it (reasoning, content, tool calls).
+                message = parse_completion(result.text, reasoning)
+                answer["message"] = {
+                    "reasoning_content": message.reasoning_content,
+                    "content": message.content,
+                    "tool_calls": [
+                        {"name": call.name, "arguments": call.arguments}
+                        for call in message.tool_calls
+                    ],
+                }
             print(json.dumps(answer), flush=True)
         else:
             print(result.text, flush=True)

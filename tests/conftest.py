@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from services.router.settings import RouterSettings
+    from tests.scripted_worker import Serve
 
 REDIS_START_TIMEOUT_S = 10.0
 
@@ -155,6 +156,19 @@ def router_model_dir(tmp_path: Path) -> Path:
     return model_dir
 
 
+@pytest.fixture
+def v4_router_model_dir(tmp_path: Path) -> Path:
+    """A V4 checkpoint as the router sees it: the release's tokenizer (every V4 marker, no chat
+    template) and a deepseek_v4 config.json, so chats go through the release's encoder."""
+    from engine.byte_tokenizer import write_byte_tokenizer
+
+    model_dir = tmp_path / "tiny-v4-router-model"
+    write_byte_tokenizer(model_dir, release=True)
+    config = {"model_type": "deepseek_v4", "max_position_embeddings": 4096}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
 @dataclass
 class RunningRouter:
     url: str  # http://127.0.0.1:<port>
@@ -209,3 +223,35 @@ async def start_router() -> AsyncIterator[Callable[[RouterSettings], Awaitable[R
     await asyncio.wait_for(
         asyncio.gather(*(task for _, task in running), return_exceptions=True), timeout=15
     )
+
+
+# ---------------------------------------------------------------- scripted workers
+
+
+@pytest_asyncio.fixture
+async def serve(redis_url: str) -> AsyncIterator[Serve]:
+    """Start ScriptedWorkers (tests/scripted_worker.py): `await serve(role, worker_id, ...)`."""
+    from tests.scripted_worker import scripted_workers
+
+    async with scripted_workers(redis_url) as start:
+        yield start
+
+
+@pytest_asyncio.fixture
+async def make_router(
+    start_router: Callable[[RouterSettings], Awaitable[RunningRouter]],
+    router_model_dir: Path,
+    redis_url: str,
+) -> Callable[..., Awaitable[RunningRouter]]:
+    """`await make_router(model_dir=..., **settings)`: a router that sees the scripted workers
+    (the tiny router model unless `model_dir` is given; the same served name either way)."""
+    from services.router.settings import RouterSettings
+    from tests.scripted_worker import MODEL, TOKEN
+
+    async def make(model_dir: Path = router_model_dir, **config: object) -> RunningRouter:
+        settings = {"served_model_name": MODEL, "cluster_token": TOKEN, **config}
+        router = await start_router(RouterSettings(str(model_dir), redis_url, **settings))
+        await router.refresh_registry()
+        return router
+
+    return make

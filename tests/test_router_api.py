@@ -22,6 +22,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.load import Load
+from engine.tokenizer import Tokenizer
 from services.registry import WorkerRecord, WorkerRegistration
 from services.router.settings import RouterSettings
 from tests.conftest import free_port
@@ -89,7 +90,8 @@ async def test_malformed_json_is_400(http: httpx.AsyncClient) -> None:
 @pytest.mark.parametrize(
     ("patch", "param", "says"),
     [
-        ({"n": 2}, "n", "n=1"),
+        ({"n": 17}, "n", "16"),
+        ({"n": 0}, "n", "1"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "system"),
         ({"messages": []}, "messages", "at least 1"),
@@ -178,8 +180,7 @@ async def test_numbers_outside_their_wire_range_are_400(
     [
         ("chat", {"logit_bias": {"50256": -100}}, "logit_bias", "{} or null"),
         ("chat", {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-        ("chat", {"logprobs": True}, "logprobs", "false or null"),
-        ("chat", {"tools": [{"type": "function"}]}, "tools", "not supported"),
+        ("chat", {"functions": [{"name": "f"}]}, "functions", "not supported"),
         ("chat", {"response_format": {"type": "json_object"}}, "response_format", "text"),
         ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, None, "name"),
         (
@@ -188,7 +189,7 @@ async def test_numbers_outside_their_wire_range_are_400(
             "stream_options.include_obfuscation",
             "not supported",
         ),
-        ("completion", {"logprobs": 0}, "logprobs", "not supported"),
+        ("completion", {"best_of": 2}, "best_of", "not supported"),
         ("completion", {"echo": True}, "echo", "not supported"),
         ("chat", {"temprature": 0.5}, "temprature", "unrecognized request argument"),
         ("completion", {"messages": []}, "messages", "unrecognized request argument"),
@@ -350,6 +351,230 @@ async def test_invalid_completion_prompts_are_400(
 ) -> None:
     response = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
     assert_openai_error(response, 400, param="prompt", says=says)
+
+
+# ---------------------------------------------------------------- 400: tools, thinking, logprobs
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+@pytest_asyncio.fixture
+async def v4_http(
+    start_router: StartRouter, v4_router_model_dir: Path, redis_url: str
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A router whose checkpoint has no template: chats use the V4 release's encoder."""
+    router = await start_router(RouterSettings(str(v4_router_model_dir), redis_url))
+    async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
+        yield client
+
+
+V4_CHAT = {"model": "tiny-v4-router-model", "messages": [{"role": "user", "content": "hi"}]}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("patch", "param", "says"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools[0].function", "required"),
+        ({"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, "tools[0].type", ""),
+        (
+            {"tools": [{"type": "function", "function": {"name": 'a"b'}}]},
+            "tools[0].function.name",
+            "pattern",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "tools", "two tools are named 'get_weather'"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", ""),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+            "'g', which is not in tools",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "reasoning_effort": "high"},
+            "tool_choice",
+            "no room for reasoning",
+        ),
+        (
+            {"tool_choice": "required", "tools": [WEATHER]}
+            | {"chat_template_kwargs": {"thinking": True}},
+            "tool_choice",
+            "turn thinking off",
+        ),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort", "'max'"),
+        (
+            {"reasoning_effort": "none", "chat_template_kwargs": {"thinking": True}},
+            "reasoning_effort",
+            "turns thinking off",
+        ),
+        ({"chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs", "true or false"),
+        (
+            {"chat_template_kwargs": {"thinking": True, "enable_thinking": False}},
+            "chat_template_kwargs",
+            "disagree",
+        ),
+        (
+            {"chat_template_kwargs": {"temperature_hint": 1}},
+            "chat_template_kwargs.temperature_hint",
+            "drop_thinking",
+        ),
+        ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]},
+            "messages[0]",
+            "'tool_calls' belongs on assistant messages",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi", "tool_call_id": "call_1"}]},
+            "messages[0]",
+            "belongs on tool messages",
+        ),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {}}]}]},
+            "messages[0].tool_calls[0].function.name",
+            "required",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "x"},
+                ]
+            },
+            "messages[1]",
+            "must end with a user or tool message",
+        ),
+    ],
+)
+@pytest.mark.asyncio
+async def test_invalid_tools_thinking_and_logprobs_are_400(
+    v4_http: httpx.AsyncClient, patch: dict, param: str, says: str
+) -> None:
+    response = await v4_http.post("/v1/chat/completions", json=V4_CHAT | patch)
+    assert_openai_error(response, 400, param=param, says=says)
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"tools": [WEATHER], "tool_choice": "auto", "parallel_tool_calls": False},
+        {"tools": [WEATHER], "tool_choice": "required"},
+        {
+            "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": WEATHER["function"]["name"]}},
+        },
+        {"tools": [WEATHER], "tool_choice": "none", "reasoning_effort": "max"},
+        {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": True}},
+        {"chat_template_kwargs": {"drop_thinking": False}, "logprobs": True, "top_logprobs": 20},
+        {
+            "messages": [
+                {"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
+            "tools": [WEATHER],
+        },
+        {"n": 16, "seed": 3},
+    ],
+)
+@pytest.mark.asyncio
+async def test_valid_tools_thinking_and_logprobs_reach_the_workers(
+    v4_http: httpx.AsyncClient, patch: dict
+) -> None:
+    # Past validation and rendering, to the 503 of an empty registry.
+    response = await v4_http.post("/v1/chat/completions", json=V4_CHAT | patch)
+    assert_openai_error(response, 503, says="no live prefill")
+
+
+@pytest.mark.asyncio
+async def test_tools_a_template_never_reads_are_400(http: httpx.AsyncClient) -> None:
+    # The tiny model's Jinja template has no tools section: the model would never see them.
+    response = await http.post("/v1/chat/completions", json=CHAT | {"tools": [WEATHER]})
+    assert_openai_error(response, 400, param="tools", says="does not render tools")
+    # Without tools a template takes tool_choice "none"/"auto" (client libraries send them).
+    for choice in ("none", "auto"):
+        response = await http.post("/v1/chat/completions", json=CHAT | {"tool_choice": choice})
+        assert_openai_error(response, 503)
+    response = await http.post("/v1/completions", json={"prompt": "hi", "logprobs": 21})
+    assert_openai_error(response, 400, param="logprobs", says="20")
+    # A template variable may not replace what the router passes a template.
+    body = CHAT | {"chat_template_kwargs": {"messages": []}}
+    response = await http.post("/v1/chat/completions", json=body)
+    assert_openai_error(response, 400, says="may not be named messages")
+
+
+# ---------------------------------------------------------------- /tokenize, /detokenize
+
+
+@pytest.mark.asyncio
+async def test_tokenize_renders_chats_and_prompts_as_generation_does(
+    http: httpx.AsyncClient, router_model_dir: Path
+) -> None:
+    tokenizer = Tokenizer.from_pretrained(router_model_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    response = await http.post("/tokenize", json={"model": MODEL, "messages": messages})
+    assert response.status_code == 200, response.text
+    expected = tokenizer.encode_chat(messages)
+    assert response.json() == {
+        "count": len(expected),
+        "max_model_len": 64,
+        "tokens": expected,
+        "token_strs": None,
+    }
+    without = await http.post(
+        "/tokenize", json={"messages": messages, "add_generation_prompt": False}
+    )
+    assert without.json()["tokens"] == expected[:-1]  # no trailing <｜Assistant｜>
+
+    text = await http.post("/tokenize", json={"prompt": "hé", "return_token_strs": True})
+    assert text.json()["tokens"] == [256, ord("h"), 0xC3, 0xA9]  # bos, then one token per byte
+    # Each token's own bytes: half a character shows as U+FFFD.
+    assert text.json()["token_strs"] == ["<｜begin▁of▁sentence｜>", "h", "\ufffd", "\ufffd"]
+    bare = await http.post("/tokenize", json={"prompt": "hé", "add_special_tokens": False})
+    assert bare.json()["tokens"] == [ord("h"), 0xC3, 0xA9]
+
+    back = await http.post("/detokenize", json={"tokens": expected})
+    assert back.json() == {"prompt": tokenizer.decode(expected, skip_special_tokens=False)}
+    assert back.json()["prompt"].startswith("<｜begin▁of▁sentence｜>Be brief.<｜User｜>hi")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "says"),
+    [
+        ("/detokenize", {"tokens": [1, 262]}, 400, "tokens", "[0, 262)"),
+        ("/detokenize", {"tokens": []}, 400, "tokens", "at least 1"),
+        ("/tokenize", {"messages": []}, 400, "messages", "at least 1"),
+        ("/tokenize", {"prompt": "hi", "tools": []}, 400, "tools", "unrecognized"),
+        ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "tool"),
+        ("/tokenize", {"model": "gpt-9", "prompt": "hi"}, 404, "model", "gpt-9"),
+        ("/tokenize", {}, 400, "prompt", "required"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_tokenize_errors(
+    http: httpx.AsyncClient, path: str, body: dict, status: int, param: str, says: str
+) -> None:
+    assert_openai_error(await http.post(path, json=body), status, param=param, says=says)
+
+
+@pytest.mark.asyncio
+async def test_tokenize_with_the_v4_encoder(v4_http: httpx.AsyncClient) -> None:
+    body = V4_CHAT | {"reasoning_effort": "max", "tools": [WEATHER]}
+    response = await v4_http.post("/tokenize", json=body | {"return_token_strs": True})
+    assert response.status_code == 200, response.text
+    text = "".join(response.json()["token_strs"])
+    assert text.startswith("<｜begin▁of▁sentence｜>Reasoning Effort: Absolute maximum")
+    assert '"name": "get_weather"' in text and text.endswith("<｜User｜>hi<｜Assistant｜><think>")
+    response = await v4_http.post("/tokenize", json=body | {"add_generation_prompt": False})
+    assert_openai_error(response, 400, param="add_generation_prompt", says="must be true")
 
 
 # ---------------------------------------------------------------- 401 / 404
@@ -518,7 +743,7 @@ async def test_metrics_parse_and_count_outcomes(
 ) -> None:
     await registered("p1", "prefill")
     await router.refresh_registry()
-    await http.post("/v1/chat/completions", json=CHAT | {"n": 3})
+    await http.post("/v1/chat/completions", json=CHAT | {"n": 30})
     await http.post("/v1/chat/completions", json=CHAT)  # 503: no decode worker
 
     response = await http.get("/metrics")

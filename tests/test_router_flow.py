@@ -1,171 +1,27 @@
 """The prefill -> decode flow through the router, against scripted gRPC workers (no model).
 
-`ScriptedWorker` speaks the real wire contract (proto/dsaserve.proto) from a script, so these
-tests pin the router's side: SSE format, usage, error mapping, retries, and that every exit path
-cancels Decode and aborts the prefill. End-to-end tests against real workers live elsewhere.
+`ScriptedWorker` (tests/scripted_worker.py) speaks the real wire contract (proto/dsaserve.proto)
+from a script, so these tests pin the router's side: SSE format, usage, error mapping, retries,
+and that every exit path cancels Decode and aborts the prefill. Chat replies (reasoning, tool
+calls), logprobs and n are in test_router_chat.py; tests against real workers live elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
 import pytest
-import pytest_asyncio
 
-from engine.load import Load
-from services.auth import TOKEN_METADATA_KEY
-from services.registry import WorkerRecord, WorkerRegistration
 from services.router.settings import RouterSettings
-from services.rpc import grpc_api, pb
+from services.rpc import pb
+from tests.scripted_worker import MODEL, WAIT_S, Serve, sse_events
 
-MODEL = "tiny-router-model"
-TOKEN = "secret-token"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}  # 5 prompt tokens
-WAIT_S = 10.0  # bound on every wait for a worker-side event
-
-
-@dataclass
-class ScriptedWorker(grpc_api.PrefillServicer, grpc_api.DecodeServicer):
-    """Both worker roles from a script: first text from Prefill, then chunks, then done."""
-
-    first_text: str = "He"
-    chunks: tuple[str, ...] = ("llo", " world")
-    prefill_finish: int = pb.FINISH_REASON_UNSPECIFIED
-    prefill_status: grpc.StatusCode | None = None
-    decode_error: str | None = None
-    hold_decode: asyncio.Event | None = None  # Decode waits on it after its chunks
-    prefill_requests: list[pb.PrefillRequest] = field(default_factory=list)
-    decode_requests: list[pb.DecodeRequest] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
-    abort_seen: asyncio.Event = field(default_factory=asyncio.Event)
-    decode_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def _check_token(self, context: grpc.aio.ServicerContext) -> None:
-        if dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) != TOKEN:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster token")
-
-    async def Prefill(
-        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
-    ) -> pb.PrefillResponse:
-        await self._check_token(context)
-        self.prefill_requests.append(request)
-        if self.prefill_status is not None:
-            await context.abort(self.prefill_status, f"scripted {self.prefill_status.name}")
-        usage = pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=1)
-        if self.prefill_finish:
-            return pb.PrefillResponse(
-                first_token_id=72,
-                text=self.first_text,
-                finish_reason=self.prefill_finish,
-                usage=usage,
-            )
-        kv = pb.KVHandle(
-            worker_id="scripted",
-            agent_name="agent",
-            layout_hash="L1",
-            num_tokens=len(request.prompt_token_ids),
-        )
-        return pb.PrefillResponse(first_token_id=72, text=self.first_text, kv=kv, usage=usage)
-
-    async def Decode(
-        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.DecodeResponse]:
-        await self._check_token(context)
-        self.decode_requests.append(request)
-        try:
-            for text in self.chunks:
-                yield pb.DecodeResponse(chunk=pb.DecodeChunk(token_ids=[1], text=text))
-            if self.hold_decode is not None:
-                await self.hold_decode.wait()
-        except asyncio.CancelledError:
-            self.decode_cancelled.set()
-            raise
-        if self.decode_error is not None:
-            yield pb.DecodeResponse(
-                error=pb.DecodeError(message=self.decode_error, cause="transfer")
-            )
-            return
-        usage = pb.Usage(
-            prompt_tokens=len(request.prompt_token_ids), completion_tokens=1 + len(self.chunks)
-        )
-        yield pb.DecodeResponse(
-            done=pb.DecodeDone(finish_reason=pb.FINISH_REASON_STOP, usage=usage)
-        )
-
-    async def Abort(
-        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AbortResponse:
-        await self._check_token(context)
-        self.aborted.append(request.request_id)
-        self.abort_seen.set()
-        return pb.AbortResponse(found=True)
-
-
-Serve = Callable[..., Awaitable[ScriptedWorker]]
-
-
-@pytest_asyncio.fixture
-async def serve(redis_url: str) -> AsyncIterator[Serve]:
-    """Run a ScriptedWorker on a free port and register it (`address`: register a dead one)."""
-    servers: list[grpc.aio.Server] = []
-    regs: list[WorkerRegistration] = []
-
-    async def start(
-        role: str, worker_id: str, *, load: int = 0, address: str | None = None, **script: Any
-    ) -> ScriptedWorker:
-        worker = ScriptedWorker(**script)
-        if address is None:
-            server = grpc.aio.server()
-            grpc_api.add_PrefillServicer_to_server(worker, server)
-            grpc_api.add_DecodeServicer_to_server(worker, server)
-            address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-            await server.start()
-            servers.append(server)
-        rec = WorkerRecord(worker_id, role, address, MODEL, "L1", "agent")  # type: ignore[arg-type]
-        reg = WorkerRegistration(redis_url, rec, lambda: Load(running=load))
-        await reg.start()
-        regs.append(reg)
-        return worker
-
-    yield start
-    for reg in regs:
-        await reg.stop()
-    for server in servers:
-        await server.stop(grace=None)
-
-
-@pytest_asyncio.fixture
-async def make_router(
-    start_router: Any, router_model_dir: Path, redis_url: str
-) -> Callable[..., Awaitable[Any]]:
-    async def make(**config: Any) -> Any:
-        router = await start_router(
-            RouterSettings(str(router_model_dir), redis_url, cluster_token=TOKEN, **config)
-        )
-        await router.refresh_registry()
-        return router
-
-    return make
-
-
-async def sse_events(response: httpx.Response) -> list[Any]:
-    """The `data:` payloads of an SSE response, JSON-decoded except the final [DONE]."""
-    events = []
-    async for line in response.aiter_lines():
-        if line.startswith("data: "):
-            payload = line.removeprefix("data: ")
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-        else:
-            assert line == "", f"unexpected SSE line {line!r}"
-    return events
 
 
 async def wait_for(event: asyncio.Event) -> None:

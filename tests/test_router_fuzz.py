@@ -44,6 +44,8 @@ def router_api(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
 OPERATIONS = [
     "POST /v1/chat/completions",
     "POST /v1/completions",
+    "POST /tokenize",
+    "POST /detokenize",
     "GET /v1/models",
     "GET /live",
     "GET /health",

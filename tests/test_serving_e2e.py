@@ -172,7 +172,7 @@ def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, model
     "body, status, fragment",
     [
         ({"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 10}, 400, "context"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, 400, "'n'"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 7}, 400, "top_p"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
         (

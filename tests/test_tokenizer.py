@@ -15,9 +15,15 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.byte_tokenizer import BOS_TOKEN, EOS_TOKEN, _byte_to_unicode, write_byte_tokenizer
+from engine.byte_tokenizer import BOS_TOKEN, EOS_TOKEN, write_byte_tokenizer
+from engine.chat import tokens as v4
 from engine.token_bound import min_tokens
-from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import (
+    ChatTemplateError,
+    IncrementalDetokenizer,
+    Tokenizer,
+    byte_level_alphabet,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = range(256, 262)
@@ -112,6 +118,27 @@ def test_tiny_tokenizer_token_ids(tok: Tokenizer) -> None:
     for _ in range(500):
         data = rng.randbytes(8)
         assert tok.decode(list(data)) == data.decode("utf-8", errors="replace")
+
+
+def test_release_variant_has_every_v4_marker_and_no_template(tmp_path: Path) -> None:
+    assert write_byte_tokenizer(tmp_path, release=True) == 264
+    tok = Tokenizer.from_pretrained(tmp_path)
+    markers = [v4.BOS, v4.EOS, v4.USER, v4.ASSISTANT, v4.THINK_START, v4.THINK_END, v4.DSML]
+    assert [tok.encode(m) for m in [*markers, v4.LATEST_REMINDER]] == [[i] for i in range(256, 264)]
+    assert tok.all_special_ids == frozenset({BOS, EOS})  # DSML and think tags survive decoding
+    assert "chat_template" not in json.loads((tmp_path / "tokenizer_config.json").read_text())
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_token_bytes_are_exact_even_for_part_of_a_character(tok: Tokenizer) -> None:
+    # Byte-level: token id == byte value, so a token may be half of "é" (0xC3 0xA9).
+    assert [tok.token_bytes(i) for i in tok.encode("aé")] == [b"a", b"\xc3", b"\xa9"]
+    assert tok.token_bytes(THINK) == b"<think>"
+    assert tok.token_bytes(EOS) == EOS_TOKEN.encode()
+    # Other decoders: the token's decoded text.
+    backend = BackendTokenizer(models.WordLevel({"hi": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    assert Tokenizer(backend).token_bytes(0) == b"hi"
 
 
 # --- encode / decode ----------------------------------------------------------------------------
@@ -351,7 +378,7 @@ def _chunked_tokenizer(chunks: list[bytes]) -> tuple[Tokenizer, list[int]]:
 
     Chunks cut anywhere, so one token may end a character and start the next.
     """
-    chars = _byte_to_unicode()
+    chars = byte_level_alphabet()
     vocab = {c: b for b, c in enumerate(chars)}
     spelled = ["".join(chars[b] for b in chunk) for chunk in chunks]
     for token in spelled:

@@ -26,7 +26,7 @@ from services import connections
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from services.transfer import TransferError, fetch_descriptor
-from services.worker.convert import FINISH_REASONS, sampling_from_proto
+from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from services.worker.process import RoleService, Worker, now_ms
 from services.worker.settings import DecodeSettings
 
@@ -101,9 +101,12 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                         error=pb.DecodeError(message=f"request {rid} was aborted", cause="abort")
                     )
                     return
-                yield pb.DecodeResponse(
-                    chunk=pb.DecodeChunk(token_ids=out.new_token_ids, text=out.text)
+                chunk = pb.DecodeChunk(
+                    token_ids=out.new_token_ids,
+                    text=out.text,
+                    logprobs=logprobs_to_proto(out.logprobs or []),
                 )
+                yield pb.DecodeResponse(chunk=chunk)
                 w.metrics.tokens.labels(role="decode", kind="generated").inc(len(out.new_token_ids))
                 if out.finished:
                     finished = True

@@ -19,7 +19,7 @@ import grpc
 from engine.engine_loop import OutputQueue
 from engine.llm_engine import RequestError
 from services.rpc import grpc_api, pb
-from services.worker.convert import FINISH_REASONS, sampling_from_proto
+from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from services.worker.process import RoleService, Worker, now_ms
 from services.worker.settings import PrefillSettings
 
@@ -81,6 +81,8 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                 prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens
             ),
         )
+        if out.logprobs:
+            response.first_logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
         if held is not None:
             response.kv.CopyFrom(
                 pb.KVHandle(

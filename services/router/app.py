@@ -1,7 +1,9 @@
-"""The router's FastAPI app: OpenAI routes, /health, /metrics, and the objects they share.
+"""The router's FastAPI app: OpenAI routes, vLLM's /tokenize and /detokenize, /health, /metrics,
+and the objects they share.
 
-A request goes: API key -> body validation -> model name -> chat template + tokenize -> context
-check -> admission -> prefill worker (policy) -> Prefill -> first token out -> Decode stream.
+A request goes: API key -> body validation -> model name -> chat format + tokenize -> context
+check -> admission -> one generation per choice: prefill worker (policy) -> Prefill -> first
+token out -> Decode stream.
 """
 
 from __future__ import annotations
@@ -25,13 +27,22 @@ from services.registry import ROLES, RegistryWatcher
 
 from .admission import Admission, KeyLimit
 from .body import LimitedRoute
+from .choices import ChatChoice, Choice, TextChoice
 from .clients import WorkerClients
 from .errors import APIError, error_responses, install_handlers
+from .fanout import fan_in
+from .logprobs import TokenTexts
 from .metrics import RequestCounter, RequestTimer, RouterMetrics
 from .model import ServedModel
 from .pd import Generation, PDFlow
-from .responses import ChatShape, Shape, TextShape
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .responses import Reply
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+)
 from .selection import WorkerSelector
 from .settings import RouterSettings
 from .streaming import EventStream, answer
@@ -53,7 +64,7 @@ class RouterState:
 def create_app(settings: RouterSettings, rng: random.Random | None = None) -> FastAPI:
     """Build the app; the registry watcher starts and stops with the app's lifespan."""
     s = settings
-    model = ServedModel.load(s.model_dir, s.served_model_name, s.max_model_len)
+    model = ServedModel.load(s.model_dir, s.served_model_name, s.max_model_len, s.default_thinking)
     metrics = RouterMetrics(CollectorRegistry())
     watcher = RegistryWatcher(s.redis_url, s.registry_ttl_s)
     clients = WorkerClients(s.cluster_token, s.tls)
@@ -86,6 +97,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     install_handlers(app)
     app.add_middleware(RequestCounter, metrics=metrics)
     app.include_router(_v1)
+    app.include_router(_tokens)
     app.include_router(_ops)
     return app
 
@@ -120,6 +132,12 @@ _v1 = APIRouter(
     route_class=LimitedRoute,
     responses=error_responses(401),
 )
+# vLLM serves these at the root; they take the API key like /v1.
+_tokens = APIRouter(
+    dependencies=[Depends(_require_api_key)],
+    route_class=LimitedRoute,
+    responses=error_responses(400, 401, 404, 413),
+)
 _ops = APIRouter()
 
 _GENERATED = {
@@ -133,18 +151,17 @@ _GENERATED = {
 
 @_v1.post("/chat/completions", responses=_GENERATED)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    return await _generate(request, body, ChatShape, "chatcmpl", "messages")
+    return await _generate(request, body, "chatcmpl", "messages")
 
 
 @_v1.post("/completions", responses=_GENERATED)
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    return await _generate(request, body, TextShape, "cmpl", "prompt")
+    return await _generate(request, body, "cmpl", "prompt")
 
 
 async def _generate(
     request: Request,
     body: ChatCompletionRequest | CompletionRequest,
-    shape_type: type[Shape],
     id_prefix: str,
     prompt_param: str,
 ) -> Response:
@@ -157,30 +174,71 @@ async def _generate(
         key = request.state.api_key
         st.key_limit.acquire(key)  # before tokenizing: a key over its limit costs nothing
         slots.callback(st.key_limit.release, key)
-        prompt_ids = await st.model.prompt_ids(body)
+        texts = TokenTexts(st.model.tokenizer) if body.logprobs_count() is not None else None
+        choices: list[Choice]
+        if isinstance(body, ChatCompletionRequest):
+            prompt, prompt_ids = await st.model.chat_ids(body)
+            choices = [ChatChoice(i, prompt, texts) for i in range(body.n)]
+        else:
+            prompt_ids = await st.model.completion_ids(body)
+            choices = [TextChoice(i, texts) for i in range(body.n)]
         requested = body.requested_max_tokens()
         max_tokens = st.model.max_tokens(len(prompt_ids), requested, prompt_param)
         timeout_s = st.settings.request_timeout_s
+        # One admission slot per request, whatever its n.
         await st.admission.acquire(arrival + timeout_s - time.monotonic())
         slots.callback(st.admission.release)
-        gen = Generation(
-            request_id=f"{id_prefix}-{uuid.uuid4().hex}",
-            prompt_ids=prompt_ids,
-            sampling=body.sampling(max_tokens),
-            deadline=arrival + timeout_s,
-            timeout_s=timeout_s,
-            timer=RequestTimer(st.metrics, arrival),
-        )
-        events = st.flow.generate(gen)
-        first = await anext(events)  # prefill happens here, so its errors keep their HTTP status
-        shape = shape_type(gen.request_id, st.model.name, body.include_usage)
+        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        generations = [
+            Generation(
+                # Workers key requests by id: each choice is a request of its own there.
+                request_id=request_id if body.n == 1 else f"{request_id}-{i}",
+                prompt_ids=prompt_ids,
+                sampling=body.sampling(max_tokens, choice=i),
+                deadline=arrival + timeout_s,
+                timeout_s=timeout_s,
+                timer=RequestTimer(st.metrics, arrival),
+            )
+            for i in range(body.n)
+        ]
+        # Every prefill happens here, so their errors keep their HTTP status.
+        events = await fan_in([st.flow.generate(gen) for gen in generations])
+        reply = Reply(request_id, st.model.name, body.include_usage, choices)
         if body.stream:
-            # From here the stream owns the slots and the generation.
-            return EventStream(events, first, shape, request.state, slots.pop_all().close)
+            # From here the stream owns the slots and the generations.
+            return EventStream(events, reply, request.state, slots.pop_all().close)
         try:
-            return await answer(events, first, shape, request)
+            return await answer(events, reply, request)
         finally:
             await events.aclose()
+
+
+@_tokens.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    """vLLM's /tokenize: a chat's prompt ids exactly as a chat completion sends them to prefill
+    (the same code renders both), or a text prompt's as a completion's."""
+    model = _state(request).model
+    model.check_name(body.model)
+    if isinstance(body, TokenizeChatRequest):
+        _, ids = await model.chat_ids(body, body.add_generation_prompt)
+    else:
+        ids = await model.text_ids(body.prompt, body.add_special_tokens)
+    texts = TokenTexts(model.tokenizer)
+    return {
+        "count": len(ids),
+        "max_model_len": model.context_length,
+        "tokens": ids,
+        "token_strs": [texts.token(i) for i in ids] if body.return_token_strs else None,
+    }
+
+
+@_tokens.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+    """vLLM's /detokenize: the text of token ids, special tokens included (undoes /tokenize)."""
+    model = _state(request).model
+    model.check_name(body.model)
+    model.check_ids(body.tokens, "tokens")
+    return {"prompt": model.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
 
 @_v1.get("/models")

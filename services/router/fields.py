@@ -58,15 +58,8 @@ GENERATION: Mapping[str, NoOp] = {
 # /v1/chat/completions only.
 CHAT: Mapping[str, NoOp] = {
     **GENERATION,
-    "logprobs": FALSE,
-    "top_logprobs": NoOp((0,)),
-    "tools": EMPTY_LIST,
-    "tool_choice": NoOp(("none", "auto")),  # without tools both mean a plain answer
-    "parallel_tool_calls": NoOp((True, False)),  # without tools it has nothing to act on
     "functions": EMPTY_LIST,
     "function_call": NoOp(("none", "auto")),
-    "reasoning_effort": NULL,
-    "chat_template_kwargs": EMPTY_OBJECT,
     "modalities": NoOp((["text"],)),
     "audio": NULL,
     "prediction": NULL,
@@ -76,7 +69,6 @@ CHAT: Mapping[str, NoOp] = {
 # /v1/completions only.
 COMPLETION: Mapping[str, NoOp] = {
     **GENERATION,
-    "logprobs": NULL,
     "echo": FALSE,
     "best_of": NoOp((1,)),
     "suffix": NoOp(("",)),
@@ -85,11 +77,8 @@ COMPLETION: Mapping[str, NoOp] = {
 # A chat message, and `stream_options`.
 MESSAGE: Mapping[str, NoOp] = {
     "name": NULL,
-    "tool_calls": EMPTY_LIST,
-    "tool_call_id": NULL,
     "function_call": NULL,
     "refusal": NULL,
-    "reasoning_content": NULL,
 }
 STREAM_OPTIONS: Mapping[str, NoOp] = {
     "continuous_usage_stats": FALSE,

@@ -1,7 +1,9 @@
-"""The one model a router serves: its name, context length, and prompt tokenization.
+"""The one model a router serves: its name, context length, chat format and prompt tokens.
 
-Reads only the checkpoint's `config.json` and tokenizer files: `engine.tokenizer` is torch-free,
-and so is everything this module touches.
+Reads only the checkpoint's `config.json` and tokenizer files: `engine.tokenizer` and
+`engine.chat_format` are torch-free, and so is everything this module touches. A chat
+completion and /tokenize of the same chat both come here, so prefill gets exactly the ids
+/tokenize shows.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from engine.chat_format import ChatEncodingError, ChatFormat, chat_format
 from engine.sampling_params import ContextLengthError, resolve_max_tokens
 from engine.token_bound import min_tokens
 from engine.tokenizer import Tokenizer
 
+from .chat import ChatPrompt, chat_prompt
 from .errors import APIError
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatPromptFields, CompletionRequest
 
 
 @dataclass(frozen=True)
@@ -26,13 +30,19 @@ class ServedModel:
     path: str
     context_length: int  # prompt + completion tokens: --max-model-len, or max_position_embeddings
     tokenizer: Tokenizer
+    chat_format: ChatFormat
     # Bounds a prompt's token count from its length (None: this tokenizer allows no bound).
     max_chars_per_token: int | None
+    default_thinking: bool = False  # a chat that does not say renders in thinking mode
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
     def load(
-        cls, model_dir: str, served_name: str | None = None, max_model_len: int | None = None
+        cls,
+        model_dir: str,
+        served_name: str | None = None,
+        max_model_len: int | None = None,
+        default_thinking: bool = False,
     ) -> ServedModel:
         config_path = os.path.join(model_dir, "config.json")
         try:
@@ -49,7 +59,15 @@ class ServedModel:
         name = served_name or os.path.basename(os.path.normpath(model_dir))
         limit = max_model_len or context_length
         tokenizer = Tokenizer.from_pretrained(model_dir)
-        return cls(name, model_dir, limit, tokenizer, tokenizer.max_chars_per_token())
+        return cls(
+            name,
+            model_dir,
+            limit,
+            tokenizer,
+            chat_format(model_dir, tokenizer),
+            tokenizer.max_chars_per_token(),
+            default_thinking,
+        )
 
     def check_name(self, requested: str | None) -> None:
         if requested is not None and requested != self.name:
@@ -61,37 +79,52 @@ class ServedModel:
                 code="model_not_found",
             )
 
-    async def prompt_ids(self, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
-        """Render and tokenize off the event loop: long prompts take milliseconds of CPU, and
-        a prompt that cannot fit the context is refused before it is tokenized at all."""
-        if isinstance(request, ChatCompletionRequest):
-            messages = [m.for_template() for m in request.messages]
-            try:
-                text = await asyncio.to_thread(
-                    self.tokenizer.apply_chat_template, messages, add_generation_prompt=True
-                )
-                self._check_fits(text, "messages")
-                # As encode_chat does: the template wrote bos itself.
-                return await asyncio.to_thread(self.tokenizer.encode, text)
-            except ValueError as e:  # ChatTemplateError, or text that is not valid Unicode
-                raise APIError(400, f"Invalid messages: {e}", param="messages") from e
+    async def chat_ids(
+        self, request: ChatPromptFields, add_generation_prompt: bool = True
+    ) -> tuple[ChatPrompt, list[int]]:
+        """The chat's prompt and its ids. Rendering and tokenizing run off the event loop (long
+        prompts take milliseconds of CPU), and a prompt that cannot fit the context is refused
+        before it is tokenized at all."""
+        try:
+            prompt = await asyncio.to_thread(
+                chat_prompt,
+                request,
+                self.chat_format,
+                default_thinking=self.default_thinking,
+                add_generation_prompt=add_generation_prompt,
+            )
+            self._check_fits(prompt.text, "messages")
+            # The prompt holds bos already (the template or encoder wrote it).
+            return prompt, await asyncio.to_thread(self.tokenizer.encode, prompt.text)
+        except ChatEncodingError as e:  # names the field at fault
+            raise APIError(400, f"Invalid {e}", param=e.param) from e
+        except ValueError as e:  # ChatTemplateError, or text that is not valid Unicode
+            raise APIError(400, f"Invalid messages: {e}", param="messages") from e
+
+    async def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids; as in vLLM's completions API, special tokens (BOS) by default."""
+        self._check_fits(text, "prompt")
+        try:
+            return await asyncio.to_thread(
+                self.tokenizer.encode, text, add_special_tokens=add_special_tokens
+            )
+        except ValueError as e:
+            raise APIError(400, f"Invalid prompt: {e}", param="prompt") from e
+
+    async def completion_ids(self, request: CompletionRequest) -> list[int]:
         if isinstance(request.prompt, str):
-            self._check_fits(request.prompt, "prompt")
-            try:
-                # As in vLLM's completions API, a text prompt gets the special tokens (BOS).
-                return await asyncio.to_thread(
-                    self.tokenizer.encode, request.prompt, add_special_tokens=True
-                )
-            except ValueError as e:
-                raise APIError(400, f"Invalid prompt: {e}", param="prompt") from e
-        bad = [t for t in request.prompt if not 0 <= t < self.tokenizer.vocab_size]
+            return await self.text_ids(request.prompt)
+        self.check_ids(request.prompt, "prompt")
+        return list(request.prompt)
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
         if bad:
             raise APIError(
                 400,
-                f"Prompt token ids must be in [0, {self.tokenizer.vocab_size}); got {bad[:5]}",
-                param="prompt",
+                f"Token ids must be in [0, {self.tokenizer.vocab_size}); got {bad[:5]}",
+                param=param,
             )
-        return list(request.prompt)
 
     def _check_fits(self, text: str, param: str) -> None:
         """Refuse `text` if even its fewest possible tokens leave no room for output."""

@@ -34,7 +34,12 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Token:
+    """Output tokens and their text (which may be empty: text held back for a stop string, a
+    partial character, a special token); logprobs, one per token id, when the request asked."""
+
     text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[pb.TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +96,8 @@ class PDFlow:
         gen.timer.token()
         finished = False  # once True, nobody holds KV for this request any more
         try:
-            if first.text:
-                yield Token(first.text)
+            first_logprobs = (first.first_logprob,) if first.HasField("first_logprob") else ()
+            yield Token(first.text, (first.first_token_id,), first_logprobs)
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen)
                 finished = True
@@ -112,8 +117,7 @@ class PDFlow:
                             await self._drain(call)  # end the call cleanly, not by cancelling
                             yield event
                             return
-                        if event is not None:
-                            yield event
+                        yield event
                         response = await self._read(call, decode_worker, gen)
                 raise APIError(
                     500,
@@ -127,14 +131,13 @@ class PDFlow:
             if not finished:
                 self._clients.abort_later(prefill_worker, gen.request_id)
 
-    def _event(
-        self, response: pb.DecodeResponse, worker: WorkerRecord, gen: Generation
-    ) -> Event | None:
-        """What one Decode message means for the client (None: nothing to send)."""
+    def _event(self, response: pb.DecodeResponse, worker: WorkerRecord, gen: Generation) -> Event:
+        """What one Decode message means for the client."""
         kind = response.WhichOneof("kind")
         if kind == "chunk":
             gen.timer.token()
-            return Token(response.chunk.text) if response.chunk.text else None
+            chunk = response.chunk
+            return Token(chunk.text, tuple(chunk.token_ids), tuple(chunk.logprobs))
         if kind == "done":
             return self._finish(response.done.finish_reason, response.done.usage, worker, gen)
         if kind == "error":

@@ -1,70 +1,69 @@
-"""OpenAI response objects for one generation: whole answers and streaming chunks.
+"""OpenAI response envelopes for one request: whole answers and streaming chunks.
 
-Chat and text completions differ only in object names and in how a choice carries text
-(`message`/`delta` vs `text`); `ChatShape` and `TextShape` say just that. Every chunk of a
-stream shares `id`, `created` and `model`.
+Chat and text completions differ only in object names and in their choices (choices.py); every
+chunk of a stream shares `id`, `created` and `model`. Usage counts the prompt once and the
+completion tokens of every choice.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from .pd import Finish
+from .choices import ChatChoice, Choice
+from .pd import Event, Finish
 
 JSON = dict[str, Any]
 
 
-def usage_body(finish: Finish) -> JSON:
-    return {
-        "prompt_tokens": finish.prompt_tokens,
-        "completion_tokens": finish.completion_tokens,
-        "total_tokens": finish.prompt_tokens + finish.completion_tokens,
-    }
+class Reply:
+    """The answer to one request, fed its choices' events in any interleaving."""
 
-
-class Shape:
-    object: str
-    chunk_object: str
-
-    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+    def __init__(
+        self, request_id: str, model: str, include_usage: bool, choices: Sequence[Choice]
+    ) -> None:
+        chat = isinstance(choices[0], ChatChoice)
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.id = request_id
         self.model = model
         self.created = int(time.time())
         self.include_usage = include_usage
-
-    # -- what differs between chat and text
-    def _answer_choice(self, text: str) -> JSON:
-        raise NotImplementedError
-
-    def _chunk_choice(self, text: str | None) -> JSON:
-        """A streamed choice's text part; None for the finish chunk."""
-        raise NotImplementedError
+        self.choices = list(choices)
+        self._finishes: dict[int, Finish] = {}
 
     def opening_chunks(self) -> list[JSON]:
-        return []
+        """Chunks that open a stream (chat: each choice's role)."""
+        return [self._chunk(o) for c in self.choices if (o := c.opening()) is not None]
 
-    # -- shared envelopes
-    def answer(self, text: str, finish: Finish) -> JSON:
-        choice = {
-            "index": 0,
-            **self._answer_choice(text),
-            "logprobs": None,
-            "finish_reason": finish.reason,
+    def chunks(self, index: int, event: Event) -> list[JSON]:
+        """What choice `index`'s event adds to the stream; the last finish brings the usage."""
+        choice = self.choices[index]
+        if not isinstance(event, Finish):
+            body = choice.chunk(event)
+            return [] if body is None else [self._chunk(body)]
+        self._finishes[index] = event
+        out = [self._chunk(choice.finish(event))]
+        if self.include_usage and len(self._finishes) == len(self.choices):
+            out.append({**self._head(self.chunk_object), "choices": [], "usage": self._usage()})
+        return out
+
+    def answer(self) -> JSON:
+        """The whole answer, once every choice has finished."""
+        choices = [choice.answer() for choice in self.choices]
+        return {**self._head(self.object), "choices": choices, "usage": self._usage()}
+
+    def _usage(self) -> JSON:
+        prompt = next(iter(self._finishes.values())).prompt_tokens
+        completion = sum(f.completion_tokens for f in self._finishes.values())
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
         }
-        return {**self._head(self.object), "choices": [choice], "usage": usage_body(finish)}
 
-    def text_chunk(self, text: str) -> JSON:
-        return self._chunk(self._chunk_choice(text), None)
-
-    def finish_chunk(self, finish: Finish) -> JSON:
-        return self._chunk(self._chunk_choice(None), finish.reason)
-
-    def usage_chunk(self, finish: Finish) -> JSON:
-        return {**self._head(self.chunk_object), "choices": [], "usage": usage_body(finish)}
-
-    def _chunk(self, body: JSON, finish_reason: str | None) -> JSON:
-        choice = {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+    def _chunk(self, choice: JSON) -> JSON:
         chunk = {**self._head(self.chunk_object), "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None  # OpenAI: every chunk but the last carries usage: null
@@ -72,28 +71,3 @@ class Shape:
 
     def _head(self, obj: str) -> JSON:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-
-class ChatShape(Shape):
-    object = "chat.completion"
-    chunk_object = "chat.completion.chunk"
-
-    def _answer_choice(self, text: str) -> JSON:
-        return {"message": {"role": "assistant", "content": text}}
-
-    def _chunk_choice(self, text: str | None) -> JSON:
-        return {"delta": {} if text is None else {"content": text}}
-
-    def opening_chunks(self) -> list[JSON]:
-        return [self._chunk({"delta": {"role": "assistant", "content": ""}}, None)]
-
-
-class TextShape(Shape):
-    object = "text_completion"
-    chunk_object = "text_completion"
-
-    def _answer_choice(self, text: str) -> JSON:
-        return {"text": text}
-
-    def _chunk_choice(self, text: str | None) -> JSON:
-        return {"text": text or ""}

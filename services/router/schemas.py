@@ -1,11 +1,11 @@
-"""Request bodies of the OpenAI API subset the router serves (pydantic).
+"""Request bodies of the OpenAI API subset the router serves (pydantic), and vLLM's /tokenize.
 
-Field names and ranges follow OpenAI's schema; `top_k` and `ignore_eos` are the usual vLLM/SGLang
-extensions. Only what a worker can honour is accepted: `n` must be 1, message content is text,
-OpenAI fields the router does not implement pass only at values that change nothing
-(`fields.py`), and unknown fields are refused by name. Every number fits its wire type
-(proto/dsaserve.proto) and every string is valid Unicode, so building the gRPC request cannot
-fail on anything a client sent.
+Field names and ranges follow OpenAI's schema; `top_k`, `ignore_eos` and `chat_template_kwargs`
+are the usual vLLM/SGLang extensions. Only what the router and its workers can honour is
+accepted: message content is text, OpenAI fields the router does not implement pass only at
+values that change nothing (`fields.py`), and unknown fields are refused by name. Every number
+fits its wire type (proto/dsaserve.proto) and every string is valid Unicode, so building the
+gRPC request cannot fail on anything a client sent.
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from engine.sampling_params import MAX_LOGPROBS
 from services.rpc import pb
 
 from . import fields
@@ -33,6 +37,7 @@ UINT32_MAX = 2**32 - 1  # max_tokens on the wire
 INT32_MAX = 2**31 - 1  # top_k on the wire
 INT64 = 2**63  # OpenAI's seed is a signed 64-bit integer
 SEED_SPAN = 2**63  # the worker takes seeds in [0, 2**63) (a torch generator's range)
+MAX_CHOICES = 16  # `n`: each choice is a generation of its own (fanout.py)
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -78,20 +83,12 @@ class _GenerationRequest(_Body):
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
-    n: int = 1
+    # Each choice is its own generation (prefill included), with seed + i when a seed is given.
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(
-                f"only n=1 is supported, got {n}; send separate requests for more choices"
-            )
-        return n
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -122,11 +119,18 @@ class _GenerationRequest(_Body):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling(self, max_tokens: int) -> pb.SamplingParams:
-        """The wire sampling params; unset fields stay unset so the worker applies its defaults."""
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token the worker should list (None: no logprobs)."""
+        raise NotImplementedError
+
+    def sampling(self, max_tokens: int, choice: int = 0) -> pb.SamplingParams:
+        """The wire sampling params of choice `choice`; unset fields stay unset so the worker
+        applies its defaults."""
         params = pb.SamplingParams(
             max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos
         )
+        if self.logprobs_count() is not None:
+            params.logprobs = self.logprobs_count()
         if self.temperature is not None:
             params.temperature = self.temperature
         if self.top_p is not None:
@@ -134,8 +138,9 @@ class _GenerationRequest(_Body):
         if self.top_k is not None:
             params.top_k = max(self.top_k, 0)
         if self.seed is not None:
-            # Folds OpenAI's signed seeds into the worker's range; equal seeds stay equal.
-            params.seed = self.seed % SEED_SPAN
+            # Folds OpenAI's signed seeds into the worker's range; equal seeds stay equal, and
+            # the choices of one request differ.
+            params.seed = (self.seed + choice) % SEED_SPAN
         return params
 
 
@@ -144,11 +149,65 @@ class TextPart(_Body):
     text: Text
 
 
+# OpenAI's rule for function names; it also keeps names from breaking out of the markup
+# they are written into (the V4 encoder writes `<｜DSML｜invoke name="...">`).
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(_Body):
+    name: FunctionName
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema object
+    strict: bool | None = None  # no constrained decoding here: the schema is only shown
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: FunctionName
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(_Body):
+    name: Text
+    arguments: Text  # JSON text, as the API returned it
+
+
+class MessageToolCall(_Body):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     no_op_fields = fields.MESSAGE
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: Text | None = None  # tool: the call this result answers
+    reasoning_content: Text | None = None  # assistant: its reasoning (kept where tools are)
+
+    @model_validator(mode="after")
+    def _fields_of_their_roles(self) -> ChatMessage:
+        for name, role in (
+            ("tool_calls", "assistant"),
+            ("reasoning_content", "assistant"),
+            ("tool_call_id", "tool"),
+        ):
+            if getattr(self, name) and self.role != role:
+                raise ValueError(f"'{name}' belongs on {role} messages, not on {self.role} ones")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -162,20 +221,79 @@ class ChatMessage(_Body):
         return content
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the tokenizer takes it (it joins text parts the way vLLM does)."""
+        """The message as chat formats take it: OpenAI's shape, unset fields left out."""
+        message: dict[str, Any] = {"role": self.role}
         if isinstance(self.content, list):
-            return {
-                "role": self.role,
-                "content": [{"type": "text", "text": p.text} for p in self.content],
-            }
-        return {"role": self.role, "content": self.content or ""}
+            message["content"] = [{"type": "text", "text": p.text} for p in self.content]
+        elif self.content is None and self.tool_calls:
+            message["content"] = None  # a turn of tool calls only
+        else:
+            message["content"] = self.content or ""
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        for name in ("tool_call_id", "reasoning_content"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
+        return message
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    no_op_fields = fields.CHAT
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class ChatPromptFields(_Body):
+    """What makes a chat's prompt: shared by chat completions and /tokenize, which therefore
+    render exactly the same prompt (services/router/chat.py)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.function.name for tool in tools or []]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise ValueError(f"two tools are named {duplicate!r}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _needs_its_tool(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if "tools" not in info.data:
+            return choice  # tools were invalid: that error is the one to report
+        names = [tool.function.name for tool in info.data["tools"] or []]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names function {choice.function.name!r}, which is not in tools")
+        if choice == "required" and not names:
+            raise ValueError("'required' needs tools")
+        return choice
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+
+class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
+    no_op_fields = fields.CHAT
+
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return top
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         # OpenAI's newer name wins when a client sends both.
@@ -190,6 +308,11 @@ class CompletionRequest(_GenerationRequest):
     no_op_fields = fields.COMPLETION
 
     prompt: Text | list[int]
+    # Each token's logprob and this many likeliest alternatives.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -210,3 +333,40 @@ class CompletionRequest(_GenerationRequest):
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         return prompt
+
+
+class TokenizeChatRequest(ChatPromptFields):
+    """vLLM's /tokenize of a chat: the prompt a chat completion would send to prefill."""
+
+    model: Text | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeTextRequest(_Body):
+    """vLLM's /tokenize of a text: a completion's prompt (BOS added unless told otherwise)."""
+
+    model: Text | None = None
+    prompt: Text
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+# The tags show in error locations; errors.py drops location parts with brackets, like the
+# names pydantic gives the members of plain unions.
+_CHAT, _TEXT = "[chat]", "[text]"
+
+
+def _tokenize_kind(body: object) -> str:
+    return _CHAT if isinstance(body, dict) and "messages" in body else _TEXT
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag(_CHAT)] | Annotated[TokenizeTextRequest, Tag(_TEXT)],
+    Discriminator(_tokenize_kind),
+]
+
+
+class DetokenizeRequest(_Body):
+    model: Text | None = None
+    tokens: list[int] = Field(min_length=1)

@@ -54,6 +54,11 @@ class RouterSettings:
         "seconds a decode stream may send nothing before it is abandoned and its worker skipped",
         flag="--stall-timeout",
     )
+    default_thinking: bool = setting(
+        False,
+        "render chats in thinking mode unless a request says (chat_template_kwargs.thinking, "
+        "reasoning_effort); replies then carry reasoning_content",
+    )
     tls: GrpcTLS = field(default_factory=GrpcTLS)  # of the gRPC calls to workers
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Turning a generation's events into an HTTP answer: an SSE stream, or one JSON object.
+"""Turning a request's events into an HTTP answer: an SSE stream, or one JSON object.
 
 Both paths notice a client that goes away and close the event generator, which cancels the
 Decode call and aborts the prefill (see pd.py). Errors after the 200 went out are sent as
@@ -19,9 +19,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from .errors import APIError
+from .fanout import Indexed
 from .metrics import CLIENT_CLOSED
-from .pd import Event, Finish, Token
-from .responses import Shape
+from .responses import Reply
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,12 @@ def client_closed() -> APIError:
 
 
 class EventStream(StreamingResponse):
-    """`text/event-stream` over a generation; `on_close` runs once, however the stream ends."""
+    """`text/event-stream` over a request's events; `on_close` runs once, however it ends."""
 
     def __init__(
         self,
-        events: AsyncGenerator[Event, None],
-        first: Event,
-        shape: Shape,
+        events: AsyncGenerator[Indexed, None],
+        reply: Reply,
         state: State,
         on_close: Callable[[], None],
     ) -> None:
@@ -61,7 +60,7 @@ class EventStream(StreamingResponse):
         self._on_close = on_close
         self._complete = False
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(self._body(first, shape), media_type="text/event-stream", headers=headers)
+        super().__init__(self._body(reply), media_type="text/event-stream", headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -74,13 +73,14 @@ class EventStream(StreamingResponse):
                 self._state.failure = client_closed()
             self._on_close()
 
-    async def _body(self, first: Event, shape: Shape) -> AsyncIterator[bytes]:
+    async def _body(self, reply: Reply) -> AsyncIterator[bytes]:
         try:
-            for chunk in shape.opening_chunks():
+            for chunk in reply.opening_chunks():
                 yield sse(chunk)
-            yield _event_chunks(first, shape)
-            async for event in self._events:
-                yield _event_chunks(event, shape)
+            async for index, event in self._events:
+                data = b"".join(sse(chunk) for chunk in reply.chunks(index, event))
+                if data:
+                    yield data
         except APIError as e:
             self._state.failure = e
             yield sse(e.body())
@@ -92,11 +92,9 @@ class EventStream(StreamingResponse):
         yield DONE
 
 
-async def answer(
-    events: AsyncGenerator[Event, None], first: Event, shape: Shape, request: Request
-) -> Response:
+async def answer(events: AsyncGenerator[Indexed, None], reply: Reply, request: Request) -> Response:
     """The whole answer as one JSON object; stops the generation if the client disconnects."""
-    collecting = asyncio.ensure_future(_collect(first, events))
+    collecting = asyncio.ensure_future(_collect(events, reply))
     watching = asyncio.ensure_future(_disconnected(request))
     try:
         # Bounded: the generation's gRPC calls carry the request's deadline.
@@ -109,24 +107,14 @@ async def answer(
     if collecting.cancelled():
         request.state.failure = client_closed()
         return Response(status_code=CLIENT_CLOSED)
-    text, finish = collecting.result()  # re-raises an APIError from the flow
-    return JSONResponse(shape.answer(text, finish))
+    collecting.result()  # re-raises an APIError from the flow
+    return JSONResponse(reply.answer())
 
 
-def _event_chunks(event: Event, shape: Shape) -> bytes:
-    if isinstance(event, Token):
-        return sse(shape.text_chunk(event.text))
-    usage = sse(shape.usage_chunk(event)) if shape.include_usage else b""
-    return sse(shape.finish_chunk(event)) + usage
-
-
-async def _collect(first: Event, events: AsyncGenerator[Event, None]) -> tuple[str, Finish]:
-    parts = []
-    event = first
-    while isinstance(event, Token):
-        parts.append(event.text)
-        event = await anext(events)  # the flow always ends with Finish or raises
-    return "".join(parts), event
+async def _collect(events: AsyncGenerator[Indexed, None], reply: Reply) -> None:
+    # The same calls as a stream makes, so both parse the reply the same way.
+    async for index, event in events:
+        reply.chunks(index, event)
 
 
 async def _disconnected(request: Request) -> None:

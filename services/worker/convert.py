@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from engine.load import Load
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from services.rpc import pb
 
@@ -27,7 +28,15 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
     )
+
+
+def logprobs_to_proto(logprobs: list[TokenLogprobs]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+        for lp in logprobs
+    ]
 
 
 def load_response(load: Load) -> pb.LoadResponse:

@@ -1,0 +1,156 @@
+"""How a checkpoint turns an OpenAI chat into prompt text, without torch.
+
+A checkpoint with a chat template (`chat_template.jinja`, or `chat_template` in
+tokenizer_config.json) renders it, as transformers and vLLM do. The DeepSeek-V4 release ships
+none: its `encoding/encoding_dsv4.py` is the format, so a V4 checkpoint (config.json
+`model_type: deepseek_v4`) without a template uses `engine.chat.encode_messages`. Anything else
+has no chat format, and says so when asked to render one.
+
+The router (tokenizing requests) and `dsaserve generate --chat` both call `chat_format`, so
+a chat becomes the same prompt wherever it is rendered.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.chat import ChatEncodingError, encode_messages
+from engine.chat.tokens import THINK_START
+from engine.models import read_config
+from engine.tokenizer import ChatTemplateError, Tokenizer
+
+V4_MODEL_TYPE = "deepseek_v4"
+# The V4 encoder's own arguments that a request may set through `chat_template_kwargs`
+# (besides the thinking switch, which `ChatOptions.thinking` carries).
+V4_KWARGS = ("thinking", "enable_thinking", "drop_thinking")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How to render one chat, beyond its messages and tools."""
+
+    thinking: bool = False  # open the reply in reasoning (V4: thinking mode, ending `<think>`)
+    # The V4 encoder's: None, "high" or "max" (in thinking mode); a template reads it as
+    # `reasoning_effort` when set.
+    reasoning_effort: str | None = None
+    # More template variables (a request's `chat_template_kwargs`); the V4 encoder takes only
+    # V4_KWARGS.
+    variables: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ChatFormat(Protocol):
+    name: str  # for messages: "the chat template", "the DeepSeek-V4 encoder"
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether `tools` reach the prompt (a template that never reads them would drop them)."""
+        ...
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: ChatOptions = ChatOptions(),
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The prompt text; raises ChatTemplateError (ChatEncodingError for the V4 encoder,
+        which names the offending field in `param`) for a chat it cannot render."""
+        ...
+
+
+def chat_format(model_dir: str | os.PathLike, tokenizer: Tokenizer) -> ChatFormat:
+    """The checkpoint's chat format: its template if it has one, else the V4 encoder for a V4
+    checkpoint, else one that refuses every chat."""
+    if tokenizer.has_chat_template:
+        return TemplateChat(tokenizer)
+    if read_config(model_dir).get("model_type") == V4_MODEL_TYPE:
+        return V4Chat()
+    return TemplateChat(tokenizer)  # no template: says so on every render
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether the reply to `prompt` starts inside the reasoning: the prompt opened it, as V4's
+    thinking mode (and DeepSeek templates in thinking mode) end with `<think>`."""
+    return prompt.endswith(THINK_START)
+
+
+class TemplateChat:
+    name = "the chat template"
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def renders_tools(self) -> bool:
+        return "tools" in self._tokenizer.chat_template_variables
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: ChatOptions = ChatOptions(),
+        add_generation_prompt: bool = True,
+    ) -> str:
+        # Both spellings of the thinking switch that DeepSeek and Qwen templates read, then the
+        # request's own variables; a template that reads neither is unaffected.
+        variables = {"thinking": options.thinking, "enable_thinking": options.thinking}
+        if options.reasoning_effort is not None:
+            variables["reasoning_effort"] = options.reasoning_effort
+        return self._tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tools=None if tools is None else list(tools),
+            variables={**variables, **options.variables},
+        )
+
+
+class V4Chat:
+    name = "the DeepSeek-V4 encoder"
+    renders_tools = True
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: ChatOptions = ChatOptions(),
+        add_generation_prompt: bool = True,
+    ) -> str:
+        if not add_generation_prompt:
+            raise ChatEncodingError(
+                "add_generation_prompt",
+                "must be true: the DeepSeek-V4 encoder always ends a chat where the assistant "
+                "starts to answer",
+            )
+        unknown = sorted(set(options.variables) - set(V4_KWARGS))
+        if unknown:
+            raise ChatEncodingError(
+                f"chat_template_kwargs.{unknown[0]}",
+                f"is not an option of {self.name}; it takes {', '.join(V4_KWARGS)} (and the "
+                "request's reasoning_effort)",
+            )
+        drop_thinking = options.variables.get("drop_thinking", True)
+        if not isinstance(drop_thinking, bool):
+            raise ChatEncodingError("chat_template_kwargs.drop_thinking", "must be a boolean")
+        return encode_messages(
+            messages,
+            thinking=options.thinking,
+            reasoning_effort=options.reasoning_effort if options.thinking else None,
+            tools=tools,
+            drop_thinking=drop_thinking,
+        )
+
+
+__all__ = [
+    "ChatEncodingError",
+    "ChatFormat",
+    "ChatOptions",
+    "ChatTemplateError",
+    "chat_format",
+    "opens_reasoning",
+]

@@ -1,0 +1,152 @@
+"""A chat request's prompt: thinking, reasoning effort and tool choice resolved, then rendered by
+the checkpoint's chat format (its Jinja template, or the DeepSeek-V4 release's encoder).
+
+Thinking (the V4 encoder's thinking mode; `thinking` and `enable_thinking` for a template):
+
+1. `chat_template_kwargs: {"thinking": bool}` or `{"enable_thinking": bool}` (vLLM's convention)
+   when given;
+2. else on exactly when `reasoning_effort` is given and is not "none";
+3. else the router's `--default-thinking` (off unless set).
+
+`reasoning_effort`, OpenAI's values onto DeepSeek-V4's two levels (as DeepSeek's own API maps
+them): "none" -> thinking off; "minimal", "low", "medium", "high" -> thinking, effort "high"
+(the encoder's default, which adds nothing to the prompt); "xhigh" and DeepSeek's "max" ->
+thinking, effort "max" (the release's fixed reasoning-effort paragraph after BOS). A
+`reasoning_effort` that contradicts an explicit thinking switch is a 400.
+
+`tool_choice`, without constrained decoding:
+
+- "auto" (the default with tools): the tools are in the prompt and the model decides.
+- "none": the tools are left out of the prompt, so the model answers in text.
+- "required", or a named function: the reply is started for the model. The prompt ends with the
+  opening of a DSML tool-call block (for a named function, the call's `invoke` tag with its
+  name), so the model's first tokens are a call's name or arguments; for a named function only
+  that tool is rendered. That leaves no room for reasoning first, so such a request runs in chat
+  mode, and asking for thinking with it is a 400. A model may still close the block without a
+  complete call: the reply then ends with its usual finish reason and no tool calls.
+- `parallel_tool_calls: false` keeps the first call of a reply and drops any later one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from engine.chat.dsml import tool_call_prefix
+from engine.chat_format import ChatFormat, ChatOptions, opens_reasoning
+
+from .errors import APIError
+from .schemas import ChatPromptFields, NamedToolChoice
+
+# OpenAI reasoning_effort -> (thinking, the V4 encoder's effort).
+EFFORTS: Mapping[str, tuple[bool, str | None]] = {
+    "none": (False, None),
+    "minimal": (True, "high"),
+    "low": (True, "high"),
+    "medium": (True, "high"),
+    "high": (True, "high"),
+    "xhigh": (True, "max"),
+    "max": (True, "max"),
+}
+_SWITCHES = ("thinking", "enable_thinking")
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    text: str  # what is tokenized: the rendered chat, then `reply_prefix`
+    opens_reasoning: bool  # the reply starts inside the reasoning
+    reply_prefix: str  # the start of the reply, written into the prompt (a forced tool call)
+    max_tool_calls: int | None  # 1 when parallel_tool_calls is false
+
+
+def chat_prompt(
+    request: ChatPromptFields,
+    fmt: ChatFormat,
+    *,
+    default_thinking: bool,
+    add_generation_prompt: bool = True,
+) -> ChatPrompt:
+    """Raises APIError (400) for options that contradict each other or that the format lacks,
+    ValueError for a chat the format cannot render."""
+    choice = request.tool_choice
+    forced = choice == "required" or isinstance(choice, NamedToolChoice)
+    thinking, effort = _thinking(request, default_thinking, forced)
+    tools = request.tool_dicts()
+    if tools and choice == "none":
+        tools = None
+    elif isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools or [] if t["function"]["name"] == choice.function.name]
+    if tools and not fmt.renders_tools:
+        raise APIError(
+            400,
+            f"This model's chat format ({fmt.name}) does not render tools, so the model would "
+            "never see them; send the request without tools.",
+            param="tools",
+        )
+    variables = {
+        k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in _SWITCHES
+    }
+    text = fmt.render(
+        [m.for_template() for m in request.messages],
+        tools=tools,
+        options=ChatOptions(thinking=thinking, reasoning_effort=effort, variables=variables),
+        add_generation_prompt=add_generation_prompt,
+    )
+    prefix = ""
+    if forced:
+        prefix = tool_call_prefix(
+            choice.function.name if isinstance(choice, NamedToolChoice) else None
+        )
+    return ChatPrompt(
+        text=text + prefix,
+        opens_reasoning=opens_reasoning(text),
+        reply_prefix=prefix,
+        max_tool_calls=1 if request.parallel_tool_calls is False else None,
+    )
+
+
+def _thinking(
+    request: ChatPromptFields, default: bool, forced_tool_call: bool
+) -> tuple[bool, str | None]:
+    """(thinking, the encoder's reasoning effort) for a request; see the module docstring."""
+    kwargs: dict[str, Any] = request.chat_template_kwargs or {}
+    switches = {name: kwargs[name] for name in _SWITCHES if name in kwargs}
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise APIError(
+                400,
+                f"chat_template_kwargs.{name} must be true or false",
+                param="chat_template_kwargs",
+            )
+    if len(set(switches.values())) > 1:
+        raise APIError(
+            400,
+            "chat_template_kwargs.thinking and .enable_thinking disagree; send one of them",
+            param="chat_template_kwargs",
+        )
+    explicit = next(iter(switches.values()), None)
+    implied, effort = (None, None)
+    if request.reasoning_effort is not None:
+        implied, effort = EFFORTS[request.reasoning_effort]
+    if explicit is not None and implied is not None and explicit != implied:
+        raise APIError(
+            400,
+            f"reasoning_effort {request.reasoning_effort!r} turns thinking "
+            f"{'on' if implied else 'off'}, but chat_template_kwargs turns it "
+            f"{'on' if explicit else 'off'}",
+            param="reasoning_effort",
+        )
+    asked = explicit if explicit is not None else implied
+    if forced_tool_call:
+        if asked:
+            raise APIError(
+                400,
+                "tool_choice 'required' or a named function starts the reply with the tool call, "
+                "which leaves no room for reasoning first; turn thinking off or use "
+                "tool_choice 'auto'",
+                param="tool_choice",
+            )
+        return False, None
+    thinking = default if asked is None else asked
+    return thinking, effort if thinking else None
