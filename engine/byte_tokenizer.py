@@ -6,8 +6,8 @@ then bos 256, eos 257, `<｜User｜>` 258, `<｜Assistant｜>` 259, `<think>` 26
 The files are the ones a DeepSeek checkpoint ships (tokenizer.json, tokenizer_config.json,
 generation_config.json), so the tiny model exercises the same loading and chat-template path.
 
-The release-format tiny model's variant (`release=True`, `chat_template=None`) is the V4
-release's tokenizer in miniature: also `｜DSML｜` 262 and `<｜latest_reminder｜>` 263, and no chat
+The release-format tiny model's variant (`release=True`) is the V4 release's tokenizer in
+miniature: also `｜DSML｜` 262 and `<｜latest_reminder｜>` 263, and no chat
 template (the release ships none; its prompts come from `engine.chat.encode_messages`).
 """
 
@@ -82,22 +82,22 @@ PLAY_CHAT_TEMPLATE = r"""{%- set ns = namespace(system='') -%}
 
 
 def write_byte_tokenizer(
-    out_dir: str | os.PathLike, *, chat_template: str | None = CHAT_TEMPLATE, release: bool = False
+    out_dir: str | os.PathLike, *, chat_template: str = CHAT_TEMPLATE, release: bool = False
 ) -> int:
     """Write the byte-level tokenizer's files into `out_dir`; return its vocab size.
 
     `out_dir` is created if needed. `chat_template` is the Jinja template stored in
     tokenizer_config.json (DeepSeek's turn layout by default; the trained demo model uses
-    PLAY_CHAT_TEMPLATE; None: no template, as the release ships). `release` adds the release's
-    other markers (see the module docstring). The files are byte-identical on every run, so a
-    model directory built twice hashes the same.
+    PLAY_CHAT_TEMPLATE). `release`: the release's variant, with all its markers and, as the
+    release ships, no chat template (see the module docstring). The files are byte-identical
+    on every run, so a model directory built twice hashes the same.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     backend = _build_backend(CONTROL_TOKENS + RELEASE_TOKENS if release else CONTROL_TOKENS)
     bos_id, eos_id = backend.token_to_id(BOS_TOKEN), backend.token_to_id(EOS_TOKEN)
     (out / "tokenizer.json").write_text(backend.to_str(pretty=True) + "\n", encoding="utf-8")
-    template = {} if chat_template is None else {"chat_template": chat_template}
+    template = {} if release else {"chat_template": chat_template}
     _write_json(
         out / "tokenizer_config.json",
         {

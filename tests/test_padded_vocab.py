@@ -126,4 +126,4 @@ def test_served_prompts_with_padded_ids_are_refused(served):
     body = {"model": MODEL_NAME, "prompt": [256, 300], "max_tokens": 4}
     r = httpx.post(served + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 400
-    assert "Prompt token ids must be in [0, 264); got [300]" in r.json()["error"]["message"]
+    assert "Token ids must be in [0, 264); got [300]" in r.json()["error"]["message"]

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.byte_tokenizer import CHAT_TEMPLATE, write_byte_tokenizer
+from engine.byte_tokenizer import write_byte_tokenizer
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.weights import build_model
 from kernels.quant import quantize_fp4, quantize_fp8_blocks
@@ -174,9 +174,7 @@ def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, fmt: str = "dense
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     release = fmt == "release"
-    tokens = write_byte_tokenizer(
-        out, chat_template=None if release else CHAT_TEMPLATE, release=release
-    )
+    tokens = write_byte_tokenizer(out, release=release)
     raw = release_tiny_config() if release else tiny_config(tokens)
     model = build_model(ModelConfig.from_hf(raw), torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
