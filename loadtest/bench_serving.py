@@ -52,6 +52,9 @@ class BenchConfig:
     max_concurrency: int | None = None
     input_len: int = 128
     output_len: int = 64
+    # vLLM's --random-range-ratio: each request's prompt and output lengths are drawn uniformly
+    # from [len * (1 - ratio), len]; 0 = every request the same.
+    range_ratio: float = 0.0
     api_key: str | None = None
     endpoint: str = "/v1/chat/completions"
     ignore_eos: bool = True
@@ -149,6 +152,11 @@ def _error_kind(error: str | None) -> str:
     return (status or "") + re.sub(r"\d+", "N", rest)
 
 
+def _drawn(length: int, ratio: float, rng: random.Random) -> int:
+    """A length uniform in [length * (1 - ratio), length] (vLLM's random dataset)."""
+    return rng.randint(max(1, round(length * (1 - ratio))), length) if ratio else length
+
+
 def arrival_gaps(n: int, rate: float, rng: random.Random) -> list[float]:
     """Seconds to wait before each request: none at rate inf, else exponential (Poisson)."""
     if math.isinf(rate):
@@ -162,9 +170,9 @@ def arrival_gaps(n: int, rate: float, rng: random.Random) -> list[float]:
 
 
 async def send_request(
-    client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str
+    client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str, output_len: int
 ) -> StreamRecord:
-    payload = chat_payload(model, prompt, cfg.output_len, ignore_eos=cfg.ignore_eos)
+    payload = chat_payload(model, prompt, output_len, ignore_eos=cfg.ignore_eos)
     record = StreamRecord(start=time.perf_counter())
     try:
         async with client.stream(
@@ -200,10 +208,9 @@ async def prompt_words(
     Falls back to one word per token (with a warning) if the probes fail. The probes also open
     the first connection, so that cost stays out of the measured run.
     """
-    probe_cfg = dataclasses.replace(cfg, output_len=1)
     probes = []
     for words in PROBE_WORDS:
-        record = await send_request(client, probe_cfg, model, make_prompt(words, rng))
+        record = await send_request(client, cfg, model, make_prompt(words, rng), 1)
         if not record.ok or record.prompt_tokens is None:
             print(
                 f"warning: no prompt calibration ({record.error or 'no usage'}); "
@@ -233,20 +240,26 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         words = cfg.input_len
         if tokenizer is None and cfg.calibrate:
             words = await prompt_words(client, cfg, model, rng)
-        prompts = [make_prompt(words, rng, tokenizer) for _ in range(cfg.num_prompts)]
+        shapes = [
+            (
+                make_prompt(_drawn(words, cfg.range_ratio, rng), rng, tokenizer),
+                _drawn(cfg.output_len, cfg.range_ratio, rng),
+            )
+            for _ in range(cfg.num_prompts)
+        ]
 
-        async def one(prompt: str) -> StreamRecord:
+        async def one(prompt: str, output_len: int) -> StreamRecord:
             if gate is None:
-                return await send_request(client, cfg, model, prompt)
+                return await send_request(client, cfg, model, prompt, output_len)
             async with gate:
-                return await send_request(client, cfg, model, prompt)
+                return await send_request(client, cfg, model, prompt, output_len)
 
         start = time.perf_counter()
         tasks = []
-        for prompt, gap in zip(prompts, gaps, strict=True):
+        for (prompt, output_len), gap in zip(shapes, gaps, strict=True):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(prompt)))
+            tasks.append(asyncio.create_task(one(prompt, output_len)))
         records = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
 
@@ -255,7 +268,10 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {**cfg.public(), "model": model, "prompt_words": None if tokenizer else words},
         "summary": summarize(
-            records, duration, cfg.percentiles, cfg.output_len if cfg.ignore_eos else None
+            records,
+            duration,
+            cfg.percentiles,
+            cfg.output_len if cfg.ignore_eos and not cfg.range_ratio else None,
         ),
     }
     if cfg.save_details:
@@ -332,6 +348,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--output-len", type=int, default=64, help="max_tokens, exact with ignore_eos")
     p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="draw each request's input/output length from [len * (1 - r), len] (vLLM's name)",
+    )
+    p.add_argument(
         "--api-key", default=None, help="default: $DSASERVE_API_KEY, else $OPENAI_API_KEY"
     )
     p.add_argument("--endpoint", default="/v1/chat/completions")
@@ -367,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_concurrency=a.max_concurrency,
         input_len=a.input_len,
         output_len=a.output_len,
+        range_ratio=a.random_range_ratio,
         api_key=a.api_key or os.environ.get("DSASERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
         endpoint=a.endpoint,
         ignore_eos=not a.no_ignore_eos,

@@ -226,8 +226,8 @@ async def _user(
     records = []
     while time.monotonic() < end:
         words = rng.randint(*cfg.prompt_words)
-        bench = BenchConfig(output_len=rng.randint(*cfg.output_tokens))
-        record = await send_request(client, bench, model, make_prompt(words, rng))
+        prompt, output_len = make_prompt(words, rng), rng.randint(*cfg.output_tokens)
+        record = await send_request(client, BenchConfig(), model, prompt, output_len)
         records.append(record)
         if not record.ok:
             await asyncio.sleep(0.5)  # back off a little, as a well-behaved client does

@@ -286,3 +286,11 @@ def test_report_plots_throughput_and_tail_latency(tmp_path: Path) -> None:
     image = imread(png)  # [height, width, channels]
     assert image.shape[0] > 300 and image.shape[1] > 1000  # two panels at 120 dpi
     assert image[..., :3].std() > 0.05  # lines were drawn, not a blank canvas
+
+
+def test_random_range_ratio_draws_lengths_within_bounds() -> None:
+    rng = random.Random(0)
+    drawn = [bench._drawn(8192, 0.875, rng) for _ in range(2000)]
+    assert min(drawn) >= 1024 and max(drawn) <= 8192
+    assert min(drawn) < 1200 and max(drawn) > 8000  # the whole range is used
+    assert bench._drawn(512, 0.0, rng) == 512
