@@ -106,6 +106,35 @@ def plot(runs: Sequence[tuple[str, dict[str, Any]]], path: str | Path) -> bool:
     return True
 
 
+def plot_series(results: Sequence[dict[str, Any]], metric: str, path: str | Path, by: str) -> bool:
+    """p50 and p99 of one latency (`ttft_ms`, `itl_ms`, ...) against the request rate, one pair
+    of lines per value of `by` in the results (e.g. each placement); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for group in dict.fromkeys(r[by] for r in results):
+        runs = sorted(
+            (r for r in results if r[by] == group), key=lambda r: r["config"]["request_rate"]
+        )
+        rates = [r["config"]["request_rate"] for r in runs]
+        for p, style in (("p50", "o-"), ("p99", "s--")):
+            ys = [r["summary"][metric].get(p) for r in runs]
+            ax.plot(rates, [math.nan if y is None else y for y in ys], style, label=f"{group} {p}")
+    name = metric.removesuffix("_ms").upper()
+    ax.set(xlabel="request rate (req/s)", ylabel=f"{name} (ms)", title=f"{name} vs request rate")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

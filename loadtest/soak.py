@@ -30,7 +30,7 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,12 +84,13 @@ class Process:
     name: str
     argv: list[str]
     metrics_port: int = 0
+    env: Mapping[str, str] = field(default_factory=dict)  # on top of ours (e.g. the GPU)
     popen: subprocess.Popen | None = None
     rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (t, RSS), this process
 
     def start(self, log_dir: Path) -> None:
         log = (log_dir / f"{self.name}.log").open("a")
-        env = {**os.environ, "DSASERVE_CLUSTER_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "DSASERVE_CLUSTER_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", **self.env}
         self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def signal(self, sig: int) -> None:
@@ -117,10 +118,17 @@ class Process:
 
 
 class LocalStack:
-    """redis-server, prefill, decode and router on loopback, each restartable by name."""
+    """redis-server, prefill, decode and router on loopback, each restartable by name.
+
+    role_env: per-role environment (bench/disagg.py puts each worker on its own GPU)."""
 
     def __init__(
-        self, model: str, log_dir: Path, engine_flags: Sequence[str], lease_s: float
+        self,
+        model: str,
+        log_dir: Path,
+        engine_flags: Sequence[str],
+        lease_s: float,
+        role_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.log_dir = log_dir
         redis_port, self.router_port = _free_port(), _free_port()
@@ -137,7 +145,7 @@ class LocalStack:
                           str(metrics), "--worker-id", f"soak-{role}", *engine_flags]  # fmt: skip
             if role == "prefill":
                 argv += ["--lease-seconds", str(lease_s)]
-            self.procs[role] = Process(role, argv, metrics)
+            self.procs[role] = Process(role, argv, metrics, (role_env or {}).get(role, {}))
         self.procs["router"] = Process(
             "router", cli + ["router", *common, "--port", str(self.router_port)]
         )

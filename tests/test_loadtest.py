@@ -294,3 +294,33 @@ def test_random_range_ratio_draws_lengths_within_bounds() -> None:
     assert min(drawn) >= 1024 and max(drawn) <= 8192
     assert min(drawn) < 1200 and max(drawn) > 8000  # the whole range is used
     assert bench._drawn(512, 0.0, rng) == 512
+
+
+def test_goodput_counts_requests_within_both_slos() -> None:
+    from bench.disagg import goodput
+
+    result = {
+        "summary": {"duration_s": 4.0},
+        "requests": [
+            {"error": None, "ttft": 0.5, "itl": [0.02, 0.04]},  # meets both
+            {"error": None, "ttft": 2.5, "itl": [0.01]},  # TTFT too slow
+            {"error": None, "ttft": 0.5, "itl": [0.03, 0.09]},  # mean ITL 60 ms: too slow
+            {"error": "HTTP 503", "ttft": None, "itl": []},
+            {"error": None, "ttft": 1.9, "itl": []},  # one token: TTFT decides
+        ],
+    }
+    assert goodput(result, 2.0, 0.05) == 2 / 4.0
+
+
+def test_plot_series_draws_one_line_pair_per_group(tmp_path: Path) -> None:
+    from matplotlib.image import imread
+
+    runs = []
+    for placement, scale in (("disagg", 1.0), ("colocated", 2.0)):
+        for rate in (1.0, 2.0, 4.0):
+            r = _result(placement, rate, 0.05 * scale)
+            r["placement"] = placement
+            runs.append(r)
+    png = tmp_path / "ttft.png"
+    assert report.plot_series(runs, "ttft_ms", png, by="placement")
+    assert imread(png)[..., :3].std() > 0.05

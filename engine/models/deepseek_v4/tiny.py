@@ -25,6 +25,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -166,16 +167,22 @@ def release_tiny_config() -> dict:
     }
 
 
-def make_tiny_model(out_dir: str | os.PathLike, seed: int = 0, fmt: str = "dense") -> Path:
+def make_tiny_model(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    fmt: str = "dense",
+    overrides: dict[str, Any] | None = None,
+) -> Path:
     """Write a tiny checkpoint (config, weights, tokenizer) of format `fmt` (FORMATS) into
-    out_dir; returns its path."""
+    out_dir; returns its path. `overrides` replaces config.json fields (a random model of any
+    shape: bench/disagg.py writes a V4-Flash-width slice)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     release = fmt == "release"
     tokens = write_byte_tokenizer(out, release=release)
-    raw = release_tiny_config() if release else tiny_config(tokens)
+    raw = (release_tiny_config() if release else tiny_config(tokens)) | (overrides or {})
     model = build_model(ModelConfig.from_hf(raw), torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
