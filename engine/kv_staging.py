@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from engine.page_allocator import PageAllocator
+from engine.page_allocator import OutOfPages
 
 RING_SLOTS = 4  # chunks a pull keeps in flight while it scatters a landed one
 # Blocks per chunk: a chunk of a V4-Flash state is 25 MB, a READ of ~70 us over NVLink, longer
@@ -68,7 +68,7 @@ class KVStaging:
         self.block_bytes, self.cells_per_block = block_bytes, block_bytes // cell_bytes
         self.blocks = torch.zeros(num_blocks, words, dtype=word, device=device)  # [blocks, words]
         self._cells = self.blocks.view(num_blocks * self.cells_per_block, -1)  # [cells, words]
-        self.allocator = PageAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks)
         self.ring = [self.allocator.allocate(CHUNK_BLOCKS) for _ in range(RING_SLOTS)]
         self._stream = torch.cuda.Stream(device) if self.blocks.is_cuda else None
 
@@ -88,9 +88,7 @@ class KVStaging:
         n = -(-cells.size // self.cells_per_block)
         if n > self.allocator.num_free:
             return None
-        # Ascending ids: what the allocator hands out comes back in runs (a freed request's
-        # blocks), and each run is one descriptor of a pull.
-        blocks = sorted(self.allocator.allocate(n))
+        blocks = self.allocator.allocate(n)
         src, per = torch.from_numpy(cells).to(rows.device), self.cells_per_block
         for at, first, count in _runs(blocks):
             part = src[at * per : (at + count) * per]
@@ -106,6 +104,47 @@ class KVStaging:
         self, rows: torch.Tensor, nbytes: int, cells: Callable[[], np.ndarray]
     ) -> Unpacker:
         return Unpacker(rows, self._cells, nbytes, cells, self, self._stream)
+
+
+class BlockAllocator:
+    """Staging blocks, handed out as few runs of consecutive ids as the free ones allow (each run
+    is a descriptor of a pull): the smallest free run that fits, else the longest runs first.
+    O(blocks) numpy work per call, for a few thousand blocks."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_pages = self.num_free = num_blocks
+        self._free = np.ones(num_blocks, dtype=bool)
+
+    def allocate(self, n: int) -> list[int]:
+        """n free block ids, ascending; OutOfPages if fewer are free."""
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} blocks, {self.num_free} of {self.num_pages} free")
+        if n == 0:
+            return []
+        edges = np.diff(self._free.astype(np.int8), prepend=0, append=0)
+        starts = np.flatnonzero(edges == 1)
+        lengths = np.flatnonzero(edges == -1) - starts  # of each free run
+        fits = np.flatnonzero(lengths >= n)
+        if fits.size:
+            best = fits[np.argmin(lengths[fits])]
+            picked = [(starts[best], n)]
+        else:
+            picked, left = [], n
+            for run in np.argsort(-lengths, kind="stable"):
+                if left == 0:
+                    break
+                picked.append((starts[run], min(left, lengths[run])))
+                left -= picked[-1][1]
+        ids = np.sort(np.concatenate([np.arange(s, s + k) for s, k in picked]))
+        self._free[ids] = False
+        self.num_free -= n
+        return ids.tolist()
+
+    def free(self, ids: list[int]) -> None:
+        if self._free[ids].any():
+            raise AssertionError(f"double free of staging blocks in {ids}")
+        self._free[ids] = True
+        self.num_free += len(ids)
 
 
 class Unpacker:

@@ -16,10 +16,11 @@ import torch
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.kv_pool import SLAB, STAGING, KVCacheConfig, KVPool
-from engine.kv_staging import CHUNK_BLOCKS, RING_SLOTS
+from engine.kv_staging import CHUNK_BLOCKS, RING_SLOTS, BlockAllocator
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model, tiny_config
+from engine.page_allocator import OutOfPages
 
 CFG = ModelConfig.from_hf(tiny_config(300))
 
@@ -170,6 +171,27 @@ def test_staging_falls_back_to_pages_and_every_exit_frees_the_blocks(tiny) -> No
 
 def _bytes(pages: torch.Tensor) -> torch.Tensor:
     return pages.view(torch.uint8).view(pages.shape[0], -1)  # [pages, page bytes]
+
+
+def test_staging_blocks_come_in_as_few_runs_as_the_free_ones_allow() -> None:
+    blocks = BlockAllocator(20)
+    assert (blocks.allocate(0), blocks.allocate(3), blocks.allocate(4)) == (
+        [],
+        [0, 1, 2],
+        [3, 4, 5, 6],
+    )
+    blocks.free([1])
+    blocks.free([4, 5])
+    assert blocks.allocate(2) == [4, 5]  # the smallest free run that fits
+    assert blocks.allocate(11) == list(range(7, 18))
+    blocks.free([0, 5, 6, 10, 11, 12])  # free runs: 0-1, 5-6, 10-12, 18-19
+    assert blocks.allocate(6) == [0, 1, 5, 10, 11, 12]  # none fits: the longest ones first
+    assert blocks.num_free == 3 and blocks.allocate(3) == [6, 18, 19]
+    with pytest.raises(OutOfPages):
+        blocks.allocate(1)
+    blocks.free([3])
+    with pytest.raises(AssertionError, match="double free"):
+        blocks.free([3])
 
 
 def _drain(engine: LLMEngine) -> dict[str, list]:
