@@ -89,12 +89,16 @@ class KVStaging:
         if n > self.allocator.num_free:
             return None
         blocks = self.allocator.allocate(n)
-        src, per = torch.from_numpy(cells).to(rows.device), self.cells_per_block
-        for at, first, count in _runs(blocks):
-            part = src[at * per : (at + count) * per]
-            torch.index_select(rows, 0, part, out=self._cells[first * per :][: part.numel()])
-        if rows.is_cuda:
-            torch.cuda.current_stream(rows.device).synchronize()
+        try:
+            src, per = torch.from_numpy(cells).to(rows.device), self.cells_per_block
+            for at, first, count in _runs(blocks):
+                part = src[at * per : (at + count) * per]
+                torch.index_select(rows, 0, part, out=self._cells[first * per :][: part.numel()])
+            if rows.is_cuda:
+                torch.cuda.current_stream(rows.device).synchronize()
+        except BaseException:
+            self.allocator.free(blocks)
+            raise
         return blocks
 
     def free(self, blocks: list[int]) -> None:
