@@ -279,7 +279,9 @@ def test_pull_staged_blocks_through_a_ring(prefill: Prefill, decode, redis_port:
         assert torch.equal(got, was), name
 
 
-def test_invalid_pulls_post_nothing_and_a_failed_scatter_ends_the_pull(prefill: Prefill, decode, redis_port: int) -> None:
+def test_invalid_pulls_post_nothing_and_a_failed_scatter_ends_the_pull(
+    prefill: Prefill, decode, redis_port: int
+) -> None:
     transfer, pools = decode
     peer = _connect(transfer, redis_port, prefill.agent)
     ring = [[0, 1], [2, 3]]
