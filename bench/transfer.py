@@ -1,9 +1,10 @@
 """KV transfer throughput: one 32K-token DeepSeek-V4-Flash request state, pulled over NIXL.
 
 A "prefill" process holds the request's KV; this process ("decode") reserves its own pages and
-pulls it, against torch copying the same bytes. Page ids (and staging blocks) on both sides come
-from the engine's LIFO free-list allocator after churn, so they are scattered as in service.
-Descriptors travel over a multiprocessing pipe (no Redis needed). Layouts:
+pulls it, against torch copying the same bytes. Page ids on both sides come from the engine's
+LIFO free-list allocator after churn, so they are scattered as in service; staging blocks come
+from the engine's block allocator after churn too. Descriptors travel over a multiprocessing
+pipe (no Redis needed). Layouts:
   per-layer  one region per layer and kind ("csa.3.kv"), as the engine's pools are registered;
              one READ of every page (`KVTransfer.read`): descriptors = runs x layers
   fused      one region per kind, all layers in a page ("csa.kv", page [20, 64, 512]); one
