@@ -1,22 +1,27 @@
-"""KV transfer throughput: one 32K-token DeepSeek-V4-Flash request state, pulled with one READ.
+"""KV transfer throughput: one 32K-token DeepSeek-V4-Flash request state, pulled over NIXL.
 
-A "prefill" process holds the request's pages in its pools; this process ("decode") reserves
-its own pages and pulls them with `KVTransfer.read` (one NIXL READ), against torch copying the
-same bytes. Page ids on both sides come from a LIFO free-list allocator after churn, so they
-are scattered as in service. Descriptors travel over a multiprocessing pipe (no Redis needed).
-
-Request state: 43 layers with HF's default layer types (2 HCA, then HCA/CSA interleaved:
-20 CSA, 23 HCA), bf16, pages of 64 rows or entries:
+A "prefill" process holds the request's KV; this process ("decode") reserves its own pages and
+pulls it, against torch copying the same bytes. Page ids on both sides come from the engine's
+LIFO free-list allocator after churn, so they are scattered as in service; staging blocks come
+from the engine's block allocator after churn too. Descriptors travel over a multiprocessing
+pipe (no Redis needed). Layouts:
+  per-layer  one region per layer and kind ("csa.3.kv"), as the engine's pools are registered;
+             one READ of every page (`KVTransfer.read`): descriptors = runs x layers
+  fused      one region per kind, all layers in a page ("csa.kv", page [20, 64, 512]); one
+             READ: descriptors = runs, each 20x larger (the layout the engine did not take)
+  staged     the engine itself: `KVPool` (V4-Flash, bf16, pages of 64) and its staging blocks;
+             the prefill side packs the request at hold time ("pack", timed there), the decode
+             side pulls it chunk by chunk and scatters each chunk into its pages
+             (`KVTransfer.pull` + `KVPool.unpacker`, what the decode service runs)
+The per-layer and fused request (HF's default 43 layers: 20 CSA, 23 HCA) is 211 MiB:
   every layer   window ring 128 rows x 512                 -> group "swa", 2 pages
   CSA layers    32K/4 entries x 512 + indexer keys x 128   -> group "csa", 128 pages
   HCA layers    32K/128 entries x 512                      -> group "hca", 4 pages
-Two pool layouts, with the same bytes per page id:
-  per-layer  one region per layer and kind ("csa.3.kv"); descriptors = runs x layers
-  fused      one region per kind, all layers in a page ("csa.kv", page [20, 64, 512]);
-             descriptors = runs, each 20x larger
-Rows: "nixl READ" (each timed from validation to DONE, bytes checked exactly once),
-"torch scattered" (index_select + index_copy_ of the same pages, one process), "torch
-contiguous" (one copy_ of the same byte count: the ceiling). GB/s counts bytes moved once.
+the engine's (the window ring inside each kind's pages, plus the compressor rings) 218 MiB.
+Rows: "nixl READ" / "nixl pull" (each timed from validation to the last byte in the decode
+pages, bytes checked exactly once), "torch scattered" (index_select + index_copy_ of the same
+pages, one process), "torch contiguous" (one copy_ of the same byte count: the ceiling; "x copy"
+is each row's share of it). GB/s counts the request's bytes once.
 
 CPU, two processes over loopback (UCX's default transports, i.e. cma for the data):
     .venv/bin/python bench/transfer.py --device cpu      # -> bench/results/cpu-transfer.json
@@ -48,7 +53,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +61,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs as a script from anywhere
 
+from engine.kv_pool import (
+    SLAB,
+    STAGING,
+    KVBudgetError,
+    KVCacheConfig,
+    KVPool,
+    plan_pages,
+    staging_block_bytes,
+)
+from engine.models.deepseek_v4.config import ModelConfig
+from engine.page_allocator import PageAllocator
 from services.transfer import KVTransfer, Region, _nixl
 
 LAYERS, WINDOW, HEAD, INDEX_HEAD, PAGE = 43, 128, 512, 128, 64
@@ -92,21 +108,26 @@ def request_pages(tokens: int) -> dict[str, int]:
     }
 
 
-def churned_ids(pages: int, n: int, seed: int) -> list[int]:
-    """The ids a LIFO free-list allocator (as engine's PageAllocator) gives a request of n
-    pages after other requests of random sizes have come and gone ~8 times over the pool."""
-    rng = np.random.default_rng(seed)
-    free, live, handed = list(range(pages - 1, -1, -1)), [], 0
+def churn(alloc: PageAllocator, need: int, rng: np.random.Generator) -> None:
+    """Let requests of random sizes come and go ~8 times over `alloc` (a LIFO free list, as in
+    service); those still live stay allocated, at least `need` pages stay free."""
+    pages, live, handed = alloc.num_free, [], 0
     while handed < 8 * pages:
-        if live and (len(free) < pages // 4 or rng.random() < 0.5):
-            free.extend(live.pop(int(rng.integers(len(live)))))
+        if live and (alloc.num_free < pages // 4 or rng.random() < 0.5):
+            alloc.free(live.pop(int(rng.integers(len(live)))))
         else:
-            k = min(int(rng.integers(1, max(2, pages // 16))), len(free))
-            live.append([free.pop() for _ in range(k)])
+            k = min(int(rng.integers(1, max(2, pages // 16))), alloc.num_free)
+            live.append(alloc.allocate(k))
             handed += k
-    while len(free) < n:
-        free.extend(live.pop(int(rng.integers(len(live)))))
-    return [free.pop() for _ in range(n)]
+    while alloc.num_free < need:
+        alloc.free(live.pop(int(rng.integers(len(live)))))
+
+
+def churned_ids(pages: int, n: int, seed: int) -> list[int]:
+    """The ids a request of n pages gets from a pool of `pages` after churn."""
+    alloc = PageAllocator(pages)
+    churn(alloc, n, np.random.default_rng(seed))
+    return alloc.allocate(n)
 
 
 @dataclass(frozen=True)
@@ -122,10 +143,10 @@ class Case:
     @classmethod
     def make(cls, kind: str, tokens: int, pool_factor: int) -> Case:
         pages = request_pages(tokens)
-        pages = {g: n * pool_factor for g, n in pages.items()}
-        remote = {g: churned_ids(pages[g], n, seed=1) for g, n in pages.items()}
-        local = {g: churned_ids(pages[g], n, seed=2) for g, n in pages.items()}
-        return cls(kind, layout(kind), pages, remote, local)
+        pool = {g: n * pool_factor for g, n in pages.items()}
+        remote = {g: churned_ids(pool[g], n, seed=1) for g, n in pages.items()}
+        local = {g: churned_ids(pool[g], n, seed=2) for g, n in pages.items()}
+        return cls(kind, layout(kind), pool, remote, local)
 
 
 def make_pools(case: Case, device: torch.device, fill: bool) -> dict[str, torch.Tensor]:
@@ -153,20 +174,25 @@ def regions_of(case: Case, pools: dict[str, torch.Tensor]) -> list[Region]:
 
 
 def prefill_main(case: Case, device: str, pipe: Connection) -> None:
-    """The prefill side: fill pools, send the descriptor, then count notifications until decode
-    says how many to expect; answer with the count once all arrived (or after 60 s)."""
+    """The prefill side of a page READ: fill pools, send the descriptor, count notifications."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     pools = make_pools(case, dev, fill=True)
     with KVTransfer(f"bench-prefill-{case.kind}", regions_of(case, pools)) as transfer:
         pipe.send(transfer.descriptor())
-        notes, expected, deadline = 0, None, time.monotonic() + 600
-        while time.monotonic() < deadline and (expected is None or notes < expected):
-            notes += len(transfer.notifications())
-            if expected is None and pipe.poll(0.001):
-                expected, deadline = pipe.recv(), time.monotonic() + 60
-        pipe.send(notes)
+        count_notifications(transfer, pipe)
+
+
+def count_notifications(transfer: KVTransfer, pipe: Connection) -> None:
+    """Count notifications until decode says how many to expect; answer with the count once
+    all arrived (or after 60 s)."""
+    notes, expected, deadline = 0, None, time.monotonic() + 600
+    while time.monotonic() < deadline and (expected is None or notes < expected):
+        notes += len(transfer.notifications())
+        if expected is None and pipe.poll(0.001):
+            expected, deadline = pipe.recv(), time.monotonic() + 60
+    pipe.send(notes)
 
 
 def synchronizer(*devices: torch.device) -> Callable[[], None]:
@@ -207,33 +233,44 @@ def row(kind: str, method: str, nbytes: int, descs: int | None, seconds: list[fl
     }
 
 
-def nixl_row(case: Case, iters: int, src: torch.device, dst: torch.device) -> dict:
-    """READs by this process from a spawned prefill process, checked for exact bytes."""
+def with_prefill(target: Callable, args: tuple, decode: Callable[[Connection], int]) -> None:
+    """Run the prefill side in a spawned process while `decode(pipe)` pulls from it; decode
+    returns how many notifications the prefill side must have got."""
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    prefill = ctx.Process(target=prefill_main, args=(case, str(src), theirs))
+    prefill = ctx.Process(target=target, args=(*args, theirs))
     prefill.start()
     try:
+        if ours not in wait([ours, prefill.sentinel], 300):
+            raise RuntimeError(f"the prefill process sent nothing (exit code {prefill.exitcode})")
+        sent = decode(ours)
+        ours.send(sent)
+        if not ours.poll(90) or ours.recv() != sent:
+            raise RuntimeError("the prefill side did not get one notification per pull")
+    finally:
+        prefill.join(60)
+        if prefill.is_alive():
+            prefill.kill()
+
+
+def nixl_row(case: Case, iters: int, src: torch.device, dst: torch.device) -> dict:
+    """READs by this process from a spawned prefill process, checked for exact bytes."""
+    stats, seconds = [], []
+
+    def decode(pipe: Connection) -> int:
         pools = make_pools(case, dst, fill=False)
         with KVTransfer(f"bench-decode-{case.kind}", regions_of(case, pools)) as transfer:
-            if not ours.poll(120):
-                raise TimeoutError("the prefill process sent no descriptor within 120 s")
-            peer = transfer.add_peer(ours.recv())
-            stats = []
+            peer = transfer.add_peer(pipe.recv())
 
             def read() -> None:
                 r = transfer.read(peer, case.remote, case.local, notify=b"bench", timeout_s=60)
                 stats.append(r)
 
-            seconds = timed(read, iters, synchronizer(dst))
+            seconds.extend(timed(read, iters, synchronizer(dst)))
             verify(case, pools)
-        ours.send(len(stats))
-        if not ours.poll(90) or ours.recv() != len(stats):
-            raise RuntimeError("the prefill side did not get one notification per READ")
-    finally:
-        prefill.join(60)
-        if prefill.is_alive():
-            prefill.kill()
+        return len(stats)
+
+    with_prefill(prefill_main, (case, str(src)), decode)
     return row(case.kind, "nixl READ", stats[-1].bytes, stats[-1].descriptors, seconds)
 
 
@@ -247,30 +284,161 @@ def verify(case: Case, pools: dict[str, torch.Tensor]) -> None:
             raise AssertionError(f"region {name}: the READ delivered wrong bytes")
 
 
-def torch_rows(
-    case: Case, iters: int, src_dev: torch.device, dst_dev: torch.device, nbytes: int
-) -> list[dict]:
-    """The same pages moved by torch in one process, and the same byte count in one copy."""
+def torch_scattered(case: Case, iters: int, src_dev: torch.device, dst_dev: torch.device) -> dict:
+    """The same pages moved by torch in one process: gather, one copy across, scatter."""
     src, dst = make_pools(case, src_dev, fill=False), make_pools(case, dst_dev, fill=False)
     r_idx = {g: torch.tensor(ids, device=src_dev) for g, ids in case.remote.items()}
     l_idx = {g: torch.tensor(ids, device=dst_dev) for g, ids in case.local.items()}
 
-    def scattered() -> None:  # gather on the source device, one copy across, scatter there
+    def scattered() -> None:
         for name, group, _ in case.regions:
             pages = src[name].index_select(0, r_idx[group]).to(dst_dev, non_blocking=True)
             dst[name].index_copy_(0, l_idx[group], pages)
 
+    nbytes = sum(src[name][0].nbytes * len(case.remote[group]) for name, group, _ in case.regions)
+    seconds = timed(scattered, iters, synchronizer(src_dev, dst_dev))
+    return row(case.kind, "torch scattered", nbytes, None, seconds)
+
+
+def torch_contiguous(
+    kind: str, nbytes: int, iters: int, src_dev: torch.device, dst_dev: torch.device
+) -> dict:
+    """The same byte count in one copy: the ceiling."""
     flat_src = torch.empty(nbytes, dtype=torch.uint8, device=src_dev)
     flat_dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
 
     def contiguous() -> None:
         flat_dst.copy_(flat_src, non_blocking=True)
 
-    sync = synchronizer(src_dev, dst_dev)
+    seconds = timed(contiguous, iters, synchronizer(src_dev, dst_dev))
+    return row(kind, "torch contiguous", nbytes, None, seconds)
+
+
+V4_FLASH = ModelConfig.from_hf({"model_type": "deepseek_v4"})  # HF's defaults: V4-Flash
+
+
+def flash_pool(tokens: int, pool_factor: int, device: torch.device) -> KVPool:
+    """The engine's V4-Flash pools (bf16, pages of 64) with pages for `pool_factor` requests of
+    `tokens` tokens, and staging blocks for as many."""
+    block = staging_block_bytes(V4_FLASH, PAGE, 2)
+    want = {
+        "csa": pool_factor * (WINDOW // PAGE + -(-tokens // CSA_RATE // PAGE)),
+        "hca": pool_factor * (WINDOW // PAGE + -(-tokens // HCA_RATE // PAGE)),
+    }
+    staging = pool_factor * (sum(want.values()) // pool_factor + 8) * block
+
+    def kv(budget: int) -> KVCacheConfig:
+        return KVCacheConfig(budget, PAGE, pool_factor, PAGE, staging_bytes=staging)
+
+    def enough(budget: int) -> bool:
+        try:
+            pages = plan_pages(V4_FLASH, kv(budget), 2, block)[0]
+        except KVBudgetError:
+            return False
+        return all(pages[g] >= n for g, n in want.items())
+
+    low, high = 1, 1 << 40  # the smallest budget that holds them lies between
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if enough(mid) else (mid, high)
+    return KVPool(V4_FLASH, kv(high), dtype=torch.bfloat16, device=device)
+
+
+def churned_pages(pool: KVPool, tokens: int, seed: int) -> dict[str, list[int]]:
+    """A request's pages and slab row after churn in each of the pool's allocators."""
+    rng = np.random.default_rng(seed)
+    pages = {}
+    for name, group in pool.groups.items():
+        n = pool.pages_for(name, tokens)
+        churn(group.allocator, n, rng)
+        pages[name] = group.allocator.allocate(n)
+    churn(pool.slab, 1, rng)
+    pages[SLAB] = pool.slab.allocate(1)
+    return pages
+
+
+def state_regions(pool: KVPool) -> list[Region]:
+    return [Region(r.name, r.group, r.tensor) for r in pool.regions()]
+
+
+def staged_prefill_main(
+    tokens: int, pool_factor: int, device: str, iters: int, pipe: Connection
+) -> None:
+    """The prefill side of a pull: the request's pages hold `pattern`; its state is staged as
+    the prefill service does it (after churn of the staging blocks too), timed; then the
+    descriptor, the pages and blocks go to decode, and notifications are counted."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    pool = flash_pool(tokens, pool_factor, dev)
+    pages = churned_pages(pool, tokens, seed=1)
+    for k, r in enumerate(pool.regions()):
+        if r.group != STAGING:
+            ids = torch.tensor(pages[r.group], device=dev)
+            r.tensor.view(torch.int16).view(r.tensor.shape[0], -1)[ids] = pattern(
+                k, ids, r.tensor[0].numel()
+            )
+    need = -(-pool.cells(pages).size // pool.staging.cells_per_block)
+    churn(pool.staging.allocator, need, np.random.default_rng(3))
+    pack = timed(lambda: pool.staging.free(pool.stage(pages)), iters, synchronizer(dev))
+    blocks = pool.stage(pages)
+    with KVTransfer("bench-prefill-staged", state_regions(pool)) as transfer:
+        pipe.send((transfer.descriptor(), pages, blocks, pack))
+        count_notifications(transfer, pipe)
+
+
+def staged_rows(
+    tokens: int, pool_factor: int, iters: int, src: torch.device, dst: torch.device
+) -> list[dict]:
+    """Pulls by this process of the state a spawned prefill process staged, checked for exact
+    bytes; and that process's packing."""
+    stats, seconds, sent = [], [], {}
+
+    def decode(pipe: Connection) -> int:
+        pool = flash_pool(tokens, pool_factor, dst)
+        local = churned_pages(pool, tokens, seed=2)
+        with KVTransfer("bench-decode-staged", state_regions(pool)) as transfer:
+            descriptor, sent["pages"], blocks, sent["pack"] = pipe.recv()
+            peer = transfer.add_peer(descriptor)
+
+            def pull() -> None:  # what the decode service does per request
+                unpack = pool.unpacker(local)
+                ring = pool.staging.ring
+                r = transfer.pull(
+                    peer,
+                    STAGING,
+                    blocks,
+                    ring,
+                    unpack.nbytes,
+                    unpack,
+                    notify=b"bench",
+                    timeout_s=60,
+                )
+                stats.append(r)
+                sent["bytes"] = unpack.nbytes
+
+            seconds.extend(timed(pull, iters, synchronizer(dst)))
+            verify_staged(pool, local, sent["pages"])
+        return len(stats)
+
+    with_prefill(staged_prefill_main, (tokens, pool_factor, str(src), iters), decode)
+    nbytes = sent["bytes"]
     return [
-        row(case.kind, "torch scattered", nbytes, None, timed(scattered, iters, sync)),
-        row(case.kind, "torch contiguous", nbytes, None, timed(contiguous, iters, sync)),
+        row("staged", "nixl pull", nbytes, stats[-1].descriptors, seconds),
+        row("staged", "pack (prefill)", nbytes, None, sent["pack"]),
     ]
+
+
+def verify_staged(pool: KVPool, local: dict[str, list[int]], remote: dict[str, list[int]]) -> None:
+    for k, r in enumerate(pool.regions()):
+        if r.group == STAGING:
+            continue
+        dev = r.tensor.device
+        pages = r.tensor.view(torch.int16).view(r.tensor.shape[0], -1)
+        got = pages[torch.tensor(local[r.group], device=dev)]
+        want = pattern(k, torch.tensor(remote[r.group], device=dev), got.shape[1])
+        if not torch.equal(got, want):
+            raise AssertionError(f"region {r.name}: the pull delivered wrong bytes")
 
 
 def config(args: argparse.Namespace, load: float) -> dict:
@@ -294,16 +462,24 @@ def config(args: argparse.Namespace, load: float) -> dict:
     }
 
 
+def with_copy_share(results: list[dict]) -> None:
+    """Each row's median GB/s as a share of its layout's "torch contiguous" median."""
+    ceiling = {r["layout"]: r["gbps_median"] for r in results if r["method"] == "torch contiguous"}
+    for r in results:
+        r["x_copy"] = r["gbps_median"] / ceiling[r["layout"]]
+
+
 def print_table(results: list[dict]) -> None:
     print(
         f"{'layout':10} {'method':17} {'MiB':>6} {'descs':>6} {'median ms':>10} "
-        f"{'GB/s':>7} {'best GB/s':>10}"
+        f"{'GB/s':>7} {'best GB/s':>10} {'x copy':>7}"
     )
     for r in results:
         descs = "" if r["descriptors"] is None else r["descriptors"]
         print(
             f"{r['layout']:10} {r['method']:17} {r['bytes'] / 2**20:6.1f} {descs:>6} "
-            f"{r['median_s'] * 1e3:10.2f} {r['gbps_median']:7.2f} {r['gbps_best']:10.2f}"
+            f"{r['median_s'] * 1e3:10.2f} {r['gbps_median']:7.2f} {r['gbps_best']:10.2f} "
+            f"{r['x_copy']:7.2f}"
         )
 
 
@@ -312,7 +488,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--layouts", default="per-layer,fused", help="comma-separated subset")
+    p.add_argument("--layouts", default="per-layer,fused,staged", help="comma-separated subset")
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--pool-factor", type=int, default=4, help="pool pages = request pages x this")
     p.add_argument("--iters", type=int, default=10)
@@ -330,9 +506,14 @@ def main() -> None:
     load = os.getloadavg()[0]
     results = []
     for kind in args.layouts.split(","):
-        case = Case.make(kind, args.tokens, args.pool_factor)
-        results.append(nixl_row(case, args.iters, src, dst))
-        results += torch_rows(case, args.iters, src, dst, results[-1]["bytes"])
+        if kind == "staged":
+            results += staged_rows(args.tokens, args.pool_factor, args.iters, src, dst)
+        else:
+            case = Case.make(kind, args.tokens, args.pool_factor)
+            results.append(nixl_row(case, args.iters, src, dst))
+            results.append(torch_scattered(case, args.iters, src, dst))
+        results.append(torch_contiguous(kind, results[-1]["bytes"], args.iters, src, dst))
+    with_copy_share(results)
 
     print_table(results)
     tag = "h200x2" if args.device == "cuda" else "cpu"

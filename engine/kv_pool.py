@@ -16,9 +16,16 @@ that hold the rows computed in the current step (so a query can attend to tokens
 chunk before they are persisted to the ring) and one trash row that absorbs writes which
 must not land anywhere (keeps the decode step free of data-dependent shapes).
 
-Small per-request state (each compressor's ring of recent raw projections) lives in a slab:
-one row per running request. Every tensor here is plain and contiguous so NIXL can register
-it; `layout()` describes it and `layout_hash()` identifies it across workers.
+Small per-request state (each compressor's ring of recent raw projections) lives in the slab:
+one row per running request, each layer's rings a view into it.
+
+Every pool is a view into ONE zeroed allocation, the arena, at an offset that is a multiple of
+the cell size (the largest size dividing every page). So each page of any pool, and each slab
+row, is a run of whole cells, and a request's KV state is a list of cells (`cells`): what the
+staging buffer (engine.kv_staging) gathers and scatters with one indexed copy. Each layer's pool
+is still a contiguous [slots, D] tensor, what the kernels read, so a decode step does not change.
+`regions()` lists what NIXL registers, `layout()` describes it and `layout_hash()` identifies it
+across workers.
 """
 
 from __future__ import annotations
@@ -26,16 +33,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from engine.kv_staging import KVStaging, Unpacker
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
 from engine.page_allocator import PageAllocator
 
 GROUP_OF_KIND = {SLIDING: "swa", CSA: "csa", HCA: "hca"}
 SLAB = "slab"
+STAGING = "staging"
+STAGING_SHARE = 16  # by default staged requests get 1/16 of the budget left after fixed costs
 
 
 class KVBudgetError(ValueError):
@@ -44,14 +56,16 @@ class KVBudgetError(ValueError):
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    memory_bytes: int  # budget for pages + slab + scratch
+    memory_bytes: int  # budget for pages + slab + scratch + staged requests
     page_size: int = 64  # entries (window rows or compressed entries) per page
     max_num_seqs: int = 256  # slab rows = requests that can hold KV at once
     max_num_batched_tokens: int = 8192  # rows one forward step may compute (scratch rows)
+    staging_bytes: int | None = None  # for staged requests (None: see STAGING_SHARE)
 
 
 class PoolRegion(NamedTuple):
-    """One registrable tensor: dim 0 indexes the pages of `group` (slab rows for "slab")."""
+    """One registrable tensor: dim 0 indexes the pages of `group` (slab rows for "slab",
+    blocks for "staging")."""
 
     name: str
     group: str
@@ -83,29 +97,44 @@ class KVPool:
         self.page_size = P = kv_cfg.page_size
         self.ring_pages = math.ceil(cfg.sliding_window / P)
         self.ring_len = self.ring_pages * P
-        self.scratch_rows = kv_cfg.max_num_batched_tokens
+        self.scratch_rows = S = kv_cfg.max_num_batched_tokens
+        esize = _esize(dtype)
         layer_kinds = {
             GROUP_OF_KIND[k]: (k, tuple(cfg.layers_of(k)))
             for k in (SLIDING, CSA, HCA)
             if cfg.layers_of(k)
         }
-        pages = plan_pages(cfg, kv_cfg, _esize(dtype))
-        self.groups: dict[str, PoolGroup] = {}
+        self.cell_bytes = cell = cell_bytes(cfg, P, esize)
+        block = staging_block_bytes(cfg, P, esize)
+        pages, outbox = plan_pages(cfg, kv_cfg, esize, block)
+
+        seqs = kv_cfg.max_num_seqs + 1
+        shapes: dict[tuple, tuple[int, ...]] = {}
         for name, (kind, layers) in layer_kinds.items():
             n = pages[name] + 1  # + one dummy page (below)
+            for i in layers:
+                shapes[name, "kv", i] = (n * P + S + 1, cfg.head_dim)
+                if kind == CSA:
+                    shapes[name, "index_k", i] = (n * P + 1, cfg.index_head_dim)
+        shapes[SLAB,] = (seqs, _round_up(max(_ring_elems(cfg), 1), cell // esize))
+        self.arena, views = _carve(shapes, cell, dtype, self.device)
+        self.cell_rows = self.arena.view(-1, cell // self.arena.element_size())  # [cells, words]
+
+        self.groups: dict[str, PoolGroup] = {}
+        for name, (kind, layers) in layer_kinds.items():
+            n = pages[name] + 1
             self.groups[name] = PoolGroup(
                 name=name,
                 layers=layers,
                 ratio=cfg.compress_rate(layers[0]),
                 num_pages=n,
                 allocator=PageAllocator(n),
-                kv={i: self._zeros(n * P + self.scratch_rows + 1, cfg.head_dim) for i in layers},
-                index_k={i: self._zeros(n * P + 1, cfg.index_head_dim) for i in layers}
-                if kind == CSA
-                else {},
+                kv={i: views[name, "kv", i] for i in layers},
+                index_k={i: views[name, "index_k", i] for i in layers} if kind == CSA else {},
             )
         self.group_of_layer = [GROUP_OF_KIND[k] for k in cfg.layer_types]
-        self.slab = PageAllocator(kv_cfg.max_num_seqs + 1)
+        self.slab = PageAllocator(seqs)
+        self.slab_rows = views[SLAB,]  # [seqs, row]: every ring of one request, padded to cells
         # Padding rows of a captured decode batch read and write a dummy page and slab row
         # that no request ever owns.
         self.dummy_pages = {g: grp.allocator.allocate(1)[0] for g, grp in self.groups.items()}
@@ -116,7 +145,7 @@ class KVPool:
         max_context = max_context or cfg.max_position_embeddings
         self.page_tables = {
             g: torch.full(
-                (kv_cfg.max_num_seqs + 1, min(grp.num_pages, self.pages_for(g, max_context))),
+                (seqs, min(grp.num_pages, self.pages_for(g, max_context))),
                 self.dummy_pages[g],
                 dtype=torch.int32,
                 device=self.device,
@@ -127,17 +156,25 @@ class KVPool:
         # Overlapping (CSA) compressors keep two windows, the others one.
         self.comp_ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.index_ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        at = 0
         for i in range(cfg.num_layers):
             for ring, width in _compressor_rings(cfg, i):
                 rows, feats = ring_shape(cfg, i, width)
+                pair = []
+                for _ in ("kv", "gate"):
+                    pair.append(self.slab_rows[:, at : at + rows * feats].view(seqs, rows, feats))
+                    at += rows * feats
                 target = self.comp_ring if ring == "comp" else self.index_ring
-                target[i] = (
-                    self._zeros(kv_cfg.max_num_seqs + 1, rows, feats),
-                    self._zeros(kv_cfg.max_num_seqs + 1, rows, feats),
-                )
-
-    def _zeros(self, *shape: int) -> torch.Tensor:
-        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+                target[i] = (pair[0], pair[1])
+        self.staging = KVStaging(outbox, block, cell, self.arena.dtype, self.device)
+        # Per group (in `regions()` order, a group's regions being adjacent there): the cell
+        # each of its regions starts at, and how many cells a page of it spans.
+        base, runs = self.arena.data_ptr(), {}
+        for r in self.regions():
+            if r.group != STAGING:
+                first, per = (r.tensor.data_ptr() - base) // cell, r.tensor[0].nbytes // cell
+                runs.setdefault(r.group, []).append((first, per))
+        self._page_cells = {g: np.array(rs, np.int64).T for g, rs in runs.items()}  # [2, regions]
 
     # ---------------------------------------------------------------- capacity
 
@@ -176,17 +213,19 @@ class KVPool:
 
     @property
     def num_free_pages(self) -> int:
-        return sum(g.allocator.num_free for g in self.groups.values())
+        """Free pages of every group, staging blocks included (a staged request holds those)."""
+        return sum(g.allocator.num_free for g in self.groups.values()) + self.staging.num_free
 
     @property
     def num_total_pages(self) -> int:
-        """Pages requests can own (the dummy pages excluded)."""
-        return sum(g.num_pages - 1 for g in self.groups.values())
+        """Pages requests can own (the dummy pages and the staging ring excluded)."""
+        return sum(g.num_pages - 1 for g in self.groups.values()) + self.staging.num_total
 
     # ---------------------------------------------------------------- transfer / layout
 
     def regions(self) -> list[PoolRegion]:
-        """Every tensor a peer must copy to move a request, viewed as [pages, ...]."""
+        """Every tensor a peer may read, viewed as [pages, ...]; all but the staging blocks, in
+        this order, are what a request's KV state is made of (`cells`)."""
         P, out = self.page_size, []
         for g in self.groups.values():
             for i in g.layers:
@@ -205,16 +244,44 @@ class KVPool:
                             g.index_k[i][: g.num_pages * P].view(g.num_pages, P, -1),
                         )
                     )
-        for name, rings in (("comp", self.comp_ring), ("index", self.index_ring)):
-            for i, (kv, gate) in rings.items():
-                out.append(PoolRegion(f"{SLAB}.{i}.{name}_kv", SLAB, kv))
-                out.append(PoolRegion(f"{SLAB}.{i}.{name}_gate", SLAB, gate))
+        out.append(PoolRegion(SLAB, SLAB, self.slab_rows))
+        out.append(PoolRegion(STAGING, STAGING, self.staging.blocks))
         return out
+
+    def cells(self, pages: Mapping[str, Sequence[int]]) -> np.ndarray:
+        """The arena cells of a request's KV state in stream order: region by region (in
+        `regions()` order), the request's pages in its page-table order. [n] int64.
+
+        pages: group -> page ids, the slab row under "slab" (as `LLMEngine.held_pages`)."""
+        parts = []
+        for group, (first, per) in self._page_cells.items():
+            ids = np.asarray(pages[group], dtype=np.int64)
+            # Runs of cells, region-major: run (r, i) starts at first[r] + ids[i] * per[r].
+            starts = (first[:, None] + ids[None, :] * per[:, None]).ravel()  # [regions * n]
+            lengths = np.repeat(per, ids.size)
+            skip = np.repeat(np.cumsum(lengths) - lengths, lengths)  # each cell's run offset
+            parts.append(np.repeat(starts, lengths) + np.arange(lengths.sum()) - skip)
+        return np.concatenate(parts)
+
+    def stream_bytes(self, pages: Mapping[str, Sequence[int]]) -> int:
+        """Bytes of a request's KV state: cells(pages).size * cell_bytes, without the cells."""
+        cells = sum(len(pages[g]) * int(per.sum()) for g, (_, per) in self._page_cells.items())
+        return cells * self.cell_bytes
+
+    def stage(self, pages: Mapping[str, Sequence[int]]) -> list[int] | None:
+        """Pack a request's KV state into free staging blocks (see KVStaging.stage)."""
+        return self.staging.stage(self.cell_rows, self.cells(pages))
+
+    def unpacker(self, pages: Mapping[str, Sequence[int]]) -> Unpacker:
+        """What scatters a pulled stream into these pages (see KVStaging.unpacker)."""
+        return self.staging.unpacker(
+            self.cell_rows, self.stream_bytes(pages), lambda: self.cells(pages)
+        )
 
     def layout(self) -> dict:
         """What must agree between two workers for their pages to be interchangeable."""
         return {
-            "version": 1,
+            "version": 2,  # 2: one slab region, the staging blocks, the stream order of `cells`
             "dtype": str(self.dtype).removeprefix("torch."),
             "page_size": self.page_size,
             "ring_len": self.ring_len,
@@ -232,12 +299,69 @@ class KVPool:
         counts = ", ".join(f"{g.name}: {len(g.layers)} layers" for g in self.groups.values())
         return (
             f"{self.layout_hash()} (dtype={self.layout()['dtype']}, page_size={self.page_size}, "
-            f"ring={self.ring_len}, head_dim={self.cfg.head_dim}, {counts})"
+            f"ring={self.ring_len}, head_dim={self.cfg.head_dim}, {counts}, staging block "
+            f"{self.staging.block_bytes / 2**20:.2f} MiB)"
         )
 
 
 def _esize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _page_bytes(cfg: ModelConfig, page_size: int, esize: int) -> dict[str, list[int]]:
+    """group -> bytes of one page in each of its layers' pools."""
+    out: dict[str, list[int]] = {}
+    for kind in cfg.layer_types:
+        pools = out.setdefault(GROUP_OF_KIND[kind], [])
+        pools.append(page_size * cfg.head_dim * esize)
+        if kind == CSA:
+            pools.append(page_size * cfg.index_head_dim * esize)
+    return out
+
+
+def cell_bytes(cfg: ModelConfig, page_size: int, esize: int) -> int:
+    """The largest size that divides every page of every pool."""
+    return math.gcd(*(b for pools in _page_bytes(cfg, page_size, esize).values() for b in pools))
+
+
+def staging_block_bytes(cfg: ModelConfig, page_size: int, esize: int) -> int:
+    """Bytes of one staging block: a page of the largest group, every layer of it (1.6 MB on
+    V4-Flash). Depends only on the layout, so workers with different budgets agree on it."""
+    return max(sum(pools) for pools in _page_bytes(cfg, page_size, esize).values())
+
+
+def _carve(
+    shapes: dict[tuple, tuple[int, ...]], align: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, dict[tuple, torch.Tensor]]:
+    """One zeroed allocation and a contiguous `dtype` view of each shape inside it, each at a
+    multiple of `align` bytes. Returns (the allocation as words [n], views by key)."""
+    esize, offsets, size = _esize(dtype), {}, 0
+    for key, shape in shapes.items():
+        offsets[key] = size
+        size += _round_up(math.prod(shape) * esize, align)
+    word = next(
+        w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if align % _esize(w) == 0
+    )
+    arena = torch.zeros(size // _esize(word), dtype=word, device=device)
+    raw = arena.view(torch.uint8)
+    views = {
+        key: raw[offsets[key] : offsets[key] + math.prod(shape) * esize].view(dtype).view(shape)
+        for key, shape in shapes.items()
+    }
+    return arena, views
+
+
+def _ring_elems(cfg: ModelConfig) -> int:
+    """Elements of every compressor ring of one request: what a slab row holds."""
+    return sum(
+        2 * math.prod(ring_shape(cfg, i, width))
+        for i in range(cfg.num_layers)
+        for _, width in _compressor_rings(cfg, i)
+    )
 
 
 def _compressor_rings(cfg: ModelConfig, layer: int) -> list[tuple[str, int]]:
@@ -256,12 +380,16 @@ def ring_shape(cfg: ModelConfig, layer: int, head_dim: int) -> tuple[int, int]:
     return (2 * rate, 2 * head_dim) if overlap else (rate, head_dim)
 
 
-def plan_pages(cfg: ModelConfig, kv_cfg: KVCacheConfig, esize: int) -> dict[str, int]:
-    """Split the budget so every group can hold the same total number of tokens.
+def plan_pages(
+    cfg: ModelConfig, kv_cfg: KVCacheConfig, esize: int, block_bytes: int
+) -> tuple[dict[str, int], int]:
+    """Split the budget so every group can hold the same total number of tokens; returns
+    (pages per group, staging blocks for staged requests).
 
     Fixed costs (scratch, slab rows, each sequence's ring pages plus one partial page per
-    compressed group) come first; the rest buys token capacity C, and a compressed group
-    with rate r gets C / r / P more pages.
+    compressed group) come first. Of the rest, staged requests get `staging_bytes` (default
+    1/STAGING_SHARE of it; the ring pulls land in is not part of the budget), and what is left
+    buys token capacity C: a compressed group with rate r gets C / r / P more pages.
     """
     P, S = kv_cfg.page_size, kv_cfg.max_num_seqs
     ring_pages = math.ceil(cfg.sliding_window / P)
@@ -285,14 +413,18 @@ def plan_pages(cfg: ModelConfig, kv_cfg: KVCacheConfig, esize: int) -> dict[str,
             rows, feats = ring_shape(cfg, i, width)
             fixed += 2 * S * rows * feats * esize
     spare = kv_cfg.memory_bytes - fixed
-    if spare <= 0:
+    staging = kv_cfg.staging_bytes
+    staging = max(0, int(spare)) // STAGING_SHARE if staging is None else staging
+    if spare - staging <= 0:
         raise KVBudgetError(
             f"KV cache budget of {kv_cfg.memory_bytes / 2**20:.1f} MiB is below the fixed cost of "
-            f"{fixed / 2**20:.1f} MiB for max_num_seqs={S} and max_num_batched_tokens="
-            f"{kv_cfg.max_num_batched_tokens}; raise --kv-cache-memory-bytes or lower those limits"
+            f"{fixed / 2**20:.1f} MiB (plus {staging / 2**20:.1f} MiB for staged requests) for "
+            f"max_num_seqs={S} and max_num_batched_tokens={kv_cfg.max_num_batched_tokens}; "
+            "raise --kv-cache-memory-bytes or lower those limits"
         )
-    capacity = int(spare / per_token) if per_token else 0
-    return {
+    capacity = int((spare - staging) / per_token) if per_token else 0
+    plan = {
         g: base + (math.ceil(capacity / ratio / P) if ratio else 0)
         for g, (base, ratio) in pages.items()
     }
+    return plan, staging // block_bytes

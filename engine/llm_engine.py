@@ -3,7 +3,8 @@
 Not thread-safe: one thread owns an engine (services drive it through `EngineLoop`).
 Besides plain requests it supports the two halves of disaggregated serving:
 - prefill only: `add_request(..., hold_for_s=lease)` stops after the first token and holds
-  the KV (`held_pages`) until `release` or until the lease runs out (`expire_leases`);
+  the KV (`held_pages`) until `release` or until the lease runs out (`expire_leases`); `stage`
+  moves held KV from its pages into the pool's staging blocks, which a reader pulls faster;
 - decode of a transferred request: `reserve` allocates pages for it, a transfer fills
   them, `join` starts decoding.
 """
@@ -20,7 +21,7 @@ import torch
 
 from engine import models
 from engine.config import EngineConfig
-from engine.kv_pool import KVCacheConfig, KVPool
+from engine.kv_pool import SLAB, STAGING, KVCacheConfig, KVPool
 from engine.load import Load
 from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.request import Request, Status
@@ -93,6 +94,7 @@ class LLMEngine:
             cfg, kv_cfg, dtype=dtype, device=self.device, max_context=self.max_model_len
         )
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens)
+        self._staged: dict[str, list[int]] = {}  # held request -> its staging blocks
         self.runner = ModelRunner(self.model, self.pool, self.device, self.max_model_len)
         log.info(
             "KV pool: %d pages (%s), one request up to %d tokens, layout %s",
@@ -180,7 +182,7 @@ class LLMEngine:
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
-        self.scheduler.finish(req, "abort")
+        self._finish(req, "abort")
         return True
 
     def has_unfinished(self) -> bool:
@@ -205,11 +207,26 @@ class LLMEngine:
     # ---------------------------------------------------------------- disaggregation
 
     def held_pages(self, request_id: str) -> KVPages:
-        """The pages of a request held after its prefill (KeyError if it is not held)."""
+        """Where a request held after its prefill keeps its KV: its pages, or after `stage`
+        its staging blocks under "staging" (KeyError if it is not held)."""
         req = self.scheduler.requests[request_id]
         if req.status is not Status.HELD:
             raise KeyError(request_id)
-        return KVPages(pages={**req.page_tables, "slab": [req.slab]}, num_tokens=req.num_computed)
+        staged = self._staged.get(request_id)
+        pages = {STAGING: staged} if staged else {**req.page_tables, SLAB: [req.slab]}
+        return KVPages(pages=pages, num_tokens=req.num_computed)
+
+    def stage(self, request_id: str) -> KVPages:
+        """Pack a held request's KV into staging blocks and free its pages and slab row; when
+        too few blocks are free, it stays in its pages. Returns `held_pages` (KeyError if the
+        request is not held)."""
+        held = self.held_pages(request_id)
+        if STAGING not in held.pages:
+            blocks = self.pool.stage(held.pages)
+            if blocks is not None:
+                self._staged[request_id] = blocks
+                self.scheduler.free_kv(self.scheduler.requests[request_id])
+        return self.held_pages(request_id)
 
     def claim(self, request_id: str, hold_s: float, now: float) -> float | None:
         """A reader is about to read a held request's pages: keep them until at least
@@ -227,7 +244,7 @@ class LLMEngine:
         req = self.scheduler.requests.get(request_id)
         if req is None or req.status is not Status.HELD:
             return False
-        self.scheduler.finish(req, req.finish_reason or "stop")
+        self._finish(req, req.finish_reason or "stop")
         return True
 
     def expire_leases(self, now: float) -> list[str]:
@@ -238,8 +255,15 @@ class LLMEngine:
             if r.status is Status.HELD and r.lease_deadline is not None and r.lease_deadline < now
         ]
         for req in expired:
-            self.scheduler.finish(req, req.finish_reason or "stop")
+            self._finish(req, req.finish_reason or "stop")
         return [r.request_id for r in expired]
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """End a request wherever it is; frees its pages, slab row and staging blocks."""
+        self.scheduler.finish(req, reason)
+        blocks = self._staged.pop(req.request_id, None)
+        if blocks is not None:
+            self.pool.staging.free(blocks)
 
     def reserve(
         self,

@@ -38,9 +38,11 @@ LAYOUT = {
     "csa.0.kv": ("csa", (64, 32)),  # 4 KiB
     "csa.0.idx": ("csa", (64, 8)),  # 1 KiB, indexed by the same csa page ids
     "slab": ("slab", (96,)),  # one per-request state row, 192 B
+    "staging": ("staging", (256,)),  # a staging block, 512 B
 }
-PREFILL_UNITS = {"swa": 8, "csa": 16, "slab": 4}
-DECODE_UNITS = {"swa": 6, "csa": 12, "slab": 3}
+PREFILL_UNITS = {"swa": 8, "csa": 16, "slab": 4, "staging": 24}
+DECODE_UNITS = {"swa": 6, "csa": 12, "slab": 3, "staging": 12}
+BLOCK = 512
 PREFILL_SEED, DECODE_SEED = 1, 2
 WAIT_S = 60.0  # bound on process start-up and on any notification
 
@@ -196,8 +198,9 @@ def test_read_scattered_pages_and_notify(prefill: Prefill, decode, redis_port: i
     for name, (group, _) in LAYOUT.items():
         got, want = pools[name].view(torch.uint8), theirs[name].view(torch.uint8)
         untouched = before[name].view(torch.uint8)
-        assert torch.equal(got[local[group]], want[remote[group]]), name
-        rest = [u for u in range(DECODE_UNITS[group]) if u not in local[group]]
+        read = local.get(group, [])  # no staging blocks in this read
+        assert torch.equal(got[read], want[remote.get(group, [])]), name
+        rest = [u for u in range(DECODE_UNITS[group]) if u not in read]
         assert torch.equal(got[rest], untouched[rest]), f"{name}: pages outside the read changed"
     # csa: runs 9->0, 3..5->7..9, 14->2 in two regions; swa: 1->0 and the reversed pairs
     # 6->4, 5->3, which merge into 5..6->3..4; slab: one.
@@ -237,6 +240,94 @@ def test_invalid_reads_raise_before_posting(prefill: Prefill, decode, redis_port
     assert prefill.next_event() == (transfer.agent_name, b"empty")
 
 
+def _slot_bytes(pools: dict[str, torch.Tensor], blocks: list[int]) -> torch.Tensor:
+    return pools["staging"].view(torch.uint8)[blocks].clone()  # [blocks, BLOCK]
+
+
+def test_pull_staged_blocks_through_a_ring(prefill: Prefill, decode, redis_port: int) -> None:
+    transfer, pools = decode
+    before = {name: t.clone() for name, t in pools.items()}
+    peer = _connect(transfer, redis_port, prefill.agent)
+    # Stream order; runs of consecutive blocks (7-9, 3-4, 20-23) and single ones. The ring has
+    # three slots of two blocks, so six chunks, the last of one block, partly used.
+    remote = [7, 8, 9, 3, 4, 20, 21, 22, 23, 0, 11]
+    ring = [[0, 1], [4, 5], [8, 9]]
+    nbytes = 10 * BLOCK + 100
+    chunks: list[tuple[int, torch.Tensor]] = []
+
+    def on_chunk(chunk: int, slot: int) -> None:
+        assert chunk == len(chunks)  # in stream order, one call per chunk
+        chunks.append((slot, _slot_bytes(pools, ring[slot])))
+
+    stats = transfer.pull(
+        peer, "staging", remote, ring, nbytes, on_chunk, notify=b"pulled", timeout_s=10
+    )
+    theirs = _pools(PREFILL_SEED, PREFILL_UNITS)["staging"].view(torch.uint8)
+    assert [slot for slot, _ in chunks] == [0, 1, 2, 0, 1, 2]
+    for j, (_, landed) in enumerate(chunks):
+        blocks = remote[2 * j : 2 * j + 2]
+        assert torch.equal(landed[: len(blocks)], theirs[blocks]), f"chunk {j}"
+    # Chunks [7, 8] [9, 3] [4, 20] [21, 22] [23, 0] [11]: a descriptor per run in each.
+    assert (stats.bytes, stats.descriptors) == (11 * BLOCK, 9)
+    assert prefill.next_event() == (transfer.agent_name, b"pulled")
+    ring_blocks = [b for slot in ring for b in slot]
+    for name, t in pools.items():  # nothing outside the ring was written
+        got, was = t.view(torch.uint8), before[name].view(torch.uint8)
+        if name == "staging":
+            rest = [b for b in range(DECODE_UNITS["staging"]) if b not in ring_blocks]
+            got, was = got[rest], was[rest]
+        assert torch.equal(got, was), name
+
+
+def test_invalid_pulls_post_nothing_and_a_failed_scatter_ends_the_pull(
+    prefill: Prefill, decode, redis_port: int
+) -> None:
+    transfer, pools = decode
+    peer = _connect(transfer, redis_port, prefill.agent)
+    ring = [[0, 1], [2, 3]]
+    bad = [
+        ("staging", [PREFILL_UNITS["staging"]], ring, BLOCK, "out of range"),
+        ("staging", [0], [[0], [DECODE_UNITS["staging"]]], BLOCK, "out of range"),
+        ("staging", [0, 1], ring, BLOCK, "2 blocks of 512 bytes cannot hold 512"),
+        ("staging", [0], ring, 0, "cannot hold 0"),
+        ("staging", [0], [[0, 1], [1, 2]], BLOCK, "repeats"),
+        ("staging", [0], [[0, 1], [2]], BLOCK, "ring slots"),
+        ("staging", [0], [], BLOCK, "ring slots"),
+        ("csa", [0], ring, BLOCK, "has 2 regions here"),
+    ]
+    for group, remote, slots, nbytes, message in bad:
+        with pytest.raises(TransferError, match=message):
+            transfer.pull(peer, group, remote, slots, nbytes, _never, notify=b"no", timeout_s=10)
+    with pytest.raises(TransferError, match="unknown peer"):
+        transfer.pull("nobody", "staging", [0], ring, BLOCK, _never, timeout_s=10)
+
+    # A failing on_chunk ends the pull; the READs still in flight are released, and the next
+    # pull (whose notification is the first the peer sees) works.
+    def fail(chunk: int, slot: int) -> None:
+        raise RuntimeError("scatter failed")
+
+    with pytest.raises(RuntimeError, match="scatter failed"):
+        transfer.pull(peer, "staging", list(range(8)), ring, 8 * BLOCK, fail, timeout_s=10)
+    landed = []
+    transfer.pull(
+        peer,
+        "staging",
+        [5],
+        ring,
+        BLOCK,
+        lambda chunk, slot: landed.append(_slot_bytes(pools, ring[slot])[0]),
+        notify=b"after-invalid",
+        timeout_s=10,
+    )
+    theirs = _pools(PREFILL_SEED, PREFILL_UNITS)["staging"].view(torch.uint8)
+    assert torch.equal(landed[0], theirs[5])
+    assert prefill.next_event() == (transfer.agent_name, b"after-invalid")
+
+
+def _never(chunk: int, slot: int) -> None:
+    raise AssertionError("nothing may land")
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -270,6 +361,10 @@ def test_dead_peer_raises_within_timeout(decode, redis_port: int) -> None:
             with pytest.raises(TransferError):
                 transfer.read(peer, {"csa": [2]}, {"csa": [2]}, notify=b"dead", timeout_s=5)
             assert time.monotonic() - start < 5  # UCX reported the death; no wait for the timeout
+        start = time.monotonic()
+        with pytest.raises(TransferError):
+            transfer.pull(peer, "staging", [0, 1], [[0], [1]], 2 * BLOCK, _never, timeout_s=5)
+        assert time.monotonic() - start < 5
         transfer.remove_peer(peer)
     finally:
         doomed.stop()
@@ -288,6 +383,12 @@ def test_hung_peer_times_out(redis_port: int, monkeypatch: pytest.MonkeyPatch) -
             start = time.monotonic()
             with pytest.raises(TransferError, match="did not finish within 2 s"):
                 transfer.read(peer, {"csa": [2]}, {"csa": [2]}, notify=b"hung", timeout_s=2)
+            assert time.monotonic() - start < 2 + 1
+            start = time.monotonic()
+            with pytest.raises(TransferError, match="did not finish within 2 s"):
+                transfer.pull(
+                    peer, "staging", [0, 1, 2], [[0], [1]], 3 * BLOCK, _never, timeout_s=2
+                )
             assert time.monotonic() - start < 2 + 1
     finally:
         hung.kill()

@@ -1,9 +1,11 @@
-"""gRPC Decode service: reserve pages, pull the prefilled KV with one NIXL READ, decode, stream.
+"""gRPC Decode service: reserve pages, pull the prefilled KV over NIXL, decode, stream.
 
-The pull is Claim (the prefill worker keeps the pages for the READ), READ, Release. A READ is
-one-sided and the prefill worker reuses freed pages at once, so the pulled KV is used only when
-Release says the pages were held until the READ had finished; otherwise the request ends with
-a clear error (cause "lease_expired"), never with tokens computed from someone else's KV.
+The pull is Claim (the prefill worker keeps the KV for the READ), READ, Release. Where the
+handle names staging blocks, the READ is a pull of those blocks, scattered into our pages as
+they land (KVTransfer.pull); else one READ of the prefill worker's pages. A READ is one-sided
+and the prefill worker reuses freed memory at once, so the pulled KV is used only when Release
+says it was held until the READ had finished; otherwise the request ends with a clear error
+(cause "lease_expired"), never with tokens computed from someone else's KV.
 
 Every way out of a Decode call - done, error, the router cancelling the stream - leaves no
 pages behind: the request is aborted in the engine unless it finished there.
@@ -20,12 +22,13 @@ import grpc
 import redis.asyncio as aioredis
 
 from engine.engine_loop import OutputQueue
+from engine.kv_pool import STAGING
 from engine.llm_engine import KVPages, RequestError
 from engine.sampling_params import SamplingParams
 from services import connections
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
-from services.transfer import TransferError, fetch_descriptor
+from services.transfer import TransferError, TransferStats, fetch_descriptor
 from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from services.worker.process import RoleService, Worker, now_ms
 from services.worker.settings import DecodeSettings
@@ -179,9 +182,12 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             ) from None
         remote = {g: list(p.ids) for g, p in kv.pages.items()}
         try:
-            stats = await w.in_nixl_thread(
-                w.transfer.read, peer, remote, held.pages, timeout_s=self.transfer_timeout
-            )
+            if STAGING in remote:
+                stats = await w.in_nixl_thread(self._pull_staged, peer, remote[STAGING], held)
+            else:
+                stats = await w.in_nixl_thread(
+                    w.transfer.read, peer, remote, held.pages, timeout_s=self.transfer_timeout
+                )
         except TransferError as e:
             self.peers.pop(kv.worker_id, None)  # reconnect from a fresh descriptor next time
             await self._release(prefill, rid)  # free them there now, not at the lease's end
@@ -194,6 +200,22 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             )
         w.metrics.transfer_bytes.inc(stats.bytes)
         w.metrics.transfer_seconds.observe(stats.seconds)
+
+    def _pull_staged(self, peer: str, blocks: list[int], held: KVPages) -> TransferStats:
+        """Pull staged KV into our reserved pages (on the NIXL thread). The pool's geometry is
+        fixed and only these pages are written, which no step reads before the request joins,
+        so this thread may use the engine's pool."""
+        pool = self.w.engine.pool
+        unpack = pool.unpacker(held.pages)
+        return self.w.transfer.pull(
+            peer,
+            STAGING,
+            blocks,
+            pool.staging.ring,
+            unpack.nbytes,
+            unpack,
+            timeout_s=self.transfer_timeout,
+        )
 
     async def _release(self, prefill: grpc_api.PrefillStub, rid: str) -> bool:
         """Release the pages at the prefill worker; True if they were intact until now."""

@@ -1,11 +1,12 @@
 """gRPC Prefill service.
 
 A request's KV stays pinned after its first token until one of: the reader's Release (the
-normal path), an Abort, or the lease running out. A reader Claims the pages before its NIXL READ
-(which extends the lease to cover the READ) and trusts what it read only if Release answers
-`intact`. The lease lives on the engine's request (`hold_for_s`, `lease_deadline`); every way
-of freeing goes through the engine thread's command queue, which runs a command even when the
-RPC that sent it has been cancelled.
+normal path), an Abort, or the lease running out. It is held in staging blocks when the pool has
+room for it there (engine.kv_staging), else in its pages; the KV handle says which. A reader
+Claims it before its NIXL READ (which extends the lease to cover the READ) and trusts what it
+read only if Release answers `intact`. The lease lives on the engine's request (`hold_for_s`,
+`lease_deadline`); every way of freeing goes through the engine thread's command queue, which
+runs a command even when the RPC that sent it has been cancelled.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             )
             out = await outputs.get()
             held = None
-            if out.finish_reason is None:
-                held = await w.loop.run(lambda e: e.held_pages(rid))
+            if out.finish_reason is None:  # packed for the reader's pull, if there is room
+                held = await w.loop.run(lambda e: e.stage(rid))
         except RequestError as e:
             w.metrics.fail("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -1,5 +1,5 @@
-"""KV transfer between workers over NIXL (UCX): regions, descriptors, one-READ pulls, and the
-descriptors' publication in Redis.
+"""KV transfer between workers over NIXL (UCX): regions, descriptors, pulls of staged KV and
+one-READ pulls of pages, and the descriptors' publication in Redis.
 
 Importing this package imports NIXL (`nixl`, `nixl_cu13` or `nixl_cu12`); keep it out of
 processes that move no KV (the router).

@@ -1,4 +1,5 @@
-"""Page ids -> NIXL descriptor rows, with runs of consecutive pages merged.
+"""Page ids -> NIXL descriptor rows, with runs of consecutive pages merged; or one row per
+page, for descriptor lists prepared once.
 
 A READ moves, for every region of a group, page remote[i] of the peer into page local[i] here.
 Where both sides continue a run (remote[i+1] = remote[i] + 1 and local[i+1] = local[i] + 1) the
@@ -56,3 +57,9 @@ def rows(region: RegionInfo, starts: np.ndarray, lengths: np.ndarray) -> np.ndar
     out[:, 1] = lengths.astype(np.uint64) * region.page_bytes
     out[:, 2] = region.device
     return out
+
+
+def every_page(region: RegionInfo) -> np.ndarray:
+    """Descriptor rows of each page of a region, page i in row i: [pages, 3] uint64."""
+    ids = np.arange(region.pages, dtype=np.int64)
+    return rows(region, ids, np.ones_like(ids))

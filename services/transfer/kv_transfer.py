@@ -1,8 +1,13 @@
-"""KVTransfer: one NIXL agent per worker process, pulling KV pages from peers with one READ.
+"""KVTransfer: one NIXL agent per worker process, pulling KV from peers with NIXL READs.
 
-Pull model: the prefill worker holds a request's pages under a lease; the decode worker reserves
-its own pages, then `read`s the prefill worker's pages in ONE batched NIXL READ (which may carry
-a notification for the peer, polled with `notifications`).
+Pull model: the prefill worker holds a request's KV under a lease; the decode worker reserves
+its own pages, then pulls. Two ways, by where the peer holds the KV (why: engine.kv_staging):
+- `pull`: the peer packed it into staging blocks; they come a chunk per READ (one descriptor
+  per run of blocks, from descriptor lists prepared once per peer) into a ring of our own
+  blocks, and a callback scatters each landed chunk while the next ones are in flight.
+- `read`: the peer still holds it in its pages; they come in ONE batched READ, one descriptor
+  per run of pages consecutive on both sides.
+Either may end with a notification for the peer, polled with `notifications`.
 
 Threading: NIXL is not guaranteed thread-safe, so one KVTransfer must be used from one thread at
 a time (the services call it from a single dedicated thread). Overlapping calls raise
@@ -12,11 +17,13 @@ computed once at start, they are safe from any thread (the Redis heartbeat reads
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,16 +35,27 @@ from .layout import Descriptor, Region, RegionInfo
 # Poll backoff while a READ is in flight: short enough to add little to a sub-millisecond GPU
 # transfer, long enough to leave the GIL and a core to the rest of the process.
 _POLL_MIN_S = 10e-6
-_POLL_MAX_S = 50e-6
-
+_POLL_MAX_S = 20e-6
+# Linux stretches a thread's short sleeps by its timer slack, 50 us by default (most of the READ
+# of a pull's chunk on a GPU): polling threads ask for 1 us (prctl PR_SET_TIMERSLACK, in ns).
+_PR_SET_TIMERSLACK, _TIMER_SLACK_NS = 29, 1000
+_libc = ctypes.CDLL(None, use_errno=True)
 Pages = Mapping[str, Sequence[int]]  # group -> page ids
+OnChunk = Callable[[int, int], None]  # (chunk of the stream, ring slot it landed in)
 
 
 @dataclass
 class TransferStats:
     bytes: int
-    descriptors: int  # after merging consecutive pages, summed over regions
-    seconds: float  # validation + descriptor build + post + completion
+    descriptors: int  # after merging consecutive pages (or blocks), summed over regions
+    seconds: float  # validation + descriptor build + post + completion (+ on_chunk calls)
+
+
+@dataclass
+class _Peer:
+    raw: bytes  # its descriptor as received
+    desc: Descriptor
+    blocks: dict[str, Any] = field(default_factory=dict)  # group -> its prepared block list
 
 
 class KVTransfer:
@@ -51,7 +69,8 @@ class KVTransfer:
             self._by_group.setdefault(r.group, []).append(r)
         self._mem = self._regions[0].mem
         self._tensors = [r.tensor for r in regions]  # keeps the registered memory alive
-        self._peers: dict[str, tuple[bytes, Descriptor]] = {}  # name -> (raw, decoded)
+        self._peers: dict[str, _Peer] = {}
+        self._blocks: dict[str, Any] = {}  # group -> our prepared block list
         self._busy = threading.Lock()
         self._agent = _nixl.nixl_agent(agent_name, _nixl.nixl_agent_config(backends=[]))
         # "peer" error handling makes UCX fail an in-flight READ when the peer dies
@@ -85,7 +104,7 @@ class KVTransfer:
             if diff is not None:
                 raise TransferError(f"layout mismatch with peer {desc.agent!r}: {diff}")
             known = self._peers.get(desc.agent)
-            if known is not None and known[0] == descriptor:
+            if known is not None and known.raw == descriptor:
                 return desc.agent
             if known is not None:
                 self._forget(desc.agent)
@@ -94,7 +113,7 @@ class KVTransfer:
             if name != desc.agent:
                 self._agent.remove_remote_agent(name)
                 raise TransferError(f"descriptor of {desc.agent!r} holds NIXL metadata of {name!r}")
-            self._peers[name] = (descriptor, desc)
+            self._peers[name] = _Peer(descriptor, desc)
             return name
 
     def read(
@@ -116,7 +135,7 @@ class KVTransfer:
         """
         with self._use():
             start = time.perf_counter()
-            desc = self._peer(peer)
+            desc = self._peer(peer).desc
             local, remote = self._rows(desc, remote_pages, local_pages)  # [n, 3] each
             if local.shape[0] == 0:
                 if notify:  # nothing to move, but the peer waits for its notification
@@ -125,6 +144,86 @@ class KVTransfer:
                 self._read(peer, desc.mem, local, remote, notify, timeout_s)
             nbytes = int(local[:, 1].sum())
             return TransferStats(nbytes, local.shape[0], time.perf_counter() - start)
+
+    def pull(
+        self,
+        peer: str,
+        group: str,
+        remote_blocks: Sequence[int],
+        ring: Sequence[Sequence[int]],
+        nbytes: int,
+        on_chunk: OnChunk,
+        *,
+        timeout_s: float,
+        notify: bytes = b"",
+    ) -> TransferStats:
+        """Pull a stream of `nbytes` that `peer` holds in `remote_blocks` (stream order) of its
+        region of `group` (a group of one region), a chunk of len(ring[0]) blocks per READ,
+        through our blocks: chunk j lands in slot ring[j % len(ring)], and a READ per slot is in
+        flight. Once chunk j has landed, on_chunk(j, slot) runs on this thread; it must be done
+        with the slot when it returns. Then the peer gets `notify` (if not empty).
+
+        Raises TransferError on a validation failure (nothing posted), an error, a dead peer or
+        the timeout (over the whole pull), or what on_chunk raised; READs still in flight are
+        released in every case.
+        """
+        with self._use():
+            start = time.perf_counter()
+            known = self._peer(peer)
+            ours, theirs = self._block_regions(known.desc, group)
+            remote = descs.page_ids(remote_blocks, theirs.pages, f"group {group!r} remote")
+            slots = [descs.page_ids(s, ours.pages, f"group {group!r} local") for s in ring]
+            chunk = slots[0].size if slots else 0
+            if chunk == 0 or any(s.size != chunk for s in slots):
+                raise TransferError(f"ring slots of {[s.size for s in slots]} blocks")
+            if np.unique(np.concatenate(slots)).size != chunk * len(slots):
+                raise TransferError("a block of our ring repeats")
+            if nbytes <= 0 or remote.size != -(-nbytes // ours.page_bytes):
+                raise TransferError(
+                    f"{remote.size} blocks of {ours.page_bytes} bytes cannot hold {nbytes} bytes"
+                )
+            local_list, remote_list = self._prepared(peer, known, group, ours, theirs)
+            chunks, descriptors = -(-remote.size // chunk), 0
+            agent, inflight = self._agent, deque()
+            _sharp_sleeps()
+
+            def post(j: int) -> None:
+                nonlocal descriptors
+                picked = remote[j * chunk : (j + 1) * chunk]
+                into = slots[j % len(slots)][: picked.size]
+                handle = self._call(
+                    "start a READ from",
+                    peer,
+                    agent.make_prepped_xfer,
+                    "READ",
+                    local_list,
+                    into.astype(np.int32),
+                    remote_list,
+                    picked.astype(np.int32),
+                )
+                inflight.append(handle)
+                if self._call("post a READ to", peer, agent.transfer, handle) == "ERR":
+                    raise TransferError(f"READ from {peer!r} failed as it was posted")
+                descriptors += descs.runs(picked, into)[0].size  # as NIXL merges them
+
+            try:
+                for j in range(min(len(slots), chunks)):
+                    post(j)
+                for j in range(chunks):
+                    self._wait(peer, inflight[0], start + timeout_s, timeout_s)
+                    _release(inflight.popleft())
+                    on_chunk(j, j % len(slots))
+                    if j + len(slots) < chunks:
+                        post(j + len(slots))
+            finally:
+                # Releasing an unfinished READ cancels it; on a GPU, a copy the transport has
+                # already started ends within microseconds, long before the ring is used again.
+                for handle in inflight:
+                    _release(handle)
+            if notify:
+                self._call("notify", peer, agent.send_notif, peer, notify)
+            moved = remote.size * ours.page_bytes
+            return TransferStats(moved, descriptors, time.perf_counter() - start)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """Notifications since the last call: (peer agent, message), in order per peer."""
@@ -145,6 +244,8 @@ class KVTransfer:
                 return
             for peer in list(self._peers):
                 self._forget(peer)
+            for handle in self._blocks.values():
+                self._agent.release_dlist_handle(handle)
             self._agent.deregister_memory(self._registered)
             self._agent = None
             self._tensors.clear()
@@ -168,15 +269,42 @@ class KVTransfer:
         finally:
             self._busy.release()
 
-    def _peer(self, peer: str) -> Descriptor:
+    def _peer(self, peer: str) -> _Peer:
         known = self._peers.get(peer)
         if known is None:
             raise TransferError(f"unknown peer {peer!r}: add_peer(its descriptor) first")
-        return known[1]
+        return known
 
     def _forget(self, peer: str) -> None:
-        del self._peers[peer]
+        for handle in self._peers.pop(peer).blocks.values():
+            self._agent.release_dlist_handle(handle)
         self._call("disconnect from", peer, self._agent.remove_remote_agent, peer)
+
+    def _block_regions(self, desc: Descriptor, group: str) -> tuple[RegionInfo, RegionInfo]:
+        """Our region of `group` and the peer's (layouts match, so it has the same one)."""
+        ours = self._by_group.get(group, [])
+        if len(ours) != 1:
+            raise TransferError(f"group {group!r} has {len(ours)} regions here; a pull needs one")
+        return ours[0], next(r for r in desc.regions if r.name == ours[0].name)
+
+    def _prepared(
+        self, peer: str, known: _Peer, group: str, ours: RegionInfo, theirs: RegionInfo
+    ) -> tuple[Any, Any]:
+        """Descriptor lists of every block of our region of `group` and of the peer's, prepared
+        on first use: a READ then picks blocks by index (NIXL merges consecutive ones into one
+        descriptor) with no per-READ preparation."""
+        prep = self._agent.prep_xfer_dlist
+        if group not in self._blocks:
+            rows = descs.every_page(ours)
+            self._blocks[group] = self._call(
+                "prepare our blocks for", peer, prep, "", rows, ours.mem
+            )
+        if group not in known.blocks:
+            rows = descs.every_page(theirs)
+            known.blocks[group] = self._call(
+                "prepare the blocks of", peer, prep, peer, rows, theirs.mem
+            )
+        return self._blocks[group], known.blocks[group]
 
     def _rows(
         self, desc: Descriptor, remote_pages: Pages, local_pages: Pages
@@ -231,25 +359,27 @@ class KVTransfer:
             peer,
             notify,
         )
+        _sharp_sleeps()
         try:
-            state = self._call("post a READ to", peer, agent.transfer, handle)
-            pause = _POLL_MIN_S
-            while state == "PROC":
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    raise TransferError(f"READ from {peer!r} did not finish within {timeout_s:g} s")
-                time.sleep(min(pause, left))
-                pause = min(2 * pause, _POLL_MAX_S)
-                state = self._call("complete a READ from", peer, agent.check_xfer_state, handle)
-            if state != "DONE":
-                raise TransferError(f"READ from {peer!r} failed (NIXL state {state})")
+            if self._call("post a READ to", peer, agent.transfer, handle) == "ERR":
+                raise TransferError(f"READ from {peer!r} failed as it was posted")
+            self._wait(peer, handle, deadline, timeout_s)
         finally:
-            # Releasing an unfinished READ cancels it. If NIXL cannot, the handle stays on the
-            # agent's leak list until the agent is destroyed; the READ's own error matters more.
-            try:
-                agent.release_xfer_handle(handle)
-            except Exception:
-                pass
+            _release(handle)
+
+    def _wait(self, peer: str, handle: Any, deadline: float, timeout_s: float) -> None:
+        """Poll a posted READ until DONE; TransferError on an error or past `deadline`."""
+        check = self._agent.check_xfer_state
+        state, pause = self._call("complete a READ from", peer, check, handle), _POLL_MIN_S
+        while state == "PROC":
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise TransferError(f"READ from {peer!r} did not finish within {timeout_s:g} s")
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _POLL_MAX_S)
+            state = self._call("complete a READ from", peer, check, handle)
+        if state != "DONE":
+            raise TransferError(f"READ from {peer!r} failed (NIXL state {state})")
 
     @staticmethod
     def _call(action: str, peer: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -258,6 +388,19 @@ class KVTransfer:
             return fn(*args)
         except Exception as e:
             raise TransferError(f"could not {action} {peer!r}: {type(e).__name__}: {e}") from e
+
+
+def _release(handle: Any) -> None:
+    # Releasing an unfinished READ cancels it. If NIXL cannot, the handle stays on the agent's
+    # leak list until the agent is destroyed; the READ's own error matters more.
+    try:
+        handle.release()
+    except Exception:
+        pass
+
+
+def _sharp_sleeps() -> None:
+    _libc.prctl(_PR_SET_TIMERSLACK, _TIMER_SLACK_NS, 0, 0, 0)
 
 
 def _text(name: str | bytes) -> str:
