@@ -6,8 +6,12 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, setting
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,18 @@ Settings = GenerateSettings
 
 
 def run(s: GenerateSettings) -> None:
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from engine.demo_model import DEMO_MODEL_DIR
+
+    with LLM(s.model or DEMO_MODEL_DIR, **dataclasses.asdict(s.engine)) as llm:
+        _generate(llm, s)
+
+
+def _generate(llm: LLM, s: GenerateSettings) -> None:
+    from engine import SamplingParams
     from engine.llm_engine import RequestError
     from engine.tokenizer import ChatTemplateError
 
-    llm = LLM(s.model or DEMO_MODEL_DIR, **dataclasses.asdict(s.engine))
     if s.chat is not None:
         try:
             prompts = [llm.tokenizer.encode_chat(json.loads(s.chat))]
