@@ -79,15 +79,16 @@ def place(s: UpSettings, visible: list[str], splits: Callable[[int], bool]) -> d
     """The prefill and the decode worker's placements on the `visible` GPUs; splits(n): whether
     the model can be split over n ranks."""
     asked = {
-        "prefill": (s.prefill_tp, s.prefill_devices),
-        "decode": (s.decode_tp, s.decode_devices),
+        "prefill": (s.prefill_tp, _gpus(s.prefill_devices)),
+        "decode": (s.decode_tp, _gpus(s.decode_devices)),
     }
     given = s.engine.tensor_parallel_size if s.engine.tensor_parallel_size > 1 else None
     if s.engine.device != "cuda":
         return {role: Placement(tp or given or 1) for role, (tp, _) in asked.items()}
     half = max(1, len(visible) // 2)
     default = max(n for n in range(1, half + 1) if splits(n))
-    out, free = {}, [d for d in visible if d not in s.prefill_devices + s.decode_devices]
+    taken = asked["prefill"][1] + asked["decode"][1]
+    out, free = {}, [d for d in visible if d not in taken]
     for role, (tp, devices) in asked.items():
         tp = tp or given or (len(devices) if devices else default)
         if not devices:
@@ -105,6 +106,11 @@ def place(s: UpSettings, visible: list[str], splits: Callable[[int], bool]) -> d
             )
         out[role] = Placement(tp, tuple(devices))
     return out
+
+
+def _gpus(entries: tuple[str, ...]) -> tuple[str, ...]:
+    """`--prefill-devices 0,1` and `--prefill-devices 0 --prefill-devices 1` alike."""
+    return tuple(d.strip() for entry in entries for d in entry.split(",") if d.strip())
 
 
 def visible_gpus() -> list[str]:
