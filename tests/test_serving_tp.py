@@ -1,0 +1,49 @@
+"""Tensor-parallel groups of different sizes in the disaggregated stack, as real processes.
+
+A prefill worker of two ranks holds its KV in rank 0's pools (every rank holds the same); a
+decode worker of one rank pulls it from there, and so does one of two ranks, whose rank 0 then
+shares it with its other rank. Their layout hashes match (a page is the same bytes at any
+tensor-parallel size) and both answer what `dsaserve generate` answers, at one rank and at two.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from engine.models.deepseek_v4.tiny import make_tiny_model
+from tests.serving_stack import Stack, offline_generate, wait_for
+
+MESSAGES = [{"role": "user", "content": "Count the ways."}]
+ROUNDS = 4  # round robin: two requests on each decode worker
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tp") / "dsaserve-tiny-v4")
+
+
+def test_groups_of_different_sizes_answer_like_offline_generation(model, redis_url, tmp_path):
+    offline = offline_generate(model, MESSAGES, 24)
+    assert offline_generate(model, MESSAGES, 24, "--tensor-parallel-size", "2") == offline
+    s = Stack(model, redis_url, tmp_path)
+    try:
+        prefill = s.worker("prefill", "-tp", "2")
+        narrow, wide = s.worker("decode"), s.worker("decode", "-tp", "2")
+        router = s.router("--policy", "round_robin")
+        s.wait_ready(prefill, narrow, wide)
+        url = s.wait_healthy(router)
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            for _ in range(ROUNDS):
+                res = c.chat.completions.create(
+                    model=model.name, messages=MESSAGES, max_tokens=24, temperature=0
+                )
+                assert res.choices[0].message.content == offline["text"]
+                assert res.usage.completion_tokens == len(offline["token_ids"])
+        for decode in (narrow, wide):
+            served = decode.counter("dsaserve_worker_requests_total", role="decode", outcome="ok")
+            assert served == ROUNDS // 2, decode.name
+        for worker in (prefill, narrow, wide):
+            wait_for(worker.all_kv_free, 20, f"{worker.name} to free all KV")
+    finally:
+        s.stop()
