@@ -26,6 +26,7 @@ import torch
 from engine import models
 from engine.config import EngineConfig
 from engine.load import Load
+from engine.parallel import follower
 from engine.parallel.group import SINGLE
 from engine.parallel.launch import Followers
 from engine.rank import build_runner, device_of, keeps_quantized
@@ -77,7 +78,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self.followers = None
         if config.tensor_parallel_size > 1:
-            self.followers = Followers(self.model_dir, config, self.device)
+            self.followers = Followers(
+                config.tensor_parallel_size, self.device, follower.main, self.model_dir, config
+            )
         try:
             self.runner = build_runner(
                 model_dir,

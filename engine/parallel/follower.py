@@ -9,17 +9,14 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.parallel.channel import Channel
-from engine.parallel.launch import HOST, JOIN_TIMEOUT, die_with_parent, join
+from engine.parallel.launch import join_follower
 from engine.rank import build_runner, device_of
 from engine.runner import ModelRunner
 
 
-def main(model_dir: str, config: EngineConfig, rank: int, port: int) -> None:
+def main(model_dir: str, config: EngineConfig, rank: int, size: int, port: int) -> None:
     """The follower process (multiprocessing's spawn target)."""
-    die_with_parent()
-    size = config.tensor_parallel_size
-    store = dist.TCPStore(HOST, port, size, is_master=False, timeout=JOIN_TIMEOUT)
-    tp, channel = join(rank, size, store, device_of(config, rank))
+    tp, channel = join_follower(rank, size, port, device_of(config, rank))
     serve(build_runner(model_dir, config, tp), channel)
     dist.destroy_process_group()
 

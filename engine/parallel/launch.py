@@ -1,7 +1,8 @@
 """Start and stop a tensor-parallel group.
 
 The process that builds an `LLMEngine` with tensor_parallel_size N is rank 0: it spawns ranks
-1..N-1 (one process each, running engine.parallel.follower.main), and all join one
+1..N-1 (one process each, running engine.parallel.follower.main; bench.tp runs its own), and
+all join one
 torch.distributed group through a TCP store on 127.0.0.1: NCCL for the model's collectives on
 GPUs (rank r on the r-th visible GPU), gloo on the CPU, plus a gloo group that carries rank 0's
 calls (engine.parallel.channel). Followers die with the thread that started them (Linux
@@ -15,11 +16,11 @@ import datetime
 import logging
 import multiprocessing
 import signal
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from engine.config import EngineConfig
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
 
@@ -37,6 +38,16 @@ def die_with_parent() -> None:
     """Have the kernel send SIGTERM to this process when its parent thread exits (Linux)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def join_follower(
+    rank: int, size: int, port: int, device: torch.device
+) -> tuple[TensorParallel, Channel]:
+    """A follower's start: die with rank 0, join its group through the store at `port`."""
+    die_with_parent()
+    return join(
+        rank, size, dist.TCPStore(HOST, port, size, is_master=False, timeout=JOIN_TIMEOUT), device
+    )
 
 
 def join(
@@ -59,18 +70,19 @@ def join(
 class Followers:
     """Ranks 1..N-1 of rank 0's group: their processes, and the channel that drives them."""
 
-    def __init__(self, model_dir: str, config: EngineConfig, device: torch.device) -> None:
-        from engine.parallel import follower  # (it builds runners, which import this module)
-
-        size = config.tensor_parallel_size
+    def __init__(
+        self, size: int, device: torch.device, target: Callable[..., None], *args: object
+    ) -> None:
+        """Spawn ranks 1..size-1, each running target(*args, rank, size, port) (which joins the
+        group through the TCP store at `port`), and join the group as rank 0 on `device`."""
         store = dist.TCPStore(
             HOST, 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
         )
         spawn = multiprocessing.get_context("spawn")
         self.processes = [
             spawn.Process(
-                target=follower.main,
-                args=(model_dir, config, rank, store.port),
+                target=target,
+                args=(*args, rank, size, store.port),
                 name=f"dsaserve-tp-rank{rank}",
                 daemon=True,
             )
