@@ -490,6 +490,20 @@ def test_cuda_fp4_moe_v4_flash(asm, tokens, block_m, block_n, warps):
 
 
 @gpu_test
+def test_cuda_fp4_expert_ranges_add_up_to_all_experts():
+    """Expert parallelism at V4-Flash widths: two ranks' halves (ids - start) sum to the whole."""
+    x, ids, wts, w13, s13, w2, s2 = _moe_case(32, 4096, 2048, 64, 6, seed=25, device="cuda")
+    cfg = MoeConfig(16, 128, 4, 3, False)  # the same tiles for the whole and the halves
+    whole = fp4_moe(x, ids, wts, w13, s13, w2, s2, 10.0, config=cfg)
+    halves = [
+        fp4_moe(x, ids - start, wts, w13[start:stop], s13[start:stop], w2[start:stop],
+                s2[start:stop], 10.0, config=cfg)
+        for start, stop in ((0, 16), (16, 32))
+    ]  # fmt: skip
+    assert rel_err(halves[0] + halves[1], whole) < 1e-5  # fp32 sums of the same bf16 outputs
+
+
+@gpu_test
 def test_cuda_fp4_moe_asm_equals_plain_decode():
     x, ids, wts, w13, s13, w2, s2 = _moe_case(
         16, 512, 256, 8, 6, seed=24, skew=False, device="cuda"
