@@ -2,11 +2,10 @@
 
 The process that builds an `LLMEngine` with tensor_parallel_size N is rank 0: it spawns ranks
 1..N-1 (one process each, running engine.parallel.follower.main; bench.tp runs its own), and
-all join one
-torch.distributed group through a TCP store on 127.0.0.1: NCCL for the model's collectives on
-GPUs (rank r on the r-th visible GPU), gloo on the CPU, plus a gloo group that carries rank 0's
-calls (engine.parallel.channel). Followers die with the thread that started them (Linux
-PR_SET_PDEATHSIG) and end when rank 0 closes the group.
+all join one torch.distributed group through a TCP store on 127.0.0.1: NCCL for the model's
+collectives on GPUs (rank r on the r-th visible GPU), gloo on the CPU, plus a gloo group that
+carries rank 0's calls (engine.parallel.channel). Followers die with the thread that started
+them (Linux PR_SET_PDEATHSIG) and end when rank 0 closes the group.
 """
 
 from __future__ import annotations
@@ -28,6 +27,9 @@ log = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 # Rank 0 waits this long for the followers to start and join (imports, CUDA initialisation).
 JOIN_TIMEOUT = datetime.timedelta(minutes=10)
+# A collective waits this long for its peers: the first ones follow loading, and one rank may
+# read its share of a large checkpoint slower than another.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 # Followers wait for rank 0's next call as long as the engine idles: no timeout in practice.
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
 STOP_TIMEOUT_S = 30.0
@@ -43,11 +45,12 @@ def die_with_parent() -> None:
 def join_follower(
     rank: int, size: int, port: int, device: torch.device
 ) -> tuple[TensorParallel, Channel]:
-    """A follower's start: die with rank 0, join its group through the store at `port`."""
+    """A follower's start: die with rank 0, leave Ctrl-C to it (a terminal sends SIGINT to the
+    whole process group; rank 0 stops the others), join the group through the store at `port`."""
     die_with_parent()
-    return join(
-        rank, size, dist.TCPStore(HOST, port, size, is_master=False, timeout=JOIN_TIMEOUT), device
-    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    store = dist.TCPStore(HOST, port, size, is_master=False, timeout=JOIN_TIMEOUT)
+    return join(rank, size, store, device)
 
 
 def join(
@@ -61,6 +64,7 @@ def join(
         store=store,
         rank=rank,
         world_size=size,
+        timeout=COLLECTIVE_TIMEOUT,
         device_id=device if device.type == "cuda" else None,
     )
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
