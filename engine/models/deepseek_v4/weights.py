@@ -270,17 +270,16 @@ class _Loader:
         """This rank's slice of a whole checkpoint tensor along `dim` (all of it if None)."""
         if dim is None:
             return tensor
-        n = tensor.shape[dim] // self.tp.size
-        return tensor.narrow(dim, self.tp.rank * n, n)
+        start, stop = self.tp.span(tensor.shape[dim])
+        return tensor.narrow(dim, start, stop - start)
 
     def _read(self, key: str, dim: int | None) -> torch.Tensor:
-        """Checkpoint tensor `key`, or only this rank's slice of it along `dim`."""
+        """Checkpoint tensor `key`, or only this rank's slice of it along `dim`, read alone."""
         if dim is None:
             return self.keys[key].get_tensor(key)
         part = self.keys[key].get_slice(key)
-        n = part.get_shape()[dim] // self.tp.size
         cut = [slice(None)] * (dim + 1)
-        cut[dim] = slice(self.tp.rank * n, (self.tp.rank + 1) * n)
+        cut[dim] = slice(*self.tp.span(part.get_shape()[dim]))
         return part[tuple(cut)]
 
     def _copy_quantized(
