@@ -234,9 +234,10 @@ def run(s: UpSettings) -> None:
         placements = place(s, visible, model_splits(model, s.engine))
         for role in ROLES:
             where = placements[role]
-            log.info("%s worker: tensor-parallel %d on GPUs %s", role, where.tp, where.devices)
+            gpus = f"GPUs {','.join(where.devices)}" if where.devices else s.engine.device
+            log.info("%s worker: tensor-parallel %d on %s", role, where.tp, gpus)
             engine = dataclasses.replace(s.engine, tensor_parallel_size=where.tp)
-            gpus = {"CUDA_VISIBLE_DEVICES": ",".join(where.devices)} if where.devices else {}
+            sees = {"CUDA_VISIBLE_DEVICES": ",".join(where.devices)} if where.devices else {}
             stack.spawn(
                 role,
                 dsaserve
@@ -245,7 +246,7 @@ def run(s: UpSettings) -> None:
                 + engine_flags(engine)
                 + ["--host", "127.0.0.1"]
                 + ["--port", str(_free_port()), "--metrics-port", str(_free_port())],
-                {**env, **gpus},
+                {**env, **sees},
             )
         router = [a for key in s.api_keys for a in ("--api-key", key)]
         if s.engine.max_model_len:
