@@ -1,7 +1,8 @@
 """The offline API: `LLM(model_dir).generate(prompts, SamplingParams(...))` and `.score(ids)`.
 
 `LLM(..., tensor_parallel_size=N)` spans N processes (GPUs); `close()` (or a `with` block)
-stops the other N-1, which otherwise end with this process.
+stops the other N-1, which otherwise end with this process. One such engine runs in a process
+at a time.
 """
 
 from __future__ import annotations

@@ -79,6 +79,10 @@ class Followers:
     ) -> None:
         """Spawn ranks 1..size-1, each running target(*args, rank, size, port) (which joins the
         group through the TCP store at `port`), and join the group as rank 0 on `device`."""
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise RuntimeError(
+                "a tensor-parallel engine already runs in this process: close() it first"
+            )
         store = dist.TCPStore(
             HOST, 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
         )
