@@ -69,6 +69,8 @@ def test_two_ranks_compute_what_one_computes_in_fp32(tiny, release, fmt):
         assert _rel_err(two.score(ids), want_logits) < 1e-5
         # a page means the same bytes at any tensor-parallel size
         assert two.engine.pool.layout_hash() == one.engine.pool.layout_hash()
+        with pytest.raises(RuntimeError, match="already runs in this process"):
+            LLMEngine(model, EngineConfig(tensor_parallel_size=2))
     assert [p.exitcode for p in followers] == [0]  # stopped by close(), not killed
 
 
