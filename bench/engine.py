@@ -48,6 +48,8 @@ from engine.models.deepseek_v4.config import ModelConfig, Quantization
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.models.deepseek_v4.moe import Fp4Experts
 from engine.models.deepseek_v4.weights import build_model
+from engine.parallel.channel import Channel
+from engine.parallel.group import SINGLE, TensorParallel
 from engine.request import Request, Status
 from engine.runner import ModelRunner
 from engine.sampler import sample
@@ -125,8 +127,9 @@ def slice_config(num_experts: int, smoke: bool = False) -> ModelConfig:
     )
 
 
-def random_model(cfg: ModelConfig, dev: torch.device) -> DeepseekV4:
-    model = build_model(cfg, torch.bfloat16, dev)
+def random_model(cfg: ModelConfig, dev: torch.device, tp: TensorParallel = SINGLE) -> DeepseekV4:
+    """Random bf16 weights (this rank's shard under tensor parallelism)."""
+    model = build_model(cfg, torch.bfloat16, dev, tp=tp)
     gen = torch.Generator(dev).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -149,7 +152,7 @@ def release_model(dense: DeepseekV4) -> DeepseekV4:
     checkpoint's producer would (kernels.quant: power-of-two scales, round to nearest even),
     one tensor (one expert) at a time; dense parameters are copied."""
     cfg = dataclasses.replace(dense.cfg, quantization=Quantization(expert_dtype="fp4"))
-    model = build_model(cfg, torch.bfloat16, dense.embed.weight.device, quantized=True)
+    model = build_model(cfg, torch.bfloat16, dense.embed.weight.device, quantized=True, tp=dense.tp)
     done = set()
     for name, module in model.named_modules():
         source = dense.get_submodule(name)
@@ -159,7 +162,7 @@ def release_model(dense: DeepseekV4) -> DeepseekV4:
             ):
                 dst.copy_(src)
         elif isinstance(module, Fp4Experts):
-            for e in range(cfg.num_experts):
+            for e in range(module.w13.shape[0]):  # (this rank's experts)
                 for codes, scales, weight in (
                     (module.w13, module.s13, source.w13),
                     (module.w2, module.s2, source.w2),
@@ -187,8 +190,18 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class Bench:
-    def __init__(self, cfg: ModelConfig, max_seqs: int, kv_bytes: int, dev: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_seqs: int,
+        kv_bytes: int,
+        dev: torch.device,
+        tp: TensorParallel = SINGLE,
+        channel: Channel | None = None,
+    ) -> None:
+        """tp, channel: this rank's group and, on rank 0, its line to the others (bench.tp)."""
         self.cfg, self.dev, self.max_context = cfg, dev, cfg.max_position_embeddings
+        self.channel = channel
         self.pool = KVPool(
             cfg,
             KVCacheConfig(
@@ -206,13 +219,13 @@ class Bench:
             for t in list(group.kv.values()) + list(group.index_k.values()):
                 t.normal_(0, 1, generator=gen)
         self.scheduler = Scheduler(self.pool, 8192)
-        self.use(random_model(cfg, dev))
+        self.use(random_model(cfg, dev, tp))
 
     def use(self, model: DeepseekV4) -> None:
         """Run `model` from now on, on the same pool (its layout does not depend on the weights),
         with decode graphs captured for it on the GPU."""
         self.model = model
-        self.runner = ModelRunner(model, self.pool, self.dev, self.max_context)
+        self.runner = ModelRunner(model, self.pool, self.dev, self.max_context, self.channel)
         if self.dev.type == "cuda":
             self.runner.capture_decode_graphs(GRAPH_SIZES)
 

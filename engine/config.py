@@ -65,6 +65,13 @@ class EngineConfig:
         False, "never capture CUDA graphs for decode steps", aliases=("--no-cuda-graphs",)
     )
     cpu_threads: int = setting(1, "intra-op threads on CPU (small models lose with more)")
+    tensor_parallel_size: int = setting(
+        1,
+        "processes (GPUs) one engine spans: query heads and vocabulary split across them, routed "
+        "experts in contiguous ranges, the KV replicated; rank r takes the r-th visible GPU "
+        "(--device cuda), or runs on the CPU over gloo",
+        short="-tp",
+    )
 
     def __post_init__(self) -> None:
         checks = [
@@ -84,6 +91,15 @@ class EngineConfig:
                 f"max_model_len must be >= 2, got {self.max_model_len}",
             ),
             (self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}"),
+            (
+                self.tensor_parallel_size >= 1,
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+            ),
+            (
+                self.tensor_parallel_size == 1 or self.device in ("cpu", "cuda"),
+                f"with tensor parallelism the device is 'cuda' (rank r takes the r-th visible "
+                f"GPU; choose them with CUDA_VISIBLE_DEVICES) or 'cpu', got {self.device!r}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -58,7 +58,8 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.failure is None
+        """The engine thread runs, and so does every rank of its tensor-parallel group."""
+        return self._thread.is_alive() and self.failure is None and self.engine.group_alive()
 
     def load(self) -> Load:
         """The load after the last step (safe from any thread)."""

@@ -143,6 +143,9 @@ class KVPool:
         # pages are allocated: a step gathers its rows on the device instead of rebuilding
         # [batch, pages] tables on the host each step (that would cost O(context) per step).
         max_context = max_context or cfg.max_position_embeddings
+        # The writes to them since the runner last took them, kept (not None) where the other
+        # ranks of a tensor-parallel group replay them on their own copies.
+        self.table_writes: list[tuple[int, str, int, list[int]]] | None = None
         self.page_tables = {
             g: torch.full(
                 (seqs, min(grp.num_pages, self.pages_for(g, max_context))),
@@ -189,6 +192,8 @@ class KVPool:
         self.page_tables[group][slab, first : first + len(pages)] = torch.tensor(
             pages, dtype=torch.int32
         )
+        if self.table_writes is not None:
+            self.table_writes.append((slab, group, first, pages))
 
     def entry_slot_base(self, group: str) -> int:
         """First scratch row of every `kv[layer]` of `group` (rows before it are pages)."""

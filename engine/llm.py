@@ -1,4 +1,9 @@
-"""The offline API: `LLM(model_dir).generate(prompts, SamplingParams(...))` and `.score(ids)`."""
+"""The offline API: `LLM(model_dir).generate(prompts, SamplingParams(...))` and `.score(ids)`.
+
+`LLM(..., tensor_parallel_size=N)` spans N processes (GPUs); `close()` (or a `with` block)
+stops the other N-1, which otherwise end with this process. One such engine runs in a process
+at a time.
+"""
 
 from __future__ import annotations
 
@@ -87,3 +92,12 @@ class LLM:
     def score(self, token_ids: list[int]) -> torch.FloatTensor:
         """Logits [T, vocab] (fp32) of one causal forward over token_ids."""
         return self.engine.score(list(token_ids))
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

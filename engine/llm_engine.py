@@ -7,6 +7,11 @@ Besides plain requests it supports the two halves of disaggregated serving:
   moves held KV from its pages into the pool's staging blocks, which a reader pulls faster;
 - decode of a transferred request: `reserve` allocates pages for it, a transfer fills
   them, `join` starts decoding.
+
+With tensor_parallel_size N the engine is rank 0 of a group of N processes (engine.parallel):
+it alone schedules, samples and owns the requests; its runner sends every step to the other
+ranks, and `join` hands them the transferred KV, which reached rank 0's pools only. `close`
+stops the other ranks.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import torch
 
 from engine import models
 from engine.config import EngineConfig
-from engine.kv_pool import SLAB, STAGING, KVCacheConfig, KVPool
+from engine.kv_pool import SLAB, STAGING
 from engine.load import Load
 from engine.logprobs import TokenLogprobs, token_logprobs
+from engine.parallel import follower
+from engine.parallel.group import SINGLE
+from engine.parallel.launch import Followers
+from engine.rank import build_runner, device_of, keeps_quantized
 from engine.request import Request, Status
-from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import Scheduler
@@ -34,10 +42,6 @@ from engine.text_stream import TextStream
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 512 << 20
-DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class RequestError(ValueError):
@@ -70,32 +74,31 @@ Listener = Callable[[RequestOutput], None]
 class LLMEngine:
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig()) -> None:
         self.config, self.model_dir = config, str(model_dir)
-        self.device = torch.device(config.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads)
-        family = models.family(model_dir)
-        self.model_config = cfg = family.ModelConfig.from_dir(model_dir)
+        self.device = device_of(config, 0)
+        self.model_config = cfg = models.family(model_dir).ModelConfig.from_dir(model_dir)
+        # before any process starts: a clear error for a model that does not split
+        cfg.check_tensor_parallel(config.tensor_parallel_size, keeps_quantized(config, cfg))
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
-        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
-        dtype = _DTYPES[config.dtype]
-        quantized = config.quantized_compute
-        if quantized is None:  # the release computes in bf16 with FP8 activations
-            quantized = cfg.quantization is not None and dtype is torch.bfloat16
-        self.model = family.build_model(cfg, dtype, self.device, quantized=quantized)
-        family.load_weights(self.model, model_dir)
-        kv_cfg = KVCacheConfig(
-            memory_bytes=self._kv_budget(),
-            page_size=config.page_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-        )
-        self.pool = KVPool(
-            cfg, kv_cfg, dtype=dtype, device=self.device, max_context=self.max_model_len
-        )
+        self.followers = None
+        if config.tensor_parallel_size > 1:
+            self.followers = Followers(
+                config.tensor_parallel_size, self.device, follower.main, self.model_dir, config
+            )
+        try:
+            self.runner = build_runner(
+                model_dir,
+                config,
+                self.followers.tp if self.followers else SINGLE,
+                self.followers.channel if self.followers else None,
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.model, self.pool = self.runner.model, self.runner.pool
+        self.max_model_len = self.runner.max_context
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens)
         self._staged: dict[str, list[int]] = {}  # held request -> its staging blocks
-        self.runner = ModelRunner(self.model, self.pool, self.device, self.max_model_len)
         log.info(
             "KV pool: %d pages (%s), one request up to %d tokens, layout %s",
             self.pool.num_total_pages,
@@ -103,19 +106,16 @@ class LLMEngine:
             self.pool.token_capacity(),
             self.pool.layout_description(),
         )
-        if self.device.type == "cuda" and not config.enforce_eager and dtype is torch.bfloat16:
-            # (torch's grouped GEMM of other dtypes syncs with the host on CUDA: eager there)
-            sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]
-            self.runner.capture_decode_graphs(sizes)
 
-    def _kv_budget(self) -> int:
-        if self.config.kv_cache_memory_bytes is not None:
-            return self.config.kv_cache_memory_bytes
-        if self.device.type != "cuda":
-            return DEFAULT_CPU_KV_BYTES
-        free, total = torch.cuda.mem_get_info(self.device)
-        # Leave (1 - utilization) of the card, plus headroom for activations and graphs.
-        return max(0, int(free - total * (1 - self.config.gpu_memory_utilization) - (2 << 30)))
+    def group_alive(self) -> bool:
+        """Whether every rank of the engine's tensor-parallel group still runs."""
+        return self.followers is None or self.followers.alive()
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (nothing to do on one rank)."""
+        if self.followers is not None:
+            self.followers.close()
+            self.followers = None
 
     # ---------------------------------------------------------------- requests
 
@@ -290,8 +290,10 @@ class LLMEngine:
         )
 
     def join(self, request_id: str) -> None:
-        """The reserved request's KV has arrived: decode it from the next step on."""
+        """The reserved request's KV has arrived (in rank 0's pools): decode it from the next
+        step on, with a copy on every rank."""
         req = self.scheduler.requests[request_id]
+        self.runner.call("share_pages", {**req.page_tables, "slab": [req.slab]})
         req.num_computed = len(req.prompt_token_ids)
         self.scheduler.join(req)
 

@@ -6,6 +6,11 @@ touches a real request's state. The index lists inside a graph are as wide as th
 length allows (page tables, HCA entries); the kernels read only each row's real length.
 Block tables are gathered on the device from the pool's per-slab copy, so a replay only
 refreshes positions, slab rows and token ids.
+
+In a tensor-parallel group every rank has a runner over its own shard and pool. Rank 0's
+scheduler decides each step; `call` sends the step (its RowSpans, and the page-table writes
+since the last call) to the other ranks, then every rank runs the same method, whose
+collectives meet inside the model. Graphs are captured on every rank in the same order.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import torch
 
 from engine.kv_pool import KVPool
 from engine.models.deepseek_v4.model import DeepseekV4
+from engine.parallel.channel import Call, Channel
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
 from engine.step import RowSpan, StepInputs, build_step_inputs
@@ -25,14 +31,24 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(
-        self, model: DeepseekV4, pool: KVPool, device: torch.device, max_context: int
+        self,
+        model: DeepseekV4,
+        pool: KVPool,
+        device: torch.device,
+        max_context: int,
+        channel: Channel | None = None,
     ) -> None:
+        """channel: rank 0's line to the other ranks of its tensor-parallel group (None on a
+        single rank and on the other ranks, which receive the calls)."""
         self.model, self.pool, self.device, self.max_context = (
             model,
             pool,
             torch.device(device),
             max_context,
         )
+        self.tp, self.channel = model.tp, channel
+        if channel is not None:
+            pool.table_writes = []  # the other ranks replay them
         self.graphs: dict[int, _DecodeGraph] = {}
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
@@ -40,6 +56,13 @@ class ModelRunner:
         for bs in sorted(batch_sizes, reverse=True):  # largest first: the rest reuse its memory
             self.graphs[bs] = _DecodeGraph(self, bs, mempool)
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
+
+    def call(self, method: str, *args: object) -> torch.Tensor | None:
+        """Run `method(*args)` on every rank of the group (rank 0 calls; the others follow)."""
+        if self.channel is not None:
+            writes, self.pool.table_writes = self.pool.table_writes, []
+            self.channel.send(Call(method, args, writes))
+        return getattr(self, method)(*args)
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
         """Run the step; returns the requests that sample now and their logits [len, vocab].
@@ -57,26 +80,56 @@ class ModelRunner:
             if req.num_computed + n == req.num_tokens:  # the chunk reaches the newest token
                 samplers.append(req)
                 rows.append(row - 1)
-        graph = self._graph_for(batch)
-        if graph is not None:
-            logits = graph.run(spans)
-        else:
-            inputs = build_step_inputs(self.pool, spans, len(batch.decode), self.device)
-            sample_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
-            logits = self.model(self.pool, inputs, sample_rows)
+        logits = self.call("forward", spans, len(batch.decode), rows)
         for req, n in work:
             req.num_computed += n
         return samplers, logits
 
     def forward_all_rows(self, spans: list[RowSpan], num_decode: int) -> torch.Tensor:
         """Logits of every row of a step (scoring)."""
-        inputs = build_step_inputs(self.pool, spans, num_decode, self.device)
-        return self.model(self.pool, inputs, torch.arange(inputs.num_rows, device=self.device))
+        return self.call("forward", spans, num_decode, None)
 
-    def _graph_for(self, batch: ScheduledBatch) -> _DecodeGraph | None:
-        if batch.prefill or not self.graphs:
+    def forward(
+        self, spans: list[RowSpan], num_decode: int, logit_rows: list[int] | None
+    ) -> torch.Tensor:
+        """Every rank: one step over `spans` (the first `num_decode` single-row decode spans);
+        fp32 logits of `logit_rows` (None: every row). A decode-only step replays a graph."""
+        graph = self._graph_for(spans, num_decode) if logit_rows is not None else None
+        if graph is not None:  # (every row of a decode-only step samples)
+            return graph.run(spans)
+        inputs = build_step_inputs(self.pool, spans, num_decode, self.device)
+        rows = (
+            torch.arange(inputs.num_rows, device=self.device)
+            if logit_rows is None
+            else torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        )
+        return self.model(self.pool, inputs, rows)
+
+    def share_pages(self, pages: dict[str, list[int]]) -> None:
+        """Every rank: rank 0's contents of these pages (a KV transfer filled them there) into
+        every rank's pool, as one broadcast of their bytes; pages: pool group -> page ids
+        ("slab" -> slab rows), as KVPages holds them."""
+        if self.tp.size == 1:
+            return
+        regions = [  # each region as bytes [pages, ...]
+            (r.tensor.view(torch.uint8), torch.tensor(pages[r.group], device=self.device))
+            for r in self.pool.regions()
+            if pages.get(r.group)
+        ]
+        sizes = [len(ids) * t[0].numel() for t, ids in regions]
+        if self.tp.rank == 0:
+            buf = torch.cat([t.index_select(0, ids).reshape(-1) for t, ids in regions])
+        else:
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        self.tp.broadcast(buf)
+        if self.tp.rank > 0:
+            for (t, ids), part in zip(regions, buf.split(sizes), strict=True):
+                t.index_copy_(0, ids, part.view(len(ids), *t.shape[1:]))
+
+    def _graph_for(self, spans: list[RowSpan], num_decode: int) -> _DecodeGraph | None:
+        if num_decode < len(spans) or not self.graphs:
             return None
-        fits = [bs for bs in self.graphs if bs >= len(batch.decode)]
+        fits = [bs for bs in self.graphs if bs >= num_decode]
         return self.graphs[min(fits)] if fits else None
 
 

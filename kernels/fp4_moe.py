@@ -8,7 +8,8 @@
                 expert's w1 (gate), rows I..2I-1 its w3 (up), each exactly as in the checkpoint
     s13         [E, 2I, H/32] float8_e8m0fnu: one scale per 32 inputs
     w2          [E, H, I/2] int8, s2 [E, H, I/32] float8_e8m0fnu
-    -> y        [T, H] fp32 (out_dtype): sum over the token's experts of their bf16 outputs
+    -> y        [T, H] fp32 (out_dtype): sum over the token's experts of their bf16 outputs;
+                ids outside [0, E) add nothing (expert parallelism: other ranks hold them)
 
 H and I multiples of 128. ``stack_fp4_experts`` builds this layout from per-expert checkpoint
 tensors (``layers.N.ffn.experts.E.w{1,2,3}.{weight,scale}``); the engine's loader stacks them once.
@@ -392,10 +393,13 @@ def fp4_moe(
 
     xq, xs = act_quant(x)  # [T, H] e4m3, [T, H/128] e8m0
     flat = expert_ids.reshape(-1).to(torch.int64)
+    # Ids outside [0, E) (another rank's experts) sort last, past every expert's rows: no
+    # program reads them, and their rows of `down` stay zero.
+    flat = torch.where((flat >= 0) & (flat < n_exp), flat, n_exp)
     order = torch.argsort(flat, stable=True).to(torch.int32)  # [R] (token, slot) rows by expert
-    counts = torch.zeros(n_exp, dtype=torch.int64, device=dev).scatter_add_(
+    counts = torch.zeros(n_exp + 1, dtype=torch.int64, device=dev).scatter_add_(
         0, flat, torch.ones_like(flat)
-    )
+    )[:n_exp]
     row_end = counts.cumsum(0).to(torch.int32)  # [E]
     block_end = ((counts + cfg.block_m - 1) // cfg.block_m).cumsum(0).to(torch.int32)  # [E]
     slots = triton.cdiv(rows, cfg.block_m) + min(n_exp, rows)
@@ -438,7 +442,7 @@ def fp4_moe(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    down = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev)  # [(token, slot), H]
+    down = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=dev)  # [(token, slot), H]
     _moe_down_kernel[(slots, triton.cdiv(hidden, cfg.block_n))](
         hq,
         hs,

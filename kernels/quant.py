@@ -252,9 +252,13 @@ def _blockwise_gemm(
 
 
 def fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The release's linear() on an FP8 weight: x [..., K] -> bf16 [..., N].
+    """The release's linear() on an FP8 weight: x [..., K] -> [..., N] out_dtype (bf16 in the
+    release; fp32 for the partial sums of a layer whose K is split across ranks).
 
     weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] e8m0 (K % 128 == 0)."""
     n, k = weight.shape
@@ -263,7 +267,7 @@ def fp8_linear_reference(
     xq, xs = act_quant_reference(x.reshape(-1, k))
     ws = ue8m0_to_float(scale).repeat_interleave(FP8_BLOCK, 0)[:n]  # [N, K/128]
     y = _blockwise_gemm(xq.float(), ue8m0_to_float(xs), weight.float(), ws, FP8_BLOCK)
-    return y.to(torch.bfloat16).view(*x.shape[:-1], n)
+    return y.to(out_dtype).view(*x.shape[:-1], n)
 
 
 def fp4_linear_reference(
@@ -297,10 +301,13 @@ def fp4_experts_reference(
     are w1 = gate, I..2I-1 are w3 = up), s13 [E, 2I, H/32]; w2 [E, H, I/2], s2 [E, H, I/32].
     Per expert e and its rows: gate, up = bf16(fp4 linear) each; h = silu(min(gate, L)) *
     clamp(up, -L, L) in fp32 (no clamp when L <= 0), times the routing weight, cast to bf16;
-    out = bf16(fp4 linear(h, w2)); y (fp32) += out, experts in ascending id order."""
+    out = bf16(fp4 linear(h, w2)); y (fp32) += out, experts in ascending id order. Ids outside
+    [0, E) add nothing (experts held by other ranks under expert parallelism)."""
     inter = w13.shape[1] // 2
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(expert_ids).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
         tok, slot = torch.where(expert_ids == e)
         xe = x[tok]
         gate = fp4_linear_reference(xe, w13[e, :inter], s13[e, :inter]).float()

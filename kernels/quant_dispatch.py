@@ -28,14 +28,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (_act_quant.act_quant if _triton(x) else quant.act_quant_reference)(x)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The release's linear() on an FP8 weight: x [..., K] -> bf16 [..., N].
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The release's linear() on an FP8 weight: x [..., K] -> [..., N] out_dtype (the release
+    writes bf16; fp32 keeps the partial sums of a layer split along K for a cross-rank sum).
 
     weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] float8_e8m0fnu; details in
     kernels.fp8_gemm."""
     if _triton(x):
-        return _fp8_gemm.fp8_linear(x, weight, scale)
-    return quant.fp8_linear_reference(x, weight, scale)
+        return _fp8_gemm.fp8_linear(x, weight, scale, out_dtype=out_dtype)
+    return quant.fp8_linear_reference(x, weight, scale, out_dtype)
 
 
 def fp4_experts(
@@ -48,7 +54,8 @@ def fp4_experts(
     s2: torch.Tensor,
     swiglu_limit: float,
 ) -> torch.Tensor:
-    """Routed FP4 experts -> fp32 [T, H]; layout and semantics in kernels.fp4_moe."""
+    """Routed FP4 experts -> fp32 [T, H]; layout and semantics in kernels.fp4_moe. Expert ids
+    outside [0, E) add nothing (under expert parallelism: the experts of other ranks)."""
     if _triton(x):
         return _fp4_moe.fp4_moe(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)
     return quant.fp4_experts_reference(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)

@@ -6,8 +6,12 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig, setting
+
+if TYPE_CHECKING:
+    from engine.llm import LLM
 
 
 @dataclass(frozen=True)
@@ -41,19 +45,24 @@ Settings = GenerateSettings
 
 
 def run(s: GenerateSettings) -> None:
-    from engine import LLM, SamplingParams
+    from engine import LLM
+    from engine.demo_model import DEMO_MODEL_DIR
+
+    with LLM(s.model or DEMO_MODEL_DIR, **dataclasses.asdict(s.engine)) as llm:
+        _generate(llm, s)
+
+
+def _generate(llm: LLM, s: GenerateSettings) -> None:
+    from engine import SamplingParams
     from engine.chat import parse_completion
     from engine.chat_format import ChatOptions, chat_format, opens_reasoning
-    from engine.demo_model import DEMO_MODEL_DIR
     from engine.llm_engine import RequestError
 
-    model = s.model or DEMO_MODEL_DIR
-    llm = LLM(model, **dataclasses.asdict(s.engine))
     reasoning = False
     if s.chat is not None:
         # The router's choice of chat format: the template, or the V4 release's encoder.
         try:
-            text = chat_format(model, llm.tokenizer).render(
+            text = chat_format(llm.engine.model_dir, llm.tokenizer).render(
                 json.loads(s.chat), options=ChatOptions(thinking=s.thinking)
             )
         except ValueError as e:  # bad JSON, or a chat the format cannot render

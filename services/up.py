@@ -4,11 +4,16 @@ Starts a private redis-server (unless --redis-url is given), one prefill and one
 worker, and the router, all on loopback; waits until the router reports healthy; prints
 the URL and a curl example. SIGINT/SIGTERM stops every child, and every child also dies
 with this process (PR_SET_PDEATHSIG), so nothing is left behind.
+
+On GPUs (--device cuda) each worker is a GPU group of its own, seeing only its GPUs
+(CUDA_VISIBLE_DEVICES): --prefill-devices/--decode-devices name them, --prefill-tp/--decode-tp
+(or --tensor-parallel-size for both) size them; by default the visible GPUs are split in half,
+prefill first, each half as large a group as the model splits into.
 """
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -21,6 +26,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, setting
@@ -28,7 +34,7 @@ from engine.demo_model import DEMO_MODEL_DIR
 from services import settings
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
+ROLES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -44,9 +50,94 @@ class UpSettings:
     )
     api_keys: tuple[str, ...] = setting((), "require this API key (repeatable)", flag="--api-key")
     startup_timeout: float = setting(600.0, "seconds to wait for the stack to become healthy")
+    prefill_tp: int | None = setting(
+        None,
+        "tensor-parallel size of the prefill worker (default: --tensor-parallel-size when given, "
+        "else the number of --prefill-devices, else half the visible GPUs)",
+    )
+    decode_tp: int | None = setting(None, "tensor-parallel size of the decode worker (likewise)")
+    prefill_devices: tuple[str, ...] = setting(
+        (), "GPUs of the prefill worker (CUDA_VISIBLE_DEVICES entries, e.g. 0,1)"
+    )
+    decode_devices: tuple[str, ...] = setting(
+        (), "GPUs of the decode worker (default: the visible GPUs after the prefill worker's)"
+    )
 
 
 Settings = UpSettings
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one worker runs: its tensor-parallel size and the GPUs it sees (none on the CPU)."""
+
+    tp: int
+    devices: tuple[str, ...] = ()
+
+
+def place(s: UpSettings, visible: list[str], splits: Callable[[int], bool]) -> dict[str, Placement]:
+    """The prefill and the decode worker's placements on the `visible` GPUs; splits(n): whether
+    the model can be split over n ranks."""
+    asked = {
+        "prefill": (s.prefill_tp, _gpus(s.prefill_devices)),
+        "decode": (s.decode_tp, _gpus(s.decode_devices)),
+    }
+    given = s.engine.tensor_parallel_size if s.engine.tensor_parallel_size > 1 else None
+    if s.engine.device != "cuda":
+        return {role: Placement(tp or given or 1) for role, (tp, _) in asked.items()}
+    half = max(1, len(visible) // 2)
+    default = max(n for n in range(1, half + 1) if splits(n))
+    taken = asked["prefill"][1] + asked["decode"][1]
+    out, free = {}, [d for d in visible if d not in taken]
+    for role, (tp, devices) in asked.items():
+        tp = tp or given or (len(devices) if devices else default)
+        if not devices:
+            if len(free) < tp and len(visible) == 1 and tp == 1:
+                free = list(visible)  # one GPU: both workers share it
+            if len(free) < tp:
+                raise SystemExit(
+                    f"the {role} worker needs {tp} GPUs but only {len(free)} of the visible "
+                    f"{visible} are left; pass --{role}-devices or a smaller --{role}-tp"
+                )
+            devices, free = tuple(free[:tp]), free[tp:]
+        if len(devices) != tp:
+            raise SystemExit(
+                f"--{role}-devices names {len(devices)} GPUs for a tensor-parallel size of {tp}"
+            )
+        out[role] = Placement(tp, tuple(devices))
+    return out
+
+
+def _gpus(entries: tuple[str, ...]) -> tuple[str, ...]:
+    """`--prefill-devices 0,1` and `--prefill-devices 0 --prefill-devices 1` alike."""
+    return tuple(d.strip() for entry in entries for d in entry.split(",") if d.strip())
+
+
+def visible_gpus() -> list[str]:
+    """This machine's GPUs as CUDA_VISIBLE_DEVICES entries."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def model_splits(model: str, engine: EngineConfig) -> Callable[[int], bool]:
+    """Whether the model in `model`, run as `engine` says, splits over n ranks."""
+    from engine.models import ConfigError, family
+    from engine.rank import keeps_quantized
+
+    cfg = family(model).ModelConfig.from_dir(model)
+
+    def splits(n: int) -> bool:
+        try:
+            cfg.check_tensor_parallel(n, keeps_quantized(engine, cfg))
+        except ConfigError:
+            return False
+        return True
+
+    return splits
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -66,18 +157,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Stack:
     def __init__(self) -> None:
         self.children: list[tuple[str, subprocess.Popen]] = []
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        from engine.parallel.launch import die_with_parent
+
         log.info("starting %s: %s", name, " ".join(argv))
-        self.children.append((name, subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)))
+        self.children.append((name, subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)))
 
     def check(self) -> None:
         for name, proc in self.children:
@@ -143,16 +231,23 @@ def run(s: UpSettings) -> None:
             **os.environ,
             "DSASERVE_CLUSTER_TOKEN": token,
         }  # not on command lines, where ps shows it
-        engine = engine_flags(s.engine) + ["--host", "127.0.0.1"]
-        for role in ("prefill", "decode"):
+        visible = visible_gpus() if s.engine.device == "cuda" else []
+        placements = place(s, visible, model_splits(model, s.engine))
+        for role in ROLES:
+            where = placements[role]
+            gpus = f"GPUs {','.join(where.devices)}" if where.devices else s.engine.device
+            log.info("%s worker: tensor-parallel %d on %s", role, where.tp, gpus)
+            engine = dataclasses.replace(s.engine, tensor_parallel_size=where.tp)
+            sees = {"CUDA_VISIBLE_DEVICES": ",".join(where.devices)} if where.devices else {}
             stack.spawn(
                 role,
                 dsaserve
                 + [role]
                 + common
-                + engine
+                + engine_flags(engine)
+                + ["--host", "127.0.0.1"]
                 + ["--port", str(_free_port()), "--metrics-port", str(_free_port())],
-                env,
+                {**env, **sees},
             )
         router = [a for key in s.api_keys for a in ("--api-key", key)]
         if s.engine.max_model_len:

@@ -5,6 +5,7 @@ Every wait polls a readiness condition under a deadline; processes are killed at
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -75,22 +76,53 @@ class Proc:
         with channel:
             return stub(channel).Load(pb.LoadRequest(), metadata=token_metadata(TOKEN), timeout=5)
 
-    def failures(self, cause: str) -> float:
-        """This worker's dsaserve_worker_failures_total for `cause` (0 before the first)."""
+    def counter(self, name: str, **labels: str) -> float:
+        """This worker's counter `name` with these labels (0 before the first count)."""
         with urllib.request.urlopen(
             f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5
         ) as r:
             text = r.read().decode()
         for line in text.splitlines():
-            if line.startswith("dsaserve_worker_failures_total{") and f'cause="{cause}"' in line:
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
                 return float(line.split()[-1])
         return 0.0
+
+    def failures(self, cause: str) -> float:
+        """This worker's dsaserve_worker_failures_total for `cause` (0 before the first)."""
+        return self.counter("dsaserve_worker_failures_total", cause=cause)
 
     def all_kv_free(self) -> bool:
         load = self.load()
         return (
             load.free_pages == load.total_pages and load.running == load.waiting == load.held == 0
         )
+
+
+def offline_generate(model: Path, messages: list[dict], max_tokens: int, *flags: str) -> dict:
+    """`dsaserve generate --chat` in its own process, greedy: its JSON answer."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "generate",
+            "--model",
+            str(model),
+            "--chat",
+            json.dumps(messages),
+            "--max-tokens",
+            str(max_tokens),
+            "--temperature",
+            "0",
+            "--json",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=START_TIMEOUT_S,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @dataclass

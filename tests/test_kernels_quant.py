@@ -362,6 +362,23 @@ def test_fp4_moe_without_limit_int32_ids_default_config():
     assert rel_err(out, ref) < 1e-3
 
 
+def test_fp4_expert_ranges_add_up_to_all_experts():
+    """Expert parallelism: a rank holds experts [start, stop) and gets ids - start; ids outside
+    its range add nothing, so the ranks' outputs sum to the whole layer's."""
+    x, ids, wts, w13, s13, w2, s2 = _moe_case(6, 256, 128, 24, 2, seed=13)
+    whole = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, 10.0)
+    parts: dict[str, list[torch.Tensor]] = {"reference": [], "triton": []}
+    for start, stop in ((0, 3), (3, 6)):
+        local = (w13[start:stop], s13[start:stop], w2[start:stop], s2[start:stop])
+        parts["reference"].append(quant.fp4_experts_reference(x, ids - start, wts, *local, 10.0))
+        parts["triton"].append(
+            fp4_moe(x, ids - start, wts, *local, 10.0, config=MoeConfig(16, 64, 4, 1, False))
+        )
+    # top-2: a token's two expert outputs, added in either order, give the same fp32 sum
+    assert torch.equal(parts["reference"][0] + parts["reference"][1], whole)
+    assert rel_err(parts["triton"][0] + parts["triton"][1], whole) < 1e-3
+
+
 def test_stack_fp4_experts_layout():
     g = torch.Generator().manual_seed(13)
     per = [
@@ -470,6 +487,20 @@ def test_cuda_fp4_moe_v4_flash(asm, tokens, block_m, block_n, warps):
     out = fp4_moe(x, ids, wts, w13, s13, w2, s2, 10.0, config=cfg)
     ref = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, 10.0)
     assert rel_err(out, ref) < 4e-3
+
+
+@gpu_test
+def test_cuda_fp4_expert_ranges_add_up_to_all_experts():
+    """Expert parallelism at V4-Flash widths: two ranks' halves (ids - start) sum to the whole."""
+    x, ids, wts, w13, s13, w2, s2 = _moe_case(32, 4096, 2048, 64, 6, seed=25, device="cuda")
+    cfg = MoeConfig(16, 128, 4, 3, False)  # the same tiles for the whole and the halves
+    whole = fp4_moe(x, ids, wts, w13, s13, w2, s2, 10.0, config=cfg)
+    halves = [
+        fp4_moe(x, ids - start, wts, w13[start:stop], s13[start:stop], w2[start:stop],
+                s2[start:stop], 10.0, config=cfg)
+        for start, stop in ((0, 16), (16, 32))
+    ]  # fmt: skip
+    assert rel_err(halves[0] + halves[1], whole) < 1e-5  # fp32 sums of the same bf16 outputs
 
 
 @gpu_test

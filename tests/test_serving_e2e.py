@@ -19,7 +19,7 @@ import redis
 
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.registry import worker_key
-from tests.serving_stack import Stack, http_status, wait_for
+from tests.serving_stack import Stack, http_status, offline_generate, wait_for
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -55,39 +55,13 @@ def client(stack):
         yield c
 
 
-def _offline(model, messages, max_tokens: int) -> dict:
-    """`dsaserve generate --chat` in its own process, greedy."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "generate",
-            "--model",
-            str(model),
-            "--chat",
-            json.dumps(messages),
-            "--max-tokens",
-            str(max_tokens),
-            "--temperature",
-            "0",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def _assert_workers_idle(stack) -> None:
     for worker in (stack.prefill, stack.decode):
         wait_for(worker.all_kv_free, 20, f"{worker.name} to free all KV")
 
 
 def test_chat_completion_equals_offline_generation(stack, client, model):
-    offline = _offline(model, MESSAGES, 24)
+    offline = offline_generate(model, MESSAGES, 24)
     res = client.chat.completions.create(
         model=model.name, messages=MESSAGES, max_tokens=24, temperature=0
     )

@@ -97,6 +97,14 @@ def test_nested_engine_settings_and_vllm_names() -> None:
     assert (s.port, s.metrics_port, s.transfer_timeout) == (50052, 9101, 60.0)  # decode defaults
 
 
+def test_tensor_parallel_size_has_vllms_name_and_short_form() -> None:
+    for argv in (["--tensor-parallel-size", "4"], ["-tp", "4"]):
+        s = settings.parse(DecodeSettings, ["--cluster-token", "t", *argv], "decode")
+        assert s.engine.tensor_parallel_size == 4
+    environ = {"DSASERVE_TENSOR_PARALLEL_SIZE": "2"}
+    assert settings.parse(EngineConfig, [], "engine", environ).tensor_parallel_size == 2
+
+
 def test_old_flag_names_still_work_but_are_hidden() -> None:
     argv = ["--cluster-token", "t", "--context-length", "300", "--page-size", "8",
             "--no-cuda-graphs", "--kv-cache-memory", "1000000"]  # fmt: skip

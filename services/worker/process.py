@@ -106,8 +106,15 @@ class Worker:
         self.transfer: KVTransfer = self._nixl_thread.submit(
             KVTransfer, agent_name, regions
         ).result()
+        # The hash names what makes a page mean the same bytes to a peer: the per-rank pool
+        # layout. The tensor-parallel size is not in it (every rank holds the whole KV, so a
+        # page is the same at any size and groups of different sizes pair); it is advertised
+        # beside it, in the description that handles and errors carry.
         self.layout_hash = self.engine.pool.layout_hash()
-        self.layout = self.engine.pool.layout_description()
+        self.layout = (
+            f"{self.engine.pool.layout_description()}, tensor-parallel "
+            f"{settings.engine.tensor_parallel_size} (KV whole on every rank; pulled from rank 0)"
+        )
         self.ready = threading.Event()
 
     async def in_nixl_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
@@ -169,16 +176,21 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.loop.stop()
+        self.engine.close()
         await self.in_nixl_thread(self.transfer.close)
         self._nixl_thread.shutdown()
         if probes is not None:
             probes.stop()
 
     async def _watch_engine(self, stop: asyncio.Event) -> None:
-        """A dead engine thread cannot serve: leave the registry rather than fail every request."""
+        """A dead engine thread, or a dead rank of its tensor-parallel group, cannot serve:
+        leave the registry rather than fail every request."""
         while self.loop.alive:
             await asyncio.sleep(ENGINE_WATCH_S)
-        log.error("engine thread died (%r); shutting down", self.loop.failure)
+        if not self.engine.group_alive():
+            log.error("a tensor-parallel rank of the engine died; shutting down")
+        else:
+            log.error("engine thread died (%r); shutting down", self.loop.failure)
         stop.set()
 
 

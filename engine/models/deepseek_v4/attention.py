@@ -6,6 +6,15 @@ attends to its window (the last `sliding_window` rows) and, in CSA layers, to th
 top-k compressed entries, in HCA layers to every visible compressed entry. Per-head sinks
 join the softmax denominator. The output's rope dims are rotated back (V carried RoPE), then
 a grouped low-rank projection (wo_a per head group, then wo_b) maps it to the hidden size.
+
+Tensor parallel, as the release splits it: each rank holds a contiguous share of the query
+heads (wq_b's rows, attn_sink) and of the output groups (wo_a's rows), and wo_b is row parallel
+(one fp32 all-reduce per layer). wq_a, wkv, the norms, the compressor and the whole indexer are
+replicated, so every rank writes the same KV (the one KV head serves all query heads) and picks
+the same top-k: the release splits the indexer's heads and all-reduces its [rows, entries]
+scores before the top-k, but the fused score-and-select kernel here never materialises those
+scores, and every rank must read all the keys anyway, so a split would save a share of a
+small GEMM for a collective that grows with the context.
 """
 
 from __future__ import annotations
@@ -15,38 +24,49 @@ import torch
 import kernels
 from engine.layers.fp8_linear import linear
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel import column_parallel
 from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import CSA, SLIDING, ModelConfig, Quantization
 from engine.models.deepseek_v4.indexer import Indexer
+from engine.parallel.group import SINGLE, TensorParallel, shard
 from engine.profiling import profiled
 from engine.step import StepState
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, quant: Quantization | None = None) -> None:
-        """quant: the checkpoint's formats to keep in memory (None: dense weights)."""
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        quant: Quantization | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        """quant: the checkpoint's formats to keep in memory (None: dense weights); tp: the
+        group whose ranks share the heads."""
         super().__init__()
         kind = cfg.attention_kind(layer)
         fp8 = quant is not None
         self.layer, self.heads, self.head_dim, self.groups = (
             layer,
-            cfg.num_heads,
+            tp.local(cfg.num_heads),  # this rank's query heads
             cfg.head_dim,
-            cfg.o_groups,
+            tp.local(cfg.o_groups),  # and the output groups they form
         )
         self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
         self.rope_kind = "main" if kind == SLIDING else "compress"
         self.wq_a = linear(cfg.hidden_size, cfg.q_lora_rank, fp8)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = linear(cfg.q_lora_rank, cfg.num_heads * cfg.head_dim, fp8)
+        self.wq_b = column_parallel(linear(cfg.q_lora_rank, self.heads * cfg.head_dim, fp8))
         self.wkv = linear(cfg.hidden_size, cfg.head_dim, fp8)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         group_in = cfg.num_heads * cfg.head_dim // cfg.o_groups
         # Block-diagonal, dense even in FP8 checkpoints: the release's convert.py dequantizes it
         # and runs the grouped projection as a bf16 einsum.
-        self.wo_a = torch.nn.Parameter(torch.zeros(cfg.o_groups * cfg.o_lora_rank, group_in))
-        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, fp8)
-        self.attn_sink = torch.nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32))
+        self.wo_a = shard(
+            torch.nn.Parameter(torch.zeros(self.groups * cfg.o_lora_rank, group_in)), 0
+        )
+        self.wo_b = linear(self.groups * cfg.o_lora_rank, cfg.hidden_size, fp8, row_parallel=tp)
+        self.attn_sink = shard(torch.nn.Parameter(torch.zeros(self.heads, dtype=torch.float32)), 0)
         self.compressor = None
         self.indexer = None
         if kind != SLIDING:

@@ -10,19 +10,26 @@ from engine.models.deepseek_v4.attention import Attention
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
 from engine.models.deepseek_v4.mhc import HyperConnection
 from engine.models.deepseek_v4.moe import MoE
+from engine.parallel.group import SINGLE, TensorParallel
 from engine.profiling import profiled
 from engine.step import StepState
 
 
 class Block(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, quant: Quantization | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        quant: Quantization | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_attn = HyperConnection(cfg)
         self.hc_ffn = HyperConnection(cfg)
-        self.attn = Attention(cfg, layer, quant)
-        self.ffn = MoE(cfg, layer, quant)
+        self.attn = Attention(cfg, layer, quant, tp)
+        self.ffn = MoE(cfg, layer, quant, tp)
 
     def forward(self, streams: torch.Tensor, step: StepState) -> torch.Tensor:
         """streams [N, hc_mult, hidden] -> same shape."""

@@ -95,6 +95,39 @@ class ModelConfig:
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
 
+    def check_tensor_parallel(self, size: int, fp8: bool) -> None:
+        """Raise ConfigError unless `size` ranks can split this model as the release does:
+        query heads and output groups by rank, routed experts in contiguous ranges, the
+        vocabulary in equal parts; with FP8 weights kept (`fp8`), every split of wq_b's
+        output and of wo_b's input also falls on the 128x128 block grid of their scales."""
+        if size == 1:
+            return
+        heads, groups = self.num_heads // size, self.o_groups // size
+        problems = [
+            f"{what} ({n}) is not divisible by {size}"
+            for what, n in (
+                ("num_attention_heads", self.num_heads),
+                ("o_groups", self.o_groups),
+                ("n_routed_experts", self.num_experts),
+                ("vocab_size", self.vocab_size),
+            )
+            if n % size
+        ]
+        if fp8 and not problems:
+            problems += [
+                f"{what} ({n} per rank) is not a multiple of the FP8 block ({FP8_BLOCK}), so "
+                "ranks would share a block scale"
+                for what, n in (
+                    ("wq_b's output rows (heads x head_dim)", heads * self.head_dim),
+                    ("wo_b's input (o_groups x o_lora_rank)", groups * self.o_lora_rank),
+                )
+                if n % FP8_BLOCK
+            ]
+        if problems:
+            raise ConfigError(
+                f"tensor-parallel size {size} cannot split this model: {'; '.join(problems)}"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

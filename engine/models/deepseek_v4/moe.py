@@ -4,6 +4,11 @@ routed experts through grouped GEMMs, plus one shared expert.
 Routed experts come dense (`RoutedExperts`, torch grouped GEMMs) or, for the release's FP4
 checkpoint computed natively, as `Fp4Experts` (kernels.fp4_experts). The router and the SwiGLU
 run in fp32 as in the release, whatever the activation dtype.
+
+Expert parallel, as the release splits it: each rank of a tensor-parallel group holds a
+contiguous range of the routed experts and runs only the (token, expert) pairs that land there;
+the routed sums (fp32) are all-reduced once per layer, then the shared expert, which every rank
+holds whole and computes on all tokens, is added (once, after the sum).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch.nn.functional as F
 import kernels
 from engine.layers.fp8_linear import linear
 from engine.models.deepseek_v4.config import HASH_MOE, ModelConfig, Quantization
+from engine.parallel.group import SINGLE, TensorParallel, shard_experts
 from kernels.quant import FP4_BLOCK
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
@@ -41,7 +47,8 @@ class RoutedExperts(torch.nn.Module):
     """All experts' weights stacked, run as two grouped GEMMs over tokens sorted by expert.
 
     Shapes are fixed by the token count alone (no host sync), so decode steps stay
-    capturable in CUDA graphs.
+    capturable in CUDA graphs. Expert ids outside [0, E) (another rank's experts) sort past
+    every group: the GEMMs never reach their rows, and they add nothing.
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int, limit: float) -> None:
@@ -55,19 +62,24 @@ class RoutedExperts(torch.nn.Module):
     def forward(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """x [T, hidden], expert_ids/weights [T, k] -> [T, hidden]."""
-        k = expert_ids.shape[1]
+        """x [T, hidden], expert_ids/weights [T, k] -> fp32 [T, hidden]."""
+        k, num_experts = expert_ids.shape[1], self.w13.shape[0]
         flat = expert_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # [T*k] grouped by expert
+        mine = (flat >= 0) & (flat < num_experts)
+        flat = torch.where(mine, flat, num_experts)
+        order = torch.argsort(flat, stable=True)  # [T*k] grouped by expert, others last
         token = torch.div(order, k, rounding_mode="floor")
-        counts = torch.zeros(self.w13.shape[0], dtype=torch.int64, device=x.device)
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))
-        offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each group
+        offsets = counts[:num_experts].cumsum(0).to(torch.int32)  # [E] end row of each group
         gate_up = _grouped_mm(x[token], self.w13.transpose(1, 2), offs=offsets)  # [T*k, 2*inter]
         hidden = clamped_swiglu(gate_up[:, : self.inter], gate_up[:, self.inter :], self.limit)
         out = _grouped_mm(hidden, self.w2.transpose(1, 2), offs=offsets)  # [T*k, hidden]
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)  # (fp32 router)
-        return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
+        out = torch.where(mine[order].unsqueeze(-1), out, 0)  # rows no GEMM wrote
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(
+            0, token, out.float()
+        )
 
 
 class Fp4Experts(torch.nn.Module):
@@ -134,19 +146,32 @@ class Gate(torch.nn.Module):
 
 
 class MoE(torch.nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, quant: Quantization | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        quant: Quantization | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         """quant: the checkpoint's formats to keep in memory (None: dense weights). FP8 routed
-        experts have no kernel here: they are dequantized at load like a dense checkpoint's."""
+        experts have no kernel here: they are dequantized at load like a dense checkpoint's.
+        tp: the group whose ranks share the routed experts."""
         super().__init__()
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         self.gate = Gate(cfg, hashed=cfg.mlp_kind(layer) == HASH_MOE)
+        self.tp, (self.first_expert, stop) = tp, tp.span(cfg.num_experts)
         if quant is not None and quant.expert_dtype == "fp4":
-            self.experts = Fp4Experts(cfg.num_experts, cfg.hidden_size, inter, limit)
+            experts = Fp4Experts(stop - self.first_expert, cfg.hidden_size, inter, limit)
         else:
-            self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, inter, limit)
+            experts = RoutedExperts(stop - self.first_expert, cfg.hidden_size, inter, limit)
+        for param in experts.parameters():
+            shard_experts(param, self.first_expert, stop)
+        self.experts = experts
         self.shared_experts = SharedExpert(cfg.hidden_size, inter, limit, fp8=quant is not None)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, token_ids)
-        # FP4 experts return fp32 sums: add the shared expert there, as the release does
-        return (self.experts(x, ids, weights) + self.shared_experts(x)).to(x.dtype)
+        # this rank's experts' fp32 sums, summed over the ranks; then the shared expert, as
+        # the release adds it
+        routed = self.tp.all_reduce(self.experts(x, ids - self.first_expert, weights))
+        return (routed + self.shared_experts(x)).to(x.dtype)

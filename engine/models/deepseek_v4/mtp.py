@@ -26,14 +26,21 @@ from engine.layers.norm import RMSNorm
 from engine.models.deepseek_v4.block import Block
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
 from engine.models.deepseek_v4.mhc import HyperHead
+from engine.parallel.group import SINGLE, TensorParallel
 
 
 class MTPLayer(Block):
     """A Block (same parameter names, so `mtp.i.attn.wq_a.weight` loads like a layer's) plus
     the projections and norms that feed it the next token's embedding."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, quant: Quantization | None = None) -> None:
-        super().__init__(cfg, layer, quant)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        quant: Quantization | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        super().__init__(cfg, layer, quant, tp)  # split like a layer; e_proj, h_proj replicated
         fp8 = quant is not None
         self.e_proj = linear(cfg.hidden_size, cfg.hidden_size, fp8)
         self.h_proj = linear(cfg.hidden_size, cfg.hidden_size, fp8)

@@ -121,7 +121,7 @@ def release_tiny_config() -> dict:
         "qk_rope_head_dim": 16,
         "q_lora_rank": 128,
         "o_groups": 2,
-        "o_lora_rank": 64,
+        "o_lora_rank": 128,  # wo_b splits over two ranks on its 128-wide FP8 blocks
         "sliding_window": 16,
         "compress_ratios": [0, 4, 128, 4, 128, 4, 0],  # six layers, then the MTP layer
         "num_hash_layers": 2,

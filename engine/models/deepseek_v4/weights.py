@@ -12,6 +12,11 @@ FP8 e4m3 or FP4 e2m1 pairs in int8, each with its ue8m0 scale (`<name>.scale`, o
 weight of a dense model, and always `wo_a` (as the release's convert.py does) and FP8 routed
 experts.
 
+Tensor parallel: a parameter marked by engine.parallel.group.shard holds this rank's slice of
+the checkpoint tensor along one dim (read as a slice, so a rank never holds the whole tensor;
+quantized codes and their block scales are cut at the same block boundary, dequantized ones are
+cut after dequantization); stacked experts marked by shard_experts take only their range.
+
 The MTP layers (`mtp.N.*`) load when the checkpoint has any of their tensors; a checkpoint
 without them (HF's save_pretrained writes none) drops them from the model, and a config.json
 with `num_nextn_predict_layers: 0` skips them. Anything else missing, unexpected, mis-shaped or
@@ -21,6 +26,7 @@ in the wrong format is reported in one error.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +41,7 @@ from tqdm import tqdm
 from engine.models import ConfigError
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.model import DeepseekV4
+from engine.parallel.group import SINGLE, TensorParallel
 from kernels.quant import dequantize_fp4, dequantize_fp8_blocks
 
 log = logging.getLogger(__name__)
@@ -125,21 +132,27 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, quantized: bool = False
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantized: bool = False,
+    tp: TensorParallel = SINGLE,
 ) -> DeepseekV4:
     """Allocate the model directly in its run-time dtypes on `device` (weights empty until loaded).
 
     quantized: keep a quantized checkpoint's FP8/FP4 weights as they are and compute as the
     release does; otherwise every weight is dense in `dtype`. Modules create their fp32
     parameters (norms, sinks, mHC, gate biases, compressor slot biases) explicitly.
+    tp: the tensor-parallel group; this rank's shard is built.
     """
     if quantized and cfg.quantization is None:
         raise ConfigError(
             "quantized compute needs a quantized checkpoint; config.json has no "
             "`quantization_config`"
         )
+    cfg.check_tensor_parallel(tp.size, fp8=quantized)
     with torch.device(device), _default_dtype(dtype):
-        model = DeepseekV4(cfg, cfg.quantization if quantized else None)
+        model = DeepseekV4(cfg, cfg.quantization if quantized else None, tp)
     return model.requires_grad_(False).eval()
 
 
@@ -182,7 +195,7 @@ class _Loader:
     """Copies checkpoint tensors into a model's parameters, one weight (and its scale) a call."""
 
     def __init__(self, model: DeepseekV4, keys: dict) -> None:
-        self.inter = model.cfg.moe_intermediate_size
+        self.inter, self.tp = model.cfg.moe_intermediate_size, model.tp
         state = dict(model.named_parameters()) | dict(model.named_buffers())
         self.state = {k: v for k, v in state.items() if not k.startswith("rope_tables.")}
         self.keys = keys  # checkpoint name -> the open file holding it
@@ -208,15 +221,23 @@ class _Loader:
         target = canonical_target(key, self.inter)
         if not self.mtp and target.param.startswith("mtp."):
             return 0
-        dest = self.state.get(target.param)
-        if dest is None:
+        param = self.state.get(target.param)
+        if param is None:
             self.problems["unexpected"].append(key)
             return 0
-        dest = dest[target.index] if target.index else dest
         self.filled.add(target.source)  # present (if wrong, reported once below)
         scale_key = self.scale_of.get(key)
+        if hasattr(param, "tp_experts"):  # stacked experts: only this rank's range
+            first, stop = param.tp_experts
+            if not first <= target.index[0] < stop:
+                if scale_key is not None and param.dtype in _QUANTIZED:
+                    self.filled.add(target.scale().source)
+                return 0
+            target = dataclasses.replace(target, index=(target.index[0] - first, *target.index[1:]))
+        dest = param[target.index] if target.index else param
+        dim = getattr(param, "tp_dim", None)
         if dest.dtype in _QUANTIZED:
-            return self._copy_quantized(key, scale_key, target, dest)
+            return self._copy_quantized(key, scale_key, target, dest, dim)
         codes = self.keys[key].get_slice(key)
         shape, fmt = list(codes.get_shape()), codes.get_dtype()
         if scale_key is None and fmt in ("F8_E4M3", "I8"):
@@ -224,15 +245,17 @@ class _Loader:
             return 0
         if scale_key is not None and fmt != "F8_E4M3":
             shape[-1] *= 2  # FP4: two codes a byte
-        if not self._shape_ok(key, shape, dest):
+        if not self._shape_ok(key, shape, dest, dim):
             return 0
-        tensor = self.keys[key].get_tensor(key)
-        read = tensor.numel() * tensor.element_size()
-        if scale_key is not None:
+        if scale_key is None:  # dense: read only this rank's slice
+            tensor = self._read(key, dim)
+            read = tensor.numel() * tensor.element_size()
+        else:  # quantized into a dense parameter: dequantize whole, then cut
+            tensor = self.keys[key].get_tensor(key)
             scale = _as_e8m0(self.keys[scale_key].get_tensor(scale_key))
-            read += scale.numel()
+            read = tensor.numel() * tensor.element_size() + scale.numel()
             try:
-                tensor = _dequantize(tensor, scale)
+                tensor = self._part(_dequantize(tensor, scale), dim)
             except (AssertionError, ValueError) as e:
                 self.problems["wrong format"].append(f"{key}: {e}")
                 return read
@@ -240,11 +263,31 @@ class _Loader:
             dest.copy_(tensor)
         return read
 
+    def _shape(self, key: str) -> list[int]:
+        return list(self.keys[key].get_slice(key).get_shape())
+
+    def _part(self, tensor: torch.Tensor, dim: int | None) -> torch.Tensor:
+        """This rank's slice of a whole checkpoint tensor along `dim` (all of it if None)."""
+        if dim is None:
+            return tensor
+        start, stop = self.tp.span(tensor.shape[dim])
+        return tensor.narrow(dim, start, stop - start)
+
+    def _read(self, key: str, dim: int | None) -> torch.Tensor:
+        """Checkpoint tensor `key`, or only this rank's slice of it along `dim`, read alone."""
+        if dim is None:
+            return self.keys[key].get_tensor(key)
+        part = self.keys[key].get_slice(key)
+        cut = [slice(None)] * (dim + 1)
+        cut[dim] = slice(*self.tp.span(part.get_shape()[dim]))
+        return part[tuple(cut)]
+
     def _copy_quantized(
-        self, key: str, scale_key: str | None, target: _Target, dest: torch.Tensor
+        self, key: str, scale_key: str | None, target: _Target, dest: torch.Tensor, dim: int | None
     ) -> int:
-        """The model keeps this weight quantized: copy its codes and scale unchanged."""
-        tensor = self.keys[key].get_tensor(key)
+        """The model keeps this weight quantized: copy its codes and scale (this rank's blocks
+        of both, when split along `dim`) unchanged."""
+        tensor = self._read(key, dim)
         if dest.dtype == torch.int8 and tensor.dtype in (torch.uint8, _FP4_X2):
             tensor = tensor.view(torch.int8)  # FP4 pairs, whatever the byte type says
         if scale_key is None or tensor.dtype != dest.dtype:
@@ -257,24 +300,28 @@ class _Loader:
         scale_target = target.scale()
         scale_dest = self.state[scale_target.param]
         scale_dest = scale_dest[scale_target.index] if scale_target.index else scale_dest
-        scale = _as_e8m0(self.keys[scale_key].get_tensor(scale_key))
         self.filled.add(scale_target.source)
         if not (
-            self._shape_ok(key, list(tensor.shape), dest)
-            and self._shape_ok(scale_key, list(scale.shape), scale_dest)
+            self._shape_ok(key, self._shape(key), dest, dim)
+            and self._shape_ok(scale_key, self._shape(scale_key), scale_dest, dim)
         ):
             return 0
+        scale = _as_e8m0(self._read(scale_key, dim))
         with torch.no_grad():
             dest.copy_(tensor)
             scale_dest.copy_(scale)
         return tensor.numel() * tensor.element_size() + scale.numel()
 
-    def _shape_ok(self, key: str, shape: list[int], dest: torch.Tensor) -> bool:
-        if shape == list(dest.shape):
+    def _shape_ok(
+        self, key: str, shape: list[int], dest: torch.Tensor, dim: int | None = None
+    ) -> bool:
+        """Whether checkpoint `shape` fills `dest` (of which this rank holds 1/size along dim)."""
+        want = list(dest.shape)
+        if dim is not None:
+            want[dim] *= self.tp.size
+        if shape == want:
             return True
-        self.problems["wrong shape"].append(
-            f"{key}: checkpoint {shape}, model expects {list(dest.shape)}"
-        )
+        self.problems["wrong shape"].append(f"{key}: checkpoint {shape}, model expects {want}")
         return False
 
 

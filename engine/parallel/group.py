@@ -1,0 +1,78 @@
+"""A tensor-parallel group as the model sees it: this rank, the group size, and the collectives
+the split layers use. On a group of one every collective is the identity, so a model built for
+one rank runs exactly the code it ran before tensor parallelism existed.
+
+Which weights are split, along which dim, is recorded on the parameters themselves
+(`shard(param, dim)`, `shard_experts(param, start, stop)`): the checkpoint loader reads only this
+rank's slice of each, and `engine.models.deepseek_v4` decides the split (its module docstrings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None  # NCCL on GPUs, gloo on the CPU; None for one rank
+
+    def local(self, n: int) -> int:
+        """This rank's share of n items (the model config checked that size divides n)."""
+        assert n % self.size == 0, f"{n} items do not split over {self.size} ranks"
+        return n // self.size
+
+    def span(self, n: int) -> tuple[int, int]:
+        """This rank's contiguous range [start, stop) of n items."""
+        per = self.local(n)
+        return self.rank * per, (self.rank + 1) * per
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the group, in place; returns x."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, n] on every rank -> [rows, size * n], rank r's columns at [r * n, (r + 1) * n)."""
+        if self.size == 1:
+            return x
+        rows, n = x.shape
+        out = torch.empty(self.size * rows, n, dtype=x.dtype, device=x.device)  # [size*rows, n]
+        _all_gather(out, x.contiguous(), group=self.group)
+        return out.view(self.size, rows, n).transpose(0, 1).reshape(rows, self.size * n)
+
+    def agree(self, value: int, device: torch.device) -> int:
+        """The smallest `value` of any rank, on every rank (sizes all ranks must share)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, in place; returns x."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.group)  # (the group is the whole world)
+        return x
+
+
+SINGLE = TensorParallel()
+
+
+def shard(param: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
+    """Mark `param` as this rank's contiguous slice of the checkpoint tensor along `dim`."""
+    param.tp_dim = dim
+    return param
+
+
+def shard_experts(param: torch.nn.Parameter, start: int, stop: int) -> torch.nn.Parameter:
+    """Mark a stacked-experts `param` as holding experts [start, stop) of the checkpoint."""
+    param.tp_experts = (start, stop)
+    return param

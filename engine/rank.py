@@ -1,0 +1,82 @@
+"""What every rank of an engine builds from a checkpoint: its shard of the model, its KV pool and
+its runner, with the decode steps captured as CUDA graphs.
+
+Rank 0 (`LLMEngine`) and each follower rank (engine.parallel.follower) call `build_runner` with
+the same settings, so the collectives inside it line up across the group: the smallest KV
+budget of any rank (every rank's pools must have the same layout: rank 0 allocates pages, the
+others replay its page tables), then the warm-up steps of the graph captures, in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine import models
+from engine.config import EngineConfig
+from engine.kv_pool import KVCacheConfig, KVPool
+from engine.parallel.channel import Channel
+from engine.parallel.group import TensorParallel
+from engine.runner import ModelRunner
+
+DEFAULT_CPU_KV_BYTES = 512 << 20
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def device_of(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r of a tensor-parallel group on GPUs uses the r-th visible GPU."""
+    device = torch.device(config.device)
+    if device.type == "cuda" and config.tensor_parallel_size > 1:
+        return torch.device("cuda", rank)
+    return device
+
+
+def keeps_quantized(config: EngineConfig, model_config) -> bool:
+    """Whether FP8/FP4 weights stay quantized: as asked, or by default for bfloat16 (the
+    release computes in bf16 with FP8 activations)."""
+    if config.quantized_compute is not None:
+        return config.quantized_compute
+    return model_config.quantization is not None and config.dtype == "bfloat16"
+
+
+def build_runner(
+    model_dir: str | os.PathLike,
+    config: EngineConfig,
+    tp: TensorParallel,
+    channel: Channel | None = None,
+) -> ModelRunner:
+    """This rank's runner; channel: rank 0's line to the other ranks (None on the others)."""
+    device = device_of(config, tp.rank)
+    if device.type == "cpu":
+        torch.set_num_threads(config.cpu_threads)
+    family = models.family(model_dir)
+    cfg = family.ModelConfig.from_dir(model_dir)
+    dtype = DTYPES[config.dtype]
+    model = family.build_model(cfg, dtype, device, keeps_quantized(config, cfg), tp)
+    family.load_weights(model, model_dir)
+    max_context = config.max_model_len or cfg.max_position_embeddings
+    kv_cfg = KVCacheConfig(
+        memory_bytes=tp.agree(_kv_budget(config, device), device),
+        page_size=config.page_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+    pool = KVPool(cfg, kv_cfg, dtype=dtype, device=device, max_context=max_context)
+    runner = ModelRunner(model, pool, device, max_context, channel)
+    if device.type == "cuda" and not config.enforce_eager and dtype is torch.bfloat16:
+        # (torch's grouped GEMM of other dtypes syncs with the host on CUDA: eager there)
+        sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]
+        runner.capture_decode_graphs(sizes)
+    return runner
+
+
+def _kv_budget(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    # Leave (1 - utilization) of the card, plus headroom for activations and graphs.
+    return max(0, int(free - total * (1 - config.gpu_memory_utilization) - (2 << 30)))
