@@ -40,6 +40,11 @@ class EngineConfig:
         "bytes of KV pool (default: a share of free GPU memory; 512 MiB on CPU)",
         aliases=("--kv-cache-memory",),
     )
+    kv_staging_memory_bytes: int | None = setting(
+        None,
+        "bytes of the KV budget that hold prefilled requests packed for a fast pull "
+        "(default: 1/16 of what is left after fixed costs; a decode worker's default is 0)",
+    )
     gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory the engine may use")
     page_size: int = setting(
         64,
@@ -89,6 +94,10 @@ class EngineConfig:
             (
                 self.max_model_len is None or self.max_model_len >= 2,
                 f"max_model_len must be >= 2, got {self.max_model_len}",
+            ),
+            (
+                self.kv_staging_memory_bytes is None or self.kv_staging_memory_bytes >= 0,
+                f"kv_staging_memory_bytes must be >= 0, got {self.kv_staging_memory_bytes}",
             ),
             (self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}"),
             (

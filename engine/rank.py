@@ -59,6 +59,7 @@ def build_runner(
     max_context = config.max_model_len or cfg.max_position_embeddings
     kv_cfg = KVCacheConfig(
         memory_bytes=tp.agree(_kv_budget(config, device), device),
+        staging_bytes=config.kv_staging_memory_bytes,
         page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

@@ -202,3 +202,24 @@ def _drain(engine: LLMEngine) -> dict[str, list]:
         for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
     raise AssertionError("engine did not finish")
+
+
+def test_a_pool_without_staged_room_still_pulls_and_gives_the_room_to_pages() -> None:
+    """What a decode worker gets by default (kv_staging_memory_bytes 0): only the ring pulls
+    land in, and the share staged requests would have had buys pages instead."""
+    budget = 8 << 20
+    shared, none = _pool(budget), _pool(budget, staging_bytes=0)
+    assert none.staging.num_total == 0 < shared.staging.num_total  # blocks for staged requests
+    assert none.staging.blocks.shape[0] == RING_SLOTS * CHUNK_BLOCKS  # the ring alone
+    for name, group in none.groups.items():
+        assert group.num_pages >= shared.groups[name].num_pages
+    assert sum(g.num_pages for g in none.groups.values()) > sum(
+        g.num_pages for g in shared.groups.values()
+    )
+    assert none.layout_hash() == shared.layout_hash()  # the two still pair
+    assert none.stage(_churned(none, 40, seed=0)) is None  # no room: the pages stay
+
+
+def test_a_negative_staging_share_is_refused() -> None:
+    with pytest.raises(ValueError, match="kv_staging_memory_bytes must be >= 0"):
+        EngineConfig(kv_staging_memory_bytes=-1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -93,7 +94,11 @@ class Worker:
                 role,
                 settings.host,
             )
-        self.engine = LLMEngine(model_dir, settings.engine)
+        engine_config = settings.engine
+        if role == "decode" and engine_config.kv_staging_memory_bytes is None:
+            # A decode worker never holds a request for a reader: no staging blocks to keep.
+            engine_config = dataclasses.replace(engine_config, kv_staging_memory_bytes=0)
+        self.engine = LLMEngine(model_dir, engine_config)
         self.loop = EngineLoop(self.engine)
         self.metrics = WorkerMetrics(role, self.loop.load)
         bind_ucx_to(self.advertise_host)
