@@ -222,7 +222,13 @@ class SoakConfig:
     prompt_words: tuple[int, int] = (8, 200)
     output_tokens: tuple[int, int] = (8, 64)
     request_timeout_s: float = 120.0
-    engine_flags: tuple[str, ...] = ("--kv-cache-memory-bytes", str(256 << 20))
+    # Room for the users' batch (the default 256 sequences cost more fixed KV than this budget).
+    engine_flags: tuple[str, ...] = (
+        "--kv-cache-memory-bytes",
+        str(256 << 20),
+        "--max-num-seqs",
+        "64",
+    )
     lease_s: float = 8.0  # the prefill worker's --lease-seconds
     quiet_s: float = 16.0  # after the load: leases and registry TTLs run out
     log_dir: str | None = None
