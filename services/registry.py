@@ -19,7 +19,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -42,7 +42,7 @@ class WorkerRecord:
     address: str  # gRPC host:port
     model: str
     layout_hash: str  # a prefill and a decode worker pair up only when these are equal
-    nixl_agent: str  # NIXL agent name; services/transfer publishes its descriptor
+    nixl_agent: str  # NIXL agent name (peers load its descriptor from the Describe RPC)
     load: Load = field(default_factory=Load)
     started_at: float = field(default_factory=time.time)  # unix seconds
 
@@ -76,8 +76,7 @@ def _client(redis_url: str, ttl_s: float) -> aioredis.Redis:
 class WorkerRegistration:
     """Keeps one worker's record in Redis while it runs.
 
-    `load_fn` is called on every beat for the current load. `on_beat`, if given, runs after each
-    write with the same client (e.g. to republish the NIXL descriptor under the same TTL).
+    `load_fn` is called on every beat for the current load.
     """
 
     def __init__(
@@ -86,7 +85,6 @@ class WorkerRegistration:
         record: WorkerRecord,
         load_fn: Callable[[], Load],
         ttl_s: float = DEFAULT_TTL_S,
-        on_beat: Callable[[aioredis.Redis], Awaitable[None]] | None = None,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -94,7 +92,6 @@ class WorkerRegistration:
         self._redis_url = redis_url
         self._load_fn = load_fn
         self._ttl_s = ttl_s
-        self._on_beat = on_beat
         self._redis: aioredis.Redis | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -126,8 +123,6 @@ class WorkerRegistration:
         self.record = dataclasses.replace(self.record, load=self._load_fn())
         ttl_ms = max(1, round(self._ttl_s * 1000))
         await self._redis.set(worker_key(self.record.worker_id), self.record.to_json(), px=ttl_ms)
-        if self._on_beat is not None:
-            await self._on_beat(self._redis)
 
     async def _heartbeat(self) -> None:
         while True:

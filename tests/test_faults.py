@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -21,7 +22,7 @@ import redis
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
-from tests.serving_stack import TOKEN, Stack, wait_for
+from tests.serving_stack import TOKEN, Proc, Stack, wait_for
 
 PROMPTS = [f"Tell me about river number {i}, please." for i in range(6)]
 
@@ -166,6 +167,93 @@ def test_a_prefill_worker_restarted_under_the_same_id_serves_at_once(model, redi
         wait_for(decode.all_kv_free, 30, "decode to free every page")
     finally:
         s.stop()
+
+
+def test_a_restarted_prefill_worker_pairs_with_decode_while_redis_is_down(
+    model, private_redis, tmp_path
+):
+    """Redis is discovery only. A prefill worker restarted under the same id and address runs a
+    new NIXL agent; Redis then stops (SIGSTOP) before any request reaches it. The router keeps
+    routing to the address it last saw, and the decode worker loads the new agent from the prefill
+    worker's Describe over gRPC: answers as before. A KV handle of the dead process is refused
+    with a clear, retryable cause."""
+    s = Stack(model, private_redis.url, tmp_path, ttl=2.0)
+    try:
+        prefill = s.worker("prefill", "--worker-id", "prefill-a")
+        decode = s.worker("decode")
+        router = s.router()
+        s.wait_ready(prefill, decode)
+        url = s.wait_healthy(router)
+        before = answer(chat(url, PROMPTS[2]))  # the decode worker loads the first agent
+        stale = _prefill_directly(prefill, "held-by-the-dead-process")
+        s.kill(prefill)
+        again = s.worker(
+            "prefill",
+            "--worker-id",
+            "prefill-a",
+            port=prefill.port,
+            metrics_port=prefill.metrics_port,
+        )
+        s.wait_ready(again)  # a worker registers at start, so Redis is still up here
+        private_redis.pause()
+
+        def registry() -> dict:
+            return httpx.get(url + "/health", timeout=10).json()["registry"]
+
+        wait_for(lambda: registry()["up"] is False, 30, "the router to see Redis is down")
+        # Past every record's TTL: without its snapshot the router would route nowhere.
+        wait_for(lambda: registry()["last_refresh_age_s"] > 2 * s.ttl, 30, "two TTLs")
+        health = httpx.get(url + "/health", timeout=10).json()
+        assert health["workers"] == {"prefill": 1, "decode": 1}, health
+
+        for _ in range(2):
+            assert answer(chat(url, PROMPTS[2])) == before
+        assert again.counter("dsaserve_worker_requests_total", outcome="ok") == 2
+
+        with grpc.insecure_channel(decode.address) as channel:
+            request = pb.DecodeRequest(
+                request_id=stale.request_id,
+                prompt_token_ids=stale.prompt_token_ids,
+                first_token_id=stale.response.first_token_id,
+                sampling=stale.sampling,
+                kv=stale.response.kv,
+            )
+            replies = list(
+                grpc_api.DecodeStub(channel).Decode(
+                    request, metadata=token_metadata(TOKEN), timeout=60
+                )
+            )
+        assert [r.WhichOneof("kind") for r in replies] == ["error"], replies
+        assert replies[0].error.cause == "peer_unknown"
+        assert "restarted" in replies[0].error.message
+        assert decode.failures("peer_unknown") == 1
+        wait_for(again.all_kv_free, 30, "the new prefill worker to free every page")
+        wait_for(decode.all_kv_free, 30, "decode to free every page")
+    finally:
+        private_redis.resume()
+        s.stop()
+
+
+@dataclass
+class HeldPrefill:
+    """A Prefill sent straight to a worker: its KV stays held there under the lease."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: pb.SamplingParams
+    response: pb.PrefillResponse
+
+
+def _prefill_directly(worker: Proc, request_id: str) -> HeldPrefill:
+    prompt, sampling = [5] * 8, pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with grpc.insecure_channel(worker.address) as channel:
+        response = grpc_api.PrefillStub(channel).Prefill(
+            pb.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling),
+            metadata=token_metadata(TOKEN),
+            timeout=60,
+        )
+    assert response.HasField("kv"), response
+    return HeldPrefill(request_id, prompt, sampling, response)
 
 
 def test_a_hung_decode_worker_fails_its_streams_within_seconds(model, redis_server, tmp_path):

@@ -12,14 +12,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
 import redis
 
 from engine.models.deepseek_v4.tiny import make_tiny_model
-from services.registry import worker_key
-from tests.serving_stack import Stack, http_status, offline_generate, wait_for
+from services.auth import token_metadata
+from services.registry import WorkerRecord, worker_key
+from services.rpc import grpc_api, pb
+from tests.serving_stack import TOKEN, Stack, http_status, offline_generate, wait_for
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -198,6 +201,22 @@ def test_metrics_of_every_process(stack, client, model):
     assert "dsaserve_router_time_to_first_token_seconds_bucket" in router_text
 
 
+def test_describe_needs_the_cluster_token_and_names_the_registered_agent(stack):
+    """Describe hands out what a peer needs to READ this worker's memory: like every RPC it is
+    refused without the cluster token; with it, it names the agent the worker registered."""
+    with grpc.insecure_channel(stack.prefill.address) as channel:
+        describe = grpc_api.PrefillStub(channel).Describe
+        for metadata in ((), token_metadata("not-the-cluster-token")):
+            with pytest.raises(grpc.RpcError) as refused:
+                describe(pb.DescribeRequest(), metadata=metadata, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        described = describe(pb.DescribeRequest(), metadata=token_metadata(TOKEN), timeout=10)
+    with redis.Redis.from_url(stack.redis_url, socket_timeout=5) as registry:
+        record = WorkerRecord.from_json(registry.get(worker_key(stack.prefill.name)))
+    assert described.agent_name == record.nixl_agent
+    assert json.loads(described.descriptor)["agent"] == record.nixl_agent
+
+
 def test_locust_scenario_runs_against_the_stack(stack):
     """The Locust scenario as a user runs it: the model comes from /v1/models, every request
     succeeds, and each reports its TTFT and ITL."""
@@ -332,8 +351,8 @@ def test_router_without_workers_answers_503(model, redis_server, tmp_path):
 
 def test_router_keeps_serving_its_workers_while_redis_is_down(model, private_redis, tmp_path):
     """Redis paused (SIGSTOP, as a hung or partitioned Redis): the router keeps routing to the
-    workers it last saw and says the registry is down; once Redis is back, a worker that
-    deregisters leaves routing."""
+    workers it last saw and says the registry is down, and the workers pair for their first
+    request without it; once Redis is back, a worker that deregisters leaves routing."""
     s = Stack(model, private_redis.url, tmp_path, ttl=2.0)
     try:
         prefill, decode = s.worker("prefill"), s.worker("decode")
@@ -351,9 +370,8 @@ def test_router_keeps_serving_its_workers_while_redis_is_down(model, private_red
             assert res.choices[0].finish_reason == "length"
 
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-            # The decode worker reads the prefill worker's NIXL descriptor from Redis when it
-            # first pairs with it: pair them while Redis is up.
-            ask(c)
+            # No request before the outage: the decode worker first pairs with the prefill
+            # worker while Redis is down (it asks the prefill worker's Describe, not Redis).
             private_redis.pause()
             wait_for(lambda: registry()["up"] is False, 30, "the router to see Redis is down")
             # Well past one TTL without a refresh: the old router had forgotten every worker.

@@ -1,35 +1,25 @@
 """KV transfer over real NIXL (UCX, host memory, loopback) between two processes.
 
-The "prefill" side is a spawned process holding CPU pools with seeded contents; it publishes its
-descriptor to a private redis-server and forwards every notification it gets to the test. The
-test process is the "decode" side: it fetches the descriptor from Redis and READs.
+The "prefill" side is a spawned process holding CPU pools with seeded contents; it hands its
+descriptor to the test (as the Prefill service's Describe hands it to a decode worker) and
+forwards every notification it gets. The test process is the "decode" side: it loads the
+descriptor and READs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
-import redis.asyncio
 import torch
 
-from services.transfer import (
-    KVTransfer,
-    Region,
-    TransferError,
-    fetch_descriptor,
-    publish_descriptor,
-)
+from services.transfer import KVTransfer, Region, TransferError
 
 # Region name -> (group, page shape); bf16 throughout. Pages per group differ per worker, as pools
 # are sized per worker.
@@ -63,11 +53,11 @@ def _regions(pools: dict[str, torch.Tensor], layout: dict = LAYOUT) -> list[Regi
     return [Region(name, layout[name][0], pools[name]) for name in layout]
 
 
-def _prefill_main(agent: str, redis_port: int, commands: mp.Queue, events: mp.Queue) -> None:
-    """The prefill side: publish, then forward notifications until told to stop (or 2 min pass)."""
+def _prefill_main(agent: str, commands: mp.Queue, events: mp.Queue) -> None:
+    """The prefill side: send its descriptor, then forward notifications until told to stop (or
+    2 min pass)."""
     with KVTransfer(agent, _regions(_pools(PREFILL_SEED, PREFILL_UNITS))) as transfer:
-        asyncio.run(_publish(redis_port, transfer))
-        events.put(("ready", agent))
+        events.put(("ready", transfer.descriptor()))
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             for note in transfer.notifications():
@@ -79,26 +69,17 @@ def _prefill_main(agent: str, redis_port: int, commands: mp.Queue, events: mp.Qu
                 pass
 
 
-async def _publish(port: int, transfer: KVTransfer) -> None:
-    async with redis.asyncio.Redis(port=port) as r:
-        await publish_descriptor(r, transfer, ttl_s=60)
-
-
-async def _fetch(port: int, agent: str) -> bytes | None:
-    async with redis.asyncio.Redis(port=port) as r:
-        return await fetch_descriptor(r, agent)
-
-
 class Prefill:
     """A running prefill process and the queues to it."""
 
-    def __init__(self, agent: str, redis_port: int) -> None:
+    def __init__(self, agent: str) -> None:
         ctx = mp.get_context("spawn")
         self.agent, self.commands, self.events = agent, ctx.Queue(), ctx.Queue()
-        args = (agent, redis_port, self.commands, self.events)
+        args = (agent, self.commands, self.events)
         self.process = ctx.Process(target=_prefill_main, args=args)
         self.process.start()
-        assert self.next_event() == ("ready", agent)
+        kind, self.descriptor = self.next_event()
+        assert kind == "ready"
 
     def next_event(self) -> tuple[str, bytes] | tuple[str, str]:
         return self.events.get(timeout=WAIT_S)
@@ -133,37 +114,9 @@ def _stopped(task: Path) -> bool:
         return True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def redis_port() -> Iterator[int]:
-    port = _free_port()
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1"]
-    argv += ["--save", "", "--appendonly", "no"]  # nothing on disk
-    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_timeout=1)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise
-    yield port
-    client.close()
-    server.terminate()
-    server.wait(10)
-
-
-@pytest.fixture(scope="module")
-def prefill(redis_port: int) -> Iterator[Prefill]:
-    p = Prefill("prefill-0", redis_port)
+def prefill() -> Iterator[Prefill]:
+    p = Prefill("prefill-0")
     yield p
     p.stop()
 
@@ -175,20 +128,11 @@ def decode(request: pytest.FixtureRequest) -> Iterator[tuple[KVTransfer, dict[st
         yield transfer, pools
 
 
-def _connect(transfer: KVTransfer, redis_port: int, agent: str) -> str:
-    descriptor = asyncio.run(_fetch(redis_port, agent))
-    assert descriptor is not None
-    return transfer.add_peer(descriptor)
-
-
-def test_read_scattered_pages_and_notify(prefill: Prefill, decode, redis_port: int) -> None:
+def test_read_scattered_pages_and_notify(prefill: Prefill, decode) -> None:
     transfer, pools = decode
-    peer = _connect(transfer, redis_port, prefill.agent)
+    peer = transfer.add_peer(prefill.descriptor)
     assert peer == prefill.agent
-    assert transfer.add_peer(asyncio.run(_fetch(redis_port, prefill.agent))) == peer  # idempotent
-    with redis.Redis(port=redis_port) as r:
-        assert r.pttl(f"dsaserve:nixl:{prefill.agent}") > 0  # published with a TTL
-    assert asyncio.run(_fetch(redis_port, "nobody")) is None
+    assert transfer.add_peer(prefill.descriptor) == peer  # idempotent
 
     remote = {"csa": [9, 3, 4, 5, 14], "swa": [6, 5, 1], "slab": [2]}
     local = {"csa": [0, 7, 8, 9, 2], "swa": [4, 3, 0], "slab": [1]}
@@ -209,10 +153,10 @@ def test_read_scattered_pages_and_notify(prefill: Prefill, decode, redis_port: i
     assert prefill.next_event() == (transfer.agent_name, b"req-1:release")
 
 
-def test_invalid_reads_raise_before_posting(prefill: Prefill, decode, redis_port: int) -> None:
+def test_invalid_reads_raise_before_posting(prefill: Prefill, decode) -> None:
     transfer, pools = decode
     before = {name: t.clone() for name, t in pools.items()}
-    peer = _connect(transfer, redis_port, prefill.agent)
+    peer = transfer.add_peer(prefill.descriptor)
     bad = [
         ({"csa": [PREFILL_UNITS["csa"]]}, {"csa": [0]}, "out of range"),  # one past the peer's pool
         ({"csa": [0]}, {"csa": [DECODE_UNITS["csa"]]}, "out of range"),  # 12 here, 16 there
@@ -244,10 +188,10 @@ def _slot_bytes(pools: dict[str, torch.Tensor], blocks: list[int]) -> torch.Tens
     return pools["staging"].view(torch.uint8)[blocks].clone()  # [blocks, BLOCK]
 
 
-def test_pull_staged_blocks_through_a_ring(prefill: Prefill, decode, redis_port: int) -> None:
+def test_pull_staged_blocks_through_a_ring(prefill: Prefill, decode) -> None:
     transfer, pools = decode
     before = {name: t.clone() for name, t in pools.items()}
-    peer = _connect(transfer, redis_port, prefill.agent)
+    peer = transfer.add_peer(prefill.descriptor)
     # Stream order; runs of consecutive blocks (7-9, 3-4, 20-23) and single ones. The ring has
     # three slots of two blocks, so six chunks, the last of one block, partly used.
     remote = [7, 8, 9, 3, 4, 20, 21, 22, 23, 0, 11]
@@ -280,10 +224,10 @@ def test_pull_staged_blocks_through_a_ring(prefill: Prefill, decode, redis_port:
 
 
 def test_invalid_pulls_post_nothing_and_a_failed_scatter_ends_the_pull(
-    prefill: Prefill, decode, redis_port: int
+    prefill: Prefill, decode
 ) -> None:
     transfer, pools = decode
-    peer = _connect(transfer, redis_port, prefill.agent)
+    peer = transfer.add_peer(prefill.descriptor)
     ring = [[0, 1], [2, 3]]
     bad = [
         ("staging", [PREFILL_UNITS["staging"]], ring, BLOCK, "out of range"),
@@ -337,23 +281,21 @@ def _never(chunk: int, slot: int) -> None:
         ({"slab": None}, "the peer has region 'slab', which is missing here"),
     ],
 )
-def test_mismatched_layout_raises(
-    prefill: Prefill, redis_port: int, change: dict, message: str
-) -> None:
+def test_mismatched_layout_raises(prefill: Prefill, change: dict, message: str) -> None:
     layout = {name: spec for name, spec in {**LAYOUT, **change}.items() if spec is not None}
     pools = _pools(DECODE_SEED, {**DECODE_UNITS, "hca": 4}, layout)
     with KVTransfer("decode-other-layout", _regions(pools, layout)) as transfer:
         with pytest.raises(TransferError, match=f"mismatch with peer 'prefill-0': .*{message}"):
-            _connect(transfer, redis_port, prefill.agent)
+            transfer.add_peer(prefill.descriptor)
         with pytest.raises(TransferError, match="malformed"):
             transfer.add_peer(b'{"format": "something else"}')
 
 
-def test_dead_peer_raises_within_timeout(decode, redis_port: int) -> None:
+def test_dead_peer_raises_within_timeout(decode) -> None:
     transfer, _ = decode
-    doomed = Prefill("prefill-doomed", redis_port)
+    doomed = Prefill("prefill-doomed")
     try:
-        peer = _connect(transfer, redis_port, doomed.agent)
+        peer = transfer.add_peer(doomed.descriptor)
         transfer.read(peer, {"csa": [1]}, {"csa": [1]}, notify=b"alive", timeout_s=10)
         doomed.kill()
         for _ in range(2):  # and the connection stays failed, without hanging
@@ -370,14 +312,14 @@ def test_dead_peer_raises_within_timeout(decode, redis_port: int) -> None:
         doomed.stop()
 
 
-def test_hung_peer_times_out(redis_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hung_peer_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
     # Over TCP a READ needs the peer's UCX progress, so a stopped (not dead) peer never answers:
     # the READ must end at the timeout, with its in-flight handle released.
     monkeypatch.setenv("UCX_TLS", "tcp")  # read by UCX when each agent below creates its backend
-    hung = Prefill("prefill-hung", redis_port)
+    hung = Prefill("prefill-hung")
     try:
         with KVTransfer("decode-tcp", _regions(_pools(DECODE_SEED, DECODE_UNITS))) as transfer:
-            peer = _connect(transfer, redis_port, hung.agent)
+            peer = transfer.add_peer(hung.descriptor)
             transfer.read(peer, {"csa": [1]}, {"csa": [1]}, notify=b"alive", timeout_s=10)
             hung.pause()
             start = time.monotonic()

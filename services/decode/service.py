@@ -7,6 +7,10 @@ and the prefill worker reuses freed memory at once, so the pulled KV is used onl
 says it was held until the READ had finished; otherwise the request ends with a clear error
 (cause "lease_expired"), never with tokens computed from someone else's KV.
 
+Before the first pull from a prefill agent, the prefill worker's Describe (gRPC, at the handle's
+address) gives its NIXL descriptor. The registry is not asked: while Redis is down a decode
+worker still pairs with a prefill worker it has not met (e.g. one restarted as a new agent).
+
 Every way out of a Decode call - done, error, the router cancelling the stream - leaves no
 pages behind: the request is aborted in the engine unless it finished there.
 """
@@ -19,7 +23,6 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
-import redis.asyncio as aioredis
 
 from engine.engine_loop import OutputQueue
 from engine.kv_pool import STAGING
@@ -28,7 +31,7 @@ from engine.sampling_params import SamplingParams
 from services import connections
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
-from services.transfer import TransferError, TransferStats, fetch_descriptor
+from services.transfer import TransferError, TransferStats
 from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from services.worker.process import RoleService, Worker, now_ms
 from services.worker.settings import DecodeSettings
@@ -53,9 +56,6 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         settings = worker.settings
         assert isinstance(settings, DecodeSettings)
         self.transfer_timeout = settings.transfer_timeout
-        self.redis = aioredis.Redis.from_url(
-            settings.redis_url, socket_timeout=5, socket_connect_timeout=5
-        )
         self.metadata = token_metadata(settings.cluster_token)
         self.tls = settings.tls
         self.peers: dict[str, str] = {}  # prefill worker id -> its NIXL agent we have loaded
@@ -160,8 +160,8 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
     ) -> None:
         """Claim, READ, Release; raises PullFailed unless the pages read were intact."""
         w = self.w
-        peer = await self._peer(kv, context)
         prefill = self._prefill(kv.address)
+        peer = await self._peer(kv, prefill, context)
         hold_ms = int((self.transfer_timeout + CLAIM_MARGIN_S) * 1000)
         try:
             await prefill.Claim(
@@ -189,7 +189,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                     w.transfer.read, peer, remote, held.pages, timeout_s=self.transfer_timeout
                 )
         except TransferError as e:
-            self.peers.pop(kv.worker_id, None)  # reconnect from a fresh descriptor next time
+            self.peers.pop(kv.worker_id, None)  # Describe it afresh next time
             await self._release(prefill, rid)  # free them there now, not at the lease's end
             raise PullFailed("transfer", f"KV transfer from {kv.worker_id} failed: {e}") from e
         if not await self._release(prefill, rid):
@@ -234,28 +234,41 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             self.prefill_stubs[address] = grpc_api.PrefillStub(channel)
         return self.prefill_stubs[address]
 
-    async def _peer(self, kv: pb.KVHandle, context: grpc.aio.ServicerContext) -> str:
-        """The prefill worker's NIXL agent, loaded from its registry descriptor once per agent.
+    async def _peer(
+        self, kv: pb.KVHandle, prefill: grpc_api.PrefillStub, context: grpc.aio.ServicerContext
+    ) -> str:
+        """The prefill worker's NIXL agent, loaded once per agent from the worker's Describe.
 
-        A restarted worker keeps its id but gets a new agent name: the old agent is dropped.
+        A restarted worker keeps its id but gets a new agent name: the old agent is dropped. A
+        handle naming another agent than the worker runs now was made before it restarted, and
+        the KV it names died with that process.
         """
-        agent, known = kv.agent_name, self.peers.get(kv.worker_id)
-        if known == agent:
+        agent = kv.agent_name
+        if self.peers.get(kv.worker_id) == agent:
             return agent
         try:
-            descriptor = await fetch_descriptor(self.redis, agent)
-        except (aioredis.RedisError, OSError) as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"registry unreachable: {e}")
-        if descriptor is None:
-            self.w.metrics.fail("peer_unknown")
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"prefill agent {agent} has no NIXL descriptor in the registry (worker gone?)",
+            described = await prefill.Describe(
+                pb.DescribeRequest(), timeout=CONTROL_TIMEOUT_S, metadata=self.metadata
             )
+        except grpc.aio.AioRpcError as e:
+            raise PullFailed(
+                "prefill_unreachable",
+                f"prefill worker {kv.worker_id} did not describe its NIXL agent: {e.details()}",
+            ) from None
+        if described.agent_name != agent:
+            raise PullFailed(
+                "peer_unknown",
+                f"prefill worker {kv.worker_id} restarted: it runs NIXL agent "
+                f"{described.agent_name}, not {agent} which held the KV; the request must be "
+                "retried",
+            )
+        known = self.peers.get(kv.worker_id)  # again: another request may have loaded it since
+        if known == agent:
+            return agent
         if known is not None:
             await self.w.in_nixl_thread(self.w.transfer.remove_peer, known)
         try:
-            await self.w.in_nixl_thread(self.w.transfer.add_peer, descriptor)
+            await self.w.in_nixl_thread(self.w.transfer.add_peer, described.descriptor)
         except TransferError as e:
             self.w.metrics.fail("layout_mismatch")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))

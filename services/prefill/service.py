@@ -7,6 +7,9 @@ Claims it before its NIXL READ (which extends the lease to cover the READ) and t
 read only if Release answers `intact`. The lease lives on the engine's request (`hold_for_s`,
 `lease_deadline`); every way of freeing goes through the engine thread's command queue, which
 runs a command even when the RPC that sent it has been cancelled.
+
+Before its first READ from this worker a reader loads its NIXL agent from Describe: over this
+authenticated link, so pairing needs no registry.
 """
 
 from __future__ import annotations
@@ -118,6 +121,13 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
     ) -> pb.ReleaseResponse:
         rid = request.request_id
         return pb.ReleaseResponse(intact=await self.w.loop.run(lambda e: e.release(rid)))
+
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeResponse:
+        # Both were computed when the agent was made: safe off the NIXL thread.
+        transfer = self.w.transfer
+        return pb.DescribeResponse(agent_name=transfer.agent_name, descriptor=transfer.descriptor())
 
     async def background(self) -> None:
         """Free held KV whose lease ran out before a reader released it."""

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x64saserve.proto\x12\x0b\x64saserve.v1\"\x98\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x16\n\x07PageIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x8f\x02\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x13\n\x0blayout_hash\x18\x03 \x01(\t\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12/\n\x05pages\x18\x05 \x03(\x0b\x32 .dsaserve.v1.KVHandle.PagesEntry\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x1d\n\x15lease_expires_unix_ms\x18\x07 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\x1a\x42\n\nPagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.dsaserve.v1.PageIds:\x02\x38\x01\"m\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.dsaserve.v1.SamplingParams\"\xe1\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.dsaserve.v1.FinishReason\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.dsaserve.v1.KVHandle\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.dsaserve.v1.Usage\x12\x30\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x19.dsaserve.v1.TokenLogprob\"3\n\x0c\x43laimRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07hold_ms\x18\x02 \x01(\r\".\n\rClaimResponse\x12\x1d\n\x15lease_expires_unix_ms\x18\x01 \x01(\x03\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x0fReleaseResponse\x12\x0e\n\x06intact\x18\x01 \x01(\x08\"\xa7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.dsaserve.v1.SamplingParams\x12!\n\x02kv\x18\x05 \x01(\x0b\x32\x15.dsaserve.v1.KVHandle\"[\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.dsaserve.v1.TokenLogprob\"a\n\nDecodeDone\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.dsaserve.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.dsaserve.v1.Usage\"-\n\x0b\x44\x65\x63odeError\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\r\n\x05\x63\x61use\x18\x02 \x01(\t\"\x97\x01\n\x0e\x44\x65\x63odeResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.dsaserve.v1.DecodeChunkH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.dsaserve.v1.DecodeDoneH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.dsaserve.v1.DecodeErrorH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"@\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\r\n\x0bLoadRequest\"g\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x0c\n\x04held\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x95\x03\n\x07Prefill\x12\x44\n\x07Prefill\x12\x1b.dsaserve.v1.PrefillRequest\x1a\x1c.dsaserve.v1.PrefillResponse\x12>\n\x05\x43laim\x12\x19.dsaserve.v1.ClaimRequest\x1a\x1a.dsaserve.v1.ClaimResponse\x12\x44\n\x07Release\x12\x1b.dsaserve.v1.ReleaseRequest\x1a\x1c.dsaserve.v1.ReleaseResponse\x12>\n\x05\x41\x62ort\x12\x19.dsaserve.v1.AbortRequest\x1a\x1a.dsaserve.v1.AbortResponse\x12\x41\n\x06Health\x12\x1a.dsaserve.v1.HealthRequest\x1a\x1b.dsaserve.v1.HealthResponse\x12;\n\x04Load\x12\x18.dsaserve.v1.LoadRequest\x1a\x19.dsaserve.v1.LoadResponse2\x8d\x02\n\x06\x44\x65\x63ode\x12\x43\n\x06\x44\x65\x63ode\x12\x1a.dsaserve.v1.DecodeRequest\x1a\x1b.dsaserve.v1.DecodeResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.dsaserve.v1.AbortRequest\x1a\x1a.dsaserve.v1.AbortResponse\x12\x41\n\x06Health\x12\x1a.dsaserve.v1.HealthRequest\x1a\x1b.dsaserve.v1.HealthResponse\x12;\n\x04Load\x12\x18.dsaserve.v1.LoadRequest\x1a\x19.dsaserve.v1.LoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0e\x64saserve.proto\x12\x0b\x64saserve.v1\"\x98\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x16\n\x07PageIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x8f\x02\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x13\n\x0blayout_hash\x18\x03 \x01(\t\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12/\n\x05pages\x18\x05 \x03(\x0b\x32 .dsaserve.v1.KVHandle.PagesEntry\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x1d\n\x15lease_expires_unix_ms\x18\x07 \x01(\x03\x12\x0f\n\x07\x61\x64\x64ress\x18\x08 \x01(\t\x1a\x42\n\nPagesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12#\n\x05value\x18\x02 \x01(\x0b\x32\x14.dsaserve.v1.PageIds:\x02\x38\x01\"m\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.dsaserve.v1.SamplingParams\"\xe1\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.dsaserve.v1.FinishReason\x12!\n\x02kv\x18\x04 \x01(\x0b\x32\x15.dsaserve.v1.KVHandle\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.dsaserve.v1.Usage\x12\x30\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x19.dsaserve.v1.TokenLogprob\"3\n\x0c\x43laimRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07hold_ms\x18\x02 \x01(\r\".\n\rClaimResponse\x12\x1d\n\x15lease_expires_unix_ms\x18\x01 \x01(\x03\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x0fReleaseResponse\x12\x0e\n\x06intact\x18\x01 \x01(\x08\"\x11\n\x0f\x44\x65scribeRequest\":\n\x10\x44\x65scribeResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x12\n\ndescriptor\x18\x02 \x01(\x0c\"\xa7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.dsaserve.v1.SamplingParams\x12!\n\x02kv\x18\x05 \x01(\x0b\x32\x15.dsaserve.v1.KVHandle\"[\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.dsaserve.v1.TokenLogprob\"a\n\nDecodeDone\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.dsaserve.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.dsaserve.v1.Usage\"-\n\x0b\x44\x65\x63odeError\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\r\n\x05\x63\x61use\x18\x02 \x01(\t\"\x97\x01\n\x0e\x44\x65\x63odeResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x18.dsaserve.v1.DecodeChunkH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.dsaserve.v1.DecodeDoneH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.dsaserve.v1.DecodeErrorH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"@\n\x0eHealthResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\"\r\n\x0bLoadRequest\"g\n\x0cLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x12\n\nfree_pages\x18\x03 \x01(\r\x12\x13\n\x0btotal_pages\x18\x04 \x01(\r\x12\x0c\n\x04held\x18\x05 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xde\x03\n\x07Prefill\x12\x44\n\x07Prefill\x12\x1b.dsaserve.v1.PrefillRequest\x1a\x1c.dsaserve.v1.PrefillResponse\x12>\n\x05\x43laim\x12\x19.dsaserve.v1.ClaimRequest\x1a\x1a.dsaserve.v1.ClaimResponse\x12\x44\n\x07Release\x12\x1b.dsaserve.v1.ReleaseRequest\x1a\x1c.dsaserve.v1.ReleaseResponse\x12G\n\x08\x44\x65scribe\x12\x1c.dsaserve.v1.DescribeRequest\x1a\x1d.dsaserve.v1.DescribeResponse\x12>\n\x05\x41\x62ort\x12\x19.dsaserve.v1.AbortRequest\x1a\x1a.dsaserve.v1.AbortResponse\x12\x41\n\x06Health\x12\x1a.dsaserve.v1.HealthRequest\x1a\x1b.dsaserve.v1.HealthResponse\x12;\n\x04Load\x12\x18.dsaserve.v1.LoadRequest\x1a\x19.dsaserve.v1.LoadResponse2\x8d\x02\n\x06\x44\x65\x63ode\x12\x43\n\x06\x44\x65\x63ode\x12\x1a.dsaserve.v1.DecodeRequest\x1a\x1b.dsaserve.v1.DecodeResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.dsaserve.v1.AbortRequest\x1a\x1a.dsaserve.v1.AbortResponse\x12\x41\n\x06Health\x12\x1a.dsaserve.v1.HealthRequest\x1a\x1b.dsaserve.v1.HealthResponse\x12;\n\x04Load\x12\x18.dsaserve.v1.LoadRequest\x1a\x19.dsaserve.v1.LoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHANDLE_PAGESENTRY']._loaded_options = None
   _globals['_KVHANDLE_PAGESENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2096
-  _globals['_FINISHREASON']._serialized_end=2216
+  _globals['_FINISHREASON']._serialized_start=2175
+  _globals['_FINISHREASON']._serialized_end=2295
   _globals['_SAMPLINGPARAMS']._serialized_start=32
   _globals['_SAMPLINGPARAMS']._serialized_end=312
   _globals['_TOKENLOGPROB']._serialized_start=314
@@ -59,30 +59,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASEREQUEST']._serialized_end=1225
   _globals['_RELEASERESPONSE']._serialized_start=1227
   _globals['_RELEASERESPONSE']._serialized_end=1260
-  _globals['_DECODEREQUEST']._serialized_start=1263
-  _globals['_DECODEREQUEST']._serialized_end=1430
-  _globals['_DECODECHUNK']._serialized_start=1432
-  _globals['_DECODECHUNK']._serialized_end=1523
-  _globals['_DECODEDONE']._serialized_start=1525
-  _globals['_DECODEDONE']._serialized_end=1622
-  _globals['_DECODEERROR']._serialized_start=1624
-  _globals['_DECODEERROR']._serialized_end=1669
-  _globals['_DECODERESPONSE']._serialized_start=1672
-  _globals['_DECODERESPONSE']._serialized_end=1823
-  _globals['_ABORTREQUEST']._serialized_start=1825
-  _globals['_ABORTREQUEST']._serialized_end=1859
-  _globals['_ABORTRESPONSE']._serialized_start=1861
-  _globals['_ABORTRESPONSE']._serialized_end=1891
-  _globals['_HEALTHREQUEST']._serialized_start=1893
-  _globals['_HEALTHREQUEST']._serialized_end=1908
-  _globals['_HEALTHRESPONSE']._serialized_start=1910
-  _globals['_HEALTHRESPONSE']._serialized_end=1974
-  _globals['_LOADREQUEST']._serialized_start=1976
-  _globals['_LOADREQUEST']._serialized_end=1989
-  _globals['_LOADRESPONSE']._serialized_start=1991
-  _globals['_LOADRESPONSE']._serialized_end=2094
-  _globals['_PREFILL']._serialized_start=2219
-  _globals['_PREFILL']._serialized_end=2624
-  _globals['_DECODE']._serialized_start=2627
-  _globals['_DECODE']._serialized_end=2896
+  _globals['_DESCRIBEREQUEST']._serialized_start=1262
+  _globals['_DESCRIBEREQUEST']._serialized_end=1279
+  _globals['_DESCRIBERESPONSE']._serialized_start=1281
+  _globals['_DESCRIBERESPONSE']._serialized_end=1339
+  _globals['_DECODEREQUEST']._serialized_start=1342
+  _globals['_DECODEREQUEST']._serialized_end=1509
+  _globals['_DECODECHUNK']._serialized_start=1511
+  _globals['_DECODECHUNK']._serialized_end=1602
+  _globals['_DECODEDONE']._serialized_start=1604
+  _globals['_DECODEDONE']._serialized_end=1701
+  _globals['_DECODEERROR']._serialized_start=1703
+  _globals['_DECODEERROR']._serialized_end=1748
+  _globals['_DECODERESPONSE']._serialized_start=1751
+  _globals['_DECODERESPONSE']._serialized_end=1902
+  _globals['_ABORTREQUEST']._serialized_start=1904
+  _globals['_ABORTREQUEST']._serialized_end=1938
+  _globals['_ABORTRESPONSE']._serialized_start=1940
+  _globals['_ABORTRESPONSE']._serialized_end=1970
+  _globals['_HEALTHREQUEST']._serialized_start=1972
+  _globals['_HEALTHREQUEST']._serialized_end=1987
+  _globals['_HEALTHRESPONSE']._serialized_start=1989
+  _globals['_HEALTHRESPONSE']._serialized_end=2053
+  _globals['_LOADREQUEST']._serialized_start=2055
+  _globals['_LOADREQUEST']._serialized_end=2068
+  _globals['_LOADRESPONSE']._serialized_start=2070
+  _globals['_LOADRESPONSE']._serialized_end=2173
+  _globals['_PREFILL']._serialized_start=2298
+  _globals['_PREFILL']._serialized_end=2776
+  _globals['_DECODE']._serialized_start=2779
+  _globals['_DECODE']._serialized_end=3048
 # @@protoc_insertion_point(module_scope)

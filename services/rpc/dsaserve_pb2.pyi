@@ -143,6 +143,18 @@ class ReleaseResponse(_message.Message):
     intact: bool
     def __init__(self, intact: _Optional[bool] = ...) -> None: ...
 
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("agent_name", "descriptor")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    descriptor: bytes
+    def __init__(self, agent_name: _Optional[str] = ..., descriptor: _Optional[bytes] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

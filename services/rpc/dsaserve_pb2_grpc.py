@@ -51,6 +51,11 @@ class PrefillStub:
                 request_serializer=dsaserve__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=dsaserve__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/dsaserve.v1.Prefill/Describe',
+                request_serializer=dsaserve__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=dsaserve__pb2.DescribeResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/dsaserve.v1.Prefill/Abort',
                 request_serializer=dsaserve__pb2.AbortRequest.SerializeToString,
@@ -92,6 +97,12 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -127,6 +138,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=dsaserve__pb2.ReleaseRequest.FromString,
                     response_serializer=dsaserve__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=dsaserve__pb2.DescribeRequest.FromString,
+                    response_serializer=dsaserve__pb2.DescribeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -227,6 +243,33 @@ class Prefill:
             '/dsaserve.v1.Prefill/Release',
             dsaserve__pb2.ReleaseRequest.SerializeToString,
             dsaserve__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsaserve.v1.Prefill/Describe',
+            dsaserve__pb2.DescribeRequest.SerializeToString,
+            dsaserve__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

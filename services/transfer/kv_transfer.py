@@ -12,7 +12,7 @@ Either may end with a notification for the peer, polled with `notifications`.
 Threading: NIXL is not guaranteed thread-safe, so one KVTransfer must be used from one thread at
 a time (the services call it from a single dedicated thread). Overlapping calls raise
 RuntimeError instead of corrupting the agent. `descriptor()` and `agent_name` are the exception:
-computed once at start, they are safe from any thread (the Redis heartbeat reads them).
+computed once at start, they are safe from any thread (the Describe RPC reads them).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from services import connections
 from services.auth import ClusterTokenCheck
 from services.registry import WorkerRecord, WorkerRegistration
 from services.rpc import pb
-from services.transfer import KVTransfer, Region, publish_descriptor
+from services.transfer import KVTransfer, Region
 from services.transfer.interfaces import bind_ucx_to
 from services.worker.convert import load_response
 from services.worker.metrics import WorkerMetrics
@@ -143,14 +143,7 @@ class Worker:
             layout_hash=self.layout_hash,
             nixl_agent=self.transfer.agent_name,
         )
-        ttl = s.registry_ttl_s
-        registration = WorkerRegistration(
-            s.redis_url,
-            record,
-            self.loop.load,
-            ttl,
-            on_beat=lambda r: publish_descriptor(r, self.transfer, 2 * ttl),
-        )
+        registration = WorkerRegistration(s.redis_url, record, self.loop.load, s.registry_ttl_s)
         probes = None
         if s.metrics_port:
             ready = lambda: self.ready.is_set() and self.loop.alive
