@@ -222,12 +222,15 @@ class SoakConfig:
     prompt_words: tuple[int, int] = (8, 200)
     output_tokens: tuple[int, int] = (8, 64)
     request_timeout_s: float = 120.0
-    # Room for the users' batch (the default 256 sequences cost more fixed KV than this budget).
+    # Room for the users' batch (the default 256 sequences cost more fixed KV than this budget),
+    # and prefill chunks that keep a CPU step to seconds: a Claim or Release waits for the step.
     engine_flags: tuple[str, ...] = (
         "--kv-cache-memory-bytes",
         str(256 << 20),
         "--max-num-seqs",
         "64",
+        "--max-num-batched-tokens",
+        "1024",
     )
     lease_s: float = 8.0  # the prefill worker's --lease-seconds
     quiet_s: float = 16.0  # after the load: leases and registry TTLs run out

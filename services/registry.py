@@ -95,13 +95,27 @@ class WorkerRegistration:
         self._redis: aioredis.Redis | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        """Write the record once (raising if Redis is unreachable), then heartbeat."""
+    async def start(self) -> bool:
+        """Write the record, then heartbeat; returns whether the first write landed.
+
+        A worker that starts while Redis is down still serves: the router keeps the workers it
+        saw through an outage, so a worker restarted at the same address takes requests again at
+        once, and the heartbeat registers it when Redis is back."""
         self._redis = _client(self._redis_url, self._ttl_s)
-        await self._beat()
+        registered = True
+        try:
+            await self._beat()
+        except (aioredis.RedisError, OSError) as e:
+            registered = False
+            log.warning(
+                "registry unreachable (%s): %s serves and keeps trying to register",
+                e,
+                self.record.worker_id,
+            )
         self._task = asyncio.create_task(
             self._heartbeat(), name=f"registry-heartbeat-{self.record.worker_id}"
         )
+        return registered
 
     async def stop(self) -> None:
         """Stop beating and delete the key, so the router stops routing here at once."""

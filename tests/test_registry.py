@@ -138,6 +138,26 @@ async def test_watcher_skips_malformed_entries(redis_url: str) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_worker_started_during_an_outage_registers_when_redis_is_back(
+    private_redis,
+) -> None:
+    private_redis.pause()
+    reg = WorkerRegistration(private_redis.url, record("late"), Load, ttl_s=0.6)
+    try:
+        assert await asyncio.wait_for(reg.start(), timeout=5) is False  # serving, unregistered
+        private_redis.resume()
+        client = aioredis.Redis.from_url(private_redis.url)
+        deadline = time.monotonic() + 5
+        while not await client.exists(worker_key("late")):
+            assert time.monotonic() < deadline, "the heartbeat never registered the worker"
+            await asyncio.sleep(0.05)
+        await client.aclose()
+    finally:
+        private_redis.resume()
+        await reg.stop()
+
+
+@pytest.mark.asyncio
 async def test_watcher_start_fails_fast_without_redis(unused_tcp_port: int) -> None:
     watcher = RegistryWatcher(f"redis://127.0.0.1:{unused_tcp_port}/0", ttl_s=1.0)
     with pytest.raises((ConnectionError, OSError, aioredis.ConnectionError)):

@@ -134,7 +134,10 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         w = self.w
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
-            expired = await w.loop.run(lambda e: e.expire_leases(time.monotonic()))
+            # The time of asking, not of running: a Claim that reached the queue before the
+            # deadline runs first (the queue is FIFO) even when a long step delays both.
+            now = time.monotonic()
+            expired = await w.loop.run(lambda e, now=now: e.expire_leases(now))
             for rid in expired:
                 log.warning("KV lease of %s ran out before a decode worker released it", rid)
                 w.metrics.fail("lease_expired")

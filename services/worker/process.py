@@ -149,6 +149,9 @@ class Worker:
             ready = lambda: self.ready.is_set() and self.loop.alive
             probes = ProbeServer(probe_app(ready, self.metrics.registry), s.host, s.metrics_port)
             probes.start()
+        stop = asyncio.Event()  # from here on SIGTERM/SIGINT stop the worker cleanly
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         tasks = [asyncio.create_task(service.background())]
         await registration.start()
         self.ready.set()
@@ -160,9 +163,6 @@ class Worker:
             record.address,
             self.layout,
         )
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         tasks.append(asyncio.create_task(self._watch_engine(stop)))
         await stop.wait()
         log.info("%s worker %s stopping", self.role, self.worker_id)
