@@ -270,21 +270,24 @@ def test_a_hung_decode_worker_fails_its_streams_within_seconds(model, redis_serv
     s = stack_in_db(model, redis_server, tmp_path, db=6)
     try:
         prefill, decode = s.worker("prefill"), s.worker("decode")
-        router = s.router("--request-timeout", "600")
+        # Only keepalive can end the stream within the read timeout: the stall timeout is longer.
+        router = s.router("--request-timeout", "600", "--stall-timeout", "300")
         s.wait_ready(prefill, decode)
         url = s.wait_healthy(router)
         body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3000}
         body |= {"stream": True, "ignore_eos": True}
         # The read timeout bounds the wait for the error: far below the request timeout.
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            # The role chunk, the prefill's token, then one from decode: its stream is open.
+            assert len([next(lines) for _ in range(3)]) == 3
             decode.proc.send_signal(signal.SIGSTOP)
             try:
-                rest = [line for line in lines if line.startswith("data: ")]
+                rest = list(lines)
             finally:
                 decode.proc.send_signal(signal.SIGCONT)
         assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
+        assert "unavailable" in rest[-2], rest[-2]
         wait_for(prefill.all_kv_free, 30, "prefill to free every page")
         wait_for(decode.all_kv_free, 30, "decode to free every page")
     finally:
