@@ -27,10 +27,10 @@ CPU, two processes over loopback (UCX's default transports, i.e. cma for the dat
     .venv/bin/python bench/transfer.py --device cpu      # -> bench/results/cpu-transfer.json
 
 Two GPUs of one host: prefill on cuda:0, decode on cuda:1, against torch's cuda:0 -> cuda:1
-copy. UCX_TLS defaults to cuda_ipc,cuda_copy,tcp (without cuda_ipc, GPU memory crawls through
-the host); set UCX_TLS in the environment to try others. The GPU machine has torch and numpy
-but no NIXL and no network, so carry the nixl-cu13 wheel (59 MB; the device tool's
-working-tree limit is 64 MiB):
+copy (one GPU: both on cuda:0, against a copy within it; -> h200-transfer.json). UCX_TLS
+defaults to cuda_ipc,cuda_copy,tcp (without cuda_ipc, GPU memory crawls through the host); set
+UCX_TLS in the environment to try others. The GPU machine has torch and numpy but no NIXL and
+no network, so carry the nixl-cu13 wheel (59 MB; the device tool's working-tree limit is 64 MiB):
   1. here, in the repo root (.whl/ is git-ignored):
        .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
          --implementation cp --platform manylinux_2_28_x86_64 -d .whl nixl-cu13==1.5.1
@@ -445,7 +445,9 @@ def config(args: argparse.Namespace, load: float) -> dict:
     cuda = args.device == "cuda"
     return {
         "device": args.device,
-        "gpus": [torch.cuda.get_device_name(i) for i in range(2)] if cuda else None,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if cuda
+        else None,
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "load_avg_1m_at_start": load,  # the CPU machine is shared: a high load skews CPU rows
@@ -496,10 +498,14 @@ def main() -> None:
     args = p.parse_args()
 
     if args.device == "cuda":
-        if torch.cuda.device_count() < 2:
-            raise SystemExit("--device cuda needs two GPUs of one host")
+        if torch.cuda.device_count() == 0:
+            raise SystemExit("--device cuda needs a GPU")
         os.environ.setdefault("UCX_TLS", "cuda_ipc,cuda_copy,tcp")  # the prefill inherits it
-        src, dst = torch.device("cuda:0"), torch.device("cuda:1")
+        # One GPU: both processes on it (cuda_ipc within the device), against a local copy.
+        src, dst = (
+            torch.device("cuda:0"),
+            torch.device(f"cuda:{min(1, torch.cuda.device_count() - 1)}"),
+        )
         torch.cuda.set_device(dst)  # UCX registers decode's pools in this device's context
     else:
         src = dst = torch.device("cpu")
@@ -516,7 +522,7 @@ def main() -> None:
     with_copy_share(results)
 
     print_table(results)
-    tag = "h200x2" if args.device == "cuda" else "cpu"
+    tag = "cpu" if args.device == "cpu" else "h200" if src == dst else "h200x2"
     out = args.out or Path(__file__).parent / "results" / f"{tag}-transfer.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"config": config(args, load), "results": results}, indent=2) + "\n")

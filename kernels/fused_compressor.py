@@ -63,8 +63,8 @@ def _compress_decode_kernel(
     gate_ptr,  # [D, F] gate projections (row stride gate_stride)
     pos_ptr,  # [D] int64 positions
     slab_ptr,  # [D] int64 slab rows
-    ring_kv_ptr,  # [seqs, ROWS, F]
-    ring_gate_ptr,  # [seqs, ROWS, F]
+    ring_kv_ptr,  # [seqs, ROWS, F] (seq stride ring_kv_stride: a slab row's slice)
+    ring_gate_ptr,  # [seqs, ROWS, F] (seq stride ring_gate_stride)
     ape_ptr,  # [RATE, F] fp32 per-slot gate bias
     w_ptr,  # [HD] fp32 norm weight
     inv_freq_ptr,  # [HALF] fp32 RoPE inverse frequencies
@@ -72,6 +72,8 @@ def _compress_decode_kernel(
     out_ptr,  # [slots, HD] the pool the entries go to
     kv_stride,
     gate_stride,
+    ring_kv_stride,
+    ring_gate_stride,
     table_stride,
     page_size,
     eps,
@@ -92,8 +94,8 @@ def _compress_decode_kernel(
     b = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + b)
     slab = tl.load(slab_ptr + b)
-    ring_kv = ring_kv_ptr + slab * ROWS * F
-    ring_gate = ring_gate_ptr + slab * ROWS * F
+    ring_kv = ring_kv_ptr + slab * ring_kv_stride
+    ring_gate = ring_gate_ptr + slab * ring_gate_stride
     new_kv = kv_ptr + b * kv_stride
     new_gate = gate_ptr + b * gate_stride
     f = tl.arange(0, BLOCK_F)
@@ -180,7 +182,11 @@ def compress_decode(
     overlap = feats == 2 * head_dim
     assert overlap or feats == head_dim, (feats, head_dim)
     assert kv.stride(1) == gate.stride(1) == 1 and entry_table.stride(1) == 1
-    assert ring_kv.is_contiguous() and ring_gate.is_contiguous() and target.is_contiguous()
+    # The rings are slices of the pool's slab rows: each sequence's [ROWS, F] is dense, the
+    # sequences are a slab row apart.
+    for ring in (ring_kv, ring_gate):
+        assert ring.stride(2) == 1 and ring.stride(1) == feats, (ring.shape, ring.stride())
+    assert target.is_contiguous()
     if n == 0:
         return
     window_slots = 2 * rate if overlap else rate
@@ -200,6 +206,8 @@ def compress_decode(
         target,
         kv.stride(0),
         gate.stride(0),
+        ring_kv.stride(0),
+        ring_gate.stride(0),
         entry_table.stride(0),
         page_size,
         eps,

@@ -54,7 +54,8 @@ def compress_decode(
     positions    [D] int64 position of each row's token; slab [D] int64 its request's slab row.
     ring_kv, ring_gate
                  [seqs, ROWS, F] the compressor's ring (KVPool.comp_ring / index_ring of the
-                 layer), contiguous: row p % ROWS holds the projections of position p.
+                 layer: a slice of each slab row, so dense per sequence, not across them): row
+                 p % ROWS holds the projections of position p.
                  ROWS = rate, or 2 * rate with overlap.
     ape          [rate, F] fp32 per-slot gate bias; norm_weight [head_dim] fp32, eps its RMS
                  norm's; inv_freq [rope_dim // 2] fp32 the RoPE table's inverse frequencies

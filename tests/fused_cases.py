@@ -64,8 +64,10 @@ class Op:
         return getattr(fused_reference, self.fused.__name__)
 
     def fresh_args(self) -> tuple:
-        """Copies of the arguments, for one call (the op writes into some of them)."""
-        return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in self.args)
+        """Copies of the arguments, for one call (the op writes into some of them), with the
+        originals' strides: the engine hands kernels views (a ring is a slice of slab rows),
+        which clone() would make contiguous."""
+        return tuple(_strided_copy(a) if isinstance(a, torch.Tensor) else a for a in self.args)
 
     def run(self, fn: Callable, backend: str | None = None) -> tuple[Any, list[torch.Tensor]]:
         """fn on fresh copies of the arguments (under `backend`): (result, the written args)."""
@@ -73,6 +75,11 @@ class Op:
         with kernels.use_backend(backend):
             out = fn(*args, **self.kwargs)
         return out, [args[i] for i in self.writes]
+
+
+def _strided_copy(t: torch.Tensor) -> torch.Tensor:
+    copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return copy.copy_(t)
 
 
 class GlueStep:

@@ -85,7 +85,9 @@ def test_demo_model_numerics_on_the_gpu_path():
     result = probe(windows=8, prompts=4, steps=256)
     assert result["decode_graph_batch_sizes"], "decode steps must replay CUDA graphs"
     assert result["bpb_rel_diff"] < 0.01, result
-    assert result["greedy_agreement"] >= 0.95, result
+    # Free-running greedy continuations part for good after a first near-tie flips one token
+    # (0.55 agreement over 8 x 256 steps on the H200): the per-step check is teacher-forced.
+    assert result["teacher_forced_agreement"] >= 0.95, result
 
 
 @gpu_test

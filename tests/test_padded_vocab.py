@@ -43,7 +43,8 @@ def test_padded_rows_would_win_without_the_mask(release):
 def test_offline_generation_never_samples_padded_ids(release, options):
     llm = LLM(release, **options)
     prompts = [PROMPT, list(range(1, 200)), [256]]
-    results = llm.generate(prompts, [SAMPLED, SAMPLED, SamplingParams(max_tokens=48)])
+    greedy = SamplingParams(max_tokens=48, ignore_eos=True)  # 48 tokens whatever they are
+    results = llm.generate(prompts, [SAMPLED, SAMPLED, greedy])
     for res in results:
         assert len(res.token_ids) == 48 and max(res.token_ids) < TOKENS
         assert res.text == llm.tokenizer.decode(res.token_ids)
