@@ -117,12 +117,17 @@ class ExpertCounter:
 def profile_steps(
     step: Callable[[], object], model: torch.nn.Module, device: torch.device, steps: int
 ) -> StepProfile:
-    """Run `step` `steps` times under torch.profiler (CPU, and CUDA on a GPU; the caller makes
-    the steps eager: replayed graphs hide their kernels) and attribute each step's time."""
+    """Run `step` 1 + `steps` times under torch.profiler (CPU, and CUDA on a GPU; the caller
+    makes the steps eager: replayed graphs hide their kernels) and attribute each step's time.
+    The first step is a warm-up, not counted: the profiler's own start-up, and the eager
+    shapes' compilation or autotuning apart from the graphs'."""
     device = torch.device(device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities):
+        step()
+        sync(device)
     total: Cells = {}
     wall_ms = 0.0
     counter = ExpertCounter(model)
