@@ -372,6 +372,8 @@ def test_device_records_link_kernels_to_their_ops_and_read_the_annotations():
                     activity("sm90_gemm", 1000, 2000, linked=2),
                     activity("_moe_up_kernel", 3000, 5000),
                     activity("dsaserve.unknown_range", 0, 100),
+                    activity("CUPTI Overhead", 0, 100),
+                    activity("Stream Sync", 0, 9000),
                 ]
             )
         ),

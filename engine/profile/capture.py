@@ -63,13 +63,20 @@ def cpu_ops(events) -> list[CpuOp]:
     return [CpuOp(e.name, e.self_cpu_time_total, parts[e.id]) for e in _cpu_events(events)]
 
 
+def _not_work(name: str) -> bool:
+    """Device-side records that are no kernel or copy: the profiler's own overhead, and sync
+    waits (with torch.profiler's experimental sync events on), which overlap the kernels."""
+    low = name.lower()
+    return "overhead" in low or low.endswith(" sync")
+
+
 def device_records(prof: torch.profiler.profile) -> tuple[list[Kernel], list[Span]]:
     """The device activities of a profile (kernels, copies), each with the part of the op that
     launched it where the profiler linked the two, and the ranges' spans on the device."""
     part_by_op = op_parts(prof.events())  # a CPU op's id is its correlation id
     kernels, spans = [], []
     for ev in prof.profiler.kineto_results.events():
-        if ev.device_type() == torch.autograd.DeviceType.CPU:
+        if ev.device_type() == torch.autograd.DeviceType.CPU or _not_work(ev.name()):
             continue
         start = ev.start_ns() / 1e3
         end = start + ev.duration_ns() / 1e3
