@@ -3,6 +3,7 @@
     python -m bench.engine --out bench/results/h200-engine.json
     python -m bench.engine --experts 256 --out bench/results/h200-engine-256.json
     python -m bench.engine --smoke              # CPU: tiny widths through the same code
+    python -m bench.engine --write-slice DIR    # the slice as a checkpoint (bench/gpu_profile.sh)
 
 The slice has V4-Flash's real widths (hidden 4096, 64 heads x 512, q_lora 1024, 8 output
 groups, indexer 64 x 128 with top-512, window 128, CSA rate 4, HCA rate 128, mHC x4, vocab
@@ -19,14 +20,18 @@ One run:
    (request, head), no tensor cores) and an indexer that scores a buffer padded to the
    configured maximum (1M tokens = 262K compressed entries) with fp32 matmuls;
 4. prefill tokens/s;
-5. the per-kernel-class time of one decode step (torch profiler) against each class's
-   roofline floor (bytes at the measured copy bandwidth, FLOPs at the measured matmul rate);
+5. `dsaserve profile`'s report of one decode step at c=64, 32K (engine.profile): time by
+   kernel class and model part (torch profiler) against each one's floor (bytes at the copy
+   bandwidth, FLOPs at the matmul rate, both measured in the same run);
 6. the same slice with the release's weight formats, quantized from the bf16 weights as the
    checkpoint stores them (FP8 e4m3 linears with 128x128 ue8m0 block scales, FP4 routed
    experts, wo_a and the rest dense) and computed as the release does (kernels.fp8_linear,
    kernels.fp4_experts): its Triton path against its plain-torch reference, its logits against
    the bf16 model's, decode tokens/s at the same concurrencies and contexts (the ratio to bf16
-   in the same run), prefill tokens/s and the kernel classes of one step.
+   in the same run), prefill tokens/s and the profile of one step.
+
+`--write-slice DIR` writes the slice as a checkpoint instead (`--slice-format release`: the
+release's formats) for `dsaserve profile --model DIR` (bench/gpu_profile.sh).
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import traceback
 import torch
 
 import kernels
-from bench.kernels import ceilings
 from engine.kv_pool import KVCacheConfig, KVPool
 from engine.layers.fp8_linear import Fp8Linear
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
@@ -50,6 +54,10 @@ from engine.models.deepseek_v4.moe import Fp4Experts
 from engine.models.deepseek_v4.weights import build_model
 from engine.parallel.channel import Channel
 from engine.parallel.group import SINGLE, TensorParallel
+from engine.profile import hardware
+from engine.profile.decode import profile_decode
+from engine.profile.report import format_table
+from engine.profiling import profiled
 from engine.request import Request, Status
 from engine.runner import ModelRunner
 from engine.sampler import sample
@@ -90,41 +98,54 @@ LAYERS = [
 
 
 def slice_config(num_experts: int, smoke: bool = False) -> ModelConfig:
-    return ModelConfig.from_hf(
-        {
-            "model_type": "deepseek_v4",
-            "vocab_size": 129280,
-            "hidden_size": 4096,
-            "num_hidden_layers": len(LAYERS),
-            "num_attention_heads": 64,
-            "head_dim": 512,
-            "qk_rope_head_dim": 64,
-            "q_lora_rank": 1024,
-            "o_groups": 8,
-            "o_lora_rank": 1024,
-            "sliding_window": 128,
-            "layer_types": LAYERS,
-            "compress_rates": {
-                "compressed_sparse_attention": 4,
-                "heavily_compressed_attention": 128,
-            },
-            "num_hash_layers": 2,
-            "n_routed_experts": num_experts,
-            "num_experts_per_tok": 6,
-            "moe_intermediate_size": 2048,
-            "index_n_heads": 64,
-            "index_head_dim": 128,
-            "index_topk": 512,
-            "max_position_embeddings": MAX_CONTEXT,
-            "rope_scaling": {
-                "type": "yarn",
-                "factor": 16,
-                "original_max_position_embeddings": 65536,
-            },
-            "num_nextn_predict_layers": 0,  # the MTP layer does not run in a decode step
-            **(SMOKE_WIDTHS if smoke else {}),
-        }
-    )
+    return ModelConfig.from_hf(slice_hf_config(num_experts, smoke))
+
+
+def slice_hf_config(num_experts: int, smoke: bool = False) -> dict:
+    """The slice's config.json fields."""
+    return {
+        "model_type": "deepseek_v4",
+        "vocab_size": 129280,
+        "hidden_size": 4096,
+        "num_hidden_layers": len(LAYERS),
+        "num_attention_heads": 64,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "sliding_window": 128,
+        "layer_types": LAYERS,
+        "compress_rates": {
+            "compressed_sparse_attention": 4,
+            "heavily_compressed_attention": 128,
+        },
+        "num_hash_layers": 2,
+        "n_routed_experts": num_experts,
+        "num_experts_per_tok": 6,
+        "moe_intermediate_size": 2048,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "max_position_embeddings": MAX_CONTEXT,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+        },
+        "num_nextn_predict_layers": 0,  # the MTP layer does not run in a decode step
+        **(SMOKE_WIDTHS if smoke else {}),
+    }
+
+
+def write_slice(out: str, num_experts: int, fmt: str = "dense", smoke: bool = False):
+    """The slice as a checkpoint in `out` (engine.models.deepseek_v4.tiny: random weights, the
+    byte tokenizer; the vocabulary stays 129280 rows wide, the tokenizer's 258 tokens are the
+    ones sampled); returns its path."""
+    from engine.models.deepseek_v4.tiny import make_tiny_model
+
+    overrides = {k: v for k, v in slice_hf_config(num_experts, smoke).items() if k != "model_type"}
+    return make_tiny_model(out, fmt=fmt, overrides=overrides)
 
 
 def random_model(cfg: ModelConfig, dev: torch.device, tp: TensorParallel = SINGLE) -> DeepseekV4:
@@ -255,12 +276,14 @@ class Bench:
             self.scheduler.finish(r, "abort")
 
     def decode_step(self) -> None:
-        samplers, logits = self.runner.execute(self.scheduler.schedule())
-        for r, t in zip(
-            samplers,
-            sample(logits, [r.params for r in samplers], [0] * len(samplers)),
-            strict=True,
-        ):
+        """One step as LLMEngine.step takes it (its profiler ranges included), without the
+        text and logprobs."""
+        with profiled("schedule"):
+            batch = self.scheduler.schedule()
+        samplers, logits = self.runner.execute(batch)
+        with profiled("sample"):
+            tokens = sample(logits, [r.params for r in samplers], [0] * len(samplers))
+        for r, t in zip(samplers, tokens, strict=True):
             r.output_token_ids.append(t)
 
     def decode_tokens_per_s(self, n: int, context: int, steps: int) -> tuple[float, float]:
@@ -350,127 +373,6 @@ def prefill_tokens_per_s(bench: Bench, length: int) -> float:
     return length / dt
 
 
-GEMM_NAMES = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "Gemm", "splitKreduce")
-KERNEL_KINDS = (
-    ("sparse_mla", ("_sparse_mla", "_combine", "_naive_decode")),
-    ("indexer_topk", ("_score_kernel", "_merge_kernel")),
-    ("gemm", GEMM_NAMES),
-)
-
-
-def kernel_kind(name: str) -> str:
-    return next(
-        (kind for kind, keys in KERNEL_KINDS if any(k in name for k in keys)), "elementwise"
-    )
-
-
-def summary_class(part: str, kind: str) -> str:
-    """The issue's classes: attention and indexer kernels, MoE (router, experts, shared expert),
-    the other GEMMs, and elementwise for everything else."""
-    if kind in ("sparse_mla", "indexer_topk"):
-        return {"sparse_mla": "attention", "indexer_topk": "indexer"}[kind]
-    if part == "moe":
-        return "moe"
-    return "gemm" if kind == "gemm" else "elementwise"
-
-
-def profile_step(bench: Bench, n: int, context: int) -> dict[str, dict[str, float]]:
-    """ms of one eager decode step (median of 3) by model part (innermost dsaserve.* profiler
-    range) and kernel kind. Triton launches bypass the profiler's op tree, so kernels no op
-    claims are counted from the device timeline by name, under part "triton"."""
-    reqs = bench.requests(n, context)
-    graphs, bench.runner.graphs = bench.runner.graphs, {}
-    for _ in range(2):
-        bench.decode_step()
-    per_step = []
-    for _ in range(3):
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
-        ) as prof:
-            bench.decode_step()
-            torch.cuda.synchronize()
-        acc: dict[tuple[str, str], float] = {}
-        claimed: dict[str, float] = {}
-        for e in prof.events():
-            if not e.kernels:
-                continue
-            part, p = "other", e
-            while p is not None:  # innermost model part that launched the kernel
-                if p.name.startswith("dsaserve."):
-                    part = p.name.removeprefix("dsaserve.")
-                    break
-                p = p.cpu_parent
-            for k in e.kernels:
-                key = (part, kernel_kind(k.name))
-                acc[key] = acc.get(key, 0.0) + k.duration / 1e3
-                claimed[k.name] = claimed.get(k.name, 0.0) + k.duration / 1e3
-        for e in prof.key_averages():  # every kernel, claimed or not
-            total = (getattr(e, "self_device_time_total", 0.0) or 0.0) / 1e3
-            rest = total - claimed.get(e.key, 0.0)
-            # (the dsaserve.* ranges also appear on the device timeline, as annotations: skip them)
-            if (
-                rest > 1e-6
-                and e.device_type == torch.autograd.DeviceType.CUDA
-                and not e.key.startswith("dsaserve.")
-            ):
-                key = (
-                    "triton",
-                    kernel_kind(e.key) if kernel_kind(e.key) != "elementwise" else e.key.strip("_"),
-                )
-                acc[key] = acc.get(key, 0.0) + rest
-        per_step.append(acc)
-    bench.runner.graphs = graphs
-    bench.release(reqs)
-    keys = {k for s in per_step for k in s}
-    table: dict[str, dict[str, float]] = {}
-    for part, kind in keys:
-        table.setdefault(part, {})[kind] = statistics.median(
-            s.get((part, kind), 0.0) for s in per_step
-        )
-    return table
-
-
-def step_classes(table: dict[str, dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for part, kinds in table.items():
-        for kind, ms in kinds.items():
-            cls = summary_class(part, kind)
-            out[cls] = out.get(cls, 0.0) + ms
-    return out
-
-
-def floors_ms(cfg: ModelConfig, model, n: int, context: int, hw: dict) -> dict[str, float]:
-    """Roofline floor per kernel class of one decode step: max(bytes / copy BW, FLOPs / matmul
-    rate)."""
-    bw, rate = hw["copy_GBps"] * 1e6, hw["bf16_matmul_TFLOPs"] * 1e9  # bytes/ms, FLOP/ms
-    experts = sum(p.numel() for name, p in model.named_parameters() if ".ffn.experts." in name)
-    dense = sum(
-        p.numel()
-        for name, p in model.named_parameters()
-        if p.dim() == 2 and ".ffn.experts." not in name and not name.startswith("embed")
-    )
-    active_expert = experts * cfg.num_experts_per_tok / cfg.num_experts
-    kinds = cfg.layer_types
-    n_csa, n_hca = (
-        kinds.count("compressed_sparse_attention"),
-        kinds.count("heavily_compressed_attention"),
-    )
-    W, D, H = cfg.sliding_window, cfg.head_dim, cfg.num_heads
-    keys = len(kinds) * W + n_csa * cfg.index_topk + n_hca * context // 128  # KV rows per request
-    entries = n_csa * context // 4  # indexer keys per request
-    touched = min(1.0, n * cfg.num_experts_per_tok / cfg.num_experts)  # share of experts read
-    classes = {
-        "gemm": (2 * dense, 2 * dense * n),
-        "moe": (2 * experts * touched, 2 * active_expert * n),
-        "attention": (n * keys * D * 2, n * keys * 2 * H * 2 * D),
-        "indexer": (
-            n * entries * cfg.index_head_dim * 2,
-            n * entries * 2 * cfg.index_n_heads * cfg.index_head_dim,
-        ),
-    }
-    return {k: max(b / bw, f / rate) for k, (b, f) in classes.items()}
-
-
 def _weight_gb(model: DeepseekV4) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
 
@@ -485,18 +387,33 @@ def main() -> None:
         action="store_true",
         help="CPU, tiny widths: every phase runs, times mean nothing",
     )
+    parser.add_argument(
+        "--write-slice",
+        metavar="DIR",
+        help="only write the slice as a checkpoint (random weights, the byte tokenizer) into "
+        "DIR, for `dsaserve profile --model DIR` (bench/gpu_profile.sh)",
+    )
+    parser.add_argument(
+        "--slice-format",
+        choices=("dense", "release"),
+        default="dense",
+        help="with --write-slice: fp32 weights, or the release's FP8 linears and FP4 experts",
+    )
     args = parser.parse_args()
     smoke = args.smoke
+    if args.write_slice:
+        print(write_slice(args.write_slice, args.experts, args.slice_format, smoke))
+        return
     dev = torch.device("cpu" if smoke else "cuda")
     contexts, concurrency = ((64, 256), (1, 4)) if smoke else ((4096, 32768), (1, 16, 64))
     check_context, check_prefill = (200, 200) if smoke else (3000, 2048)
     steps = 2 if smoke else args.steps
-    hw = {} if smoke else ceilings()
+    hw = None if smoke else hardware.measure(dev)  # in this run, as every bench here
     cfg = slice_config(args.experts, smoke)
     bench = Bench(cfg, max_seqs=72, kv_bytes=(64 << 20) if smoke else 8 << 30, dev=dev)
     bf16 = bench.model
     result: dict = {
-        "hardware": hw,
+        "hardware": hw.as_dict() if hw else {},
         "config": {
             "layers": LAYERS,
             "experts": args.experts,
@@ -537,9 +454,22 @@ def main() -> None:
                 print(result["decode"][-1], flush=True)
 
     def classes(prefix: str = "") -> None:
-        parts = profile_step(bench, 64, 32768)
-        result[f"{prefix}step_parts_ms_c64_32k"] = parts
-        result[f"{prefix}step_classes_ms_c64_32k"] = step_classes(parts)
+        """dsaserve profile's report of one decode step at c=64, 32K (smoke: c=4, 256)."""
+        n, context = (4, 256) if smoke else (64, 32768)
+        reqs = bench.requests(n, context)
+        try:
+            report = profile_decode(
+                bench.decode_step,
+                bench.runner,
+                concurrency=n,
+                context=context,
+                steps=3,
+                hardware=hw,
+                setup={"model": f"V4-Flash-width slice, {args.experts} experts", "dtype": "bf16"},
+            )
+        finally:
+            bench.release(reqs)
+        result[f"{prefix}profile"] = report.as_dict()
 
     def prefill(key: str = "prefill_tok_s") -> None:
         lengths = (200,) if smoke else (2048, 8192)
@@ -563,15 +493,10 @@ def main() -> None:
             phase("release correctness", lambda: correctness("release_correctness"))
             phase("release decode", lambda: decode(RELEASE, concurrency, steps))
             phase("release prefill", lambda: prefill("release_prefill_tok_s"))
-            if not smoke:
-                phase("release classes", lambda: classes("release_"))
+            phase("release classes", lambda: classes("release_"))
         finally:
             bench.release([r for r in reqs if r.request_id in bench.scheduler.requests])
             bench.model, bench.runner = bf16, bf16_runner
-
-    def bf16_classes() -> None:
-        classes()
-        result["floors_ms_c64_32k"] = floors_ms(cfg, bf16, 64, 32768, hw)
 
     def before() -> None:
         fast_runner = bench.runner
@@ -586,10 +511,9 @@ def main() -> None:
     phase("correctness", correctness)
     phase("decode", lambda: decode("dsaserve", concurrency, steps))
     phase("release", release)
-    if not smoke:  # the profiler's CUDA timeline and the naive kernels' graphs need the GPU
-        phase("classes", bf16_classes)
+    phase("classes", classes)
     phase("prefill", prefill)
-    if not smoke:
+    if not smoke:  # the naive kernels' graphs need the GPU
         phase("before", before)
     summarize(result)
     if args.out:
@@ -622,15 +546,6 @@ def summarize(result: dict) -> None:
             ratios[f"c{r['concurrency']}_ctx{r['context']}"] = r["tok_s"] / base
     if ratios:
         result["release_vs_bf16_tok_s"] = ratios
-    step = [
-        r
-        for r in result["decode"]
-        if r["config"] == "dsaserve" and r["concurrency"] == 64 and r["context"] == 32768
-    ]
-    if step and "floors_ms_c64_32k" in result:
-        result["step_over_floor_c64_32k"] = step[0]["step_ms"] / sum(
-            result["floors_ms_c64_32k"].values()
-        )
 
 
 def print_table(result: dict) -> None:
@@ -667,29 +582,11 @@ def print_table(result: dict) -> None:
             f"{result['release_vs_bf16_decode_logits_rel_err']:.4f}; "
             f"Triton vs reference {result.get('release_correctness')}; "
             f"tok/s / bf16 {rounded('release_vs_bf16_tok_s', 2)}; "
-            f"prefill tok/s {rounded('release_prefill_tok_s', 0)}; "
-            f"step classes c=64 32K (ms) {rounded('release_step_classes_ms_c64_32k', 3)}"
+            f"prefill tok/s {rounded('release_prefill_tok_s', 0)}"
         )
-    if "step_classes_ms_c64_32k" not in result:
-        return
-    total = sum(result["step_classes_ms_c64_32k"].values())
-    print(
-        f"decode step c=64 ctx=32K by kernel class (eager, total {total:.3f} ms) vs roofline floor:"
-    )
-    for k, v in sorted(result["step_classes_ms_c64_32k"].items(), key=lambda kv: -kv[1]):
-        floor = result["floors_ms_c64_32k"].get(k)
-        print(
-            f"  {k:12s} {v:7.3f} ms {100 * v / total:5.1f}%  "
-            f"floor {floor if floor is None else round(floor, 3)}"
-        )
-    print(
-        "by model part (ms):",
-        {
-            part: {k: round(v, 3) for k, v in kinds.items()}
-            for part, kinds in result.get("step_parts_ms_c64_32k", {}).items()
-        },
-    )
-    print(f"graph step / sum of floors: {result.get('step_over_floor_c64_32k', float('nan')):.2f}")
+    for key, title in (("profile", "bf16 weights"), ("release_profile", "release weights")):
+        if key in result:
+            print(f"\n{title}:\n{format_table(result[key])}")
 
 
 if __name__ == "__main__":

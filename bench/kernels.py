@@ -30,6 +30,7 @@ import triton
 
 import kernels
 from bench import long_context
+from engine.profile import hardware
 from kernels import indexer, naive, sparse_mla
 from kernels.indexer import IndexerConfig
 from kernels.sparse_mla import DecodeConfig
@@ -78,16 +79,10 @@ def time_ms(fn, arg_sets: list[tuple], graph: bool = True) -> float:
 
 
 def ceilings() -> dict:
-    """Copy bandwidth (bytes read + written) and bf16 matmul rate on random data."""
-    src = torch.randn(1 << 30, device=DEV, dtype=torch.float32)  # 4 GiB
-    dst = torch.empty_like(src)
-    copy_ms = time_ms(lambda: dst.copy_(src), [()], graph=False)
-    a, b = (torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16) for _ in range(2))
-    mm_ms = time_ms(lambda: a @ b, [()], graph=False)
-    return {
-        "copy_GBps": 2 * (1 << 32) / copy_ms / 1e6,
-        "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9,
-    }
+    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now
+    (engine.profile.hardware, whose figures `dsaserve profile` divides by)."""
+    hw = hardware.measure(DEV)
+    return {"copy_GBps": hw.copy_GBps, "bf16_matmul_TFLOPs": hw.bf16_matmul_TFLOPs}
 
 
 # ---- decode --------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ import torch
 import triton
 
 import kernels  # noqa: F401  (before triton: on CPU, kernels.env picks the interpreter)
+from engine.profile import hardware
 from kernels import fp8_gemm, quant
 from kernels.act_quant import act_quant
 from kernels.fp4_moe import MoeConfig, fp4_moe
@@ -138,34 +139,20 @@ def attempt(label: str, fn: Callable, *args, **kwargs):
 
 
 def ceilings(env: Env) -> dict:
-    """Copy bandwidth (bytes read + written), bf16 matmul and per-tensor FP8 _scaled_mm rates."""
+    """Copy bandwidth (bytes read + written), bf16 matmul and per-tensor FP8 _scaled_mm rates,
+    measured now (engine.profile.hardware, whose figures `dsaserve profile` divides by)."""
     if env.smoke:
         return {
             "copy_GBps": float("nan"),
             "bf16_matmul_TFLOPs": float("nan"),
             "fp8_scaled_mm_TFLOPs": float("nan"),
         }
-    dev = env.device
-    out = {}
-    src = torch.randn(1 << 30, device=dev)  # 4 GiB
-    dst = torch.empty_like(src)
-    ms, _ = time_ms(env, dst.copy_, [(src,)])
-    out["copy_GBps"] = 2 * src.numel() * 4 / ms / 1e6
-    del src, dst
-    a, b = (torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    ms, _ = time_ms(env, lambda: a @ b, [()])
-    out["bf16_matmul_TFLOPs"] = 2 * 8192**3 / ms / 1e9
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
-    one = torch.ones((), device=dev)
-    res = attempt(
-        "scaled_mm ceiling",
-        time_ms,
-        env,
-        lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
-        [()],
-    )
-    out["fp8_scaled_mm_TFLOPs"] = 2 * 8192**3 / res[0] / 1e9 if isinstance(res, tuple) else res
-    return out
+    hw = hardware.measure(env.device)
+    return {
+        "copy_GBps": hw.copy_GBps,
+        "bf16_matmul_TFLOPs": hw.bf16_matmul_TFLOPs,
+        "fp8_scaled_mm_TFLOPs": hw.fp8_matmul_TFLOPs or float("nan"),
+    }
 
 
 # ---- FP8 GEMM ------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.parallel import follower
 from engine.parallel.group import SINGLE
 from engine.parallel.launch import Followers
+from engine.profiling import profiled
 from engine.rank import build_runner, device_of, keeps_quantized
 from engine.request import Request, Status
 from engine.sampler import sample
@@ -302,18 +303,20 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """One forward step; returns its outputs (also handed to each request's listener)."""
-        batch = self.scheduler.schedule()
+        with profiled("schedule"):
+            batch = self.scheduler.schedule()
         if not batch:
             return []
         samplers, logits = self.runner.execute(batch)
         if not samplers:
             return []
-        if self.tokenizer.vocab_size < logits.shape[1]:
-            # A padded embedding has rows no token maps to; never sample them.
-            logits[:, self.tokenizer.vocab_size :] = float("-inf")
-        draws = [len(r.output_token_ids) for r in samplers]
-        tokens = sample(logits, [r.params for r in samplers], draws)
-        logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in samplers])
+        with profiled("sample"):
+            if self.tokenizer.vocab_size < logits.shape[1]:
+                # A padded embedding has rows no token maps to; never sample them.
+                logits[:, self.tokenizer.vocab_size :] = float("-inf")
+            draws = [len(r.output_token_ids) for r in samplers]
+            tokens = sample(logits, [r.params for r in samplers], draws)
+            logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in samplers])
         outputs = []
         for req, token, token_lp in zip(samplers, tokens, logprobs, strict=True):
             reason = req.append_token(token)

@@ -22,6 +22,7 @@ import torch
 from engine.kv_pool import KVPool
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.parallel.channel import Call, Channel
+from engine.profiling import profiled
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
 from engine.step import RowSpan, StepInputs, build_step_inputs
@@ -50,12 +51,18 @@ class ModelRunner:
         if channel is not None:
             pool.table_writes = []  # the other ranks replay them
         self.graphs: dict[int, _DecodeGraph] = {}
+        self.graphs_enabled = True  # False: decode steps run eagerly (use_graphs)
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
         mempool = torch.cuda.graph_pool_handle()
         for bs in sorted(batch_sizes, reverse=True):  # largest first: the rest reuse its memory
             self.graphs[bs] = _DecodeGraph(self, bs, mempool)
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
+
+    def use_graphs(self, enabled: bool) -> None:
+        """Every rank (through `call`): replay the captured decode graphs (the default), or run
+        decode steps eagerly, so that a profiler sees every kernel (engine.profile)."""
+        self.graphs_enabled = enabled
 
     def call(self, method: str, *args: object) -> torch.Tensor | None:
         """Run `method(*args)` on every rank of the group (rank 0 calls; the others follow)."""
@@ -97,12 +104,13 @@ class ModelRunner:
         graph = self._graph_for(spans, num_decode) if logit_rows is not None else None
         if graph is not None:  # (every row of a decode-only step samples)
             return graph.run(spans)
-        inputs = build_step_inputs(self.pool, spans, num_decode, self.device)
-        rows = (
-            torch.arange(inputs.num_rows, device=self.device)
-            if logit_rows is None
-            else torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-        )
+        with profiled("inputs"):
+            inputs = build_step_inputs(self.pool, spans, num_decode, self.device)
+            rows = (
+                torch.arange(inputs.num_rows, device=self.device)
+                if logit_rows is None
+                else torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+            )
         return self.model(self.pool, inputs, rows)
 
     def share_pages(self, pages: dict[str, list[int]]) -> None:
@@ -127,7 +135,7 @@ class ModelRunner:
                 t.index_copy_(0, ids, part.view(len(ids), *t.shape[1:]))
 
     def _graph_for(self, spans: list[RowSpan], num_decode: int) -> _DecodeGraph | None:
-        if num_decode < len(spans) or not self.graphs:
+        if num_decode < len(spans) or not self.graphs or not self.graphs_enabled:
             return None
         fits = [bs for bs in self.graphs if bs >= num_decode]
         return self.graphs[min(fits)] if fits else None

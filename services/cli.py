@@ -4,6 +4,7 @@
     dsaserve router|prefill|decode   one service each (compose, Kubernetes)
     dsaserve generate                offline generation with the engine
     dsaserve make-tiny-model DIR     a tiny random DeepSeek-V4 checkpoint
+    dsaserve profile                 the decode step by kernel class and model part, vs floors
 
 Each command's module exposes `Settings` (a dataclass: its flags and DSASERVE_* variables come
 from it, see services/settings.py) and `run(settings)`. Modules are imported per command, so
@@ -28,6 +29,10 @@ COMMANDS = {
     "decode": ("services.decode.main", "a decode worker (gRPC)"),
     "generate": ("services.generate", "generate offline with the engine"),
     "make-tiny-model": ("services.make_tiny_model", "write a tiny random DeepSeek-V4 checkpoint"),
+    "profile": (
+        "services.profile",
+        "profile the decode step: time by kernel class and model part against its floors",
+    ),
 }
 
 

@@ -13,6 +13,7 @@ import kernels
 from engine.layers.fp8_linear import linear
 from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
+from engine.profiling import profiled
 from engine.step import StepState
 
 
@@ -55,16 +56,17 @@ class Indexer(torch.nn.Module):
             (slice(s.row0, s.row0 + s.num_rows), entry_tables[s.req].expand(s.num_rows, -1))
             for s in inp.segments
         ]
-        picked = [
-            kernels.indexer_topk(
-                q[rows],
-                weights[rows],
-                k_cache,
-                table,
-                lengths[rows],
-                self.topk,
-                scale=self.head_dim**-0.5,
-            )
-            for rows, table in parts
-        ]
-        return torch.cat(picked) if len(picked) > 1 else picked[0]
+        with profiled("indexer_topk"):
+            picked = [
+                kernels.indexer_topk(
+                    q[rows],
+                    weights[rows],
+                    k_cache,
+                    table,
+                    lengths[rows],
+                    self.topk,
+                    scale=self.head_dim**-0.5,
+                )
+                for rows, table in parts
+            ]
+            return torch.cat(picked) if len(picked) > 1 else picked[0]

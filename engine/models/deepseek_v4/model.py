@@ -54,7 +54,8 @@ class DeepseekV4(torch.nn.Module):
     def forward(self, pool: KVPool, inputs: StepInputs, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(logit_rows), vocab] of the selected rows."""
         step = StepState(pool, inputs, dict(self.rope_tables))
-        x = self.embed(inputs.token_ids)
+        with profiled("embed"):
+            x = self.embed(inputs.token_ids)
         streams = (
             x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         )  # [N, hc_mult, hidden]
