@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def setting(default: Any, help: str, **cli: Any) -> Any:
@@ -39,6 +40,14 @@ class EngineConfig:
         None,
         "bytes of KV pool (default: a share of free GPU memory; 512 MiB on CPU)",
         aliases=("--kv-cache-memory",),
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "KV cache storage: auto (the --dtype) or fp8 (DeepSeek-V4's FP8 pages, vLLM's "
+        "fp8_ds_mla: window rows and compressed entries as 448 e4m3 + 64 bf16 RoPE values with "
+        "ue8m0 scales, 584 bytes instead of 1024 in bf16; indexer keys as e4m3 with one fp32 "
+        "scale; ~1.75x the tokens in the same --kv-cache-memory-bytes)",
+        choices=KV_CACHE_DTYPES,
     )
     kv_staging_memory_bytes: int | None = setting(
         None,
@@ -81,6 +90,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
+            (
+                self.kv_cache_dtype in KV_CACHE_DTYPES,
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}",
+            ),
             (
                 0 < self.gpu_memory_utilization <= 1,
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",

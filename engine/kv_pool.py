@@ -26,6 +26,25 @@ staging buffer (engine.kv_staging) gathers and scatters with one indexed copy. E
 is still a contiguous [slots, D] tensor, what the kernels read, so a decode step does not change.
 `regions()` lists what NIXL registers, `layout()` describes it and `layout_hash()` identifies it
 across workers.
+
+FP8 (`kv_cache_dtype="fp8"`, `--kv-cache-dtype fp8`): the pools hold kernels.kv_quant's paged
+byte formats instead of model-dtype rows, as vLLM stores V4 with `--kv-cache-dtype fp8`:
+- `kv[layer]` (window rows AND compressed entries, one slot space as above): uint8
+  [pages, P * 584], FlashMLA's MODEL1 / vLLM's fp8_ds_mla format (448 e4m3 NoPE values with 7
+  ue8m0 scales, 64 bf16 RoPE values): 584 bytes a row instead of 1024 in bf16. The scratch and
+  trash rows sit in whole pages behind the request pages (slot s at page s // P either way).
+  The release itself runs every KV row through this FP8 round trip before attention (its QAT),
+  so these pages lose nothing the model was not trained with.
+- `index_k[layer]`: uint8 [pages, P * (Di + 4)], e4m3 codes and one fp32 power-of-two scale a
+  key (vLLM's V4 FP8 indexer cache), plus one page for the trash row.
+- The compressor rings in the slab stay in the model dtype: they are raw projections and gate
+  logits of windows still open, which the softmax pooling reads before any quantization (the
+  release pools them unquantized and quantizes only the finished entry; vLLM keeps this state
+  in fp32).
+Every write goes through kernels.store_rows / the fused glue's FP8 branches (quantize on write),
+every read through the kernels' FP8 loaders (sparse_mla_decode, indexer_topk). Budgets are in
+bytes, so the same --kv-cache-memory-bytes holds ~1.77x (the built-in model) to ~1.79x
+(V4-Flash) the tokens of bf16 pages (`bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -40,9 +59,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+import kernels
 from engine.kv_staging import KVStaging, Unpacker
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
 from engine.page_allocator import PageAllocator
+from kernels.kv_quant import KV_DIM, KV_ROPE, KV_TOKEN_BYTES, index_token_bytes
 
 GROUP_OF_KIND = {SLIDING: "swa", CSA: "csa", HCA: "hca"}
 SLAB = "slab"
@@ -61,6 +82,36 @@ class KVCacheConfig:
     max_num_seqs: int = 256  # slab rows = requests that can hold KV at once
     max_num_batched_tokens: int = 8192  # rows one forward step may compute (scratch rows)
     staging_bytes: int | None = None  # for staged requests (None: see STAGING_SHARE)
+    kv_cache_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": kernels.kv_quant pages
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
+
+
+def check_kv_cache_dtype(cfg: ModelConfig, kv_cache_dtype: str, page_size: int) -> None:
+    """Raise ValueError, saying what to change, when the pools cannot take `kv_cache_dtype`."""
+    if kv_cache_dtype == "auto":
+        return
+    if kv_cache_dtype != "fp8":
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    if cfg.head_dim != KV_DIM or cfg.rope_dim != KV_ROPE:
+        raise ValueError(
+            f"--kv-cache-dtype fp8 stores DeepSeek-V4's {KV_DIM}-wide KV rows ({KV_DIM - KV_ROPE} "
+            f"e4m3 + {KV_ROPE} bf16 RoPE values); this model has head_dim {cfg.head_dim} with "
+            f"{cfg.rope_dim} RoPE dims: use --kv-cache-dtype auto"
+        )
+    if page_size % 4:
+        raise ValueError(
+            f"--kv-cache-dtype fp8 needs a --block-size that is a multiple of 4 (FP8 pages stay "
+            f"16-byte aligned), got {page_size}"
+        )
+    di = cfg.index_head_dim
+    if cfg.layers_of(CSA) and (di < 16 or di & (di - 1)):
+        raise ValueError(
+            f"--kv-cache-dtype fp8 stores index keys of a power-of-two width >= 16; this model's "
+            f"index_head_dim is {di}: use --kv-cache-dtype auto"
+        )
 
 
 class PoolRegion(NamedTuple):
@@ -79,8 +130,11 @@ class PoolGroup:
     ratio: int  # tokens per compressed entry; 0 = window only
     num_pages: int
     allocator: PageAllocator
-    kv: dict[int, torch.Tensor]  # layer -> [num_pages * P + scratch + 1, head_dim]
-    index_k: dict[int, torch.Tensor]  # CSA layer -> [num_pages * P + 1, index_head_dim]
+    # layer -> [num_pages * P + scratch + 1, head_dim]; FP8: uint8 [pages, P * 584], the pages
+    # past num_pages holding the scratch and trash rows
+    kv: dict[int, torch.Tensor]
+    # CSA layer -> [num_pages * P + 1, index_head_dim]; FP8: uint8 [num_pages + 1, P * (Di + 4)]
+    index_k: dict[int, torch.Tensor]
 
 
 class KVPool:
@@ -98,26 +152,37 @@ class KVPool:
         self.ring_pages = math.ceil(cfg.sliding_window / P)
         self.ring_len = self.ring_pages * P
         self.scratch_rows = S = kv_cfg.max_num_batched_tokens
+        check_kv_cache_dtype(cfg, kv_cfg.kv_cache_dtype, P)
+        self.fp8 = fp8 = kv_cfg.fp8
+        # what a cached row is stored as (the layout names it): "fp8" or the model dtype
+        self.kv_cache_dtype = "fp8" if fp8 else str(dtype).removeprefix("torch.")
         esize = _esize(dtype)
         layer_kinds = {
             GROUP_OF_KIND[k]: (k, tuple(cfg.layers_of(k)))
             for k in (SLIDING, CSA, HCA)
             if cfg.layers_of(k)
         }
-        self.cell_bytes = cell = cell_bytes(cfg, P, esize)
-        block = staging_block_bytes(cfg, P, esize)
+        self.cell_bytes = cell = cell_bytes(cfg, P, esize, fp8)
+        block = staging_block_bytes(cfg, P, esize, fp8)
         pages, outbox = plan_pages(cfg, kv_cfg, esize, block)
 
         seqs = kv_cfg.max_num_seqs + 1
-        shapes: dict[tuple, tuple[int, ...]] = {}
+        shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
         for name, (kind, layers) in layer_kinds.items():
             n = pages[name] + 1  # + one dummy page (below)
             for i in layers:
-                shapes[name, "kv", i] = (n * P + S + 1, cfg.head_dim)
-                if kind == CSA:
-                    shapes[name, "index_k", i] = (n * P + 1, cfg.index_head_dim)
-        shapes[SLAB,] = (seqs, _round_up(max(_ring_elems(cfg), 1), cell // esize))
-        self.arena, views = _carve(shapes, cell, dtype, self.device)
+                if fp8:  # scratch + trash rows in whole pages; the index trash row in one more
+                    pages_kv = n + _scratch_pages(P, S)
+                    shapes[name, "kv", i] = (pages_kv, P * KV_TOKEN_BYTES), torch.uint8
+                    if kind == CSA:
+                        width = P * index_token_bytes(cfg.index_head_dim)
+                        shapes[name, "index_k", i] = (n + 1, width), torch.uint8
+                else:
+                    shapes[name, "kv", i] = (n * P + S + 1, cfg.head_dim), dtype
+                    if kind == CSA:
+                        shapes[name, "index_k", i] = (n * P + 1, cfg.index_head_dim), dtype
+        shapes[SLAB,] = (seqs, _round_up(max(_ring_elems(cfg), 1), cell // esize)), dtype
+        self.arena, views = _carve(shapes, cell, self.device)
         self.cell_rows = self.arena.view(-1, cell // self.arena.element_size())  # [cells, words]
 
         self.groups: dict[str, PoolGroup] = {}
@@ -205,6 +270,21 @@ class KVPool:
     def index_trash_slot(self) -> int:
         return self.groups["csa"].num_pages * self.page_size
 
+    def pages_of(self, t: torch.Tensor, num_pages: int) -> torch.Tensor:
+        """The first num_pages pages of a layer's pool `t` (kv or index_k), viewed as [pages,
+        ...]: [pages, P, D] rows, or an FP8 pool's [pages, P * bytes a row] as it is (what
+        the indexer reads and NIXL registers)."""
+        return (
+            t[:num_pages]
+            if self.fp8
+            else t[: num_pages * self.page_size].view(num_pages, self.page_size, -1)
+        )
+
+    def write(self, target: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """rows [N, D] into slots [N] of a layer's pool (kv or index_k), quantized on write when
+        the pools are FP8 (kernels.store_rows)."""
+        kernels.store_rows(target, slots, rows, self.page_size)
+
     def token_capacity(self) -> int:
         """Most computed tokens one request can hold, limited by the smallest group."""
         cap = 1 << 62
@@ -231,22 +311,18 @@ class KVPool:
     def regions(self) -> list[PoolRegion]:
         """Every tensor a peer may read, viewed as [pages, ...]; all but the staging blocks, in
         this order, are what a request's KV state is made of (`cells`)."""
-        P, out = self.page_size, []
+        out = []
         for g in self.groups.values():
             for i in g.layers:
                 out.append(
-                    PoolRegion(
-                        f"{g.name}.{i}.kv",
-                        g.name,
-                        g.kv[i][: g.num_pages * P].view(g.num_pages, P, -1),
-                    )
+                    PoolRegion(f"{g.name}.{i}.kv", g.name, self.pages_of(g.kv[i], g.num_pages))
                 )
                 if i in g.index_k:
                     out.append(
                         PoolRegion(
                             f"{g.name}.{i}.index_k",
                             g.name,
-                            g.index_k[i][: g.num_pages * P].view(g.num_pages, P, -1),
+                            self.pages_of(g.index_k[i], g.num_pages),
                         )
                     )
         out.append(PoolRegion(SLAB, SLAB, self.slab_rows))
@@ -288,6 +364,9 @@ class KVPool:
         return {
             "version": 2,  # 2: one slab region, the staging blocks, the stream order of `cells`
             "dtype": str(self.dtype).removeprefix("torch."),
+            # how rows are stored: a bf16 and an FP8 worker must never pair (their region
+            # shapes differ too; this names why)
+            "kv_cache_dtype": self.kv_cache_dtype,
             "page_size": self.page_size,
             "ring_len": self.ring_len,
             "layer_types": list(self.cfg.layer_types),
@@ -303,7 +382,8 @@ class KVPool:
     def layout_description(self) -> str:
         counts = ", ".join(f"{g.name}: {len(g.layers)} layers" for g in self.groups.values())
         return (
-            f"{self.layout_hash()} (dtype={self.layout()['dtype']}, page_size={self.page_size}, "
+            f"{self.layout_hash()} (dtype={self.layout()['dtype']}, kv_cache_dtype="
+            f"{self.kv_cache_dtype}, page_size={self.page_size}, "
             f"ring={self.ring_len}, head_dim={self.cfg.head_dim}, {counts}, staging block "
             f"{self.staging.block_bytes / 2**20:.2f} MiB)"
         )
@@ -317,45 +397,78 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _page_bytes(cfg: ModelConfig, page_size: int, esize: int) -> dict[str, list[int]]:
+def row_bytes(cfg: ModelConfig, esize: int, fp8: bool = False) -> tuple[int, int]:
+    """Bytes of one cached row: (attention entry or window row, index key); model-dtype rows of
+    esize-byte elements, or kernels.kv_quant's FP8 rows (584, Di + 4)."""
+    if fp8:
+        return KV_TOKEN_BYTES, index_token_bytes(cfg.index_head_dim)
+    return cfg.head_dim * esize, cfg.index_head_dim * esize
+
+
+def bytes_per_token(cfg: ModelConfig, esize: int, fp8: bool = False) -> float:
+    """KV bytes one more token of context costs a request (every layer, past its fixed window
+    and ring): what a budget's spare bytes are divided by (plan_pages). The FP8 / bf16
+    capacity ratio is bytes_per_token(cfg, 2) / bytes_per_token(cfg, 2, fp8=True)."""
+    kv, index = row_bytes(cfg, esize, fp8)
+    return sum(
+        (kv + (index if kind == CSA else 0)) / cfg.compress_rate(i)
+        for i, kind in enumerate(cfg.layer_types)
+        if cfg.compress_rate(i)
+    )
+
+
+def _scratch_pages(page_size: int, scratch_rows: int) -> int:
+    """Pages an FP8 pool spends on its scratch rows and its trash row."""
+    return -(-(scratch_rows + 1) // page_size)
+
+
+def _page_bytes(
+    cfg: ModelConfig, page_size: int, esize: int, fp8: bool = False
+) -> dict[str, list[int]]:
     """group -> bytes of one page in each of its layers' pools."""
+    kv, index = row_bytes(cfg, esize, fp8)
     out: dict[str, list[int]] = {}
     for kind in cfg.layer_types:
         pools = out.setdefault(GROUP_OF_KIND[kind], [])
-        pools.append(page_size * cfg.head_dim * esize)
+        pools.append(page_size * kv)
         if kind == CSA:
-            pools.append(page_size * cfg.index_head_dim * esize)
+            pools.append(page_size * index)
     return out
 
 
-def cell_bytes(cfg: ModelConfig, page_size: int, esize: int) -> int:
-    """The largest size that divides every page of every pool."""
-    return math.gcd(*(b for pools in _page_bytes(cfg, page_size, esize).values() for b in pools))
+def cell_bytes(cfg: ModelConfig, page_size: int, esize: int, fp8: bool = False) -> int:
+    """The largest size that divides every page of every pool (FP8 at P = 64: 256 bytes, where
+    bf16 pages give 16 KiB)."""
+    pages = _page_bytes(cfg, page_size, esize, fp8)
+    return math.gcd(*(b for pools in pages.values() for b in pools))
 
 
-def staging_block_bytes(cfg: ModelConfig, page_size: int, esize: int) -> int:
+def staging_block_bytes(cfg: ModelConfig, page_size: int, esize: int, fp8: bool = False) -> int:
     """Bytes of one staging block: a page of the largest group, every layer of it (1.6 MB on
-    V4-Flash). Depends only on the layout, so workers with different budgets agree on it."""
-    return max(sum(pools) for pools in _page_bytes(cfg, page_size, esize).values())
+    V4-Flash in bf16, 0.9 MB in FP8). Depends only on the layout, so workers with different
+    budgets agree on it."""
+    return max(sum(pools) for pools in _page_bytes(cfg, page_size, esize, fp8).values())
 
 
 def _carve(
-    shapes: dict[tuple, tuple[int, ...]], align: int, dtype: torch.dtype, device: torch.device
+    shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]], align: int, device: torch.device
 ) -> tuple[torch.Tensor, dict[tuple, torch.Tensor]]:
-    """One zeroed allocation and a contiguous `dtype` view of each shape inside it, each at a
+    """One zeroed allocation and a contiguous view of each (shape, dtype) inside it, each at a
     multiple of `align` bytes. Returns (the allocation as words [n], views by key)."""
-    esize, offsets, size = _esize(dtype), {}, 0
-    for key, shape in shapes.items():
+    offsets, size = {}, 0
+    for key, (shape, dtype) in shapes.items():
         offsets[key] = size
-        size += _round_up(math.prod(shape) * esize, align)
+        size += _round_up(math.prod(shape) * _esize(dtype), align)
     word = next(
         w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if align % _esize(w) == 0
     )
     arena = torch.zeros(size // _esize(word), dtype=word, device=device)
     raw = arena.view(torch.uint8)
     views = {
-        key: raw[offsets[key] : offsets[key] + math.prod(shape) * esize].view(dtype).view(shape)
-        for key, shape in shapes.items()
+        key: raw[offsets[key] : offsets[key] + math.prod(shape) * _esize(dtype)]
+        .view(dtype)
+        .view(shape)
+        for key, (shape, dtype) in shapes.items()
     }
     return arena, views
 
@@ -396,21 +509,24 @@ def plan_pages(
     1/STAGING_SHARE of it; the ring pulls land in is not part of the budget), and what is left
     buys token capacity C: a compressed group with rate r gets C / r / P more pages.
     """
-    P, S = kv_cfg.page_size, kv_cfg.max_num_seqs
+    P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, kv_cfg.max_num_batched_tokens
     ring_pages = math.ceil(cfg.sliding_window / P)
+    kv_row, index_row = row_bytes(cfg, esize, kv_cfg.fp8)
     fixed, per_token, pages = 0.0, 0.0, {}
     for kind in (SLIDING, CSA, HCA):
         layers = cfg.layers_of(kind)
         if not layers:
             continue
-        row_bytes = cfg.head_dim * esize + (cfg.index_head_dim * esize if kind == CSA else 0)
-        page_bytes = P * row_bytes * len(layers)
+        row = kv_row + (index_row if kind == CSA else 0)
+        page_bytes = P * row * len(layers)
         ratio = cfg.compress_rate(layers[0])
         base_pages = S * (ring_pages + (1 if ratio else 0))
         pages[GROUP_OF_KIND[kind]] = (base_pages, ratio)
-        fixed += base_pages * page_bytes + (kv_cfg.max_num_batched_tokens + 2) * row_bytes * len(
-            layers
-        )
+        if kv_cfg.fp8:  # scratch + trash rows in whole pages, the index trash row in a page
+            extra = _scratch_pages(P, B) * P * kv_row + (P * index_row if kind == CSA else 0)
+        else:
+            extra = (B + 2) * row
+        fixed += base_pages * page_bytes + extra * len(layers)
         if ratio:
             per_token += page_bytes / (ratio * P)
     for i in range(cfg.num_layers):

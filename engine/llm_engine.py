@@ -26,7 +26,7 @@ import torch
 
 from engine import models
 from engine.config import EngineConfig
-from engine.kv_pool import SLAB, STAGING
+from engine.kv_pool import SLAB, STAGING, check_kv_cache_dtype
 from engine.load import Load
 from engine.logprobs import TokenLogprobs, token_logprobs
 from engine.parallel import follower
@@ -77,8 +77,10 @@ class LLMEngine:
         self.config, self.model_dir = config, str(model_dir)
         self.device = device_of(config, 0)
         self.model_config = cfg = models.family(model_dir).ModelConfig.from_dir(model_dir)
-        # before any process starts: a clear error for a model that does not split
+        # before any process starts: a clear error for a model that does not split, or whose
+        # KV rows the FP8 cache cannot hold
         cfg.check_tensor_parallel(config.tensor_parallel_size, keeps_quantized(config, cfg))
+        check_kv_cache_dtype(cfg, config.kv_cache_dtype, config.page_size)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self.followers = None

@@ -63,6 +63,7 @@ def build_runner(
         page_size=config.page_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     pool = KVPool(cfg, kv_cfg, dtype=dtype, device=device, max_context=max_context)
     runner = ModelRunner(model, pool, device, max_context, channel)

@@ -6,6 +6,7 @@ Public API (imports torch and triton only):
     idx = indexer_topk(q, weights, k_cache, page_table, lengths, topk, *, scale)
     slots = positions_to_slots(positions, page_table, page_size)
     store_kv_fp8(pool, slots, kv); store_index_k_fp8(pool, slots, keys)  # FP8 KV, kernels.kv_quant
+    store_rows(pool, slots, rows, page_size)              # a plain or either FP8 pool
     pre, post, comb = hc_weights(mixes, base, scale, n, iters, eps)      # mHC stream mixing
     y = rms_norm(x, weight_or_None, eps); y = apply_rope(x, cos, sin, inverse=False)
     xq, xs = quantize_activations(x)                      # FP8 per 128, ue8m0 scales
@@ -48,6 +49,7 @@ from kernels.dispatch import (
     sparse_mla_decode,
     store_index_k_fp8,
     store_kv_fp8,
+    store_rows,
     use_backend,
 )
 from kernels.fp4_moe import stack_fp4_experts
@@ -87,5 +89,6 @@ __all__ = [
     "stack_fp4_experts",
     "store_index_k_fp8",
     "store_kv_fp8",
+    "store_rows",
     "use_backend",
 ]

@@ -149,6 +149,24 @@ def store_index_k_fp8(pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
     impl(pool, slots, keys)
 
 
+def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, page_size: int) -> None:
+    """Write rows [N, D] into slots [N] of a layer's pool, whichever its format: a plain pool
+    [slots, D] (rows' dtype; index_copy_, every slot valid), or an FP8 pool with page_size slots
+    a page, told apart by its page width: P * 584 bytes holds attention entries (D = 512,
+    store_kv_fp8), P * (D + 4) index keys (store_index_k_fp8); there slots outside the pool are
+    skipped."""
+    if pool.dtype != torch.uint8:
+        pool.index_copy_(0, slots, rows)
+    elif rows.shape[1] == kv_quant.KV_DIM and pool.shape[1] == page_size * kv_quant.KV_TOKEN_BYTES:
+        store_kv_fp8(pool, slots, rows)
+    else:
+        assert pool.shape[1] == page_size * kv_quant.index_token_bytes(rows.shape[1]), (
+            f"an FP8 pool of {pool.shape[1]} bytes a page holds neither {page_size} attention "
+            f"entries nor {page_size} index keys of {rows.shape[1]} values"
+        )
+        store_index_k_fp8(pool, slots, rows)
+
+
 def hc_weights(
     mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -89,6 +89,7 @@ def _attention_pre_kernel(
     HALF: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,  # False: an FP8 pool, written by the dispatcher
 ):
     pid = tl.program_id(0)
     if pid < q_programs:  # query head rows; head row r belongs to token r // heads
@@ -115,10 +116,12 @@ def _attention_pre_kernel(
             kv_ptr, r, live, r, w_ptr, cos_ptr, sin_ptr, eps, True, D, HALF, BLOCK_P
         )
         _store_rows(kv_out_ptr, r, y0, y1, m, D, BLOCK_P)
-        _store_rows(cache_ptr, tl.load(scratch_ptr + r, mask=live, other=0), y0, y1, m, D, BLOCK_P)
-        ring = r < ring_rows
-        slot = tl.load(ring_ptr + r, mask=ring, other=0)
-        _store_rows(cache_ptr, slot, y0, y1, m & ring[:, None], D, BLOCK_P)
+        if WRITE_CACHE:
+            scratch = tl.load(scratch_ptr + r, mask=live, other=0)
+            _store_rows(cache_ptr, scratch, y0, y1, m, D, BLOCK_P)
+            ring = r < ring_rows
+            slot = tl.load(ring_ptr + r, mask=ring, other=0)
+            _store_rows(cache_ptr, slot, y0, y1, m & ring[:, None], D, BLOCK_P)
 
 
 def attention_pre(
@@ -128,13 +131,14 @@ def attention_pre(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    cache: torch.Tensor,
+    cache: torch.Tensor | None,
     scratch_slots: torch.Tensor,
     ring_slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton path of kernels.attention_pre (semantics there)."""
+    """Triton path of kernels.attention_pre (semantics there); cache None writes no pool."""
     n, heads, dim = q.shape
-    assert q.is_contiguous() and kv.is_contiguous() and cache.is_contiguous()
+    assert q.is_contiguous() and kv.is_contiguous()
+    assert cache is None or cache.is_contiguous()
     assert kv.shape == (n, dim) and ring_slots.shape[0] <= n
     q_out, kv_out = torch.empty_like(q), torch.empty_like(kv)
     if n:
@@ -147,7 +151,7 @@ def attention_pre(
             sin.contiguous(),
             q_out,
             kv_out,
-            cache,
+            kv_out if cache is None else cache,
             scratch_slots,
             ring_slots,
             n,
@@ -159,6 +163,7 @@ def attention_pre(
             HALF=cos.shape[-1],
             BLOCK_R=ROWS_PER_PROGRAM,
             BLOCK_P=halves(dim),
+            WRITE_CACHE=cache is not None,
             num_warps=4,
         )
     return q_out, kv_out

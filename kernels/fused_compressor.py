@@ -9,7 +9,9 @@ Per decode row (one new token of one request) a program
    window w's second half (Cb), window w-1 masked out for w = 0;
 3. RMS-normalises the entry (fp32 weight), applies RoPE at the window's first position w*rate
    (cos/sin computed in the kernel from the table's inverse frequencies, as RotaryTable computes
-   them), and writes it to entry slot w of the request: entry_table[b, w // P] * P + w % P.
+   them), and writes it to entry slot w of the request: entry_table[b, w // P] * P + w % P
+   (for an FP8 pool, STAGE: to row b of a staging tensor, with that slot beside it, which
+   kernels.store_rows then quantizes into the pool).
 Rows whose window stays open stop after step 1: nothing is pooled and nothing is written to the
 pool (the engine's torch sequence pools every row and sends the open ones to a trash slot). The
 new token's own slot is read from the kv/gate inputs, never from the ring row this program just
@@ -69,7 +71,8 @@ def _compress_decode_kernel(
     w_ptr,  # [HD] fp32 norm weight
     inv_freq_ptr,  # [HALF] fp32 RoPE inverse frequencies
     table_ptr,  # [B, pages] int32 entry pages of each request (row b = decode row b)
-    out_ptr,  # [slots, HD] the pool the entries go to
+    out_ptr,  # [slots, HD] the pool the entries go to; STAGE: [D, HD] one row per decode row
+    slot_ptr,  # STAGE: [D] int64 the entry's slot, -1 where the window stays open
     kv_stride,
     gate_stride,
     ring_kv_stride,
@@ -87,6 +90,7 @@ def _compress_decode_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_P: tl.constexpr,
     PRECISE: tl.constexpr,
+    STAGE: tl.constexpr,
 ):
     DTYPE: tl.constexpr = ring_kv_ptr.dtype.element_ty
     W: tl.constexpr = 2 * RATE if OVERLAP else RATE  # slots a window pools
@@ -102,6 +106,8 @@ def _compress_decode_kernel(
     at = (pos % ROWS) * F + f
     tl.store(ring_kv + at, tl.load(new_kv + f, mask=f < F), mask=f < F)
     tl.store(ring_gate + at, tl.load(new_gate + f, mask=f < F), mask=f < F)
+    if STAGE:
+        tl.store(slot_ptr + b, -1)  # replaced below when the window closes
     if (pos + 1) % RATE == 0:
         window = pos // RATE
         first = window * RATE  # position of slot 0
@@ -155,7 +161,12 @@ def _compress_decode_kernel(
         r0, r1 = rotate(y0, y1, round_to(c, DTYPE), round_to(s, DTYPE))
         y0, y1 = tl.where(rope, r0, y0), tl.where(rope, r1, y1)
         page = tl.load(table_ptr + b * table_stride + window // page_size).to(tl.int64)
-        dst = out_ptr + (page * page_size + window % page_size) * HD + 2 * p
+        slot = page * page_size + window % page_size
+        if STAGE:
+            tl.store(slot_ptr + b, slot)
+            dst = out_ptr + b * HD + 2 * p
+        else:
+            dst = out_ptr + slot * HD + 2 * p
         tl.store(dst, y0.to(out_ptr.dtype.element_ty), mask=live)
         tl.store(dst + 1, y1.to(out_ptr.dtype.element_ty), mask=live)
 
@@ -173,10 +184,13 @@ def compress_decode(
     inv_freq: torch.Tensor,
     entry_table: torch.Tensor,
     page_size: int,
-    target: torch.Tensor,
+    target: torch.Tensor | None,
+    staged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Triton path of kernels.compress_decode (semantics there); windows that stay open write
-    nothing to `target`."""
+    nothing to `target`. staged = (entries [D, head_dim], slots [D] int64), target None: each
+    row's entry goes to entries[b] and its slot to slots[b] (-1 where the window stays open,
+    that row of entries untouched), for a caller that writes an FP8 pool."""
     n, feats = kv.shape
     rate, head_dim = ape.shape[0], norm_weight.shape[0]
     overlap = feats == 2 * head_dim
@@ -186,7 +200,12 @@ def compress_decode(
     # sequences are a slab row apart.
     for ring in (ring_kv, ring_gate):
         assert ring.stride(2) == 1 and ring.stride(1) == feats, (ring.shape, ring.stride())
-    assert target.is_contiguous()
+    if staged is not None:
+        out, slots = staged
+        assert out.shape == (n, head_dim) and slots.shape == (n,) and slots.dtype == torch.int64
+    else:
+        out, slots = target, positions  # (slots unused)
+    assert out.is_contiguous()
     if n == 0:
         return
     window_slots = 2 * rate if overlap else rate
@@ -203,7 +222,8 @@ def compress_decode(
         norm_weight.float().contiguous(),
         inv_freq.float().contiguous(),
         entry_table,
-        target,
+        out,
+        slots,
         kv.stride(0),
         gate.stride(0),
         ring_kv.stride(0),
@@ -221,5 +241,6 @@ def compress_decode(
         BLOCK_W=block_w,
         BLOCK_P=block_p,
         PRECISE=not INTERPRET,
+        STAGE=staged is not None,
         num_warps=8 if window_slots * block_p > 4096 else 4,
     )

@@ -23,7 +23,7 @@ from kernels import (
 )
 
 # The fused kernels follow the backend rule of the row-wise ones; dispatch.py names it privately.
-from kernels.dispatch import _elementwise_backend
+from kernels.dispatch import _elementwise_backend, store_kv_fp8, store_rows
 
 
 def _triton(t: torch.Tensor) -> bool:
@@ -62,7 +62,9 @@ def compress_decode(
                  (RotaryTable.inv_freq of the "compress" table).
     entry_table  [>= D, pages] int32, row b = decode row b's request: the pages holding its
                  compressed entries (the step's table of the group without its ring pages).
-    target       [slots, head_dim] contiguous pool of the entries (kv[layer] or index_k[layer]).
+    target       [slots, head_dim] contiguous pool of the entries (kv[layer] or index_k[layer]),
+                 or an FP8 pool of them (uint8 pages, kernels.kv_quant: attention entries
+                 [pages, P * 584] or index keys [pages, P * (head_dim + 4)], P = page_size).
 
     Writes kv, gate into ring row positions % ROWS of slab. For each row whose token closes
     window w = pos // rate ((pos + 1) % rate == 0), pools the window's slots j:
@@ -72,7 +74,23 @@ def compress_decode(
     position w * rate; writes it to slot entry_table[b, w // page_size] * page_size +
     w % page_size of target. The torch path also pools the open windows and writes them to
     `trash_slot`; the Triton path leaves them (and the trash slot) alone.
+
+    An FP8 target gets the same entries quantized on write (kernels.store_rows): the pooling
+    kernel hands them over in kv's dtype, with their slots, and the store kernel writes the
+    closing windows' only (two launches; still no host sync).
     """
+    if target.dtype == torch.uint8:
+        args = (kv, gate, positions, slab, ring_kv, ring_gate, ape, norm_weight, eps, inv_freq)
+        if _triton(kv):
+            entries = kv.new_empty(kv.shape[0], norm_weight.shape[0])
+            slots = torch.empty(kv.shape[0], dtype=torch.int64, device=kv.device)
+            fused_compressor.compress_decode(
+                *args, entry_table, page_size, None, staged=(entries, slots)
+            )
+        else:
+            entries, slots = fused_reference.compress_decode_entries(*args, entry_table, page_size)
+        store_rows(target, slots, entries, page_size)
+        return
     if _triton(kv):
         fused_compressor.compress_decode(
             kv,
@@ -249,7 +267,9 @@ def attention_pre(
     q             [N, H, D] contiguous wq_b output, the model dtype.
     kv            [N, D] contiguous wkv output; kv_weight [D] fp32 its RMSNorm's weight.
     cos, sin      [N, rope_dim // 2] the rows' RoPE table (the layer's kind), the model dtype.
-    cache         [slots, D] contiguous: the layer's slot space (KVPool kv[layer]).
+    cache         [slots, D] contiguous: the layer's slot space (KVPool kv[layer]); or an FP8
+                  pool of it (uint8 [pages, P * 584], kernels.kv_quant; D = 512): the kv rows
+                  are then quantized on write (store_kv_fp8, one more launch per slot list).
     scratch_slots [N] int64 every row's scratch slot (StepState.scratch_slots).
     ring_slots    [M] int64, M <= N: ring slots of rows 0..M-1, which are written there too.
                   Pass the decode rows' (StepState.persist_slots(group)[:num_decode]): a decode
@@ -261,7 +281,12 @@ def attention_pre(
     kernels round), and writes kv rows to cache[scratch_slots] and cache[ring_slots].
     """
     impl = fused_attention.attention_pre if _triton(q) else fused_reference.attention_pre
-    return impl(q, kv, kv_weight, eps, cos, sin, cache, scratch_slots, ring_slots)
+    if cache.dtype != torch.uint8:
+        return impl(q, kv, kv_weight, eps, cos, sin, cache, scratch_slots, ring_slots)
+    q, kv = impl(q, kv, kv_weight, eps, cos, sin, None, scratch_slots, ring_slots)
+    store_kv_fp8(cache, scratch_slots, kv)
+    store_kv_fp8(cache, ring_slots, kv[: ring_slots.shape[0]])
+    return q, kv
 
 
 def attention_post(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

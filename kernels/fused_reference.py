@@ -35,6 +35,40 @@ def compress_decode(
     trash_slot: int,
 ) -> None:
     """Compressor._decode_rows (semantics in kernels.fused_dispatch.compress_decode)."""
+    entries, slots = compress_decode_entries(
+        kv,
+        gate,
+        positions,
+        slab,
+        ring_kv,
+        ring_gate,
+        ape,
+        norm_weight,
+        eps,
+        inv_freq,
+        entry_table,
+        page_size,
+    )
+    target.index_copy_(0, torch.where(slots >= 0, slots, trash_slot), entries)
+
+
+def compress_decode_entries(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    positions: torch.Tensor,
+    slab: torch.Tensor,
+    ring_kv: torch.Tensor,
+    ring_gate: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor,
+    entry_table: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """compress_decode up to the write: updates the ring, returns (entries [D, head_dim] in kv's
+    dtype, one per row (open windows pooled too), their slots [D] int64, -1 where the window
+    stays open)."""
     rate = ape.shape[0]
     rows = ring_kv.shape[1]
     ring_kv[slab, positions.remainder(rows)] = kv
@@ -55,7 +89,7 @@ def compress_decode(
     req = torch.arange(positions.shape[0], device=positions.device)
     page = entry_table[req, torch.div(entry, page_size, rounding_mode="floor")].long()
     slots = page * page_size + entry.remainder(page_size)
-    target.index_copy_(0, torch.where(closes, slots, trash_slot), entries)
+    return entries, torch.where(closes, slots, -1)
 
 
 def pool_windows(
@@ -181,7 +215,7 @@ def attention_pre(
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    cache: torch.Tensor,
+    cache: torch.Tensor | None,
     scratch_slots: torch.Tensor,
     ring_slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,8 +223,9 @@ def attention_pre(
     kernels.fused_dispatch.attention_pre)."""
     q = apply_rope(rms_norm(q, None, eps), cos, sin)  # [N, H, D]
     kv = apply_rope(rms_norm(kv, kv_weight, eps), cos, sin)  # [N, D]
-    cache.index_copy_(0, scratch_slots, kv)
-    cache.index_copy_(0, ring_slots, kv[: ring_slots.shape[0]])
+    if cache is not None:  # (None: an FP8 pool, which the dispatcher writes)
+        cache.index_copy_(0, scratch_slots, kv)
+        cache.index_copy_(0, ring_slots, kv[: ring_slots.shape[0]])
     return q, kv
 
 

@@ -99,7 +99,9 @@ class GlueStep:
         page_size: int = 4,
         hca_width: int | None = None,
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
+        """kv_cache_dtype "fp8": FP8 pools (engine.kv_pool), left zeroed (zero bytes read 0.0)."""
         self.cfg, self.dtype, self.dev = cfg, dtype, torch.device(device)
         self.gen = torch.Generator(self.dev).manual_seed(seed)
         contexts = [p + 1 for p in positions] + [s + n for s, n in prefill]
@@ -110,6 +112,7 @@ class GlueStep:
                 page_size=page_size,
                 max_num_seqs=len(contexts) + 1,
                 max_num_batched_tokens=len(positions) + sum(n for _, n in prefill),
+                kv_cache_dtype=kv_cache_dtype,
             ),
             dtype=dtype,
             device=self.dev,
@@ -125,7 +128,8 @@ class GlueStep:
             start, n = (positions[b], 1) if b < len(positions) else prefill[b - len(positions)]
             spans.append(RowSpan(start, n, slab, [0] * n))
         for t in [t for g in pool.groups.values() for t in (*g.kv.values(), *g.index_k.values())]:
-            t.copy_(self.randn(*t.shape))  # a history: any values will do
+            if t.dtype != torch.uint8:
+                t.copy_(self.randn(*t.shape))  # a history: any values will do
         for ring in (*pool.comp_ring.values(), *pool.index_ring.values()):
             for t in ring:
                 t.copy_(self.randn(*t.shape))

@@ -187,3 +187,68 @@ def test_fused_glue_replays_in_cuda_graphs():
             assert (a is None and b is None) or torch.equal(a, b), op.name
         for i in op.writes:
             assert torch.equal(captured_args[i], eager_args[i]), op.name
+
+
+# ---------------------------------------------------------------- FP8 pools (--kv-cache-dtype fp8)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    """The built-in demo model's widths: 512-wide KV rows with 64 RoPE dims, the FP8 format's."""
+    from engine.demo_model import DEMO_MODEL_DIR
+    from engine.models.deepseek_v4.config import ModelConfig
+
+    return ModelConfig.from_dir(DEMO_MODEL_DIR)
+
+
+FP8_POSITIONS = [3, 7, 15, 18]  # windows that close for CSA, for both kinds, and stay open
+
+
+def _quantized(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, page: int):
+    """What an FP8 pool holds after rows went to slots: the reference quantize-on-write."""
+    want = pool.clone()
+    with kernels.use_backend("reference"):
+        kernels.store_rows(want, slots, rows, page)
+    return want
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_attention_pre_quantizes_its_rows_into_an_fp8_pool(demo, backend):
+    """With an FP8 pool the kv rows attention_pre returns land, quantized, in the scratch and
+    ring slots, and nowhere else; q and kv are those of a plain pool."""
+    fp8 = GlueStep(demo, FP8_POSITIONS, device="cpu", dtype=torch.float32, kv_cache_dtype="fp8")
+    op = fp8.attention_pre()
+    cache, scratch, ring = op.args[6], op.args[7], op.args[8]
+    assert cache.dtype == torch.uint8
+    (q, kv), (written,) = op.run(op.fused, backend)
+    plain = torch.zeros(cache.shape[0] * fp8.pool.page_size, demo.head_dim)
+    args = (*op.args[:6], plain, scratch, ring)
+    with kernels.use_backend(backend):
+        q_plain, kv_plain = kernels.attention_pre(*args)
+    assert torch.equal(q, q_plain) and torch.equal(kv, kv_plain)
+    slots = torch.cat((scratch, ring))
+    rows = torch.cat((kv, kv[: ring.shape[0]]))
+    assert torch.equal(written, _quantized(cache, slots, rows, fp8.pool.page_size))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("kind", ["csa", "index"])
+def test_compress_decode_quantizes_closed_windows_into_an_fp8_pool(demo, kind, backend):
+    """An FP8 target gets exactly the quantized entries a plain target gets, at the same slots
+    (closing windows only, no trash row), and the ring the same update."""
+    fp8 = GlueStep(demo, FP8_POSITIONS, device="cpu", dtype=torch.float32, kv_cache_dtype="fp8")
+    op = fp8.compress(kind)
+    target, page = op.args[12], fp8.pool.page_size
+    assert target.dtype == torch.uint8
+    _, (ring_kv, ring_gate, written) = op.run(op.fused, backend)
+    head_dim = op.args[7].shape[0]
+    plain = torch.zeros(target.shape[0] * page, head_dim)
+    trash = plain.shape[0] - 1  # (the torch path writes open windows there)
+    args = (*op.fresh_args()[:12], plain, trash)
+    with kernels.use_backend(backend):
+        kernels.compress_decode(*args)
+    assert torch.equal(ring_kv, args[4]) and torch.equal(ring_gate, args[5])
+    slots = (plain != 0).any(dim=1).nonzero()[:, 0]
+    slots = slots[slots != trash]
+    assert slots.numel() == op.info["closing_rows"] > 0
+    assert torch.equal(written, _quantized(target, slots, plain[slots], page))

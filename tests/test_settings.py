@@ -95,6 +95,9 @@ def test_nested_engine_settings_and_vllm_names() -> None:
     )
     assert (s.engine.page_size, s.engine.max_model_len, s.engine.enforce_eager) == (16, 512, True)
     assert (s.port, s.metrics_port, s.transfer_timeout) == (50052, 9101, 60.0)  # decode defaults
+    assert s.engine.kv_cache_dtype == "auto"  # vLLM's --kv-cache-dtype: auto = the --dtype
+    fp8 = settings.parse(DecodeSettings, ["--cluster-token", "t", "--kv-cache-dtype", "fp8"], "d")
+    assert fp8.engine.kv_cache_dtype == "fp8"
 
 
 def test_tensor_parallel_size_has_vllms_name_and_short_form() -> None:
@@ -128,6 +131,8 @@ def test_settings_checks_become_errors() -> None:
         settings.parse(PrefillSettings, [], "prefill")
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int8")
 
 
 def test_every_field_is_a_flag_once() -> None:

@@ -19,6 +19,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.demo_model import DEMO_MODEL_DIR
 from engine.llm_engine import LLMEngine
 from engine.models import ConfigError
 from engine.models.deepseek_v4.config import ModelConfig
@@ -153,6 +154,41 @@ def test_a_decode_group_shares_the_kv_its_rank_0_received(tiny):
         pages = decode.reserve("r", prompt, first.new_token_ids[0], params)
         for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
             if src.group in held.pages:  # (its pages, not staging blocks: it was not staged)
+                dst.tensor[pages.pages[dst.group]] = src.tensor[held.pages[src.group]]
+        decode.join("r")
+        tokens = list(first.new_token_ids)
+        while decode.has_unfinished():
+            tokens += [t for out in decode.step() for t in out.new_token_ids]
+    finally:
+        decode.close()
+    assert tokens == want
+
+
+def test_an_fp8_decode_group_shares_the_fp8_pages_its_rank_0_received():
+    """--kv-cache-dtype fp8 (on the demo model, whose 512-wide rows the format needs): every
+    rank builds the same FP8 pools, and join broadcasts rank 0's pulled uint8 pages as they are,
+    so two ranks decode what one does."""
+    fp8 = dict(
+        kv_cache_dtype="fp8",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        kv_cache_memory_bytes=32 << 20,
+    )
+    prompt, params = _ids(150, 5), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = LLM(DEMO_MODEL_DIR, **fp8).generate(prompt, params)[0].token_ids
+    prefill = LLMEngine(DEMO_MODEL_DIR, EngineConfig(**fp8))
+    prefill.add_request("r", prompt, params, hold_for_s=60.0)
+    outputs: list = []
+    while not outputs:  # the prompt prefills in three chunks
+        outputs = prefill.step()
+    [first] = outputs
+    held = prefill.held_pages("r")
+    decode = LLMEngine(DEMO_MODEL_DIR, EngineConfig(tensor_parallel_size=2, **fp8))
+    try:
+        assert decode.pool.layout_hash() == prefill.pool.layout_hash()
+        pages = decode.reserve("r", prompt, first.new_token_ids[0], params)
+        for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
+            if src.group in held.pages:
                 dst.tensor[pages.pages[dst.group]] = src.tensor[held.pages[src.group]]
         decode.join("r")
         tokens = list(first.new_token_ids)

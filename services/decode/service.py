@@ -79,7 +79,8 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"KV layout mismatch: prefill worker {kv.worker_id} has layout "
                 f"{kv.layout or kv.layout_hash}, decode worker {w.worker_id} has layout "
-                f"{w.layout}; run both with the same model, dtype and --block-size",
+                f"{w.layout}; run both with the same model, --dtype, --kv-cache-dtype and "
+                "--block-size",
             )
         try:
             params = sampling_from_proto(request.sampling)

@@ -89,7 +89,8 @@ class WorkerSelector:
                 f"'{self._model}' "
                 f"(prefill layouts {sorted({w.layout_hash for w in prefill})}, decode layouts "
                 f"{sorted({w.layout_hash for w in decode})}); "
-                "run both roles with the same model and KV settings."
+                "run both roles with the same model and KV settings (--dtype, "
+                "--kv-cache-dtype, --block-size)."
             )
         return None
 

@@ -89,11 +89,12 @@ class Attention(torch.nn.Module):
         n, pool, inp = x.shape[0], step.pool, step.inp
         group = pool.group_of_layer[self.layer]
         cos, sin = step.rope(self.rope_kind)
-        slots = pool.groups[group].kv[self.layer]  # [S, D]
+        slots = pool.groups[group].kv[self.layer]  # [S, D], or FP8 pages (engine.kv_pool)
         q_residual = self.q_norm(self.wq_a(x))  # [N, q_lora]
         # Per-head norm + RoPE of q; norm + RoPE of kv, written to the step's scratch rows and,
         # for decode rows, to the ring (a decode row's ring slot lies outside every window of
-        # the step, so it can be written before attention).
+        # the step, so it can be written before attention). FP8 pools: quantized on write, so
+        # the step's own rows are read back as the FP8 rows later steps will read.
         q, kv = kernels.attention_pre(
             self.wq_b(q_residual).view(n, self.heads, self.head_dim),
             self.wkv(x),
@@ -144,7 +145,7 @@ class Attention(torch.nn.Module):
             # the old ring rows.
             decode = inp.num_decode
             rows = inp.persist_rows[decode:]
-            slots.index_copy_(0, step.persist_slots(group)[decode:], kv[rows])
+            pool.write(slots, step.persist_slots(group)[decode:], kv[rows])
         out = kernels.attention_post(out, cos, sin)  # RoPE's rotation undone (V carried it)
         grouped = out.reshape(n, self.groups, -1).transpose(0, 1)  # [G, N, H*D/G]
         w = self.wo_a.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)  # [G, H*D/G, R]

@@ -43,7 +43,7 @@ class Compressor(torch.nn.Module):
         trash_slot: int,
     ) -> None:
         """Compress this step's rows x [N, hidden]; write the entries they complete into
-        target [slots, head_dim]."""
+        target [slots, head_dim] (or its FP8 pages: quantized on write)."""
         kv, gate = self.wkv(x), self.wgate(x)  # [N, feats]
         ring_kv, ring_gate = ring  # [seqs, ring_rows, feats]
         inp, D = step.inp, step.inp.num_decode
@@ -90,7 +90,7 @@ class Compressor(torch.nn.Module):
                     prev, cur = None, (win_kv, win_gate)
                 entries = self._pool(cur, prev, windows * self.rate, step)
                 req = torch.full_like(windows, seg.req)
-                target.index_copy_(0, step.entry_slots(group, req, windows), entries)
+                step.pool.write(target, step.entry_slots(group, req, windows), entries)
             # Keep the newest ring rows for windows that close in later steps.
             keep = torch.arange(max(s, e - rows), e, device=x.device)
             ring_kv[seg.slab, keep.remainder(rows)] = kv[chunk][keep - s]

@@ -32,7 +32,7 @@ class Indexer(torch.nn.Module):
         """x [N, hidden], q_residual [N, q_lora] -> [N, topk] int32 positions of the picked
         compressed entries (-1 = none); kernels.sparse_indices maps them to slots."""
         pool, inp = step.pool, step.inp
-        keys = pool.groups["csa"].index_k[self.layer]  # [slots, Di]
+        keys = pool.groups["csa"].index_k[self.layer]  # [slots, Di], or FP8 pages
         self.compressor(x, step, pool.index_ring[self.layer], keys, "csa", pool.index_trash_slot())
         n = x.shape[0]
         cos, sin = step.rope("compress")
@@ -44,8 +44,8 @@ class Indexer(torch.nn.Module):
             inp.positions,
             self.rate,
         )  # [N, Hi, Di] with RoPE, [N, Hi] fp32, [N] int32 visible entries
-        num_pages = pool.groups["csa"].num_pages
-        k_cache = keys[: num_pages * pool.page_size].view(num_pages, pool.page_size, self.head_dim)
+        # [pages, P, Di], or FP8 pages [pages, P * (Di + 4)] (indexer_topk dequantizes them)
+        k_cache = pool.pages_of(keys, pool.groups["csa"].num_pages)
         entry_tables = step.table("csa")[:, pool.ring_pages :]  # [B, pages]
         # Decode rows are requests 0..D-1 in order; a prefill chunk's rows share one table,
         # broadcast without copying.
