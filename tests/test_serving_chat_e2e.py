@@ -1,10 +1,8 @@
 """The chat API on real workers with a V4-format checkpoint: a tiny model whose tokenizer is the
 release's in miniature (no chat template, every V4 marker), so chats go through the release's
 encoder. Logprobs are checked against the engine's own offline numbers, chat replies against
-`dsaserve generate --chat`, and every request must leave the workers' KV free.
-
-(When `dsaserve make-tiny-model DIR --format release` lands, `model` below becomes that
-checkpoint: `make_tiny_model(dir, fmt="release")`.)
+`dsaserve generate --chat`, and every request must leave the workers' KV free. The checkpoint
+is `dsaserve make-tiny-model DIR --format release`'s.
 """
 
 from __future__ import annotations
