@@ -21,6 +21,7 @@ from safetensors import safe_open
 from engine import LLM, SamplingParams
 from engine.layers.fp8_linear import Fp8Linear
 from engine.models.deepseek_v4.moe import Fp4Experts
+from tests.kernels_cases import rel_err
 
 _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_TABLE = _MAGNITUDES + tuple(-v for v in _MAGNITUDES)  # codes 8-15: sign bit set (-0.0 too)
@@ -127,11 +128,6 @@ def _dequantized(raw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return dequantize(raw[f"{name}.weight"], raw[f"{name}.scale"])
 
 
-def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double().cpu(), want.double().cpu()
-    return ((got - want).norm() / want.norm()).item()
-
-
 def _emulate(model, raw, name: str, args: list[torch.Tensor]) -> torch.Tensor:
     """What the release computes for one call of the quantized layer `name`."""
     if not name.endswith(".experts"):
@@ -168,6 +164,6 @@ def assert_layers_compute_the_release(llm: LLM, raw: dict[str, torch.Tensor]) ->
     assert kinds >= {"wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3", "experts"}, kinds
     errors: dict[str, float] = {}
     for name, args, got in calls:
-        errors[name] = max(errors.get(name, 0.0), _rel_err(got, _emulate(model, raw, name, args)))
+        errors[name] = max(errors.get(name, 0.0), rel_err(got, _emulate(model, raw, name, args)))
     worst = max(errors, key=errors.get)
     assert errors[worst] < 2e-3, (worst, errors[worst])

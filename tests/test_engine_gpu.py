@@ -18,7 +18,7 @@ import kernels
 from engine import LLM, SamplingParams
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.step import RowSpan, build_step_inputs
-from tests.kernels_cases import gpu_test
+from tests.kernels_cases import gpu_test, rel_err
 from tests.release_reference import (
     ENGINE,
     TOKENS,
@@ -42,15 +42,11 @@ def release(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm()).item()
-
-
 @gpu_test
 def test_gpu_engine_matches_the_cpu_engine_in_fp32(tiny):
     ids = torch.randint(0, 262, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     cpu, gpu = LLM(tiny), LLM(tiny, dtype="float32", **GPU)
-    assert _rel(gpu.score(ids), cpu.score(ids)) < 1e-3
+    assert rel_err(gpu.score(ids), cpu.score(ids)) < 1e-3
     assert [r.token_ids for r in gpu.generate(PROMPTS, GREEDY)] == [
         r.token_ids for r in cpu.generate(PROMPTS, GREEDY)
     ]
@@ -71,7 +67,7 @@ def test_graph_replayed_decode_equals_eager_decode_in_bf16(tiny):
     graphed = engine.runner.graphs[min(b for b in engine.runner.graphs if b >= 3)].run(specs)
     inputs = build_step_inputs(engine.pool, specs, len(specs), engine.device)
     eager = engine.model(engine.pool, inputs, torch.arange(3, device=engine.device))
-    assert _rel(graphed, eager) < 2e-2
+    assert rel_err(graphed, eager) < 2e-2
     while engine.has_unfinished():
         engine.step()
     assert engine.load().free_pages == engine.load().total_pages

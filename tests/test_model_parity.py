@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from tests.hf_reference import VOCAB, hf_greedy, hf_logits, make_hf_checkpoint
+from tests.kernels_cases import rel_err
 
 SEQ = 160  # CSA: 40 compressed entries > index_topk 8; HCA (rate 16): 10 entries
 
@@ -24,14 +25,10 @@ def llm(checkpoint):
     )
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def test_full_sequence_logits_match_hf(checkpoint, llm):
     _, hf = checkpoint
     ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(7)).tolist()
-    err = _rel_err(llm.score(ids), hf_logits(hf, ids))
+    err = rel_err(llm.score(ids), hf_logits(hf, ids))
     assert err < 1e-4, err
 
 
@@ -40,7 +37,7 @@ def test_chunked_scoring_matches_hf(checkpoint, tmp_path):
     path, hf = checkpoint
     chunked = LLM(path, max_num_batched_tokens=37, page_size=8, kv_cache_memory_bytes=64 << 20)
     ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(8)).tolist()
-    err = _rel_err(chunked.score(ids), hf_logits(hf, ids))
+    err = rel_err(chunked.score(ids), hf_logits(hf, ids))
     assert err < 1e-4, err
 
 

@@ -20,6 +20,7 @@ from transformers import DeepseekV4ForCausalLM
 from engine import LLM, SamplingParams
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from tests.hf_reference import hf_greedy, hf_logits
+from tests.kernels_cases import rel_err
 from tests.release_reference import (
     ENGINE,
     TOKENS,
@@ -30,11 +31,6 @@ from tests.release_reference import (
 )
 
 SEQ = 300  # HCA (rate 128): 2 entries; CSA (rate 4): 75 entries > index_topk 8
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +66,7 @@ def quantized(release):
 
 def test_dequantized_logits_match_hf(hf, dequantized):
     ids = release_ids(SEQ, 7)
-    assert _rel_err(dequantized.score(ids), hf_logits(hf, ids)) < 1e-4
+    assert rel_err(dequantized.score(ids), hf_logits(hf, ids)) < 1e-4
 
 
 @pytest.mark.parametrize("prompt_len", [1, 40, 290])
@@ -106,7 +102,7 @@ def test_greedy_agreement_of_the_quantized_path(dequantized, quantized, release)
             .item()
             for x in ids
         ]
-        logits_err = _rel_err(llm.score(ids[0]), dequantized.score(ids[0]))
+        logits_err = rel_err(llm.score(ids[0]), dequantized.score(ids[0]))
         runs = [r.token_ids for r in llm.generate(prompts, greedy)]
         prefix = [
             next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))

@@ -27,6 +27,7 @@ from engine.models.deepseek_v4.moe import RoutedExperts
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.models.deepseek_v4.weights import build_model, load_weights
 from engine.parallel.group import TensorParallel
+from tests.kernels_cases import rel_err
 from tests.release_reference import ENGINE, TOKENS, release_ids
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -42,10 +43,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -67,7 +64,7 @@ def test_two_ranks_compute_what_one_computes_in_fp32(tiny, release, fmt):
     with LLM(model, tensor_parallel_size=2, **CHUNKED) as two:
         followers = two.engine.followers.processes
         assert [r.token_ids for r in two.generate(_prompts(), GREEDY)] == want_tokens
-        assert _rel_err(two.score(ids), want_logits) < 1e-5
+        assert rel_err(two.score(ids), want_logits) < 1e-5
         # a page means the same bytes at any tensor-parallel size
         assert two.engine.pool.layout_hash() == one.engine.pool.layout_hash()
         with pytest.raises(RuntimeError, match="already runs in this process"):
@@ -137,7 +134,7 @@ def test_quantized_ranks_agree_within_the_quantizations_own_error(release):
     for a, b, ref in zip(one, two, exact, strict=True):
         top1 = (a[:, :TOKENS].argmax(-1) == b[:, :TOKENS].argmax(-1)).float().mean().item()
         assert top1 > 0.75, top1  # measured 0.89; a mis-cut weight gives a different model
-        assert _rel_err(b, a) < _rel_err(a, ref), (_rel_err(b, a), _rel_err(a, ref))
+        assert rel_err(b, a) < rel_err(a, ref), (rel_err(b, a), rel_err(a, ref))
 
 
 def test_a_decode_group_shares_the_kv_its_rank_0_received(tiny):

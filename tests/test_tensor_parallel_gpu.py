@@ -16,6 +16,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.step import RowSpan
+from tests.kernels_cases import rel_err
 from tests.release_reference import TOKENS, release_ids
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -35,10 +36,6 @@ def release(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm()).item()
-
-
 def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -53,7 +50,7 @@ def test_two_gpus_compute_what_one_computes_in_fp32(tiny):
     with LLM(tiny, dtype="float32", tensor_parallel_size=2, **GPU) as two:
         # rank 1 lives on the second GPU: its KV pool alone takes 256 MiB there
         assert torch.cuda.mem_get_info(1)[0] < free_before - (256 << 20)
-        assert _rel(two.score(ids), want_logits) < 1e-4
+        assert rel_err(two.score(ids), want_logits) < 1e-4
         assert [r.token_ids for r in two.generate(PROMPTS, GREEDY)] == want_tokens
 
 
@@ -64,7 +61,7 @@ def test_two_gpus_match_one_within_bf16s_own_error_and_replay_graphs(tiny):
     exact = LLM(tiny, dtype="float32", **GPU).score(ids)
     one = LLM(tiny, dtype="bfloat16", **GPU).score(ids)
     with LLM(tiny, dtype="bfloat16", tensor_parallel_size=2, **GPU) as llm:
-        assert _rel(llm.score(ids), one) < _rel(one, exact)
+        assert rel_err(llm.score(ids), one) < rel_err(one, exact)
         engine = llm.engine
         assert engine.runner.graphs, "decode graphs should be captured on every rank"
         for i, p in enumerate(PROMPTS):
@@ -75,7 +72,7 @@ def test_two_gpus_match_one_within_bf16s_own_error_and_replay_graphs(tiny):
         # the same decode step (it rewrites the same KV), replayed on both ranks, then eager
         graphed = engine.runner.call("forward", spans, 3, [0, 1, 2]).clone()
         eager = engine.runner.call("forward", spans, 3, None)
-        assert _rel(graphed, eager) < 2e-2
+        assert rel_err(graphed, eager) < 2e-2
         while engine.has_unfinished():
             engine.step()
         assert engine.load().free_pages == engine.load().total_pages
@@ -93,6 +90,6 @@ def test_two_gpus_run_the_release_formats_within_the_quantizations_own_error(rel
         got = two.score(ids)
         top1 = (got[:, :TOKENS].argmax(-1) == want_logits[:, :TOKENS].argmax(-1)).float().mean()
         assert top1.item() > 0.75
-        assert _rel(got, want_logits) < _rel(want_logits, exact)
+        assert rel_err(got, want_logits) < rel_err(want_logits, exact)
         tokens = two.generate(release_ids(40, 3), GREEDY)[0].token_ids
         assert len(tokens) == len(want) and max(tokens) < TOKENS
