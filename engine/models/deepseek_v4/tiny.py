@@ -49,6 +49,32 @@ _FP4_STORED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 _FP32_STORED = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|\.gate\.bias)$")
 
 
+def _shared_fields() -> dict:
+    """The fields both tiny models write alike (mHC, indexer, norms, RoPE, routing scores); a
+    fresh dict each call, so a caller may edit its config's nested ones."""
+    return {
+        "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus",
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "index_n_heads": 16,
+        "index_head_dim": 32,
+        "index_topk": 8,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    }
+
+
 def tiny_config(vocab_size: int) -> dict:
     """The dense tiny model's config.json."""
     return {
@@ -79,26 +105,8 @@ def tiny_config(vocab_size: int) -> dict:
         "num_experts_per_tok": 2,
         "n_shared_experts": 1,
         "moe_intermediate_size": 32,
-        "routed_scaling_factor": 1.5,
-        "scoring_func": "sqrtsoftplus",
         "swiglu_limit": 10.0,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
-        "index_n_heads": 16,
-        "index_head_dim": 32,
-        "index_topk": 8,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "compress_rope_theta": 160000.0,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 1024,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
+        **_shared_fields(),
         "num_nextn_predict_layers": 0,
         "tie_word_embeddings": False,
         "bos_token_id": 256,
@@ -130,28 +138,10 @@ def release_tiny_config() -> dict:
         "num_experts_per_tok": 2,
         "n_shared_experts": 1,
         "moe_intermediate_size": 128,
-        "routed_scaling_factor": 1.5,
-        "scoring_func": "sqrtsoftplus",
         "topk_method": "noaux_tc",
         "norm_topk_prob": True,
         "swiglu_limit": 10.0,
-        "hc_mult": 4,
-        "hc_sinkhorn_iters": 20,
-        "hc_eps": 1e-6,
-        "index_n_heads": 16,
-        "index_head_dim": 32,
-        "index_topk": 8,
-        "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "compress_rope_theta": 160000.0,
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 1024,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
+        **_shared_fields(),
         "tie_word_embeddings": False,
         "bos_token_id": 256,
         "eos_token_id": 257,
