@@ -42,6 +42,7 @@ import torch
 import kernels  # (before triton: on CPU, kernels.env picks the interpreter)
 from bench.kernels import time_ms
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING
+from engine.profile import hardware
 from tests.fused_cases import GlueStep, Op, compare, model_config, paired
 
 DEFAULT_OUT = "bench/results/h200-glue.json"
@@ -138,14 +139,6 @@ def bitwise_equal(op: Op, got: tuple, want: tuple) -> float:
     return same / total if total else 1.0
 
 
-def copy_gbps() -> float:
-    """Device-to-device copy bandwidth, bytes read + written."""
-    src = torch.randn(1 << 30, device="cuda")  # 4 GiB
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), [()], graph=False)
-    return 2 * src.numel() * 4 / ms / 1e6
-
-
 def measure(
     build: Callable[[GlueStep], Op], step: GlueStep, label: str, smoke: bool, gbps: float
 ) -> dict:
@@ -206,7 +199,7 @@ def print_row(r: dict) -> None:
 
 
 def run_phase(phase: str, smoke: bool, result: dict, save: Callable[[], None]) -> None:
-    gbps = float("nan") if smoke else copy_gbps()
+    gbps = float("nan") if smoke else hardware.measure("cuda").copy_GBps
     result.setdefault("copy_GBps", {})[phase] = gbps
     rows = result.setdefault("rows", [])
     rows[:] = [r for r in rows if r.get("phase") != phase]  # a rerun replaces the phase's rows

@@ -30,6 +30,7 @@ import triton
 
 import kernels
 from bench import long_context
+from bench.quant import kernel_breakdown
 from engine.profile import hardware
 from kernels import indexer, naive, sparse_mla
 from kernels.indexer import IndexerConfig
@@ -346,23 +347,6 @@ def decode_alternatives(shape: DecodeShape):
 
 def indexer_alternatives(batch: int):
     return [IndexerConfig(128, s, room, 1024, 8, 1) for s in (4, 9, 16) for room in (2048, 512)]
-
-
-def kernel_breakdown(fn, args: tuple) -> dict[str, float]:
-    """us per call of each CUDA kernel that fn launches (torch profiler, 20 calls)."""
-    fn(*args)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(20):
-            fn(*args)
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        if total > 0:
-            out[e.key[:60]] = total / 20
-    for name, us in sorted(out.items(), key=lambda kv: -kv[1])[:4]:
-        print(f"    {us:9.1f} us  {name}")
-    return out
 
 
 PHASES = ("decode", "indexer", *long_context.PHASES)

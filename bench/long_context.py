@@ -46,7 +46,7 @@ import torch
 import triton
 
 import kernels
-from bench.quant import Env, attempt, time_ms
+from bench.quant import Env, attempt, ceilings, kernel_breakdown, time_ms
 from kernels import indexer, kv_quant, reference, sparse_mla
 from kernels.indexer import IndexerConfig
 from kernels.sparse_mla import DecodeConfig
@@ -96,16 +96,6 @@ CHUNK = 1 << 20  # rows quantized per store call while filling a pool
 # ---- helpers -------------------------------------------------------------------------------
 
 
-def copy_gbps(env: Env) -> float:
-    """Device-to-device copy of 4 GiB: bytes read + written per second (NaN in --smoke)."""
-    if env.smoke:
-        return float("nan")
-    src = torch.randn(1 << 30, device=env.device)
-    dst = torch.empty_like(src)
-    ms, _ = time_ms(env, dst.copy_, [(src,)])
-    return 2 * src.numel() * 4 / ms / 1e6
-
-
 def free() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -138,22 +128,8 @@ def key_pools(env: Env, sz: Sizes, entries: int) -> tuple[torch.Tensor, torch.Te
 
 
 def breakdown(env: Env, fn: Callable, args: tuple) -> dict[str, float]:
-    """us per call of each CUDA kernel fn launches (torch profiler, 10 calls); {} in --smoke."""
-    if env.smoke:
-        return {}
-    fn(*args)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            fn(*args)
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        if total > 0:
-            out[e.key[:60]] = total / 10
-    for name, us in sorted(out.items(), key=lambda kv: -kv[1])[:3]:
-        print(f"    {us:9.1f} us  {name}")
-    return out
+    """us per call of each CUDA kernel fn launches; {} in --smoke."""
+    return {} if env.smoke else kernel_breakdown(fn, args)
 
 
 # ---- capacity ------------------------------------------------------------------------------
@@ -553,7 +529,7 @@ def run_phase(phase: str, out: str | None, smoke: bool) -> None:
                 json.dump(result, f, indent=1, default=str)
 
     try:
-        hw = {"copy_GBps": copy_gbps(env)}
+        hw = ceilings(env)  # engine.profile.hardware: the ceilings every bench divides by
         run["ceilings"] = hw
         print(f"{dev_name}, {sms} SMs, copy {hw['copy_GBps']:.0f} GB/s", flush=True)
         PHASES[phase](env, sizes, result, hw, save)

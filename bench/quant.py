@@ -127,6 +127,24 @@ def time_ms(env: Env, fn: Callable, arg_sets: list[tuple]) -> tuple[float, str]:
     return statistics.median(times), mode
 
 
+def kernel_breakdown(fn: Callable, args: tuple, calls: int = 20) -> dict[str, float]:
+    """us per call of each CUDA kernel that fn launches (torch profiler over `calls` calls);
+    prints the four longest."""
+    fn(*args)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn(*args)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if total > 0:
+            out[e.key[:60]] = total / calls
+    for name, us in sorted(out.items(), key=lambda kv: -kv[1])[:4]:
+        print(f"    {us:9.1f} us  {name}")
+    return out
+
+
 def attempt(label: str, fn: Callable, *args, **kwargs):
     """Run one measurement; on failure print it and return the error text (the run goes on)."""
     try:
