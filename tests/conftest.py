@@ -84,12 +84,19 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         pytest.fail(
             "redis-server is not on PATH; install Redis (e.g. apt-get install redis-server)"
         )
-    log = tmp_path_factory.mktemp("redis") / "redis.log"
-    try:
-        proc, url = _start_redis(log)
-    except RuntimeError:  # the free port was taken in between: one more try on a new port
-        proc, url = _start_redis(log)
+    proc, url = _start_redis_retrying(tmp_path_factory.mktemp("redis") / "redis.log")
     yield url
+    _stop(proc)
+
+
+def _start_redis_retrying(log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    try:
+        return _start_redis(log)
+    except RuntimeError:  # the free port was taken in between: one more try on a new port
+        return _start_redis(log)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=10)
@@ -116,19 +123,11 @@ class PrivateRedis:
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
     """A redis-server for this test alone; resumed if paused, and stopped, at teardown."""
-    try:
-        proc, url = _start_redis(tmp_path / "private-redis.log")
-    except RuntimeError:  # the free port was taken in between: one more try on a new port
-        proc, url = _start_redis(tmp_path / "private-redis.log")
+    proc, url = _start_redis_retrying(tmp_path / "private-redis.log")
     server = PrivateRedis(url, proc)
     yield server
     server.resume()
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+    _stop(proc)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import openai
 
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
@@ -96,6 +97,17 @@ class Proc:
         return (
             load.free_pages == load.total_pages and load.running == load.waiting == load.held == 0
         )
+
+
+def wait_all_kv_free(*workers: Proc, timeout: float = 20) -> None:
+    """Every worker ends with all its KV pages free and no request left."""
+    for worker in workers:
+        wait_for(worker.all_kv_free, timeout, f"{worker.name} to free all KV")
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    """The openai client against a router at `url`: no retries, so each error is seen once."""
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def offline_generate(model: Path, messages: list[dict], max_tokens: int, *flags: str) -> dict:

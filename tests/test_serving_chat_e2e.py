@@ -12,13 +12,12 @@ import subprocess
 import sys
 
 import httpx
-import openai
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.chat import tokens as v4
 from engine.models.deepseek_v4.tiny import make_tiny_model
-from tests.serving_stack import Stack, wait_for
+from tests.serving_stack import Stack, openai_client, wait_all_kv_free
 
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 WEATHER = {
@@ -57,15 +56,8 @@ def llm(model):
 
 @pytest.fixture
 def client(stack):
-    with openai.OpenAI(
-        base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120
-    ) as c:
+    with openai_client(stack.url) as c:
         yield c
-
-
-def _assert_workers_idle(stack) -> None:
-    for worker in (stack.prefill, stack.decode):
-        wait_for(worker.all_kv_free, 20, f"{worker.name} to free all KV")
 
 
 def _tokenize(stack, body: dict) -> list[int]:
@@ -99,7 +91,7 @@ def test_chat_logprobs_equal_the_engines_own(stack, client, model, llm):
             list(llm.tokenizer.token_bytes(i)) for i in lp.top_ids
         ]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(lp.top_logprobs, abs=1e-4)
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 def test_completion_logprobs_equal_the_engines_own(stack, client, model, llm):
@@ -121,7 +113,7 @@ def test_completion_logprobs_equal_the_engines_own(stack, client, model, llm):
     for token, offset in zip(tokens, offsets, strict=True):
         if "\ufffd" not in token and token not in (v4.BOS, v4.EOS):
             assert text[offset : offset + len(token)] == token
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 def _offline_chat(model, messages, thinking: bool) -> dict:
@@ -151,7 +143,7 @@ def test_thinking_chat_equals_offline_generation(stack, client, model):
     streamed = "".join(d.model_extra.get("reasoning_content") or "" for d in deltas)
     assert streamed == offline["reasoning_content"]
     assert "".join(d.content or "" for d in deltas) == offline["content"]
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 def test_named_tool_choice_on_real_workers(stack, client, model):
@@ -168,7 +160,7 @@ def test_named_tool_choice_on_real_workers(stack, client, model):
     assert choice.message.content in (None, "")
     assert choice.message.tool_calls[0].function.name == "get_weather"
     assert choice.finish_reason in ("tool_calls", "length")
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 def test_n_choices_on_real_workers(stack, client, model):
@@ -181,4 +173,4 @@ def test_n_choices_on_real_workers(stack, client, model):
     assert len({c.message.content for c in res.choices}) == 3
     again = client.chat.completions.create(**request, seed=12, extra_body=extra)
     assert again.choices[0].message.content == res.choices[1].message.content
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)

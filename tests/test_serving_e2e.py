@@ -22,7 +22,15 @@ from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.auth import token_metadata
 from services.registry import WorkerRecord, worker_key
 from services.rpc import grpc_api, pb
-from tests.serving_stack import TOKEN, Stack, http_status, offline_generate, wait_for
+from tests.serving_stack import (
+    TOKEN,
+    Stack,
+    http_status,
+    offline_generate,
+    openai_client,
+    wait_all_kv_free,
+    wait_for,
+)
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -52,15 +60,8 @@ def stack(model, redis_server, tmp_path_factory):
 
 @pytest.fixture
 def client(stack):
-    with openai.OpenAI(
-        base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120
-    ) as c:
+    with openai_client(stack.url) as c:
         yield c
-
-
-def _assert_workers_idle(stack) -> None:
-    for worker in (stack.prefill, stack.decode):
-        wait_for(worker.all_kv_free, 20, f"{worker.name} to free all KV")
 
 
 def test_chat_completion_equals_offline_generation(stack, client, model):
@@ -88,7 +89,7 @@ def test_chat_completion_equals_offline_generation(stack, client, model):
     assert (
         chunks[-1].usage.completion_tokens == len(offline["token_ids"]) and chunks[-1].choices == []
     )
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 def test_text_completion_with_stop_string(stack, client, model):
@@ -125,7 +126,7 @@ def test_sixteen_concurrent_streams_equal_their_sequential_answers(stack, client
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         concurrent_answers = list(pool.map(lambda p: ask(p, stream=True), prompts))
     assert concurrent_answers == sequential
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, model):
@@ -142,7 +143,7 @@ def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, model
             lines = r.iter_lines()
             events = [next(lines) for _ in range(6)]  # a few chunks in, then hang up
             assert any('"content"' in e for e in events)
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +167,7 @@ def test_errors_have_openai_bodies(stack, model, body, status, fragment):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert fragment in error["message"] and {"message", "type", "param", "code"} <= error.keys()
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 def test_metrics_of_every_process(stack, client, model):
@@ -231,7 +232,7 @@ def test_locust_scenario_runs_against_the_stack(stack):
     assert chat["num_requests"] >= 2 and chat["num_failures"] == 0, out.stderr[-3000:]
     assert stats["ttft"]["num_requests"] == chat["num_requests"]
     assert stats["models"]["num_failures"] == 0
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis_server, tmp_path):
@@ -326,7 +327,7 @@ def test_api_keys_and_admission_limit_with_real_workers(stack, model, tmp_path):
     ok = httpx.post(url + "/v1/chat/completions", json=chat, headers=auth, timeout=60)
     assert ok.status_code == 200, ok.text
     r.proc.terminate()
-    _assert_workers_idle(stack)
+    wait_all_kv_free(stack.prefill, stack.decode)
 
 
 def test_router_without_workers_answers_503(model, redis_server, tmp_path):

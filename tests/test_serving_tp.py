@@ -13,13 +13,12 @@ import os
 import signal
 from pathlib import Path
 
-import openai
 import pytest
 import redis
 
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.registry import worker_key
-from tests.serving_stack import Stack, offline_generate, wait_for
+from tests.serving_stack import Stack, offline_generate, openai_client, wait_for
 
 MESSAGES = [{"role": "user", "content": "Count the ways."}]
 ROUNDS = 4  # round robin: two requests on each decode worker
@@ -40,7 +39,7 @@ def test_groups_of_different_sizes_answer_like_offline_generation(model, redis_u
         router = s.router("--policy", "round_robin")
         s.wait_ready(prefill, narrow, wide)
         url = s.wait_healthy(router)
-        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        with openai_client(url) as c:
             for _ in range(ROUNDS):
                 res = c.chat.completions.create(
                     model=model.name, messages=MESSAGES, max_tokens=24, temperature=0
