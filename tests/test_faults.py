@@ -23,7 +23,7 @@ import redis
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
-from tests.serving_stack import TOKEN, Proc, Stack, wait_for
+from tests.serving_stack import TOKEN, Proc, Stack, wait_all_kv_free, wait_for
 
 PROMPTS = [f"Tell me about river number {i}, please." for i in range(6)]
 
@@ -93,8 +93,7 @@ def test_decode_stopped_past_the_lease_never_answers_from_freed_pages(
                 assert "lease" in error["message"] and "retried" in error["message"]
         assert refused > 0, "no request met an expired lease: the fault did not happen"
         assert decode.failures("lease_expired") == refused
-        wait_for(prefill.all_kv_free, 30, "prefill to free every page")
-        wait_for(decode.all_kv_free, 30, "decode to free every page")
+        wait_all_kv_free(prefill, decode, timeout=30)
         assert answer(chat(url, PROMPTS[0])) == reference[PROMPTS[0]]  # and it serves again
     finally:
         s.stop()
@@ -153,19 +152,12 @@ def test_a_prefill_worker_restarted_under_the_same_id_serves_at_once(model, redi
         url = s.wait_healthy(router)
         before = answer(chat(url, PROMPTS[1]))
         s.kill(prefill)
-        again = s.worker(
-            "prefill",
-            "--worker-id",
-            "prefill-a",
-            port=prefill.port,
-            metrics_port=prefill.metrics_port,
-        )
+        again = _restart_in_place(s, prefill)
         s.wait_ready(again)
         s.wait_healthy(router)
         for _ in range(3):
             assert answer(chat(url, PROMPTS[1])) == before
-        wait_for(again.all_kv_free, 30, "the new prefill worker to free every page")
-        wait_for(decode.all_kv_free, 30, "decode to free every page")
+        wait_all_kv_free(again, decode, timeout=30)
     finally:
         s.stop()
 
@@ -188,13 +180,7 @@ def test_a_restarted_prefill_worker_pairs_with_decode_while_redis_is_down(
         before = answer(chat(url, PROMPTS[2]))  # the decode worker loads the first agent
         stale = _prefill_directly(prefill, "held-by-the-dead-process")
         s.kill(prefill)
-        again = s.worker(
-            "prefill",
-            "--worker-id",
-            "prefill-a",
-            port=prefill.port,
-            metrics_port=prefill.metrics_port,
-        )
+        again = _restart_in_place(s, prefill)
         s.wait_ready(again)  # registered: Redis is still up here
 
         def registry() -> dict:
@@ -235,11 +221,17 @@ def test_a_restarted_prefill_worker_pairs_with_decode_while_redis_is_down(
         assert replies[0].error.cause == "peer_unknown"
         assert "restarted" in replies[0].error.message
         assert decode.failures("peer_unknown") == 1
-        wait_for(again.all_kv_free, 30, "the new prefill worker to free every page")
-        wait_for(decode.all_kv_free, 30, "decode to free every page")
+        wait_all_kv_free(again, decode, timeout=30)
     finally:
         private_redis.resume()
         s.stop()
+
+
+def _restart_in_place(s: Stack, prefill: Proc) -> Proc:
+    """A new prefill worker with the killed one's id and addresses, as a container restart."""
+    return s.worker(
+        "prefill", "--worker-id", "prefill-a", port=prefill.port, metrics_port=prefill.metrics_port
+    )
 
 
 @dataclass
@@ -288,8 +280,7 @@ def test_a_hung_decode_worker_fails_its_streams_within_seconds(model, redis_serv
                 decode.proc.send_signal(signal.SIGCONT)
         assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
         assert "unavailable" in rest[-2], rest[-2]
-        wait_for(prefill.all_kv_free, 30, "prefill to free every page")
-        wait_for(decode.all_kv_free, 30, "decode to free every page")
+        wait_all_kv_free(prefill, decode, timeout=30)
     finally:
         s.stop()
 
