@@ -137,17 +137,20 @@ def test_quantized_ranks_agree_within_the_quantizations_own_error(release):
         assert rel_err(b, a) < rel_err(a, ref), (rel_err(b, a), rel_err(a, ref))
 
 
-def test_a_decode_group_shares_the_kv_its_rank_0_received(tiny):
+def _decode_on_a_group_of_two(model, engine: dict, prompt: list[int], params) -> list[int]:
     """The disaggregated decode path: a transfer fills rank 0's pools only (here a copy from a
-    prefill engine's held pages, as the NIXL READ would); join hands every rank the KV."""
-    prompt, params = _ids(90, 3), SamplingParams(max_tokens=16, temperature=0)
-    prefill = LLMEngine(tiny, EngineConfig(**ENGINE))
+    prefill engine's held pages, as the NIXL READ would); join hands every rank the KV. The
+    tokens the two-rank decode engine generates."""
+    prefill = LLMEngine(model, EngineConfig(**engine))
     prefill.add_request("r", prompt, params, hold_for_s=60.0)
-    [first] = prefill.step()
+    outputs: list = []
+    while not outputs:  # a long prompt prefills in several chunks
+        outputs = prefill.step()
+    [first] = outputs
     held = prefill.held_pages("r")
-    want = LLM(tiny, **ENGINE).generate(prompt, params)[0].token_ids
-    decode = LLMEngine(tiny, EngineConfig(tensor_parallel_size=2, **ENGINE))
+    decode = LLMEngine(model, EngineConfig(tensor_parallel_size=2, **engine))
     try:
+        assert decode.pool.layout_hash() == prefill.pool.layout_hash()
         pages = decode.reserve("r", prompt, first.new_token_ids[0], params)
         for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
             if src.group in held.pages:  # (its pages, not staging blocks: it was not staged)
@@ -158,7 +161,13 @@ def test_a_decode_group_shares_the_kv_its_rank_0_received(tiny):
             tokens += [t for out in decode.step() for t in out.new_token_ids]
     finally:
         decode.close()
-    assert tokens == want
+    return tokens
+
+
+def test_a_decode_group_shares_the_kv_its_rank_0_received(tiny):
+    prompt, params = _ids(90, 3), SamplingParams(max_tokens=16, temperature=0)
+    want = LLM(tiny, **ENGINE).generate(prompt, params)[0].token_ids
+    assert _decode_on_a_group_of_two(tiny, ENGINE, prompt, params) == want
 
 
 def test_an_fp8_decode_group_shares_the_fp8_pages_its_rank_0_received():
@@ -173,27 +182,7 @@ def test_an_fp8_decode_group_shares_the_fp8_pages_its_rank_0_received():
     )
     prompt, params = _ids(150, 5), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = LLM(DEMO_MODEL_DIR, **fp8).generate(prompt, params)[0].token_ids
-    prefill = LLMEngine(DEMO_MODEL_DIR, EngineConfig(**fp8))
-    prefill.add_request("r", prompt, params, hold_for_s=60.0)
-    outputs: list = []
-    while not outputs:  # the prompt prefills in three chunks
-        outputs = prefill.step()
-    [first] = outputs
-    held = prefill.held_pages("r")
-    decode = LLMEngine(DEMO_MODEL_DIR, EngineConfig(tensor_parallel_size=2, **fp8))
-    try:
-        assert decode.pool.layout_hash() == prefill.pool.layout_hash()
-        pages = decode.reserve("r", prompt, first.new_token_ids[0], params)
-        for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
-            if src.group in held.pages:
-                dst.tensor[pages.pages[dst.group]] = src.tensor[held.pages[src.group]]
-        decode.join("r")
-        tokens = list(first.new_token_ids)
-        while decode.has_unfinished():
-            tokens += [t for out in decode.step() for t in out.new_token_ids]
-    finally:
-        decode.close()
-    assert tokens == want
+    assert _decode_on_a_group_of_two(DEMO_MODEL_DIR, fp8, prompt, params) == want
 
 
 def test_splits_the_model_cannot_take_are_refused_before_any_rank_starts(tiny, release):
