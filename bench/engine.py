@@ -3,6 +3,7 @@
     python -m bench.engine --out bench/results/h200-engine.json
     python -m bench.engine --experts 256 --out bench/results/h200-engine-256.json
     python -m bench.engine --smoke              # CPU: tiny widths through the same code
+    python -m bench.engine --experts 256 --only classes release   # profiles at c=64 and c=1
     python -m bench.engine --write-slice DIR    # the slice as a checkpoint (bench/gpu_profile.sh)
 
 The slice has V4-Flash's real widths (hidden 4096, 64 heads x 512, q_lora 1024, 8 output
@@ -282,7 +283,7 @@ class Bench:
             batch = self.scheduler.schedule()
         samplers, logits = self.runner.execute(batch)
         with profiled("sample"):
-            tokens = sample(logits, [r.params for r in samplers], [0] * len(samplers))
+            tokens = sample(logits, [r.params for r in samplers], [0] * len(samplers)).tolist()
         for r, t in zip(samplers, tokens, strict=True):
             r.output_token_ids.append(t)
 
@@ -399,6 +400,12 @@ def main() -> None:
         default="dense",
         help="with --write-slice: fp32 weights, or the release's FP8 linears and FP4 experts",
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=("correctness", "decode", "release", "classes", "prefill", "before"),
+        help="run only these phases",
+    )
     args = parser.parse_args()
     smoke = args.smoke
     if args.write_slice:
@@ -454,22 +461,27 @@ def main() -> None:
                 print(result["decode"][-1], flush=True)
 
     def classes(prefix: str = "") -> None:
-        """dsaserve profile's report of one decode step at c=64, 32K (smoke: c=4, 256)."""
-        n, context = (4, 256) if smoke else (64, 32768)
-        reqs = bench.requests(n, context)
-        try:
-            report = profile_decode(
-                bench.decode_step,
-                bench.runner,
-                concurrency=n,
-                context=context,
-                steps=3,
-                hardware=hw,
-                setup={"model": f"V4-Flash-width slice, {args.experts} experts", "dtype": "bf16"},
-            )
-        finally:
-            bench.release(reqs)
-        result[f"{prefix}profile"] = report.as_dict()
+        """dsaserve profile's report of one decode step at c=64 (key "profile") and at c=1
+        ("profile_c1"), 32K context (smoke: c=4 and 1, 256)."""
+        context = 256 if smoke else 32768
+        for n, suffix in ((4 if smoke else 64, ""), (1, "_c1")):
+            reqs = bench.requests(n, context)
+            try:
+                report = profile_decode(
+                    bench.decode_step,
+                    bench.runner,
+                    concurrency=n,
+                    context=context,
+                    steps=3,
+                    hardware=hw,
+                    setup={
+                        "model": f"V4-Flash-width slice, {args.experts} experts",
+                        "dtype": "bf16",
+                    },
+                )
+            finally:
+                bench.release(reqs)
+            result[f"{prefix}profile{suffix}"] = report.as_dict()
 
     def prefill(key: str = "prefill_tok_s") -> None:
         lengths = (200,) if smoke else (2048, 8192)
@@ -508,13 +520,19 @@ def main() -> None:
         finally:
             bench.runner = fast_runner
 
-    phase("correctness", correctness)
-    phase("decode", lambda: decode("dsaserve", concurrency, steps))
-    phase("release", release)
-    phase("classes", classes)
-    phase("prefill", prefill)
-    if not smoke:  # the naive kernels' graphs need the GPU
-        phase("before", before)
+    phases = {
+        "correctness": correctness,
+        "decode": lambda: decode("dsaserve", concurrency, steps),
+        "release": release,
+        "classes": classes,
+        "prefill": prefill,
+        "before": before,
+    }
+    if smoke:  # the naive kernels' graphs need the GPU
+        del phases["before"]
+    for name, fn in phases.items():
+        if not args.only or name in args.only:
+            phase(name, fn)
     summarize(result)
     if args.out:
         with open(args.out, "w") as f:
@@ -584,7 +602,12 @@ def print_table(result: dict) -> None:
             f"tok/s / bf16 {rounded('release_vs_bf16_tok_s', 2)}; "
             f"prefill tok/s {rounded('release_prefill_tok_s', 0)}"
         )
-    for key, title in (("profile", "bf16 weights"), ("release_profile", "release weights")):
+    for key, title in (
+        ("profile", "bf16 weights"),
+        ("profile_c1", "bf16 weights, c=1"),
+        ("release_profile", "release weights"),
+        ("release_profile_c1", "release weights, c=1"),
+    ):
         if key in result:
             print(f"\n{title}:\n{format_table(result[key])}")
 

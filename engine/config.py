@@ -75,6 +75,12 @@ class EngineConfig:
         "dense (--no-quantized-compute). Default: quantized for bfloat16, dequantized for "
         "float32",
     )
+    async_scheduling: bool = setting(
+        True,
+        "schedule and launch each step while the device still runs the one before (the host's "
+        "work hides behind the device's; a request that stops computes one row more); "
+        "--no-async-scheduling waits for every step's tokens before scheduling the next",
+    )
     enforce_eager: bool = setting(
         False, "never capture CUDA graphs for decode steps", aliases=("--no-cuda-graphs",)
     )

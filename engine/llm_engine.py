@@ -8,6 +8,15 @@ Besides plain requests it supports the two halves of disaggregated serving:
 - decode of a transferred request: `reserve` allocates pages for it, a transfer fills
   them, `join` starts decoding.
 
+Async scheduling (on by default, as in SGLang; vLLM's --async-scheduling): `step` schedules and
+launches step N+1 before it waits for step N's sampled ids, so the host's work (scheduling,
+inputs, detokenizing, stop checks, streaming) runs while the device computes. Step N+1's
+decode rows read step N's ids on the device (engine.step.sampled_ref). The price is one row: a
+request that stops at token t (EOS, a stop string) has already been scheduled for t + 1, whose
+id is dropped. Pages freed while a step runs may still be written by it, which matters only to
+writers outside the device's stream order: `reserve` (a transfer fills the pages) waits for the
+device first.
+
 With tensor_parallel_size N the engine is rank 0 of a group of N processes (engine.parallel):
 it alone schedules, samples and owns the requests; its runner sends every step to the other
 ranks, and `join` hands them the transferred KV, which reached rank 0's pools only. `close`
@@ -25,10 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from engine import models
+from engine.async_copy import ToHost
 from engine.config import EngineConfig
 from engine.kv_pool import SLAB, STAGING, check_kv_cache_dtype
 from engine.load import Load
-from engine.logprobs import TokenLogprobs, token_logprobs
+from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from engine.parallel import follower
 from engine.parallel.group import SINGLE
 from engine.parallel.launch import Followers
@@ -37,7 +47,7 @@ from engine.rank import build_runner, device_of, keeps_quantized
 from engine.request import Request, Status
 from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.step import RowSpan
 from engine.text_stream import TextStream
 from engine.tokenizer import Tokenizer
@@ -72,6 +82,15 @@ class KVPages:
 Listener = Callable[[RequestOutput], None]
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: the requests it samples for, in row order, and their ids
+    and logprob table on their way to the host."""
+
+    samplers: list[Request]
+    results: ToHost  # (ids [S] int64, logprob table or None)
+
+
 class LLMEngine:
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig()) -> None:
         self.config, self.model_dir = config, str(model_dir)
@@ -102,6 +121,8 @@ class LLMEngine:
         self.max_model_len = self.runner.max_context
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens)
         self._staged: dict[str, list[int]] = {}  # held request -> its staging blocks
+        self._in_flight: LaunchedStep | None = None  # async scheduling: the step the device runs
+        self.async_scheduling = config.async_scheduling  # may change between steps (a bench)
         log.info(
             "KV pool: %d pages (%s), one request up to %d tokens, layout %s",
             self.pool.num_total_pages,
@@ -189,7 +210,7 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or self._in_flight)
 
     def load(self) -> Load:
         sched = self.scheduler
@@ -279,6 +300,10 @@ class LLMEngine:
         """Allocate pages for a prefilled request (prompt KV computed elsewhere, first token
         already sampled and sent); None when the pools are full right now."""
         req = self.new_request(request_id, prompt_token_ids, params, listener=listener)
+        # Pages freed while a step runs may still be written by it; the transfer that fills
+        # the pages given here does not wait for the device's stream.
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
         # Replay the first token so stop strings and text offsets continue where prefill left off.
         reason = req.append_token(first_token_id)
         req.text.take(finished=reason is not None)
@@ -304,31 +329,58 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One forward step; returns its outputs (also handed to each request's listener)."""
+        """Schedule and launch one forward step; returns the outputs that are ready (also
+        handed to each request's listener): this step's, or with async scheduling the previous
+        step's, whose ids are waited for once this one is queued."""
         with profiled("schedule"):
             batch = self.scheduler.schedule()
-        if not batch:
-            return []
+        launched = self._launch(batch) if batch else None
+        done = [s for s in (self._in_flight, launched) if s is not None]  # oldest first
+        self._in_flight = done.pop() if self.async_scheduling and launched else None
+        return [out for s in done for out in self._complete(s)]
+
+    def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queue the batch's forward and sampling on the device; nothing here waits for it."""
         samplers, logits = self.runner.execute(batch)
         if not samplers:
-            return []
+            return LaunchedStep([], ToHost())
         with profiled("sample"):
             if self.tokenizer.vocab_size < logits.shape[1]:
                 # A padded embedding has rows no token maps to; never sample them.
                 logits[:, self.tokenizer.vocab_size :] = float("-inf")
-            draws = [len(r.output_token_ids) for r in samplers]
-            tokens = sample(logits, [r.params for r in samplers], draws)
-            logprobs = token_logprobs(logits, tokens, [r.params.logprobs for r in samplers])
+            draws = [len(r.output_token_ids) + r.num_inflight for r in samplers]
+            tokens = sample(logits, [r.params for r in samplers], draws)  # [S] on the device
+            table = logprob_table(logits, tokens, [r.params.logprobs for r in samplers])
+        self.runner.sampled = tokens
+        for row, req in enumerate(samplers):
+            req.num_inflight += 1
+            req.inflight_row = row
+            if req.prefill_only:  # its one token: the KV stays for the decode worker
+                self.scheduler.hold(req, deadline=None)
+        return LaunchedStep(samplers, ToHost(tokens, table))
+
+    def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's ids and hand each request its output."""
+        if not step.samplers:
+            return []
+        with profiled("wait"):
+            tokens, table = step.results.wait()
+        with profiled("outputs"):
+            return self._hand_out(step.samplers, tokens.tolist(), table)
+
+    def _hand_out(
+        self, samplers: list[Request], tokens: list[int], table: torch.Tensor | None
+    ) -> list[RequestOutput]:
+        logprobs = read_logprobs(table, [r.params.logprobs for r in samplers])
         outputs = []
         for req, token, token_lp in zip(samplers, tokens, logprobs, strict=True):
-            reason = req.append_token(token)
+            if req.status is Status.FINISHED:  # aborted, or stopped a token earlier
+                continue
+            reason = req.append_token(token, in_flight=True)
             finished = reason is not None
-            if req.prefill_only and req.status is Status.RUNNING:
-                # One token is all a prefill worker samples; the KV stays for the decode worker.
-                self.scheduler.hold(req, time.monotonic() + req.hold_for_s)
-                if finished:
-                    self.scheduler.finish(req, reason)
-            elif finished:
+            if req.status is Status.HELD:  # prefill only: the reader's lease starts now
+                req.lease_deadline = time.monotonic() + req.hold_for_s
+            if finished:
                 self.scheduler.finish(req, reason)
             text = req.text.take(finished)
             out = self._output(
@@ -370,8 +422,10 @@ class LLMEngine:
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [T, vocab] of one causal forward over token_ids (no sampling)."""
-        if self.has_unfinished():
+        if self.scheduler.waiting or self.scheduler.running:
             raise RuntimeError("score() needs an idle engine")
+        if self._in_flight is not None:  # (only rows of finished requests can be left in it)
+            self.step()
         req = self.new_request("__score__", token_ids, SamplingParams(max_tokens=1))
         if not self.scheduler.try_allocate(req, len(token_ids)):
             raise RequestError(f"{len(token_ids)} tokens do not fit in the KV pools")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+from engine.step import sampled_ref
 from engine.text_stream import TextStream
 
 if TYPE_CHECKING:
@@ -41,6 +42,11 @@ class Request:
     # Called on the engine thread with each of this request's outputs (services stream them).
     listener: Callable[[RequestOutput], None] | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by steps still running on the device (async scheduling): they count in
+    # num_tokens, but their ids are not on the host yet (at most one when a step is scheduled;
+    # two between launching a step and completing the one before it).
+    num_inflight: int = 0
+    inflight_row: int = 0  # the newest one's row in its step's sampled ids
     num_computed: int = 0  # tokens whose KV is in the pool
     page_tables: dict[str, list[int]] = field(default_factory=dict)  # pool group -> page ids
     slab: int | None = None  # the request's slab row (its compressor rings, its page tables)
@@ -53,7 +59,12 @@ class Request:
         return self.hold_for_s is not None
 
     def tokens(self, start: int, n: int) -> list[int]:
-        """token_ids[start:start + n] without building the whole list (decode steps stay O(1))."""
+        """token_ids[start:start + n] without building the whole list (decode steps stay O(1));
+        a token still on the device (the newest, in flight) is its `sampled_ref`."""
+        known = self.num_tokens - self.num_inflight
+        if start + n > known:
+            assert start + n == known + 1 == self.num_tokens, "only the newest token may be unknown"
+            return self.tokens(start, n - 1) + [sampled_ref(self.inflight_row)]
         p = len(self.prompt_token_ids)
         if start >= p:
             return self.output_token_ids[start - p : start - p + n]
@@ -64,15 +75,24 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def ends_in_flight(self) -> bool:
+        """Its last token (the max_tokens-th) is in flight: there is nothing more to compute."""
+        return self.num_inflight > 0 and len(self.output_token_ids) + self.num_inflight >= (
+            self.max_tokens
+        )
 
     @property
     def num_pending(self) -> int:
         """Known tokens whose KV is not computed yet (the last one's logits give the next token)."""
         return self.num_tokens - self.num_computed
 
-    def append_token(self, token_id: int) -> str | None:
-        """Record a sampled token; returns the finish reason if the request ends with it."""
+    def append_token(self, token_id: int, in_flight: bool = False) -> str | None:
+        """Record a sampled token (in_flight: the oldest in-flight one, now on the host); returns
+        the finish reason if the request ends with it."""
+        self.num_inflight -= in_flight
         self.output_token_ids.append(token_id)
         is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
         if is_eos or token_id in self.params.stop_token_ids:

@@ -7,6 +7,11 @@ length allows (page tables, HCA entries); the kernels read only each row's real 
 Block tables are gathered on the device from the pool's per-slab copy, so a replay only
 refreshes positions, slab rows and token ids.
 
+With async scheduling a decode row's input may be a token the previous step sampled that has
+not reached the host (a `sampled_ref`): the runner swaps it for the id in `sampled` on the
+device, in stream order after the sampling, and rank 0 broadcasts those ids to the other ranks
+of its group, which sample nothing.
+
 In a tensor-parallel group every rank has a runner over its own shard and pool. Rank 0's
 scheduler decides each step; `call` sends the step (its RowSpans, and the page-table writes
 since the last call) to the other ranks, then every rank runs the same method, whose
@@ -19,6 +24,7 @@ import logging
 
 import torch
 
+from engine.async_copy import to_device
 from engine.kv_pool import KVPool
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.parallel.channel import Call, Channel
@@ -52,6 +58,9 @@ class ModelRunner:
             pool.table_writes = []  # the other ranks replay them
         self.graphs: dict[int, _DecodeGraph] = {}
         self.graphs_enabled = True  # False: decode steps run eagerly (use_graphs)
+        # [S] int64 on the device: the ids the last step sampled (rank 0 sets them); the next
+        # step's sampled_refs read them
+        self.sampled: torch.Tensor | None = None
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
         mempool = torch.cuda.graph_pool_handle()
@@ -103,15 +112,29 @@ class ModelRunner:
         fp32 logits of `logit_rows` (None: every row). A decode-only step replays a graph."""
         graph = self._graph_for(spans, num_decode) if logit_rows is not None else None
         if graph is not None:  # (every row of a decode-only step samples)
-            return graph.run(spans)
+            return graph.run(spans, self._sampled_ids(spans))
         with profiled("inputs"):
             inputs = build_step_inputs(self.pool, spans, num_decode, self.device)
+            resolve_sampled(inputs.token_ids, self._sampled_ids(spans))
             rows = (
                 torch.arange(inputs.num_rows, device=self.device)
                 if logit_rows is None
-                else torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+                else to_device(logit_rows, torch.int64, self.device)
             )
         return self.model(self.pool, inputs, rows)
+
+    def _sampled_ids(self, spans: list[RowSpan]) -> torch.Tensor | None:
+        """Every rank: the ids the spans' sampled_refs stand for ([1 + largest row] int64 on
+        the device; None when there are none), from rank 0's `sampled`."""
+        rows = 1 + max((-1 - s.token_ids[-1] for s in spans), default=-1)  # refs are last
+        if rows <= 0:
+            return None
+        if self.tp.rank == 0:
+            ids = self.sampled[:rows]
+        else:
+            ids = torch.empty(rows, dtype=torch.int64, device=self.device)
+        self.tp.broadcast(ids)
+        return ids
 
     def share_pages(self, pages: dict[str, list[int]]) -> None:
         """Every rank: rank 0's contents of these pages (a KV transfer filled them there) into
@@ -171,18 +194,27 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, pool=mempool):
             self.logits = forward()
 
-    def run(self, spans: list[RowSpan]) -> torch.Tensor:
+    def run(self, spans: list[RowSpan], sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """sampled: the ids the spans' sampled_refs stand for (ModelRunner._sampled_ids)."""
         n, inp, pool = len(spans), self.inputs, self.pool
-        host = torch.tensor(
-            [[s.start, s.slab, s.token_ids[0]] for s in spans], dtype=torch.int64
-        )  # [n, (position, slab, token)]
-        for buf, col, pad in (
-            (inp.positions, 0, 0),
-            (inp.slab, 1, pool.dummy_slab),
-            (inp.token_ids, 2, 0),
+        fields = to_device(
+            [[s.start for s in spans], [s.slab for s in spans], [s.token_ids[0] for s in spans]],
+            torch.int64,
+            inp.positions.device,
+        )  # [(position, slab, token), n]
+        for buf, values, pad in zip(
+            (inp.positions, inp.slab, inp.token_ids), fields, (0, pool.dummy_slab, 0), strict=True
         ):
-            buf[:n].copy_(host[:, col], non_blocking=True)
+            buf[:n].copy_(values)
             buf[n:].fill_(pad)
+        resolve_sampled(inp.token_ids[:n], sampled)
         inp.req_past.copy_(inp.positions)
         self.graph.replay()
         return self.logits[:n]
+
+
+def resolve_sampled(token_ids: torch.Tensor, sampled: torch.Tensor | None) -> None:
+    """token_ids [n] int64 on the device, in place: each sampled_ref(i) -> sampled[i]."""
+    if sampled is not None:
+        row = (-1 - token_ids).clamp(min=0)  # (real ids pick row 0, then keep their own)
+        token_ids.copy_(torch.where(token_ids < 0, sampled[row], token_ids))

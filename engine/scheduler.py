@@ -57,9 +57,9 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
 
-    def hold(self, req: Request, deadline: float) -> None:
+    def hold(self, req: Request, deadline: float | None) -> None:
         """A prefill-only request keeps its KV after its first token until released or until
-        `deadline`."""
+        `deadline` (None: not yet set; it is, once the token is on the host)."""
         self.running.remove(req)
         req.status, req.lease_deadline = Status.HELD, deadline
         self.num_held += 1
@@ -80,7 +80,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch(), self.token_budget
-        for req in [r for r in self.running if _is_decoding(r)]:
+        for req in [r for r in self.running if _is_decoding(r) and not r.ends_in_flight]:
             if budget == 0:
                 break
             # An earlier request may have preempted this one to make room for itself.
@@ -94,8 +94,10 @@ class Scheduler:
                 budget -= n
         while budget and self.waiting:
             req = self.waiting[0]
-            if not self.try_allocate(req, req.num_tokens):
-                break  # FIFO: later requests wait too, so a big one is not starved
+            # FIFO: later requests wait too, so a big one is not starved; a preempted request
+            # whose newest token is still on the device is recomputed once the token is known
+            if req.num_inflight or not self.try_allocate(req, req.num_tokens):
+                break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)

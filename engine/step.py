@@ -13,13 +13,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.async_copy import to_device
 from engine.kv_pool import KVPool
 from engine.layers.rope import RotaryTable
 
 
+def sampled_ref(row: int) -> int:
+    """The token id that stands for "the id the previous step sampled in row `row`" in a step
+    scheduled while that step still runs (async scheduling): negative, so never a real id; the
+    runner swaps it for the sampled id on the device (ModelRunner.sampled)."""
+    return -1 - row
+
+
 @dataclass(frozen=True)
 class RowSpan:
-    """The rows one request computes in a step: tokens [start, start + num_rows) of it."""
+    """The rows one request computes in a step: tokens [start, start + num_rows) of it (the
+    last one may be a `sampled_ref`)."""
 
     start: int  # position of the first row = tokens of the request already computed
     num_rows: int
@@ -88,7 +97,7 @@ def build_step_inputs(
     hca_width = max((p + 1) // hca.ratio for p in positions) if hca else 0
 
     def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True)
+        return to_device(x, torch.int64, device)
 
     return StepInputs(
         positions=t(positions),

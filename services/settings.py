@@ -134,7 +134,7 @@ def _add(group: Any, flag: Flag, default: Any) -> None:
     required = default is dataclasses.MISSING
     help_ = flag.help if flag.positional else f"{flag.help} [env {flag.env}]"
     kwargs: dict[str, Any] = {"dest": flag.dest, "help": help_}
-    if flag.kind is bool and flag.default is None:  # on, off, or unset (the field decides)
+    if flag.kind is bool and flag.default is not False:  # --x / --no-x (None: the field decides)
         kwargs.update(action=argparse.BooleanOptionalAction, default=default)
     elif flag.kind is bool:
         kwargs.update(action="store_true", default=bool(default))

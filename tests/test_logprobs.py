@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.logprobs import TokenLogprobs, token_logprobs
+from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from engine.models.deepseek_v4.tiny import make_tiny_model
 
 
@@ -16,7 +16,7 @@ def test_one_batch_serves_rows_with_different_widths() -> None:
     logits[:, 40:] = float("-inf")  # a padded vocabulary: never listed
     tokens = [7, 3, 39, 0]
     counts = [2, None, 0, 5]
-    out = token_logprobs(logits, tokens, counts)
+    out = read_logprobs(logprob_table(logits, torch.tensor(tokens), counts), counts)
     assert out[1] is None
     for b in (0, 2, 3):
         row = torch.log_softmax(logits[b].double(), dim=-1)
@@ -26,7 +26,9 @@ def test_one_batch_serves_rows_with_different_widths() -> None:
         assert got.logprob == pytest.approx(row[tokens[b]].item(), abs=1e-5)
         assert list(got.top_ids) == expected
         assert got.top_logprobs == pytest.approx([row[i].item() for i in expected], abs=1e-5)
-    assert token_logprobs(logits, tokens, [None] * 4) == [None] * 4
+    none = [None] * 4
+    assert logprob_table(logits, torch.tensor(tokens), none) is None
+    assert read_logprobs(None, none) == none
 
 
 @pytest.fixture(scope="module")

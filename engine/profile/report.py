@@ -19,7 +19,7 @@ from engine.profile.hardware import Hardware
 @dataclass
 class Report:
     setup: dict  # what ran: model, device, dtype, concurrency, context, ...
-    step_ms: float  # median step as served (graphs where captured), without the profiler
+    step_ms: float  # mean of back-to-back steps as served (graphs where captured), no profiler
     step_mode: str  # "cuda graphs" | "eager"
     profile: StepProfile
     work: WorkCells
@@ -120,7 +120,7 @@ def format_table(report: Report | dict) -> str:
         f"decode step of {s.get('model')}: {s.get('concurrency')} requests x "
         f"{s.get('context')} tokens of context, {s.get('device')} {s.get('dtype')}"
         + (f", tensor parallel {tp}" if tp > 1 else ""),
-        f"step {d['step_ms']:.3f} ms ({d['step_mode']}, median of {s.get('steps')}); under the "
+        f"step {d['step_ms']:.3f} ms ({d['step_mode']}, mean of {s.get('steps')} back to back); under the "
         f"profiler {total:.3f} ms (eager, mean of {d['profiled_steps']}), split below",
     ]
     hw = d["hardware"]
