@@ -16,9 +16,10 @@ writes its part of the JSON as soon as it has it):
   tensor (fast accumulation off and on). M <= 64 is compared with the weight bytes' floor at the
   measured copy bandwidth; M=4096 with _scaled_mm. Then other tile/split configs.
 - ``moe``: one V4-Flash MoE layer (256 experts, hidden 4096, moe_intermediate 2048, top-6):
-  correctness of fp4_moe against the release's expert arithmetic (kernels.quant) first, then 64
-  decode rows (and 4096 prefill tokens unless --quick): fp4_moe vs engine/moe.py's RoutedExperts
-  (bf16 weights, torch._grouped_mm) on the same (dequantized) weights.
+  correctness of fp4_moe against the release's expert arithmetic (kernels.quant) first, then 1
+  and 64 decode rows (and 4096 prefill tokens unless --quick): fp4_moe vs engine/moe.py's
+  RoutedExperts (bf16 weights, torch._grouped_mm) on the same (dequantized) weights; few rows
+  cycle through routings so that the weights come from HBM.
 
 Times are medians of CUDA-event-timed CUDA-graph replays (eager launches where capture fails,
 noted per row). For M <= 64 each replay cycles through enough weight copies (> 192 MB) that the
@@ -566,8 +567,10 @@ def routing(
 
 
 def moe_variants(env: Env, tokens: int, spec: dict) -> list[MoeConfig | None]:
-    if env.quick:  # the default decodes nibbles with inline PTX on the GPU; plain Triton beside
-        return [None, MoeConfig(16, 64, 4, 4, False)] if tokens <= 256 else [None]
+    if env.quick:  # the default decodes nibbles with inline PTX on the GPU; beside it, its
+        # tiles without split-K, and plain Triton
+        unsplit = [MoeConfig(16, 128, 4, 4, True), MoeConfig(16, 64, 4, 4, False)]
+        return [None, *unsplit] if tokens <= 256 else [None]
     if tokens <= 256:
         return [None] + [
             MoeConfig(16, bn, w, st, asm)
@@ -585,6 +588,12 @@ def moe_variants(env: Env, tokens: int, spec: dict) -> list[MoeConfig | None]:
 def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, check: bool) -> dict:
     x, ids, wts = routing(env, spec, tokens, seed=tokens)
     active = int(torch.unique(ids).numel())
+    # Few tokens hit few experts, whose weights L2 would keep between calls: cycle through
+    # routings (other experts) until a timed unit reads more than ROTATE_BYTES.
+    rotations = max(1, math.ceil(ROTATE_BYTES / layer.fp4_bytes(active)))
+    arg_sets = [(x, ids, wts)] + [
+        routing(env, spec, tokens, seed=tokens + 1000 * r) for r in range(1, rotations)
+    ]
     res = {
         "tokens": tokens,
         "topk": spec["topk"],
@@ -612,7 +621,7 @@ def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, chec
         used = cfg or moe_default_config(tokens * spec["topk"], spec["experts"], env.device)
         row = {"config": dataclasses.asdict(used), "default": cfg is None}
 
-        def run(x=x, cfg=cfg):
+        def run(x=x, ids=ids, wts=wts, cfg=cfg):
             return fp4_moe(
                 x, ids, wts, layer.w13, layer.s13, layer.w2, layer.s2, spec["limit"], config=cfg
             )
@@ -625,7 +634,9 @@ def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, chec
                 continue
             row["rel_err"] = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
             row["ok"] = row["rel_err"] < 4e-3
-        t = attempt(f"fp4 moe time {used}", time_ms, env, run, [()])
+        t = attempt(f"fp4 moe time {used}", time_ms, env, run, arg_sets)
+        if cfg is None and not env.smoke:
+            row["kernels_us"] = attempt("fp4 moe kernels", kernel_breakdown, run, arg_sets[0])
         if isinstance(t, tuple):
             row["us"], row["timing"] = 1e3 * t[0], t[1]
             row["GBps"] = layer.fp4_bytes(active) / row["us"] / 1e3
@@ -636,7 +647,7 @@ def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, chec
         c = row["config"]
         print(
             f"  fp4 T={tokens:<5} m{c['block_m']} n{c['block_n']} w{c['num_warps']} "
-            f"st{c['num_stages']} {'asm' if c['use_asm'] else 'plain'}"
+            f"st{c['num_stages']} {'asm' if c['use_asm'] else 'plain'} split {c['split_k']}"
             f"{' (default)' if cfg is None else ''}: err {fmt(row.get('rel_err'), '.1e')}"
             f" {fmt(row.get('us'), '8.1f')} us {fmt(row.get('GBps'), '6.0f')} GB/s",
             flush=True,
@@ -649,7 +660,7 @@ def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, chec
                     res["bf16_rel_diff_vs_release"] = (
                         (out.double() - ref.double()).norm() / ref.double().norm()
                     ).item()
-            t = attempt("bf16 moe time", time_ms, env, lambda: layer.bf16(x, ids, wts), [()])
+            t = attempt("bf16 moe time", time_ms, env, layer.bf16, arg_sets)
         if isinstance(t, tuple):
             res["bf16_us"], res["bf16_timing"] = 1e3 * t[0], t[1]
     timed = [v for v in res["variants"] if "us" in v and v.get("ok", True)]
@@ -679,8 +690,9 @@ def phase_moe(env: Env, result: dict, save: Callable[[], None]) -> None:
         hw = {"copy_GBps": float("nan")}
     print(f"MoE layer: {spec}", flush=True)
     layer = moe_layer(env, spec)
-    runs = [
-        attempt("moe T=64", bench_moe, env, layer, spec, 64 if not env.smoke else 4, hw, check=True)
+    runs = [  # decode at concurrency 1 and 64
+        attempt(f"moe T={t}", bench_moe, env, layer, spec, t, hw, check=True)
+        for t in ((1, 4) if env.smoke else (1, 64))
     ]
     result["moe"] = runs
     save()

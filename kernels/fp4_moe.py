@@ -43,9 +43,11 @@ Kernels:
    (token, slot) row; the k rows of a token are then summed in fp32.
 Rows are sorted by expert (stable argsort, as engine/moe.py's RoutedExperts) and each expert's
 rows are cut into BLOCK_M blocks; the grid has ceil(T*k / BLOCK_M) + min(E, T*k) block slots, a
-bound on the blocks any routing can need, and a program finds its expert by binary search over
-the per-expert block counts, so nothing is read back to the host (CUDA-graph capturable). Idle
-slots return at once. Decode (64 tokens, top-6, 256 experts: ~1.5 rows per expert) is bound by
+bound on the blocks any routing can need, and a program finds its expert by counting the
+per-expert block ends at or below its slot, so nothing is read back to the host (CUDA-graph
+capturable). Idle slots return at once. Few rows (a decode step of a token or two) leave most
+SMs idle; the GEMMs then split K (MoeConfig.split_k, split_for) and a finishing pass adds the
+slices. Decode (64 tokens, top-6, 256 experts: ~1.5 rows per expert) is bound by
 reading the FP4 weights of the ~200 experts hit, 4x fewer bytes than bf16.
 """
 
@@ -69,9 +71,39 @@ class MoeConfig:
     num_warps: int
     num_stages: int
     use_asm: bool  # decode nibbles four bytes per instruction (inline PTX; GPU only)
+    # K slices per GEMM (split-K: fp32 partial sums, added in slice order by a second pass):
+    # (gate/up, down); (1, 1) computes each output tile in one program (see split_for)
+    split_k: tuple[int, int] = (1, 1)
 
 
-def default_config(rows: int, experts: int, device: torch.device) -> MoeConfig:
+# Split-K, only for grids that cannot fill the GPU: a program streams its weight tile at a few
+# GB/s (its loads wait on each other), so a decode step of one token (6 experts: 96 gate/up
+# and 192 down tile programs) reads 80 MB in 210 us; 8 slices each take it to 150 us. From
+# 4 tokens on (400 gate/up tiles) splitting is slower (measured on the H200, 256 experts,
+# hidden 4096, intermediate 2048).
+SPLIT_BELOW = 256  # tile programs: fewer than about two per SM
+SPLIT_TARGET = 768
+MAX_SPLIT = 8
+
+
+def split_for(programs: int, k_blocks: int) -> int:
+    """K slices for a GEMM of `programs` output tiles over `k_blocks` 128-wide K blocks: 1 when
+    the tiles fill the GPU, else a power of two dividing k_blocks that brings them to about
+    SPLIT_TARGET programs (at most MAX_SPLIT)."""
+    split = 1
+    while (
+        programs < SPLIT_BELOW
+        and programs * split < SPLIT_TARGET
+        and split < MAX_SPLIT
+        and k_blocks % (2 * split) == 0
+    ):
+        split *= 2
+    return split
+
+
+def default_config(
+    rows: int, experts: int, device: torch.device, hidden: int = 4096, inter: int = 2048
+) -> MoeConfig:
     """Shape-only choice. rows = T * k."""
     # Decode steps are bound by instruction issue as much as by HBM (sm_90 SASS, per KB of
     # weights and SM: ~60 issue cycles in the gate/up loop, ~68 in the down loop at BLOCK_N 128,
@@ -79,7 +111,12 @@ def default_config(rows: int, experts: int, device: torch.device) -> MoeConfig:
     # against plain Triton. 64-row blocks spill (four [64, 128] fp32 tiles in the gate/up
     # program), so prefill uses 32 rows and 8 warps.
     block_m = 16 if rows <= 16 * max(experts, 1) else 32
-    return MoeConfig(block_m, 128, 4 if block_m == 16 else 8, 4, device.type == "cuda")
+    blocks = min(rows, experts) + rows // block_m  # row blocks a routing can need, about
+    split = (
+        split_for(blocks * (inter // 128), hidden // 128),
+        split_for(blocks * triton.cdiv(hidden, 128), inter // 128),
+    )
+    return MoeConfig(block_m, 128, 4 if block_m == 16 else 8, 4, device.type == "cuda", split)
 
 
 @triton.jit
@@ -128,23 +165,18 @@ def _act_scale(ptrs, ok):
 
 
 @triton.jit
-def _slot_rows(slot, block_end_ptr, row_end_ptr, E, BLOCK_M: tl.constexpr, STEPS: tl.constexpr):
+def _slot_rows(slot, block_end_ptr, row_end_ptr, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     """Block slot -> (expert, first sorted row, end of the expert's rows); expert == E when the
-    slot is past the last block. block_end/row_end: inclusive cumsums over experts."""
-    lo = 0
-    hi = E
-    for _ in tl.static_range(STEPS):  # lower bound: the first e with block_end[e] > slot
-        mid = (lo + hi) // 2
-        active = lo < hi
-        above = tl.load(block_end_ptr + tl.minimum(mid, E - 1)) > slot
-        lo = tl.where(active & ~above, mid + 1, lo)
-        hi = tl.where(active & above, mid, hi)
-    e = lo
-    prev = tl.maximum(e - 1, 0)
-    first_block = tl.where(e > 0, tl.load(block_end_ptr + prev), 0)
-    row0 = tl.where(e > 0, tl.load(row_end_ptr + prev), 0) + (slot - first_block) * BLOCK_M
-    row_end = tl.load(row_end_ptr + tl.minimum(e, E - 1))
-    return e, row0, row_end
+    slot is past the last block. block_end/row_end: inclusive cumsums over experts, read whole
+    (one round trip to memory; a binary search waits on a chain of dependent loads)."""
+    idx = tl.arange(0, E_POW2)
+    block_end = tl.load(block_end_ptr + idx, mask=idx < E, other=2147483647)
+    row_end = tl.load(row_end_ptr + idx, mask=idx < E, other=0)
+    e = tl.sum((block_end <= slot).to(tl.int32), axis=0)  # the first e with block_end[e] > slot
+    first_block = tl.sum(tl.where(idx == e - 1, block_end, 0), axis=0)  # (0 for e == 0)
+    row0 = tl.sum(tl.where(idx == e - 1, row_end, 0), axis=0) + (slot - first_block) * BLOCK_M
+    end = tl.sum(tl.where(idx == tl.minimum(e, E - 1), row_end, 0), axis=0)
+    return e, row0, end
 
 
 @triton.jit
@@ -158,7 +190,8 @@ def _moe_up_kernel(
     w_ptr,
     ws_ptr,
     hq_ptr,
-    hs_ptr,  #
+    hs_ptr,
+    part_ptr,  #
     E,
     TOPK,
     H,
@@ -172,14 +205,20 @@ def _moe_up_kernel(
     stride_wsn,
     stride_hm,
     stride_hsm,
+    stride_ps,
+    stride_pm,
+    KB_PER_SPLIT,  #
     BLOCK_M: tl.constexpr,
-    STEPS: tl.constexpr,
+    E_POW2: tl.constexpr,
+    SPLIT: tl.constexpr,
     HAS_LIMIT: tl.constexpr,  #
     USE_ASM: tl.constexpr,
     INTERP: tl.constexpr,  #
 ):
-    """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs."""
-    e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, BLOCK_M, STEPS)
+    """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs. Program
+    (slot, column tile, K slice); SPLIT: store the slice's fp32 gate and up sums into
+    part [slice, sorted row, gate | up] (_moe_up_finish_kernel finishes them), else finish."""
+    e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
     if e >= E:
         return
     rows = row0 + tl.arange(0, BLOCK_M)  # sorted rows
@@ -203,7 +242,8 @@ def _moe_up_kernel(
 
     acc_g = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
-    for kb in range(0, H // 128):  # one activation scale, four weight-scale chunks
+    k0 = tl.program_id(2) * KB_PER_SPLIT
+    for kb in range(k0, k0 + KB_PER_SPLIT):  # one activation scale, four weight-scale chunks
         sa = _act_scale(as_row + kb, ok)  # [BM]
         gw = tl.load(g_scale + kb)  # [128] int32: 4 scale bytes
         uw = tl.load(u_scale + kb)
@@ -218,6 +258,54 @@ def _moe_up_kernel(
         acc_g += blk_g * sa[:, None]
         acc_u += blk_u * sa[:, None]
 
+    if SPLIT:
+        part = (
+            part_ptr
+            + tl.program_id(2).to(tl.int64) * stride_ps
+            + rows[:, None].to(tl.int64) * stride_pm
+            + cols[None, :]
+        )
+        tl.store(part, acc_g, mask=ok[:, None])
+        tl.store(part + INTER, acc_u, mask=ok[:, None])
+    else:
+        _finish_up(
+            acc_g,
+            acc_u,
+            rows,
+            ok,
+            flat,
+            jt,
+            rw_ptr,
+            hq_ptr,
+            hs_ptr,
+            stride_hm,
+            stride_hsm,
+            limit,
+            HAS_LIMIT,
+            INTERP,
+        )
+
+
+@triton.jit
+def _finish_up(
+    acc_g,
+    acc_u,
+    rows,
+    ok,
+    flat,
+    jt,
+    rw_ptr,
+    hq_ptr,
+    hs_ptr,
+    stride_hm,
+    stride_hsm,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """fp32 gate and up sums [BM, 128] of sorted rows `rows` (valid where ok; flat: their
+    (token, slot) rows), column tile jt -> h's FP8 codes and its scale byte for these columns."""
+    cols = jt * 128 + tl.arange(0, 128)
     gate = round_bf16(acc_g, INTERP)  # fp4_gemm writes bf16; Expert.forward reads it as fp32
     up = round_bf16(acc_u, INTERP)
     if HAS_LIMIT:
@@ -231,6 +319,58 @@ def _moe_up_kernel(
         hq_ptr + rows[:, None].to(tl.int64) * stride_hm + cols[None, :], bits, mask=ok[:, None]
     )
     tl.store(hs_ptr + rows.to(tl.int64) * stride_hsm + jt, sbyte, mask=ok)
+
+
+@triton.jit
+def _moe_up_finish_kernel(
+    part_ptr,
+    order_ptr,
+    rw_ptr,
+    row_end_ptr,
+    hq_ptr,
+    hs_ptr,  #
+    E,
+    INTER,
+    limit,  #
+    stride_ps,
+    stride_pm,
+    stride_hm,
+    stride_hsm,  #
+    SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    INTERP: tl.constexpr,  #
+):
+    """Split-K gate/up: program (block of sorted rows, column tile) adds the K slices' partial
+    sums in slice order, then finishes as the unsplit kernel does."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = rows < tl.load(row_end_ptr + E - 1)  # rows of this rank's experts (others sort last)
+    jt = tl.program_id(1)
+    part = (
+        part_ptr + rows[:, None].to(tl.int64) * stride_pm + (jt * 128 + tl.arange(0, 128))[None, :]
+    )
+    acc_g = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+    for sp in tl.static_range(SPLITS):
+        acc_g += tl.load(part + sp * stride_ps, mask=ok[:, None], other=0.0)
+        acc_u += tl.load(part + sp * stride_ps + INTER, mask=ok[:, None], other=0.0)
+    flat = tl.load(order_ptr + rows, mask=ok, other=0)
+    _finish_up(
+        acc_g,
+        acc_u,
+        rows,
+        ok,
+        flat,
+        jt,
+        rw_ptr,
+        hq_ptr,
+        hs_ptr,
+        stride_hm,
+        stride_hsm,
+        limit,
+        HAS_LIMIT,
+        INTERP,
+    )
 
 
 @triton.jit
@@ -252,15 +392,20 @@ def _moe_down_kernel(
     stride_wn,
     stride_wse,
     stride_wsn,
-    stride_om,  #
+    stride_os,
+    stride_om,
+    KB_PER_SPLIT,  #
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    STEPS: tl.constexpr,  #
+    E_POW2: tl.constexpr,
+    SPLIT: tl.constexpr,  #
     USE_ASM: tl.constexpr,
     INTERP: tl.constexpr,  #
 ):
-    """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs."""
-    e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, BLOCK_M, STEPS)
+    """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs. Program
+    (slot, column tile, K slice); SPLIT: out is fp32 [slice, (token, slot) row, H] and gets
+    the slice's sums, else bf16 [(token, slot) row, H] and the whole sum."""
+    e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
     if e >= E:
         return
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -279,7 +424,8 @@ def _moe_down_kernel(
     as_row = hs_ptr + rows.to(tl.int64) * stride_hsm
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, INTER // 128):
+    k0 = tl.program_id(2) * KB_PER_SPLIT
+    for kb in range(k0, k0 + KB_PER_SPLIT):
         sa = _act_scale(as_row + kb, ok)
         sw = tl.load(w_scale + kb, mask=col_ok, other=0)  # [BN] int32: 4 scale bytes
         blk = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -289,14 +435,14 @@ def _moe_down_kernel(
             blk = _chunk(blk, a_even, a_odd, b.to(tl.uint8, bitcast=True), sw, c, USE_ASM, INTERP)
         acc += blk * sa[:, None]
 
-    if INTERP:  # the interpreter's bf16 cast truncates: round on the bits
-        acc = round_bf16(acc, True)
     flat = tl.load(order_ptr + rows, mask=ok, other=0).to(tl.int64)  # (token, slot) row
-    tl.store(
-        out_ptr + flat[:, None] * stride_om + cols[None, :],
-        acc.to(tl.bfloat16),
-        mask=ok[:, None] & col_ok[None, :],
-    )
+    out = out_ptr + tl.program_id(2).to(tl.int64) * stride_os + flat[:, None] * stride_om
+    if SPLIT:
+        tl.store(out + cols[None, :], acc, mask=ok[:, None] & col_ok[None, :])
+    else:
+        if INTERP:  # the interpreter's bf16 cast truncates: round on the bits
+            acc = round_bf16(acc, True)
+        tl.store(out + cols[None, :], acc.to(tl.bfloat16), mask=ok[:, None] & col_ok[None, :])
 
 
 def _as_int8(w: torch.Tensor) -> torch.Tensor:
@@ -386,9 +532,15 @@ def fp4_moe(
     rows = tokens * topk
     if rows == 0:
         return torch.zeros(tokens, hidden, dtype=out_dtype, device=x.device)
-    cfg = config or default_config(rows, n_exp, x.device)
-    if cfg.block_n not in (16, 32, 64, 128, 256) or cfg.block_m < 16:
-        raise ValueError(f"unsupported config {cfg}")
+    cfg = config or default_config(rows, n_exp, x.device, hidden, inter)
+    split_up, split_down = cfg.split_k
+    if (
+        cfg.block_n not in (16, 32, 64, 128, 256)
+        or cfg.block_m < 16
+        or (hidden // 128) % split_up
+        or (inter // 128) % split_down
+    ):
+        raise ValueError(f"unsupported config {cfg} for hidden {hidden}, intermediate {inter}")
     dev = x.device
 
     xq, xs = act_quant(x)  # [T, H] e4m3, [T, H/128] e8m0
@@ -403,14 +555,15 @@ def fp4_moe(
     row_end = counts.cumsum(0).to(torch.int32)  # [E]
     block_end = ((counts + cfg.block_m - 1) // cfg.block_m).cumsum(0).to(torch.int32)  # [E]
     slots = triton.cdiv(rows, cfg.block_m) + min(n_exp, rows)
-    steps = max(1, n_exp.bit_length())
     route_w = weights.reshape(-1).to(torch.float32).contiguous()  # [R]
 
     hq = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=dev)  # [R sorted, I]
     hs = torch.empty(rows, inter // FP8_BLOCK, dtype=torch.uint8, device=dev)  # [R, I/128] e8m0
     # one int32 word per row and 128 inputs holds that block's four per-32 scale bytes
     ws13, ws2 = s13.view(torch.uint8).view(torch.int32), s2.view(torch.uint8).view(torch.int32)
-    _moe_up_kernel[(slots, inter // 128)](
+    # split-K: fp32 [slice, sorted row, gate | up] partial sums
+    part = torch.empty((split_up, rows, 2 * inter) if split_up > 1 else (1, 1, 1), device=dev)
+    _moe_up_kernel[(slots, inter // 128, split_up)](
         xq,
         xs.view(torch.uint8),
         order,
@@ -421,6 +574,7 @@ def fp4_moe(
         ws13,
         hq.view(torch.uint8),
         hs,
+        part,
         n_exp,
         topk,
         hidden,
@@ -434,16 +588,47 @@ def fp4_moe(
         ws13.stride(1),
         hq.stride(0),
         hs.stride(0),
+        part.stride(0),
+        part.stride(1),
+        (hidden // 128) // split_up,
         BLOCK_M=cfg.block_m,
-        STEPS=steps,
+        E_POW2=triton.next_power_of_2(n_exp),
+        SPLIT=split_up > 1,
         HAS_LIMIT=swiglu_limit > 0,
         USE_ASM=cfg.use_asm and not INTERPRET,
         INTERP=INTERPRET,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    down = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=dev)  # [(token, slot), H]
-    _moe_down_kernel[(slots, triton.cdiv(hidden, cfg.block_n))](
+    if split_up > 1:
+        _moe_up_finish_kernel[(triton.cdiv(rows, cfg.block_m), inter // 128)](
+            part,
+            order,
+            route_w,
+            row_end,
+            hq.view(torch.uint8),
+            hs,
+            n_exp,
+            inter,
+            float(swiglu_limit),
+            part.stride(0),
+            part.stride(1),
+            hq.stride(0),
+            hs.stride(0),
+            SPLITS=split_up,
+            BLOCK_M=cfg.block_m,
+            HAS_LIMIT=swiglu_limit > 0,
+            INTERP=INTERPRET,
+            num_warps=cfg.num_warps,
+        )
+    # [(token, slot), H] bf16; split-K: fp32 [slice, (token, slot), H], summed below. Rows
+    # of other ranks' experts stay zero.
+    down = torch.zeros(
+        (split_down, rows, hidden) if split_down > 1 else (1, rows, hidden),
+        dtype=torch.float32 if split_down > 1 else torch.bfloat16,
+        device=dev,
+    )
+    _moe_down_kernel[(slots, triton.cdiv(hidden, cfg.block_n), split_down)](
         hq,
         hs,
         order,
@@ -462,9 +647,12 @@ def fp4_moe(
         ws2.stride(0),
         ws2.stride(1),
         down.stride(0),
+        down.stride(1),
+        (inter // 128) // split_down,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        STEPS=steps,
+        E_POW2=triton.next_power_of_2(n_exp),
+        SPLIT=split_down > 1,
         USE_ASM=cfg.use_asm and not INTERPRET,
         INTERP=INTERPRET,
         num_warps=cfg.num_warps,
@@ -472,4 +660,5 @@ def fp4_moe(
     )
     # the release adds each expert's bf16 output into an fp32 sum (in expert order; here in
     # slot order, which only changes the last fp32 bit)
+    down = down.sum(0).to(torch.bfloat16) if split_down > 1 else down[0]
     return down.view(tokens, topk, hidden).float().sum(1).to(out_dtype)

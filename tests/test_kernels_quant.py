@@ -379,6 +379,28 @@ def test_fp4_expert_ranges_add_up_to_all_experts():
     assert rel_err(parts["triton"][0] + parts["triton"][1], whole) < 1e-3
 
 
+@pytest.mark.parametrize("split_k", [(2, 2), (2, 1), (1, 2)])
+def test_fp4_moe_split_k_matches_release_experts_on_every_expert_range(split_k):
+    """Split-K (a decode step's few rows: fp32 slices added by a second pass) gives the
+    release's arithmetic, whole and in expert-parallel halves (ids outside a rank's range)."""
+    x, ids, wts, w13, s13, w2, s2 = _moe_case(6, 256, 256, 5, 2, seed=14)
+    split = MoeConfig(16, 64, 4, 1, False, split_k)
+    for start, stop in ((0, 6), (0, 3), (3, 6)):
+        local = (w13[start:stop], s13[start:stop], w2[start:stop], s2[start:stop])
+        ref = quant.fp4_experts_reference(x, ids - start, wts, *local, 10.0)
+        out = fp4_moe(x, ids - start, wts, *local, 10.0, config=split)
+        assert rel_err(out, ref) < 1e-3, (start, stop)
+
+
+def test_fp4_moe_splits_k_only_for_grids_too_small_to_fill_the_gpu():
+    from kernels.fp4_moe import default_config
+
+    cpu = torch.device("cpu")
+    assert default_config(6, 256, cpu).split_k == (8, 4)  # one token, top-6: 96 and 192 tiles
+    assert default_config(4 * 6, 256, cpu).split_k == (1, 1)  # 4 tokens: 400 and 800
+    assert default_config(64 * 6, 256, cpu).split_k == (1, 1)
+
+
 def test_stack_fp4_experts_layout():
     g = torch.Generator().manual_seed(13)
     per = [
@@ -476,14 +498,20 @@ def test_cuda_fp8_linear_configs_agree(cfg):
 @gpu_test
 @pytest.mark.parametrize("asm", [False, True])
 @pytest.mark.parametrize(
-    "tokens,block_m,block_n,warps",
-    [(64, 16, 128, 4), (64, 16, 64, 4), (1024, 32, 128, 8), (1024, 64, 128, 8)],
+    "tokens,block_m,block_n,warps,split_k",
+    [
+        (1, 16, 128, 4, (8, 4)),
+        (64, 16, 128, 4, (1, 1)),
+        (64, 16, 64, 4, (2, 2)),
+        (1024, 32, 128, 8, (1, 1)),
+        (1024, 64, 128, 8, (1, 1)),
+    ],
 )
-def test_cuda_fp4_moe_v4_flash(asm, tokens, block_m, block_n, warps):
+def test_cuda_fp4_moe_v4_flash(asm, tokens, block_m, block_n, warps, split_k):
     x, ids, wts, w13, s13, w2, s2 = _moe_case(
         32, 4096, 2048, tokens, 6, seed=23, skew=tokens > 64, device="cuda"
     )
-    cfg = MoeConfig(block_m, block_n, warps, 3, asm)
+    cfg = MoeConfig(block_m, block_n, warps, 3, asm, split_k)
     out = fp4_moe(x, ids, wts, w13, s13, w2, s2, 10.0, config=cfg)
     ref = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, 10.0)
     assert rel_err(out, ref) < 4e-3
