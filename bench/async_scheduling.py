@@ -13,7 +13,7 @@ worker runs them, once waiting for each step's ids before scheduling the next
 (--no-async-scheduling) and once with async scheduling, on the same engine and requests.
 What async scheduling hides is the host's share of the waited step. With `--floors` the
 async step is also set against the sum of its floors (`dsaserve profile`'s report at the same
-concurrency and context; the c=1 target of issue 10 is <= 1.5x).
+concurrency and context, printed and kept in the JSON; the c=1 target of issue 10 is <= 1.5x).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from engine.llm_engine import LLMEngine
 from engine.profile import hardware, history
 from engine.profile.capture import sync
 from engine.profile.decode import profile_engine, steps_run
+from engine.profile.report import format_table
 
 WARMUP = 3
 
@@ -68,7 +69,9 @@ def measure(engine: LLMEngine, concurrency: int, context: int, steps: int, floor
         ).as_dict()
         row["floor_ms"] = report["floor_ms"]
         row["async_step_over_floor"] = row["async_step_ms"] / report["floor_ms"]
-    print(row, flush=True)
+        print(format_table(report), flush=True)
+        row["profile"] = report
+    print({k: v for k, v in row.items() if k != "profile"}, flush=True)
     return row
 
 
