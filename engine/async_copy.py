@@ -41,7 +41,9 @@ class ToHost:
             for t in tensors
         )
         self._event = torch.cuda.Event()
-        self._event.record()
+        self._event.record(
+            torch.cuda.current_stream(device)
+        )  # (the copies' device, not the current)
 
     def wait(self) -> tuple[torch.Tensor | None, ...]:
         """The host copies, in the order given (waits until the device has made them)."""

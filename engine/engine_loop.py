@@ -103,6 +103,7 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         try:
+            engine.bind_thread()
             while not self._stopping.is_set():
                 self._drain_commands(block=not engine.has_unfinished())
                 if engine.has_unfinished():

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 import kernels
+from engine.async_copy import to_device
 from engine.kv_staging import KVStaging, Unpacker
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
 from engine.page_allocator import PageAllocator
@@ -254,9 +255,9 @@ class KVPool:
 
     def write_page_table(self, slab: int, group: str, first: int, pages: list[int]) -> None:
         """Record pages[i] as page `first + i` of the request in slab row `slab`."""
-        self.page_tables[group][slab, first : first + len(pages)] = torch.tensor(
-            pages, dtype=torch.int32
-        )
+        table = self.page_tables[group]
+        # (through pinned memory: a pageable copy would wait for the step the device runs)
+        table[slab, first : first + len(pages)] = to_device(pages, torch.int32, table.device)
         if self.table_writes is not None:
             self.table_writes.append((slab, group, first, pages))
 

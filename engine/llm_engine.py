@@ -95,6 +95,7 @@ class LLMEngine:
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig()) -> None:
         self.config, self.model_dir = config, str(model_dir)
         self.device = device_of(config, 0)
+        self.bind_thread()
         self.model_config = cfg = models.family(model_dir).ModelConfig.from_dir(model_dir)
         # before any process starts: a clear error for a model that does not split, or whose
         # KV rows the FP8 cache cannot hold
@@ -130,6 +131,12 @@ class LLMEngine:
             self.pool.token_capacity(),
             self.pool.layout_description(),
         )
+
+    def bind_thread(self) -> None:
+        """Make the engine's GPU the calling thread's current device (each thread has its own):
+        Triton launches and CUDA events go to the current device, whatever their tensors'."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def group_alive(self) -> bool:
         """Whether every rank of the engine's tensor-parallel group still runs."""
@@ -379,9 +386,12 @@ class LLMEngine:
             reason = req.append_token(token, in_flight=True)
             finished = reason is not None
             if req.status is Status.HELD:  # prefill only: the reader's lease starts now
-                req.lease_deadline = time.monotonic() + req.hold_for_s
+                # (a claim made before the token was known may already reach further)
+                req.lease_deadline = max(
+                    req.lease_deadline or 0.0, time.monotonic() + req.hold_for_s
+                )
             if finished:
-                self.scheduler.finish(req, reason)
+                self._finish(req, reason)  # (a held request may already be staged)
             text = req.text.take(finished)
             out = self._output(
                 req,

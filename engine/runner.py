@@ -143,7 +143,7 @@ class ModelRunner:
         if self.tp.size == 1:
             return
         regions = [  # each region as bytes [pages, ...]
-            (r.tensor.view(torch.uint8), torch.tensor(pages[r.group], device=self.device))
+            (r.tensor.view(torch.uint8), to_device(pages[r.group], torch.int64, self.device))
             for r in self.pool.regions()
             if pages.get(r.group)
         ]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs may list (OpenAI's top_logprobs cap)
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing logits by them
+# overflows fp32 and the argmax of infinities is the first one, not the likeliest token.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -32,7 +36,10 @@ class SamplingParams:
                 self.max_tokens is None or self.max_tokens >= 1,
                 f"max_tokens must be >= 1, got {self.max_tokens}",
             ),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (
+                0 <= self.temperature < math.inf,
+                f"temperature must be finite and >= 0, got {self.temperature}",
+            ),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (or -1 for off), got {self.top_k}"),
             (
@@ -54,7 +61,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 class ContextLengthError(ValueError):

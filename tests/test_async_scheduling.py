@@ -175,6 +175,25 @@ def test_a_prefill_only_lease_starts_when_its_token_reaches_the_host(tiny):
     _assert_all_free(engine)
 
 
+def test_a_held_request_staged_or_claimed_before_its_token_lands_keeps_both(tiny):
+    """Between launch and completion a prefill-only request is already held: a stage or a
+    claim then is kept (the staged blocks freed if the token ends it, the claim's deadline not
+    shortened)."""
+    engine = LLMEngine(tiny, EngineConfig(**ROOMY))
+    free_blocks = engine.pool.staging.allocator.num_free
+    engine.add_request("ends", list(range(40)), SamplingParams(max_tokens=1), hold_for_s=5.0)
+    engine.add_request("read", list(range(30)), SamplingParams(max_tokens=8), hold_for_s=5.0)
+    assert engine.step() == []  # both launched, held, tokens in flight
+    assert "staging" in engine.stage("ends").pages
+    deadline = engine.claim("read", hold_s=600.0, now=time.monotonic())
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["ends"].finish_reason == "length" and outs["read"].finish_reason is None
+    assert engine.pool.staging.allocator.num_free == free_blocks  # its blocks came back
+    assert engine.scheduler.requests["read"].lease_deadline == deadline
+    assert engine.release("read")
+    _assert_all_free(engine)
+
+
 def test_scoring_after_a_stopped_generation_finds_the_engine_idle(tiny, greedy_text):
     engine = LLMEngine(tiny, EngineConfig(**ROOMY))
     prompt = _ids(engine)[0]

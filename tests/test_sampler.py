@@ -3,6 +3,7 @@ token depends on (seed, draw) and its logits alone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.sampler import sample
@@ -60,3 +61,12 @@ def test_greedy_rows_take_the_argmax():
     params = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0)]
     tokens = sample(logits.clone(), params, [0, 0, 0])
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+
+
+def test_tiny_temperatures_are_greedy_and_non_finite_ones_refused():
+    logits = torch.tensor([[1.0, 5.0, 0.0, float("-inf")]])
+    # logits / 1e-39 overflow to inf: the first infinity would win, not the likeliest token
+    assert sample(logits.clone(), [SamplingParams(temperature=1e-39)], [0]).item() == 1
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature must be finite"):
+            SamplingParams(temperature=bad)

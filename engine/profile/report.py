@@ -120,8 +120,9 @@ def format_table(report: Report | dict) -> str:
         f"decode step of {s.get('model')}: {s.get('concurrency')} requests x "
         f"{s.get('context')} tokens of context, {s.get('device')} {s.get('dtype')}"
         + (f", tensor parallel {tp}" if tp > 1 else ""),
-        f"step {d['step_ms']:.3f} ms ({d['step_mode']}, mean of {s.get('steps')} back to back); under the "
-        f"profiler {total:.3f} ms (eager, mean of {d['profiled_steps']}), split below",
+        f"step {d['step_ms']:.3f} ms ({d['step_mode']}, mean of {s.get('steps')} back to "
+        f"back); under the profiler {total:.3f} ms (eager, mean of {d['profiled_steps']}), "
+        "split below",
     ]
     hw = d["hardware"]
     if hw:
