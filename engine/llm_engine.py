@@ -134,8 +134,9 @@ class LLMEngine:
 
     def bind_thread(self) -> None:
         """Make the engine's GPU the calling thread's current device (each thread has its own):
-        Triton launches and CUDA events go to the current device, whatever their tensors'."""
-        if self.device.type == "cuda":
+        Triton launches and CUDA events go to the current device, whatever their tensors'.
+        A plain "cuda" already means the current device (and set_device refuses it)."""
+        if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
 
     def group_alive(self) -> bool:
