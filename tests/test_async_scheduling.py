@@ -15,15 +15,10 @@ from engine.llm_engine import LLMEngine, RequestOutput
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.request import Status
 from engine.sampling_params import SamplingParams
+from tests.engine_cases import PROMPTS as ENGINE_PROMPTS
+from tests.engine_cases import assert_all_free, drain
 
-PROMPTS = [
-    "The quick brown fox",
-    "a",
-    "0123456789" * 9,
-    "Once upon a time, in a land far away,",
-    "zz" * 30,
-    "Hello there",
-]
+PROMPTS = [*ENGINE_PROMPTS, "Hello there"]
 ROOMY = dict(max_num_batched_tokens=512)
 # ~2 requests' KV: requests queue and are preempted while their tokens are in flight
 TIGHT = dict(kv_cache_memory_bytes=800_000, page_size=4, max_num_seqs=8, max_num_batched_tokens=32)
@@ -42,32 +37,12 @@ def greedy_text(tiny) -> list[list[int]]:
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for i, p in enumerate(_ids(engine)):
         engine.add_request(str(i), p, params)
-    outs = _drain(engine)
+    outs = drain(engine)
     return [[t for o in outs[str(i)] for t in o.new_token_ids] for i in range(len(PROMPTS))]
 
 
 def _ids(engine: LLMEngine) -> list[list[int]]:
     return [engine.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS]
-
-
-def _drain(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
-    outputs: dict[str, list[RequestOutput]] = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished():
-            return outputs
-        for out in engine.step():
-            assert not any(o.finished for o in outputs.get(out.request_id, [])), (
-                f"{out.request_id} got an output after its last"
-            )
-            outputs.setdefault(out.request_id, []).append(out)
-    raise AssertionError("engine did not finish")
-
-
-def _assert_all_free(engine: LLMEngine) -> None:
-    load = engine.load()
-    assert load.free_pages == load.total_pages and load.running == load.waiting == 0
-    assert engine.pool.slab.num_free == engine.config.max_num_seqs
-    assert not engine.scheduler.requests and not engine.has_unfinished()
 
 
 def _mixed_params(greedy_text: list[list[int]]) -> list[SamplingParams]:
@@ -94,8 +69,8 @@ def _run(tiny, options: dict, async_scheduling: bool, params) -> dict[str, list]
     engine = LLMEngine(tiny, EngineConfig(async_scheduling=async_scheduling, **options))
     for i, (p, sp) in enumerate(zip(_ids(engine), params, strict=True)):
         engine.add_request(str(i), p, sp)
-    outputs = _drain(engine)
-    _assert_all_free(engine)
+    outputs = drain(engine)
+    assert_all_free(engine)
     return {
         rid: [
             (
@@ -141,7 +116,7 @@ def test_a_stopped_request_computes_one_row_more_and_sends_nothing_after_its_end
     # the step after the stopping token's was already launched for it: one more row
     assert req.status is Status.FINISHED and req.num_inflight == 1
     assert engine.has_unfinished() and engine.step() == [] and not engine.has_unfinished()
-    _assert_all_free(engine)
+    assert_all_free(engine)
 
 
 def test_aborting_a_request_whose_token_is_in_flight_drops_that_token(tiny):
@@ -154,10 +129,10 @@ def test_aborting_a_request_whose_token_is_in_flight_drops_that_token(tiny):
             got[out.request_id] += len(out.new_token_ids)
     assert engine.scheduler.requests["a"].num_inflight == 1
     assert engine.abort("a")
-    rest = _drain(engine)
+    rest = drain(engine)
     assert "a" not in rest and got["a"] == 3  # its in-flight 4th token never came out
     assert sum(len(o.new_token_ids) for o in rest["b"]) + got["b"] == 20
-    _assert_all_free(engine)
+    assert_all_free(engine)
 
 
 def test_a_prefill_only_lease_starts_when_its_token_reaches_the_host(tiny):
@@ -172,7 +147,8 @@ def test_a_prefill_only_lease_starts_when_its_token_reaches_the_host(tiny):
     assert engine.held_pages("p").num_tokens == 40
     assert engine.expire_leases(time.monotonic()) == []
     assert engine.expire_leases(time.monotonic() + 10.0) == ["p"]
-    _assert_all_free(engine)
+    assert_all_free(engine)
+    assert not engine.has_unfinished()
 
 
 def test_a_held_request_staged_or_claimed_before_its_token_lands_keeps_both(tiny):
@@ -191,7 +167,8 @@ def test_a_held_request_staged_or_claimed_before_its_token_lands_keeps_both(tiny
     assert engine.pool.staging.allocator.num_free == free_blocks  # its blocks came back
     assert engine.scheduler.requests["read"].lease_deadline == deadline
     assert engine.release("read")
-    _assert_all_free(engine)
+    assert_all_free(engine)
+    assert not engine.has_unfinished()
 
 
 def test_scoring_after_a_stopped_generation_finds_the_engine_idle(tiny, greedy_text):
@@ -209,7 +186,8 @@ def test_scoring_after_a_stopped_generation_finds_the_engine_idle(tiny, greedy_t
         outs += engine.step()
     assert engine.has_unfinished()  # the row after the stop is still in flight
     assert engine.score(prompt).shape[0] == len(prompt)
-    _assert_all_free(engine)
+    assert_all_free(engine)
+    assert not engine.has_unfinished()
 
 
 def test_the_bench_times_both_modes_and_leaves_the_engine_idle(tiny):
@@ -217,4 +195,5 @@ def test_the_bench_times_both_modes_and_leaves_the_engine_idle(tiny):
     row = measure(engine, concurrency=2, context=40, steps=2, floors=False)
     assert row["waited_step_ms"] > 0 and row["async_step_ms"] > 0
     assert row["async_speedup"] == pytest.approx(row["waited_step_ms"] / row["async_step_ms"])
-    _assert_all_free(engine)
+    assert_all_free(engine)
+    assert not engine.has_unfinished()

@@ -10,15 +10,9 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestError
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from tests.engine_cases import PROMPTS, assert_all_free, drain
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-PROMPTS = [
-    "The quick brown fox",
-    "a",
-    "0123456789" * 9,
-    "Once upon a time, in a land far away,",
-    "zz" * 30,
-]
 
 
 @pytest.fixture(scope="module")
@@ -30,23 +24,6 @@ def tiny(tmp_path_factory):
 def reference(tiny):
     """Greedy continuations of PROMPTS from a roomy engine that computes each prompt in one step."""
     return [r.token_ids for r in LLM(tiny, max_num_batched_tokens=512).generate(PROMPTS, GREEDY)]
-
-
-def _drain(engine: LLMEngine, limit: int = 10_000) -> dict[str, list]:
-    outputs: dict[str, list] = {}
-    for _ in range(limit):
-        if not engine.has_unfinished():
-            return outputs
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    raise AssertionError("engine did not finish")
-
-
-def _assert_all_free(engine: LLMEngine) -> None:
-    load = engine.load()
-    assert load.free_pages == load.total_pages == engine.pool.num_total_pages
-    assert engine.pool.slab.num_free == engine.config.max_num_seqs
-    assert not engine.scheduler.requests
 
 
 def test_chunked_prefill_equals_unchunked(tiny, reference):
@@ -61,10 +38,10 @@ def test_request_admitted_while_others_decode_does_not_change_them(tiny, referen
     for _ in range(6):
         engine.step()
     engine.add_request("c", ids[2], GREEDY)  # a long prompt, chunked while "a" decodes
-    outputs = _drain(engine)
+    outputs = drain(engine)
     tokens = {k: [t for o in v for t in o.new_token_ids] for k, v in outputs.items()}
     assert tokens["c"] == reference[2]
-    _assert_all_free(engine)
+    assert_all_free(engine)
 
 
 @pytest.mark.parametrize("when", ["waiting", "mid_prefill", "mid_decode", "finished"])
@@ -85,14 +62,14 @@ def test_abort_anywhere_frees_everything(tiny, when):
         "finished": True,
     }[when]
     if when == "finished":
-        _drain(engine)
+        drain(engine)
         assert engine.abort(target) is False
     else:
         assert engine.abort(target) is True
         assert engine.abort(target) is False
     for rid in ("x", "y", "z"):
         engine.abort(rid)
-    _assert_all_free(engine)
+    assert_all_free(engine)
 
 
 def test_full_pool_queues_requests_and_all_finish(tiny, reference):
@@ -112,14 +89,14 @@ def test_full_pool_queues_requests_and_all_finish(tiny, reference):
     )
     for i, p in enumerate(ids):
         engine.add_request(str(i), p, longer)
-    outputs = _drain(engine)
+    outputs = drain(engine)
     tokens = [[t for o in outputs[str(i)] for t in o.new_token_ids] for i in range(len(ids))]
     assert [
         t[: GREEDY.max_tokens] for t in tokens
     ] == reference  # greedy: a longer run extends the shorter
     assert all(len(t) == longer.max_tokens for t in tokens)
     assert engine.scheduler.num_preemptions > 0
-    _assert_all_free(engine)
+    assert_all_free(engine)
 
 
 def test_request_that_can_never_fit_is_rejected(tiny):
@@ -131,7 +108,7 @@ def test_request_that_can_never_fit_is_rejected(tiny):
     )
     with pytest.raises(RequestError, match=r"KV pool, which has \d+; lower max_tokens"):
         engine.add_request("big", list(range(200)) * 10, SamplingParams(max_tokens=100))
-    _assert_all_free(engine)
+    assert_all_free(engine)
 
 
 def test_context_length_caps_prompt_plus_output(tiny):
@@ -147,7 +124,7 @@ def test_context_length_caps_prompt_plus_output(tiny):
     engine.add_request(
         "r", list(range(50)), SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
     )
-    [done] = [o for o in _drain(engine)["r"] if o.finished]
+    [done] = [o for o in drain(engine)["r"] if o.finished]
     assert done.finish_reason == "length" and done.completion_tokens == 14
 
 
@@ -180,7 +157,7 @@ def _streamed(
     engine: LLMEngine, prompt: list[int], params: SamplingParams
 ) -> tuple[str, list, str]:
     engine.add_request("s", prompt, params)
-    outs = _drain(engine)["s"]
+    outs = drain(engine)["s"]
     return (
         "".join(o.text for o in outs),
         [t for o in outs for t in o.new_token_ids],
@@ -204,7 +181,7 @@ def test_stop_strings_end_the_text_before_them(tiny):
     )
     assert reason == "stop"
     assert text == full[: full.index(stop)]
-    _assert_all_free(engine)
+    assert_all_free(engine)
 
 
 def test_stop_token_ids_end_generation_and_hide_the_token(tiny, reference):
@@ -226,7 +203,7 @@ def test_prefill_only_requests_hold_their_kv_until_released_or_aborted(tiny):
         engine.add_request(
             rid, list(range(50)), SamplingParams(max_tokens=8, temperature=0), hold_for_s=30.0
         )
-    outputs = _drain(engine)
+    outputs = drain(engine)
     assert all(
         len(o) == 1 and o[0].finished and o[0].finish_reason is None for o in outputs.values()
     )
@@ -235,21 +212,21 @@ def test_prefill_only_requests_hold_their_kv_until_released_or_aborted(tiny):
     assert engine.load().free_pages < engine.load().total_pages
     assert engine.release("released") and engine.abort("aborted")
     assert engine.load().held == 0 and not engine.release("released")
-    _assert_all_free(engine)
+    assert_all_free(engine)
 
 
 def test_held_kv_is_freed_when_its_lease_runs_out(tiny):
     engine = LLMEngine(tiny)
     engine.add_request("short", list(range(40)), SamplingParams(max_tokens=8), hold_for_s=5.0)
     engine.add_request("long", list(range(40)), SamplingParams(max_tokens=8), hold_for_s=60.0)
-    _drain(engine)
+    drain(engine)
     start = time.monotonic()
     assert engine.expire_leases(start) == []  # both leases still run
     assert engine.expire_leases(start + 10.0) == ["short"]
     with pytest.raises(KeyError):
         engine.held_pages("short")
     assert engine.load().held == 1 and engine.release("long")
-    _assert_all_free(engine)
+    assert_all_free(engine)
 
 
 def test_a_claim_keeps_held_kv_past_its_lease_and_release_says_if_it_stayed(tiny):
@@ -258,7 +235,7 @@ def test_a_claim_keeps_held_kv_past_its_lease_and_release_says_if_it_stayed(tiny
     engine = LLMEngine(tiny)
     for rid in ("read", "late"):
         engine.add_request(rid, list(range(40)), SamplingParams(max_tokens=8), hold_for_s=5.0)
-    _drain(engine)
+    drain(engine)
     now = time.monotonic()
     deadline = engine.claim("read", hold_s=60.0, now=now)
     assert deadline is not None and deadline >= now + 60.0
@@ -266,4 +243,4 @@ def test_a_claim_keeps_held_kv_past_its_lease_and_release_says_if_it_stayed(tiny
     assert engine.claim("late", hold_s=60.0, now=now + 10.0) is None  # too late to claim
     assert engine.release("read") is True  # intact: held until this release
     assert engine.release("read") is False and engine.release("late") is False
-    _assert_all_free(engine)
+    assert_all_free(engine)

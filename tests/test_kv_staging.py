@@ -21,6 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model, tiny_config
 from engine.page_allocator import OutOfPages
+from tests.engine_cases import drain
 
 CFG = ModelConfig.from_hf(tiny_config(300))
 
@@ -123,11 +124,11 @@ def test_a_request_staged_by_one_engine_decodes_on_another_as_if_never_moved(tin
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     alone = LLMEngine(tiny)
     alone.add_request("r", prompt, params)
-    want = [t for o in _drain(alone)["r"] for t in o.new_token_ids]
+    want = [t for o in drain(alone)["r"] for t in o.new_token_ids]
 
     prefill = LLMEngine(tiny, EngineConfig(max_num_batched_tokens=64))
     prefill.add_request("r", prompt, params, hold_for_s=30.0)
-    (first,) = [t for o in _drain(prefill)["r"] for t in o.new_token_ids]
+    (first,) = [t for o in drain(prefill)["r"] for t in o.new_token_ids]
     held = prefill.stage("r")
     assert set(held.pages) == {STAGING} and held.num_tokens == len(prompt)
     assert prefill.load().free_pages < prefill.load().total_pages  # the blocks are held
@@ -139,7 +140,7 @@ def test_a_request_staged_by_one_engine_decodes_on_another_as_if_never_moved(tin
     reserved = decode.reserve("r", prompt, first, params)
     _move(prefill.pool, held.pages[STAGING], decode.pool, decode.pool.unpacker(reserved.pages))
     decode.join("r")
-    assert [first] + [t for o in _drain(decode)["r"] for t in o.new_token_ids] == want
+    assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
     assert prefill.release("r")
     load = prefill.load()
     assert load.free_pages == load.total_pages and load.held == 0
@@ -151,7 +152,7 @@ def test_staging_falls_back_to_pages_and_every_exit_frees_the_blocks(tiny) -> No
     params = SamplingParams(max_tokens=4, temperature=0)
     for rid in ("a", "b", "c", "d"):
         engine.add_request(rid, list(range(3, 60)), params, hold_for_s=5.0)
-    _drain(engine)
+    drain(engine)
     need = -(-engine.pool.cells(engine.held_pages("a").pages).size // staging.cells_per_block)
     filler = staging.allocator.allocate(staging.num_free - 2 * need)  # room for two requests
     assert set(engine.stage("a").pages) == set(engine.stage("b").pages) == {STAGING}
@@ -192,16 +193,6 @@ def test_staging_blocks_come_in_as_few_runs_as_the_free_ones_allow() -> None:
     blocks.free([3])
     with pytest.raises(AssertionError, match="double free"):
         blocks.free([3])
-
-
-def _drain(engine: LLMEngine) -> dict[str, list]:
-    outputs: dict[str, list] = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished():
-            return outputs
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).append(out)
-    raise AssertionError("engine did not finish")
 
 
 def test_a_pool_without_staged_room_still_pulls_and_gives_the_room_to_pages() -> None:
