@@ -29,6 +29,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # runs as a module or a script from the repository root
 
+from bench.flash_widths import FLASH_WIDTHS  # noqa: E402
 from loadtest.bench_serving import BenchConfig, run_benchmark  # noqa: E402
 from loadtest.report import plot_series  # noqa: E402
 from loadtest.soak import LocalStack  # noqa: E402
@@ -36,29 +37,16 @@ from loadtest.soak import LocalStack  # noqa: E402
 SLO_TTFT_S, SLO_ITL_S = 2.0, 0.050
 # A V4-Flash-width slice: the real model's per-layer shapes, fewer layers and experts.
 FLASH_SLICE = {
-    "hidden_size": 4096,
-    "num_attention_heads": 64,
-    "head_dim": 512,
-    "qk_rope_head_dim": 64,
-    "q_lora_rank": 1024,
-    "o_groups": 8,
-    "o_lora_rank": 1024,
-    "sliding_window": 128,
+    **FLASH_WIDTHS,
     "layer_types": [
         "sliding_attention",
         "compressed_sparse_attention",
         "heavily_compressed_attention",
         "compressed_sparse_attention",
     ],
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
     "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
     "num_hidden_layers": 4,
     "n_routed_experts": 16,
-    "num_experts_per_tok": 6,
-    "moe_intermediate_size": 2048,
-    "index_n_heads": 64,
-    "index_head_dim": 128,
-    "index_topk": 512,
     "max_position_embeddings": 16384,
 }
 

@@ -47,6 +47,7 @@ import traceback
 import torch
 
 import kernels
+from bench.flash_widths import FLASH_WIDTHS
 from engine.kv_pool import KVCacheConfig, KVPool
 from engine.layers.fp8_linear import Fp8Linear
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
@@ -107,27 +108,11 @@ def slice_hf_config(num_experts: int, smoke: bool = False) -> dict:
     return {
         "model_type": "deepseek_v4",
         "vocab_size": 129280,
-        "hidden_size": 4096,
+        **FLASH_WIDTHS,
         "num_hidden_layers": len(LAYERS),
-        "num_attention_heads": 64,
-        "head_dim": 512,
-        "qk_rope_head_dim": 64,
-        "q_lora_rank": 1024,
-        "o_groups": 8,
-        "o_lora_rank": 1024,
-        "sliding_window": 128,
         "layer_types": LAYERS,
-        "compress_rates": {
-            "compressed_sparse_attention": 4,
-            "heavily_compressed_attention": 128,
-        },
         "num_hash_layers": 2,
         "n_routed_experts": num_experts,
-        "num_experts_per_tok": 6,
-        "moe_intermediate_size": 2048,
-        "index_n_heads": 64,
-        "index_head_dim": 128,
-        "index_topk": 512,
         "max_position_embeddings": MAX_CONTEXT,
         "rope_scaling": {
             "type": "yarn",
