@@ -364,7 +364,7 @@ class LLMEngine:
             req.num_inflight += 1
             req.inflight_row = row
             if req.prefill_only:  # its one token: the KV stays for the decode worker
-                self.scheduler.hold(req, deadline=None)
+                self.scheduler.hold(req)
         return LaunchedStep(samplers, ToHost(tokens, table))
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
@@ -379,6 +379,7 @@ class LLMEngine:
     def _hand_out(
         self, samplers: list[Request], tokens: list[int], table: torch.Tensor | None
     ) -> list[RequestOutput]:
+        """Each sampler's token (host ids, logprob table) to its request: stops, text, lease."""
         logprobs = read_logprobs(table, [r.params.logprobs for r in samplers])
         outputs = []
         for req, token, token_lp in zip(samplers, tokens, logprobs, strict=True):

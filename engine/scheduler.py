@@ -57,11 +57,11 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
 
-    def hold(self, req: Request, deadline: float | None) -> None:
+    def hold(self, req: Request) -> None:
         """A prefill-only request keeps its KV after its first token until released or until
-        `deadline` (None: not yet set; it is, once the token is on the host)."""
+        its lease deadline (set by the engine once the token is on the host)."""
         self.running.remove(req)
-        req.status, req.lease_deadline = Status.HELD, deadline
+        req.status = Status.HELD
         self.num_held += 1
 
     def finish(self, req: Request, reason: str) -> None:
