@@ -23,6 +23,8 @@ ROOMY = dict(max_num_batched_tokens=512)
 # ~2 requests' KV: requests queue and are preempted while their tokens are in flight
 TIGHT = dict(kv_cache_memory_bytes=800_000, page_size=4, max_num_seqs=8, max_num_batched_tokens=32)
 CHUNKED = dict(max_num_batched_tokens=7)
+# a prefill-only request whose first token never ends it (the tests check its finish reason)
+HELD = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +141,7 @@ def test_a_prefill_only_lease_starts_when_its_token_reaches_the_host(tiny):
     """Held at launch (no later step may touch its KV), but its reader's lease runs from the
     moment its first token is known (and sent on)."""
     engine = LLMEngine(tiny, EngineConfig(**ROOMY))
-    engine.add_request("p", list(range(40)), SamplingParams(max_tokens=8), hold_for_s=5.0)
+    engine.add_request("p", list(range(40)), HELD, hold_for_s=5.0)
     assert engine.step() == []  # launched: the token is still on the device
     assert engine.load().held == 1 and engine.expire_leases(time.monotonic() + 3600) == []
     [out] = engine.step()
@@ -157,8 +159,9 @@ def test_a_held_request_staged_or_claimed_before_its_token_lands_keeps_both(tiny
     shortened)."""
     engine = LLMEngine(tiny, EngineConfig(**ROOMY))
     free_blocks = engine.pool.staging.allocator.num_free
-    engine.add_request("ends", list(range(40)), SamplingParams(max_tokens=1), hold_for_s=5.0)
-    engine.add_request("read", list(range(30)), SamplingParams(max_tokens=8), hold_for_s=5.0)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.add_request("ends", list(range(40)), one, hold_for_s=5.0)
+    engine.add_request("read", list(range(30)), HELD, hold_for_s=5.0)
     assert engine.step() == []  # both launched, held, tokens in flight
     assert "staging" in engine.stage("ends").pages
     deadline = engine.claim("read", hold_s=600.0, now=time.monotonic())
