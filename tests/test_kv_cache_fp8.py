@@ -35,8 +35,9 @@ from services import settings
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from services.transfer.layout import Region, describe, first_difference
+from tests.engine_cases import drain
 from tests.serving_stack import TOKEN, Stack, offline_generate, wait_for
-from tests.test_kv_staging import _drain, _move
+from tests.test_kv_staging import _move
 
 MODEL = DEMO_MODEL_DIR
 CFG = ModelConfig.from_dir(MODEL)
@@ -196,11 +197,11 @@ def test_a_request_prefilled_by_one_fp8_engine_decodes_on_another_as_if_never_mo
     config = EngineConfig(kv_cache_dtype="fp8", **ENGINE)
     alone = LLMEngine(MODEL, config)
     alone.add_request("r", prompt, params)
-    want = [t for o in _drain(alone)["r"] for t in o.new_token_ids]
+    want = [t for o in drain(alone)["r"] for t in o.new_token_ids]
 
     prefill = LLMEngine(MODEL, config)
     prefill.add_request("r", prompt, params, hold_for_s=30.0)
-    (first,) = [t for o in _drain(prefill)["r"] for t in o.new_token_ids]
+    (first,) = [t for o in drain(prefill)["r"] for t in o.new_token_ids]
     held = prefill.stage("r") if via == "staging" else prefill.held_pages("r")
     assert set(held.pages) == ({STAGING} if via == "staging" else {"swa", "csa", "hca", SLAB})
 
@@ -217,7 +218,7 @@ def test_a_request_prefilled_by_one_fp8_engine_decodes_on_another_as_if_never_mo
             if src.group in held.pages:
                 dst.tensor[reserved.pages[dst.group]] = src.tensor[held.pages[src.group]]
     decode.join("r")
-    assert [first] + [t for o in _drain(decode)["r"] for t in o.new_token_ids] == want
+    assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
     assert prefill.release("r")
 
 
