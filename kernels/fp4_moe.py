@@ -506,6 +506,30 @@ def check_experts(
     return e, hidden, inter
 
 
+def route_rows(
+    expert_ids: torch.Tensor, n_exp: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The grouped GEMMs' row plan, computed on the device (no host sync):
+
+    order     [R] int32: the (token, slot) rows, R = T * k, sorted by expert (stable)
+    row_end   [E] int32: inclusive cumsum of each expert's rows (in sorted order)
+    block_end [E] int32: inclusive cumsum of each expert's blocks of <= block_m rows
+    slots     a bound on the blocks any routing of R rows can need (the launch grid)
+
+    Ids outside [0, E) (another rank's experts) sort last, past every expert's rows: no block
+    covers them, so their outputs stay zero."""
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    flat = torch.where((flat >= 0) & (flat < n_exp), flat, n_exp)
+    order = torch.argsort(flat, stable=True).to(torch.int32)
+    counts = torch.zeros(n_exp + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )[:n_exp]
+    row_end = counts.cumsum(0).to(torch.int32)
+    block_end = ((counts + block_m - 1) // block_m).cumsum(0).to(torch.int32)
+    rows = flat.numel()
+    return order, row_end, block_end, triton.cdiv(rows, block_m) + min(n_exp, rows)
+
+
 def fp4_moe(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -544,17 +568,7 @@ def fp4_moe(
     dev = x.device
 
     xq, xs = act_quant(x)  # [T, H] e4m3, [T, H/128] e8m0
-    flat = expert_ids.reshape(-1).to(torch.int64)
-    # Ids outside [0, E) (another rank's experts) sort last, past every expert's rows: no
-    # program reads them, and their rows of `down` stay zero.
-    flat = torch.where((flat >= 0) & (flat < n_exp), flat, n_exp)
-    order = torch.argsort(flat, stable=True).to(torch.int32)  # [R] (token, slot) rows by expert
-    counts = torch.zeros(n_exp + 1, dtype=torch.int64, device=dev).scatter_add_(
-        0, flat, torch.ones_like(flat)
-    )[:n_exp]
-    row_end = counts.cumsum(0).to(torch.int32)  # [E]
-    block_end = ((counts + cfg.block_m - 1) // cfg.block_m).cumsum(0).to(torch.int32)  # [E]
-    slots = triton.cdiv(rows, cfg.block_m) + min(n_exp, rows)
+    order, row_end, block_end, slots = route_rows(expert_ids, n_exp, cfg.block_m)
     route_w = weights.reshape(-1).to(torch.float32).contiguous()  # [R]
 
     hq = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=dev)  # [R sorted, I]

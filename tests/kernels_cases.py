@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from kernels import kv_quant
+from kernels import kv_quant, quant
 
 
 def gpu_test(fn):
@@ -28,6 +28,49 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     diff = (out - ref)[finite].norm().item()
     scale = ref[finite].norm().item()
     return diff / scale if scale > 0 else diff
+
+
+def random_bf16(shape, seed: int, spread: float = 8.0, device: str = "cpu") -> torch.Tensor:
+    """Values over many binades, so groups get very different scales."""
+    g = torch.Generator(device).manual_seed(seed)
+    exps = torch.randint(-int(spread), int(spread) + 1, shape, generator=g, device=device)
+    return (torch.randn(shape, generator=g, device=device) * torch.exp2(exps.float())).to(
+        torch.bfloat16
+    )
+
+
+def moe_case(
+    n_exp: int,
+    hidden: int,
+    inter: int,
+    tokens: int,
+    topk: int,
+    seed: int,
+    skew: bool = True,
+    device: str = "cpu",
+):
+    """FP4 experts and a routing for kernels.fp4_moe and kernels.hopper.fp4_moe: distinct
+    experts per token, the last expert never used; with skew, 3/4 of the tokens route to
+    expert 1 (so it spans several row blocks)."""
+    g = torch.Generator(device).manual_seed(seed)
+    # large enough that gate and up cross the swiglu limit of 10 on some rows
+    w13, s13 = quant.quantize_fp4(
+        torch.randn(n_exp, 2 * inter, hidden, generator=g, device=device) * 0.3
+    )
+    w2, s2 = quant.quantize_fp4(
+        torch.randn(n_exp, hidden, inter, generator=g, device=device) * 0.05
+    )
+    x = random_bf16((tokens, hidden), seed=seed, spread=1, device=device)
+    rows = []
+    for t in range(tokens):
+        if skew and t < tokens * 3 // 4:
+            others = torch.randperm(n_exp - 3, generator=g, device=device)[: topk - 1] + 2
+            rows.append(torch.cat([torch.ones(1, dtype=torch.int64, device=device), others]))
+        else:
+            rows.append(torch.randperm(n_exp - 1, generator=g, device=device)[:topk])
+    ids = torch.stack(rows)
+    wts = torch.rand(tokens, topk, generator=g, device=device) + 0.5
+    return x, ids, wts, w13, s13, w2, s2
 
 
 @dataclass

@@ -21,7 +21,7 @@ from kernels import fp8_gemm, quant
 from kernels.act_quant import act_quant, fp4_to_e4m3
 from kernels.fp4_moe import MoeConfig, fp4_moe, stack_fp4_experts
 from kernels.fp8_gemm import GemmConfig, fp8_linear
-from tests.kernels_cases import gpu_test, rel_err
+from tests.kernels_cases import gpu_test, moe_case, random_bf16, rel_err
 
 # convert.py's FP4_TABLE, transcribed: index = the 4-bit code
 RELEASE_FP4_TABLE = [
@@ -58,15 +58,6 @@ def release_round_scale(amax: float, fp_max: float) -> float:
     t = f32(f32(amax) * f32(1.0 / fp_max))
     mant, exp = math.frexp(t)  # t = mant * 2^exp, mant in [0.5, 1)
     return 2.0 ** (exp - 1 if mant == 0.5 else exp)
-
-
-def random_bf16(shape, seed: int, spread: float = 8.0, device: str = "cpu") -> torch.Tensor:
-    """Values over many binades, so groups get very different scales."""
-    g = torch.Generator(device).manual_seed(seed)
-    exps = torch.randint(-int(spread), int(spread) + 1, shape, generator=g, device=device)
-    return (torch.randn(shape, generator=g, device=device) * torch.exp2(exps.float())).to(
-        torch.bfloat16
-    )
 
 
 # ---- (a) formats, bit for bit --------------------------------------------------------------------
@@ -310,41 +301,8 @@ def test_fp8_default_config_follows_shape_only():
     assert not prefill.fuse_quant and prefill.split_k == 1 and prefill.block_m == 128
 
 
-def _moe_case(
-    n_exp: int,
-    hidden: int,
-    inter: int,
-    tokens: int,
-    topk: int,
-    seed: int,
-    skew: bool = True,
-    device: str = "cpu",
-):
-    """Distinct experts per token, the last expert never used; with skew, 3/4 of the tokens
-    route to expert 1 (so it spans several row blocks)."""
-    g = torch.Generator(device).manual_seed(seed)
-    # large enough that gate and up cross the swiglu limit of 10 on some rows
-    w13, s13 = quant.quantize_fp4(
-        torch.randn(n_exp, 2 * inter, hidden, generator=g, device=device) * 0.3
-    )
-    w2, s2 = quant.quantize_fp4(
-        torch.randn(n_exp, hidden, inter, generator=g, device=device) * 0.05
-    )
-    x = random_bf16((tokens, hidden), seed=seed, spread=1, device=device)
-    rows = []
-    for t in range(tokens):
-        if skew and t < tokens * 3 // 4:
-            others = torch.randperm(n_exp - 3, generator=g, device=device)[: topk - 1] + 2
-            rows.append(torch.cat([torch.ones(1, dtype=torch.int64, device=device), others]))
-        else:
-            rows.append(torch.randperm(n_exp - 1, generator=g, device=device)[:topk])
-    ids = torch.stack(rows)
-    wts = torch.rand(tokens, topk, generator=g, device=device) + 0.5
-    return x, ids, wts, w13, s13, w2, s2
-
-
 def test_fp4_moe_matches_release_experts():
-    x, ids, wts, w13, s13, w2, s2 = _moe_case(6, 256, 128, 24, 2, seed=11)
+    x, ids, wts, w13, s13, w2, s2 = moe_case(6, 256, 128, 24, 2, seed=11)
     assert all(len(set(r)) == 2 for r in ids.tolist()) and int((ids == 1).sum()) > 16
     out = fp4_moe(x, ids, wts, w13, s13, w2, s2, 10.0, config=MoeConfig(16, 64, 4, 1, False))
     ref = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, 10.0)
@@ -356,7 +314,7 @@ def test_fp4_moe_matches_release_experts():
 
 
 def test_fp4_moe_without_limit_int32_ids_default_config():
-    x, ids, wts, w13, s13, w2, s2 = _moe_case(4, 128, 128, 5, 3, seed=12, skew=False)
+    x, ids, wts, w13, s13, w2, s2 = moe_case(4, 128, 128, 5, 3, seed=12, skew=False)
     out = fp4_moe(x, ids.int(), wts, w13, s13, w2, s2, 0.0)
     ref = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, 0.0)
     assert rel_err(out, ref) < 1e-3
@@ -365,7 +323,7 @@ def test_fp4_moe_without_limit_int32_ids_default_config():
 def test_fp4_expert_ranges_add_up_to_all_experts():
     """Expert parallelism: a rank holds experts [start, stop) and gets ids - start; ids outside
     its range add nothing, so the ranks' outputs sum to the whole layer's."""
-    x, ids, wts, w13, s13, w2, s2 = _moe_case(6, 256, 128, 24, 2, seed=13)
+    x, ids, wts, w13, s13, w2, s2 = moe_case(6, 256, 128, 24, 2, seed=13)
     whole = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, 10.0)
     parts: dict[str, list[torch.Tensor]] = {"reference": [], "triton": []}
     for start, stop in ((0, 3), (3, 6)):
@@ -383,7 +341,7 @@ def test_fp4_expert_ranges_add_up_to_all_experts():
 def test_fp4_moe_split_k_matches_release_experts_on_every_expert_range(split_k):
     """Split-K (a decode step's few rows: fp32 slices added by a second pass) gives the
     release's arithmetic, whole and in expert-parallel halves (ids outside a rank's range)."""
-    x, ids, wts, w13, s13, w2, s2 = _moe_case(6, 256, 256, 5, 2, seed=14)
+    x, ids, wts, w13, s13, w2, s2 = moe_case(6, 256, 256, 5, 2, seed=14)
     split = MoeConfig(16, 64, 4, 1, False, split_k)
     for start, stop in ((0, 6), (0, 3), (3, 6)):
         local = (w13[start:stop], s13[start:stop], w2[start:stop], s2[start:stop])
@@ -425,7 +383,7 @@ def test_stack_fp4_experts_layout():
 
 
 def test_fp4_moe_rejects_bad_layout():
-    x, ids, wts, w13, s13, w2, s2 = _moe_case(4, 128, 128, 3, 2, seed=14, skew=False)
+    x, ids, wts, w13, s13, w2, s2 = moe_case(4, 128, 128, 3, 2, seed=14, skew=False)
     with pytest.raises(ValueError, match="w2"):
         fp4_moe(x, ids, wts, w13, s13, w2[:, :64], s2, 10.0)
     with pytest.raises(ValueError, match="s13"):
@@ -508,7 +466,7 @@ def test_cuda_fp8_linear_configs_agree(cfg):
     ],
 )
 def test_cuda_fp4_moe_v4_flash(asm, tokens, block_m, block_n, warps, split_k):
-    x, ids, wts, w13, s13, w2, s2 = _moe_case(
+    x, ids, wts, w13, s13, w2, s2 = moe_case(
         32, 4096, 2048, tokens, 6, seed=23, skew=tokens > 64, device="cuda"
     )
     cfg = MoeConfig(block_m, block_n, warps, 3, asm, split_k)
@@ -520,7 +478,7 @@ def test_cuda_fp4_moe_v4_flash(asm, tokens, block_m, block_n, warps, split_k):
 @gpu_test
 def test_cuda_fp4_expert_ranges_add_up_to_all_experts():
     """Expert parallelism at V4-Flash widths: two ranks' halves (ids - start) sum to the whole."""
-    x, ids, wts, w13, s13, w2, s2 = _moe_case(32, 4096, 2048, 64, 6, seed=25, device="cuda")
+    x, ids, wts, w13, s13, w2, s2 = moe_case(32, 4096, 2048, 64, 6, seed=25, device="cuda")
     cfg = MoeConfig(16, 128, 4, 3, False)  # the same tiles for the whole and the halves
     whole = fp4_moe(x, ids, wts, w13, s13, w2, s2, 10.0, config=cfg)
     halves = [
@@ -533,9 +491,7 @@ def test_cuda_fp4_expert_ranges_add_up_to_all_experts():
 
 @gpu_test
 def test_cuda_fp4_moe_asm_equals_plain_decode():
-    x, ids, wts, w13, s13, w2, s2 = _moe_case(
-        16, 512, 256, 8, 6, seed=24, skew=False, device="cuda"
-    )
+    x, ids, wts, w13, s13, w2, s2 = moe_case(16, 512, 256, 8, 6, seed=24, skew=False, device="cuda")
     run = [
         fp4_moe(x, ids, wts, w13, s13, w2, s2, 10.0, config=MoeConfig(16, 64, 4, 3, asm))
         for asm in (False, True)
@@ -547,7 +503,7 @@ def test_cuda_fp4_moe_asm_equals_plain_decode():
 def test_cuda_graph_replay_follows_new_inputs():
     """No host sync: both ops capture into a graph, and replays read the new inputs."""
     x, wq, ws = _fp8_case(8, 1024, 4096, seed=25, device="cuda")
-    mx, ids, wts, w13, s13, w2, s2 = _moe_case(
+    mx, ids, wts, w13, s13, w2, s2 = moe_case(
         16, 512, 256, 8, 6, seed=26, skew=False, device="cuda"
     )
     fp8_linear(x, wq, ws), fp4_moe(mx, ids, wts, w13, s13, w2, s2, 10.0)  # compile first
