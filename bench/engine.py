@@ -177,6 +177,7 @@ def release_model(dense: DeepseekV4) -> DeepseekV4:
                     q, s = quantize_fp4(weight[e])
                     codes[e].copy_(q)
                     scales[e].copy_(s)
+            module.note_scales()  # as the checkpoint loader does
         else:
             continue
         done |= {f"{name}.{p}" for p, _ in module.named_parameters()}

@@ -19,6 +19,10 @@ if not torch.cuda.is_available():
 # this as a constexpr and upcast dot operands to fp32 when it is set.
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET") == "1"
 
+# The Gluon kernels of kernels.hopper on sm_90 devices (DSASERVE_GLUON=0: their Triton twins,
+# e.g. to measure one against the other through the whole engine).
+GLUON: bool = os.environ.get("DSASERVE_GLUON", "1") != "0"
+
 
 @functools.cache
 def num_sms(device: torch.device) -> int:

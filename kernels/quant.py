@@ -164,6 +164,13 @@ def dequantize_fp8_blocks(
     return weight.float() * _expand_blocks(ue8m0_to_float(scale), n, k, block)
 
 
+def narrow_fp4_scales(*scales: torch.Tensor) -> bool:
+    """Whether every ue8m0 byte of these FP4 weight scales is <= 128 (scale <= 2), which the
+    Hopper kernel's faster decode needs (kernels.hopper.fp4_moe). Reads the tensors back:
+    call it once, where the weights are loaded."""
+    return all(bool((s.view(torch.uint8) <= 128).all()) for s in scales)
+
+
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """packed [..., N, K/2] int8, scale [..., N, K/32] e8m0 -> fp32 [..., N, K]."""
     values = e2m1_decode(unpack_fp4(packed))  # [..., N, K]

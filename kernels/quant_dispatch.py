@@ -13,8 +13,9 @@ import torch
 from kernels import act_quant as _act_quant
 from kernels import fp4_moe as _fp4_moe
 from kernels import fp8_gemm as _fp8_gemm
-from kernels import quant
+from kernels import hopper, quant
 from kernels.dispatch import _forced
+from kernels.env import GLUON
 
 
 def _triton(t: torch.Tensor) -> bool:
@@ -53,9 +54,28 @@ def fp4_experts(
     w2: torch.Tensor,
     s2: torch.Tensor,
     swiglu_limit: float,
+    *,
+    narrow_scales: bool = False,
 ) -> torch.Tensor:
     """Routed FP4 experts -> fp32 [T, H]; layout and semantics in kernels.fp4_moe. Expert ids
-    outside [0, E) add nothing (under expert parallelism: the experts of other ranks)."""
+    outside [0, E) add nothing (under expert parallelism: the experts of other ranks). On an
+    sm_90 device the Gluon kernel runs (kernels.hopper.fp4_moe; its faster decode where the
+    caller says every scale byte is <= 128: kernels.quant.narrow_fp4_scales), unless a backend
+    is forced."""
+    if _forced.get() is None and _gluon_moe(x, w13):
+        from kernels.hopper.fp4_moe import fp4_moe_hopper
+
+        return fp4_moe_hopper(
+            x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit, narrow_scales=narrow_scales
+        )
     if _triton(x):
         return _fp4_moe.fp4_moe(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)
     return quant.fp4_experts_reference(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)
+
+
+def _gluon_moe(x: torch.Tensor, w13: torch.Tensor) -> bool:
+    if not (GLUON and x.is_cuda and hopper.available(x.device)):
+        return False
+    from kernels.hopper.fp4_moe import supported
+
+    return supported(2 * w13.shape[-1], w13.shape[1] // 2)

@@ -20,7 +20,7 @@ import kernels
 from engine.layers.fp8_linear import linear
 from engine.models.deepseek_v4.config import HASH_MOE, ModelConfig, Quantization
 from engine.parallel.group import SINGLE, TensorParallel, shard_experts
-from kernels.quant import FP4_BLOCK
+from kernels.quant import FP4_BLOCK, narrow_fp4_scales
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -104,13 +104,27 @@ class Fp4Experts(torch.nn.Module):
         self.w2 = param(num_experts, hidden, inter // 2, dtype=torch.int8)
         self.s2 = param(num_experts, hidden, inter // FP4_BLOCK, dtype=e8m0)
         self.limit = limit
+        self.narrow_scales = False  # set once the weights are in (note_scales)
+
+    def note_scales(self) -> None:
+        """Record, once the loader has filled the scales, whether the fast FP4 decode applies
+        (kernels.quant.narrow_fp4_scales; reads the scales back)."""
+        self.narrow_scales = narrow_fp4_scales(self.s13, self.s2)
 
     def forward(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, hidden], expert_ids/weights [T, k] -> fp32 [T, hidden]."""
         return kernels.fp4_experts(
-            x, expert_ids, weights, self.w13, self.s13, self.w2, self.s2, self.limit
+            x,
+            expert_ids,
+            weights,
+            self.w13,
+            self.s13,
+            self.w2,
+            self.s2,
+            self.limit,
+            narrow_scales=self.narrow_scales,
         )
 
 

@@ -41,6 +41,7 @@ from tqdm import tqdm
 from engine.models import ConfigError
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.model import DeepseekV4
+from engine.models.deepseek_v4.moe import Fp4Experts
 from engine.parallel.group import SINGLE, TensorParallel
 from kernels.quant import dequantize_fp4, dequantize_fp8_blocks
 
@@ -189,6 +190,9 @@ def load_weights(model: DeepseekV4, model_dir: str | os.PathLike) -> None:
     ]
     if missing or any(loader.problems.values()):
         raise WeightsError(_report(model_dir, {"missing": missing, **loader.problems}))
+    for module in model.modules():
+        if isinstance(module, Fp4Experts):
+            module.note_scales()
 
 
 class _Loader:

@@ -1,0 +1,168 @@
+"""kernels.hopper.fp4_moe: the Gluon FP4 MoE for sm_90.
+
+On the CPU (Triton's interpreter) everything but the Gluon GEMM runs: the slot table, the
+MMA-ordered activations, SwiGLU and the finish, with the GEMM written out in torch on the same
+buffers (``mma_gemm``), against the release's expert arithmetic. On an sm_90 GPU (marked gpu)
+the whole path runs against the same reference at V4-Flash widths.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels  # noqa: F401  (picks the interpreter on CPU)
+from kernels import hopper, quant
+from kernels.hopper import fp4_moe as hop
+from tests.kernels_cases import gpu_test, moe_case, rel_err
+
+LIMIT = 10.0
+
+
+@pytest.mark.parametrize("decode", hop.DECODES)
+def test_mma_columns_permute_each_32_group(decode):
+    cols = hop.mma_columns(4096, decode)
+    k = torch.arange(4096)
+    assert torch.equal(torch.sort(cols).values, k)  # a permutation ...
+    assert torch.equal(cols // 32, k // 32)  # ... that keeps every value in its scale group
+    first = {
+        "table": [0, 1, 8, 9, 16, 17, 24, 25, 2, 3],
+        "shift": [0, 4, 8, 12, 16, 20, 24, 28, 1, 5],
+    }
+    assert cols[:10].tolist() == first[decode]
+    x = torch.randn(3, 256)  # the kernels' _to_mma_order writes the same order
+    assert torch.equal(hop.to_mma_order(x, decode), x[:, cols[:256]])
+
+
+@pytest.mark.parametrize("rows", [37, hop.SMALL_ROUTE + 5])  # one program; torch's sort
+def test_plan_sorts_rows_and_covers_each_experts_rows_once(rows):
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(-2, 9, (rows, 3), generator=g)  # -2, -1, 8: other ranks' experts
+    ids[: rows // 2, 0] = 4  # one expert over several slots
+    p = hop.plan(ids, 8, block_t=8)
+    flat = ids.reshape(-1)
+    local = torch.where((flat >= 0) & (flat < 8), flat, 8)
+    assert torch.equal(torch.sort(p.order.long()).values, torch.arange(flat.numel()))
+    assert bool((local[p.order.long()].diff() >= 0).all())  # grouped by expert, others last
+    assert torch.equal(p.inv.long()[p.order.long()], torch.arange(flat.numel()))
+    assert p.row_end.tolist() == torch.cumsum(torch.bincount(local, minlength=9)[:8], 0).tolist()
+    table, real = p.table.tolist(), p.nslot.item()
+    assert all(e == 8 for e, _, _ in table[real:])  # past the last block: no expert
+    covered = torch.zeros(flat.numel(), dtype=torch.int64)
+    for e, row0, end in table[:real]:
+        assert 0 <= e < 8 and row0 < end
+        r = torch.arange(row0, min(row0 + 8, end))
+        assert bool((local[p.order.long()][r] == e).all())
+        covered[r] += 1
+    n = int((local < 8).sum())
+    assert covered[:n].tolist() == [1] * n and covered[n:].sum() == 0
+
+
+def mma_gemm(w, s, xg, p: hop.MoePlan, *, gate_up: bool, split: int, cfg) -> torch.Tensor:
+    """What the Gluon GEMM computes, in torch: for each real slot's valid rows and each K
+    slice, x (MMA order) times the expert's dequantized weights put in MMA order."""
+    n_exp, n_w, half = w.shape
+    k = 2 * half
+    out = torch.zeros(split, xg.shape[0], n_w, dtype=torch.float32)
+    order = hop.mma_columns(k, cfg.decode)
+    for e, row0, end in p.table.tolist()[: p.nslot.item()]:
+        rows = torch.arange(row0, min(row0 + cfg.block_t, end))
+        wm = quant.dequantize_fp4(w[e], s[e]).double()[:, order]  # column c holds input P(c)
+        for sp in range(split):
+            ks = slice(sp * k // split, (sp + 1) * k // split)
+            out[sp, rows] = (xg[rows][:, ks].double() @ wm[:, ks].T).float()
+    return out
+
+
+@pytest.mark.parametrize(
+    "tokens,topk,block_t,split,skew,experts,decode",
+    [
+        (5, 2, 8, (1, 1), True, (0, 6), "table"),
+        (9, 3, 16, (2, 2), True, (0, 6), "shift"),
+        (4, 2, 8, (1, 2), False, (2, 5), "shift"),
+    ],
+)
+def test_hopper_path_with_the_gemm_in_torch_matches_the_release(
+    tokens, topk, block_t, split, skew, experts, decode
+):
+    x, ids, wts, w13, s13, w2, s2 = moe_case(6, 1024, 512, tokens, topk, seed=tokens, skew=skew)
+    start, stop = experts  # expert parallelism: ids outside [start, stop) add nothing
+    local = (w13[start:stop], s13[start:stop], w2[start:stop], s2[start:stop])
+    ids = ids - start
+    cfg = hop.HopperMoeConfig(block_t, 2, split, decode)
+    p = hop.plan(ids, stop - start, block_t)
+    xg = hop.gather_activations(x, p, topk, decode)
+    up = mma_gemm(local[0], local[1], xg, p, gate_up=True, split=split[0], cfg=cfg)
+    hg = hop.swiglu(up, p, wts.reshape(-1).float().contiguous(), LIMIT, decode)
+    down = mma_gemm(local[2], local[3], hg, p, gate_up=False, split=split[1], cfg=cfg)
+    out = hop.finish(down, p, tokens, topk)
+    ref = quant.fp4_experts_reference(x, ids, wts, *local, LIMIT)
+    assert rel_err(out, ref) < 1e-4  # exact products; fp32 sums in another order
+
+
+def test_supported_shapes_and_default_configs():
+    assert hop.supported(4096, 2048) and not hop.supported(4096, 384)
+    one = hop.default_config(6, 256, 4096, 2048, sms=132)  # a decode step of one token
+    assert one.block_t == 8 and one.split_k[0] > 1 and one.split_k[1] > 1
+    busy = hop.default_config(64 * 6, 256, 4096, 2048, sms=132)
+    assert busy.block_t == 8 and busy.split_k == (1, 1)
+    prefill = hop.default_config(4096 * 6, 256, 4096, 2048, sms=132)
+    assert prefill.block_t == 64 and prefill.split_k == (1, 1) and prefill.decode == "table"
+    assert hop.default_config(6, 256, 4096, 2048, 132, narrow_scales=True).decode == "shift"
+    for cfg in (one, busy, prefill):
+        assert cfg.stages * hop.stage_bytes(cfg.block_t) <= hop.SMEM_BUDGET
+
+
+hopper_test = pytest.mark.skipif(
+    not hopper.available(torch.device("cuda")), reason="needs an sm_90 GPU and Gluon"
+)
+
+
+@gpu_test
+@hopper_test
+@pytest.mark.parametrize(
+    "tokens,cfg",
+    [
+        (1, None),
+        (64, None),
+        (64, hop.HopperMoeConfig(16, 4, (2, 4), "shift")),
+        (64, hop.HopperMoeConfig(8, 5, (1, 1), "shift")),
+        (300, None),
+        (300, hop.HopperMoeConfig(64, 2, (1, 1), "shift")),
+    ],
+)
+def test_cuda_hopper_fp4_moe_v4_flash(tokens, cfg):
+    x, ids, wts, w13, s13, w2, s2 = moe_case(
+        32, 4096, 2048, tokens, 6, seed=31, skew=tokens > 64, device="cuda"
+    )
+    out = hop.fp4_moe_hopper(x, ids, wts, w13, s13, w2, s2, LIMIT, config=cfg)
+    ref = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, LIMIT)
+    assert rel_err(out, ref) < 4e-3
+
+
+@gpu_test
+@hopper_test
+def test_cuda_hopper_fp4_moe_expert_ranges_and_odd_widths():
+    x, ids, wts, w13, s13, w2, s2 = moe_case(7, 1536, 512, 5, 3, seed=32, device="cuda")
+    for start, stop in ((0, 7), (0, 3), (3, 7)):
+        local = (w13[start:stop], s13[start:stop], w2[start:stop], s2[start:stop])
+        out = hop.fp4_moe_hopper(x, ids - start, wts, *local, LIMIT)
+        ref = quant.fp4_experts_reference(x, ids - start, wts, *local, LIMIT)
+        assert rel_err(out, ref) < 4e-3, (start, stop)
+
+
+@gpu_test
+@hopper_test
+def test_cuda_hopper_fp4_moe_graph_replay_follows_new_inputs():
+    x, ids, wts, w13, s13, w2, s2 = moe_case(
+        16, 1024, 512, 8, 6, seed=33, skew=False, device="cuda"
+    )
+    hop.fp4_moe_hopper(x, ids, wts, w13, s13, w2, s2, LIMIT)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = hop.fp4_moe_hopper(x, ids, wts, w13, s13, w2, s2, LIMIT)
+    x2, ids2, wts2, *_ = moe_case(16, 1024, 512, 8, 6, seed=34, skew=False, device="cuda")
+    x.copy_(x2), ids.copy_(ids2), wts.copy_(wts2)
+    graph.replay()
+    ref = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, LIMIT)
+    assert rel_err(y, ref) < 4e-3
