@@ -112,6 +112,8 @@ def phase_check(dev: torch.device, result: dict) -> None:
 
     forced = [
         None,
+        hop.HopperMoeConfig(8, 5, (1, 1), "fp8"),
+        hop.HopperMoeConfig(16, 4, (2, 4), "fp8"),
         hop.HopperMoeConfig(8, 3, (1, 1), "shift"),
         hop.HopperMoeConfig(16, 4, (2, 4), "shift"),
     ]
@@ -125,7 +127,11 @@ def phase_check(dev: torch.device, result: dict) -> None:
         300,
         6,
         True,
-        [None, hop.HopperMoeConfig(64, 2, (1, 1), "shift")],
+        [
+            None,
+            hop.HopperMoeConfig(64, 2, (1, 1), "shift"),
+            hop.HopperMoeConfig(64, 3, (1, 1), "fp8"),
+        ],
         5,
     )
     case("odd h1536 i512 T=5 top3", 7, 1536, 512, 5, 3, False, [None], 7)
@@ -154,6 +160,7 @@ def phase_check(dev: torch.device, result: dict) -> None:
 
 
 def phase_bench(dev: torch.device, result: dict) -> None:
+    from kernels.hopper import fp4_decode, fp4_gemm
     from kernels.hopper import fp4_moe as hop
 
     env = Env(dev, smoke=False, quick=True)
@@ -174,13 +181,19 @@ def phase_bench(dev: torch.device, result: dict) -> None:
         rows = hop.default_config(
             tokens * topk, e, h, i, torch.cuda.get_device_properties(dev).multi_processor_count
         )
-        shift = dataclasses.replace(rows, decode="shift")
-        variants = [("triton", None), ("gluon", None), ("gluon", shift)]
-        if tokens <= 64:
-            variants += [
-                ("gluon", dataclasses.replace(shift, stages=3)),
-                ("gluon", dataclasses.replace(shift, block_t=16)),
-            ]
+
+        others = [
+            dataclasses.replace(
+                rows,
+                decode=d,
+                stages=min(6, fp4_gemm.SMEM_BUDGET // fp4_gemm.stage_bytes(rows.block_t, d)),
+            )
+            for d in fp4_decode.DECODES
+            if d != rows.decode
+        ]
+        if tokens == 1:  # fewer / more K slices for the step that cannot fill the GPU
+            others += [dataclasses.replace(rows, split_k=s) for s in ((2, 2), (8, 4))]
+        variants = [("triton", None), ("gluon", None)] + [("gluon", c) for c in others]
         run_rows = []
         for kind, cfg in variants:
             if kind == "triton":

@@ -97,6 +97,26 @@ def quantize_rows(x, INTERP: tl.constexpr):
     return val, bits, scale, sbyte
 
 
+# Packed e2m1 bytes -> e4m3 codes of 2^-6 * e2m1 (see fp4_to_e4m3), four bytes a 32-bit register:
+# $2 in, $0 the low nibbles' codes, $1 the high nibbles'. Also kernels.hopper.fp4_moe's.
+FP4_TO_E4M3_ASM = tl.constexpr(
+    """
+{
+.reg .b32 t0, t1;
+shl.b32 t0, $2, 2;
+shl.b32 t1, $2, 4;
+and.b32 t0, t0, 0x1C1C1C1C;
+and.b32 t1, t1, 0x80808080;
+or.b32 $0, t0, t1;
+shr.b32 t0, $2, 2;
+and.b32 t0, t0, 0x1C1C1C1C;
+and.b32 t1, $2, 0x80808080;
+or.b32 $1, t0, t1;
+}
+"""
+)
+
+
 @triton.jit
 def fp4_to_e4m3(b, USE_ASM: tl.constexpr):
     """Packed e2m1 bytes b (uint8, any shape) -> (lo, hi) uint8 e4m3 codes of 2^-6 * e2m1 for the
@@ -105,20 +125,7 @@ def fp4_to_e4m3(b, USE_ASM: tl.constexpr):
     USE_ASM does it four bytes per 32-bit register (GPU only)."""
     if USE_ASM:
         lo, hi = tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t0, t1;
-            shl.b32 t0, $2, 2;
-            shl.b32 t1, $2, 4;
-            and.b32 t0, t0, 0x1C1C1C1C;
-            and.b32 t1, t1, 0x80808080;
-            or.b32 $0, t0, t1;
-            shr.b32 t0, $2, 2;
-            and.b32 t0, t0, 0x1C1C1C1C;
-            and.b32 t1, $2, 0x80808080;
-            or.b32 $1, t0, t1;
-            }
-            """,
+            asm=FP4_TO_E4M3_ASM,
             constraints="=r,=r,r",
             args=[b],
             dtype=(tl.uint8, tl.uint8),

@@ -1,0 +1,122 @@
+"""Compile the Gluon FP4 grouped GEMM (kernels.hopper.fp4_gemm) for sm_90a without a GPU and
+print what its SASS holds: registers, shared memory, spills and the instruction mix.
+
+    python -m bench.gluon_sass                       # every decode at BT=8, 5 stages
+    python -m bench.gluon_sass --block-t 64 --stages 2 --decode shift --sass out.sass
+
+Needs the Triton the device runs (3.6: Gluon's API moves between releases) and no CUDA: the
+JIT's driver is replaced by one that only answers the target, so ``warmup`` compiles through
+ptxas and stops before loading anything. Use it before spending device time: a layout or API
+error shows here, and so do a spill, a missing HGMMA/QGMMA or a barrier in the wrong loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.driver import CudaDriver
+from triton.runtime import driver
+
+
+class _TargetOnly(CudaDriver):
+    """What the JIT asks of a driver before it launches: the target, a device, a stream."""
+
+    def __init__(self) -> None:  # (CudaDriver's would load libcuda)
+        self.utils = None
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def compile_gemm(block_t: int, stages: int, decode: str) -> bytes:
+    """The cubin of the grouped GEMM at V4-Flash's gate/up shape (4096 x 4096, two K slices)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernels.hopper import fp4_decode, fp4_gemm, moe_rows
+
+    e, n, k = 4, 4096, 4096
+    w = torch.empty(e, n, k // 2, dtype=torch.uint8)
+    s = torch.empty(e, n, k // 32, dtype=torch.uint8)
+    xg, xs = moe_rows.activation_buffers(64, k, decode, torch.device("cpu"))
+    w_desc, s_desc = fp4_gemm.weight_descriptors(w, s)
+    x_dtype = gl.float8e4nv if decode == "fp8" else gl.bfloat16
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_t, fp4_gemm.SUB_K], x_dtype)
+    x_desc = TensorDescriptor.from_tensor(xg, [block_t, fp4_gemm.SUB_K], x_layout)
+    xs_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    xs_desc = TensorDescriptor.from_tensor(
+        xs, [block_t, 4] if decode == "fp8" else [1, 4], xs_layout
+    )
+    out = torch.empty(2, 64, n)
+    table = torch.empty(16, 3, dtype=torch.int32)
+    nslot = torch.empty(1, dtype=torch.int32)
+    # fmt: off
+    compiled = fp4_gemm._fp4_gemm_kernel.warmup(
+        w_desc, s_desc, x_desc, xs_desc, out, table, nslot,
+        n, n // 2, 64, k // 2, out.stride(0), out.stride(1),
+        NT=n // 128, SPLITS=2, BT=block_t, STAGES=stages,
+        DECODE=fp4_decode.DECODES.index(decode), num_warps=4, maxnreg=168, grid=(1,),
+    )
+    # fmt: on
+    return compiled.asm["cubin"]
+
+
+def _tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def report(cubin: bytes, sass_out: str | None) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run(
+            [_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True
+        ).stdout
+    if sass_out:
+        Path(sass_out).write_text(sass)
+    ops = collections.Counter(
+        m.group(1).split(".")[0]
+        for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)
+    )
+    resources = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage)
+    top = " ".join(f"{op} {count}" for op, count in ops.most_common(16))
+    return f"{resources.group(0) if resources else usage.strip()}\n  {top}"
+
+
+def main() -> None:
+    from kernels.hopper.fp4_decode import DECODES
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--block-t", type=int, default=8)
+    ap.add_argument("--stages", type=int, default=5)
+    ap.add_argument("--decode", choices=DECODES, action="append")
+    ap.add_argument("--sass", help="write the (last) SASS here")
+    args = ap.parse_args()
+    driver.set_active(_TargetOnly())
+    for decode in args.decode or DECODES:
+        cubin = compile_gemm(args.block_t, args.stages, decode)
+        print(f"{decode} BT={args.block_t} stages={args.stages}: {report(cubin, args.sass)}")
+
+
+if __name__ == "__main__":
+    main()
