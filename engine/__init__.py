@@ -1,7 +1,7 @@
 """dsaserve engine: one GPU group's runtime for DeepSeek-V4 (no networking).
 
 `LLM` and `SamplingParams` are imported lazily so that torch-free users of this package
-(the router imports `engine.tokenizer`) never pay for, or need, torch.
+(the router imports `engine.text.tokenizer`) never pay for, or need, torch.
 """
 
 from __future__ import annotations

@@ -49,8 +49,8 @@ from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.step import RowSpan
-from engine.text_stream import TextStream
-from engine.tokenizer import Tokenizer
+from engine.text.text_stream import TextStream
+from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

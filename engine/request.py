@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from engine.step import sampled_ref
-from engine.text_stream import TextStream
+from engine.text.text_stream import TextStream
 
 if TYPE_CHECKING:
     from engine.llm_engine import RequestOutput

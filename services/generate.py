@@ -54,9 +54,9 @@ def run(s: GenerateSettings) -> None:
 
 def _generate(llm: LLM, s: GenerateSettings) -> None:
     from engine import SamplingParams
-    from engine.chat import parse_completion
-    from engine.chat_format import ChatOptions, chat_format, opens_reasoning
     from engine.llm_engine import RequestError
+    from engine.text.chat import parse_completion
+    from engine.text.chat_format import ChatOptions, chat_format, opens_reasoning
 
     reasoning = False
     if s.chat is not None:

@@ -147,7 +147,7 @@ def redis_url(redis_server: str) -> str:
 @pytest.fixture
 def router_model_dir(tmp_path: Path) -> Path:
     """A model dir the router can serve: config.json (64-token context) + the tiny tokenizer."""
-    from engine.byte_tokenizer import write_byte_tokenizer
+    from engine.text.byte_tokenizer import write_byte_tokenizer
 
     model_dir = tmp_path / "tiny-router-model"
     write_byte_tokenizer(model_dir)
@@ -159,7 +159,7 @@ def router_model_dir(tmp_path: Path) -> Path:
 def v4_router_model_dir(tmp_path: Path) -> Path:
     """A V4 checkpoint as the router sees it: the release's tokenizer (every V4 marker, no chat
     template) and a deepseek_v4 config.json, so chats go through the release's encoder."""
-    from engine.byte_tokenizer import write_byte_tokenizer
+    from engine.text.byte_tokenizer import write_byte_tokenizer
 
     model_dir = tmp_path / "tiny-v4-router-model"
     write_byte_tokenizer(model_dir, release=True)

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.chat import tokens as v4
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.text.chat import tokens as v4
 from tests.serving_stack import Stack, openai_client, wait_all_kv_free
 
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
