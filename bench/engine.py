@@ -48,7 +48,8 @@ import torch
 
 import kernels
 from bench.flash_widths import FLASH_WIDTHS
-from engine.kv_pool import KVCacheConfig, KVPool
+from engine.kv.layout import KVCacheConfig
+from engine.kv.pool import KVPool
 from engine.layers.fp8_linear import Fp8Linear
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
 from engine.models.deepseek_v4.model import DeepseekV4

@@ -4,7 +4,7 @@ what the FP8 pages do to the demo model's logits.
     python -m bench.kv_cache_dtype --out bench/results/cpu-kv-cache-dtype.json       # CPU
     python -m bench.kv_cache_dtype --device cuda --out bench/results/h200-kv-cache-dtype.json
 
-Capacity is exact arithmetic on the pool plans (engine.kv_pool.plan_pages, nothing allocated):
+Capacity is exact arithmetic on the pool plans (engine.kv.pool.plan_pages, nothing allocated):
 bytes one more token of context costs (every layer past its window: bytes_per_token), and the
 compressed tokens the pools hold at a budget, for the built-in demo model and V4-Flash (HF's
 defaults), FP8 against bf16 (and against fp32, the CPU's default --dtype).
@@ -32,7 +32,7 @@ import torch
 from bench.numerics import BOS, bits_per_byte, greedy_agreement, heldout_windows
 from engine import LLM, SamplingParams
 from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv_pool import KVCacheConfig, bytes_per_token, plan_pages, staging_block_bytes
+from engine.kv.layout import KVCacheConfig, bytes_per_token, plan_pages, staging_block_bytes
 from engine.models.deepseek_v4.config import CSA, HCA, ModelConfig
 
 V4_FLASH = ModelConfig.from_hf({"model_type": "deepseek_v4"})  # HF's defaults: V4-Flash

@@ -61,17 +61,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs as a script from anywhere
 
-from engine.kv_pool import (
+from engine.kv.allocator import PageAllocator
+from engine.kv.layout import (
     SLAB,
     STAGING,
     KVBudgetError,
     KVCacheConfig,
-    KVPool,
     plan_pages,
     staging_block_bytes,
 )
+from engine.kv.pool import KVPool
 from engine.models.deepseek_v4.config import ModelConfig
-from engine.page_allocator import PageAllocator
 from services.transfer import KVTransfer, Region, _nixl
 
 LAYERS, WINDOW, HEAD, INDEX_HEAD, PAGE = 43, 128, 512, 128, 64

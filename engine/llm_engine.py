@@ -36,7 +36,7 @@ import torch
 from engine import models
 from engine.async_copy import ToHost
 from engine.config import EngineConfig
-from engine.kv_pool import SLAB, STAGING, check_kv_cache_dtype
+from engine.kv.layout import SLAB, STAGING, check_kv_cache_dtype
 from engine.load import Load
 from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from engine.parallel import follower

@@ -15,7 +15,8 @@ import torch
 
 from engine import models
 from engine.config import EngineConfig
-from engine.kv_pool import KVCacheConfig, KVPool
+from engine.kv.layout import KVCacheConfig
+from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
 from engine.runner import ModelRunner

@@ -21,13 +21,14 @@ collectives meet inside the model. Graphs are captured on every rank in the same
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
 from engine.async_copy import to_device
-from engine.kv_pool import KVPool
-from engine.models.deepseek_v4.model import DeepseekV4
+from engine.kv.pool import KVPool
 from engine.parallel.channel import Call, Channel
+from engine.parallel.group import TensorParallel
 from engine.profiling import profiled
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
@@ -36,10 +37,20 @@ from engine.step import RowSpan, StepInputs, build_step_inputs
 log = logging.getLogger(__name__)
 
 
+class Model(Protocol):
+    """What the runner asks of a family's model (engine.models: `build_model`)."""
+
+    tp: TensorParallel  # its rank's place in the group
+
+    def __call__(self, pool: KVPool, inputs: StepInputs, rows: torch.Tensor) -> torch.Tensor:
+        """One step over `inputs`: fp32 logits of `rows` [len(rows), vocab]."""
+        ...
+
+
 class ModelRunner:
     def __init__(
         self,
-        model: DeepseekV4,
+        model: Model,
         pool: KVPool,
         device: torch.device,
         max_context: int,

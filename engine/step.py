@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.async_copy import to_device
-from engine.kv_pool import KVPool
+from engine.kv.pool import KVPool
 from engine.layers.rope import RotaryTable
 
 

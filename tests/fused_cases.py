@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 import kernels
-from engine.kv_pool import KVCacheConfig, KVPool
+from engine.kv.layout import KVCacheConfig
+from engine.kv.pool import KVPool
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import RotaryTable
 from engine.models.deepseek_v4.compressor import Compressor
@@ -101,7 +102,7 @@ class GlueStep:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
     ) -> None:
-        """kv_cache_dtype "fp8": FP8 pools (engine.kv_pool), left zeroed (zero bytes read 0.0)."""
+        """kv_cache_dtype "fp8": FP8 pools (engine.kv.pool), left zeroed (zero bytes read 0.0)."""
         self.cfg, self.dtype, self.dev = cfg, dtype, torch.device(device)
         self.gen = torch.Generator(self.dev).manual_seed(seed)
         contexts = [p + 1 for p in positions] + [s + n for s, n in prefill]

@@ -26,7 +26,8 @@ from bench.numerics import BOS, heldout_windows
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv_pool import SLAB, STAGING, KVCacheConfig, KVPool, bytes_per_token
+from engine.kv.layout import SLAB, STAGING, KVCacheConfig, bytes_per_token
+from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model

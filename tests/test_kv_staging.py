@@ -15,12 +15,13 @@ import torch
 
 from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.kv_pool import SLAB, STAGING, KVCacheConfig, KVPool
-from engine.kv_staging import CHUNK_BLOCKS, RING_SLOTS, BlockAllocator
+from engine.kv.allocator import OutOfPages
+from engine.kv.layout import SLAB, STAGING, KVCacheConfig
+from engine.kv.pool import KVPool
+from engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS, BlockAllocator
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model, tiny_config
-from engine.page_allocator import OutOfPages
 from tests.engine_cases import drain
 
 CFG = ModelConfig.from_hf(tiny_config(300))

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.kv_pool import KVCacheConfig, KVPool
+from engine.kv.layout import KVCacheConfig
+from engine.kv.pool import KVPool
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import tiny_config
 from engine.models.deepseek_v4.weights import build_model

@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 
-from engine.kv_pool import (
+from engine.kv.layout import (
     SLAB,
     STAGING,
     KVBudgetError,

@@ -3,10 +3,13 @@
 Each family is a package that exposes the same names, so the runtime never imports a model by
 name:
 
-    ModelConfig.from_dir(dir)          the checkpoint's config.json, parsed and validated
-    build_model(cfg, dtype, device, quantized)
+    ModelConfig.from_dir(dir)          the checkpoint's config.json, parsed and validated; it
+                                       describes the KV state to the pools (engine.kv.layout's
+                                       KVModel: layer groups, compressor rings, row widths)
+    build_model(cfg, dtype, device, quantized, tp)
                                        the module in its run-time dtypes, weights not yet loaded
-                                       (quantized: keep an FP8/FP4 checkpoint's formats)
+                                       (quantized: keep an FP8/FP4 checkpoint's formats); what
+                                       the runner calls (engine.runner.Model)
     load_weights(model, dir)           fill it from the checkpoint's safetensors
 
 Families are imported on first use, so this module (and `read_config`) stays torch-free.

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_pool import KVPool
+from engine.kv.pool import KVPool
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.models.deepseek_v4.moe import MoE

@@ -2,7 +2,7 @@
 
 A request's KV stays pinned after its first token until one of: the reader's Release (the
 normal path), an Abort, or the lease running out. It is held in staging blocks when the pool has
-room for it there (engine.kv_staging), else in its pages; the KV handle says which. A reader
+room for it there (engine.kv.staging), else in its pages; the KV handle says which. A reader
 Claims it before its NIXL READ (which extends the lease to cover the READ) and trusts what it
 read only if Release answers `intact`. The lease lives on the engine's request (`hold_for_s`,
 `lease_deadline`); every way of freeing goes through the engine thread's command queue, which

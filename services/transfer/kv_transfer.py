@@ -1,7 +1,7 @@
 """KVTransfer: one NIXL agent per worker process, pulling KV from peers with NIXL READs.
 
 Pull model: the prefill worker holds a request's KV under a lease; the decode worker reserves
-its own pages, then pulls. Two ways, by where the peer holds the KV (why: engine.kv_staging):
+its own pages, then pulls. Two ways, by where the peer holds the KV (why: engine.kv.staging):
 - `pull`: the peer packed it into staging blocks; they come a chunk per READ (one descriptor
   per run of blocks, from descriptor lists prepared once per peer) into a ring of our own
   blocks, and a callback scatters each landed chunk while the next ones are in flight.

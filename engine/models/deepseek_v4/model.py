@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_pool import KVPool
+from engine.kv.pool import KVPool
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import VocabParallelEmbedding, VocabParallelHead
 from engine.layers.rope import RotaryTable
