@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from bench.engine import Bench, release_model, slice_config
 from engine.parallel.channel import Channel
-from engine.parallel.follower import serve
 from engine.parallel.group import SINGLE, TensorParallel
 from engine.parallel.launch import Followers, join_follower
+from engine.rank import serve
 
 PHASES = ("bf16", "release")
 

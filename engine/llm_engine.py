@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,12 +38,11 @@ from engine.config import EngineConfig
 from engine.kv.layout import SLAB, STAGING, check_kv_cache_dtype
 from engine.load import Load
 from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
-from engine.parallel import follower
 from engine.parallel.group import SINGLE
 from engine.parallel.launch import Followers
 from engine.profiling import profiled
-from engine.rank import build_runner, device_of, keeps_quantized
-from engine.request import Request, Status
+from engine.rank import build_runner, device_of, follower_main, keeps_quantized
+from engine.request import KVPages, Listener, Request, RequestError, RequestOutput, Status
 from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -53,33 +51,6 @@ from engine.text.text_stream import TextStream
 from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request this engine cannot serve as asked; the message says what to change."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str  # new text since the last output
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
-
-
-@dataclass(frozen=True)
-class KVPages:
-    """Where a request's KV state lives: for a reader on another worker, or a transfer's target."""
-
-    pages: dict[str, list[int]]  # pool group -> page ids in logical order ("slab" -> [row])
-    num_tokens: int  # tokens whose KV the pages hold
-
-
-Listener = Callable[[RequestOutput], None]
 
 
 @dataclass
@@ -106,7 +77,7 @@ class LLMEngine:
         self.followers = None
         if config.tensor_parallel_size > 1:
             self.followers = Followers(
-                config.tensor_parallel_size, self.device, follower.main, self.model_dir, config
+                config.tensor_parallel_size, self.device, follower_main, self.model_dir, config
             )
         try:
             self.runner = build_runner(

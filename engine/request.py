@@ -10,14 +10,38 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step import sampled_ref
 from engine.text.text_stream import TextStream
 
-if TYPE_CHECKING:
-    from engine.llm_engine import RequestOutput
+
+class RequestError(ValueError):
+    """A request this engine cannot serve as asked; the message says what to change."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text since the last output
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+
+
+@dataclass(frozen=True)
+class KVPages:
+    """Where a request's KV state lives: for a reader on another worker, or a transfer's target."""
+
+    pages: dict[str, list[int]]  # pool group -> page ids in logical order ("slab" -> [row])
+    num_tokens: int  # tokens whose KV the pages hold
+
+
+Listener = Callable[[RequestOutput], None]
 
 
 class Status(enum.Enum):
@@ -40,7 +64,7 @@ class Request:
     # seconds for a reader; None for a request that decodes here.
     hold_for_s: float | None = None
     # Called on the engine thread with each of this request's outputs (services stream them).
-    listener: Callable[[RequestOutput], None] | None = None
+    listener: Listener | None = None
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens sampled by steps still running on the device (async scheduling): they count in
     # num_tokens, but their ids are not on the host yet (at most one when a step is scheduled;

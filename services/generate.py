@@ -54,7 +54,7 @@ def run(s: GenerateSettings) -> None:
 
 def _generate(llm: LLM, s: GenerateSettings) -> None:
     from engine import SamplingParams
-    from engine.llm_engine import RequestError
+    from engine.request import RequestError
     from engine.text.chat import parse_completion
     from engine.text.chat_format import ChatOptions, chat_format, opens_reasoning
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput
 
 PROMPTS = [
     "The quick brown fox",

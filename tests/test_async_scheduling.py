@@ -11,9 +11,9 @@ import pytest
 
 from bench.async_scheduling import measure
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.tiny import make_tiny_model
-from engine.request import Status
+from engine.request import RequestOutput, Status
 from engine.sampling_params import SamplingParams
 from tests.engine_cases import PROMPTS as ENGINE_PROMPTS
 from tests.engine_cases import assert_all_free, drain

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.llm_engine import RequestError
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.request import RequestError
 from tests.release_reference import TOKENS
 from tests.serving_stack import Stack
 

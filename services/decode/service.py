@@ -26,7 +26,7 @@ import grpc
 
 from engine.engine_loop import OutputQueue
 from engine.kv.layout import STAGING
-from engine.llm_engine import KVPages, RequestError
+from engine.request import KVPages, RequestError
 from engine.sampling_params import SamplingParams
 from services import connections
 from services.auth import token_metadata

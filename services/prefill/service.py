@@ -21,7 +21,7 @@ import time
 import grpc
 
 from engine.engine_loop import OutputQueue
-from engine.llm_engine import RequestError
+from engine.request import RequestError
 from services.rpc import grpc_api, pb
 from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from services.worker.process import RoleService, Worker, now_ms
