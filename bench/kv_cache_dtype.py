@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 from bench.numerics import BOS, bits_per_byte, greedy_agreement, heldout_windows
-from engine import LLM, SamplingParams
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.kv.layout import KVCacheConfig, bytes_per_token, plan_pages, staging_block_bytes
+from engine.llm import LLM
 from engine.models.deepseek_v4.config import CSA, HCA, ModelConfig
+from engine.sampling_params import SamplingParams
 
 V4_FLASH = ModelConfig.from_hf({"model_type": "deepseek_v4"})  # HF's defaults: V4-Flash
 DEMO = ModelConfig.from_dir(DEMO_MODEL_DIR)

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from engine import LLM, SamplingParams
 from engine.demo_model import DEMO_MODEL_DIR
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 BOS = 256  # the byte tokenizer's <｜begin▁of▁sentence｜>

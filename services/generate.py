@@ -45,16 +45,16 @@ Settings = GenerateSettings
 
 
 def run(s: GenerateSettings) -> None:
-    from engine import LLM
     from engine.demo_model import DEMO_MODEL_DIR
+    from engine.llm import LLM
 
     with LLM(s.model or DEMO_MODEL_DIR, **dataclasses.asdict(s.engine)) as llm:
         _generate(llm, s)
 
 
 def _generate(llm: LLM, s: GenerateSettings) -> None:
-    from engine import SamplingParams
     from engine.request import RequestError
+    from engine.sampling_params import SamplingParams
     from engine.text.chat import parse_completion
     from engine.text.chat_format import ChatOptions, chat_format, opens_reasoning
 

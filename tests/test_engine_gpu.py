@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import kernels
-from engine import LLM, SamplingParams
+from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.sampling_params import SamplingParams
 from engine.step import RowSpan
 from tests.kernels_cases import gpu_test, rel_err
 from tests.release_reference import (

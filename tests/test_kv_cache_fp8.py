@@ -23,14 +23,15 @@ import torch
 import kernels
 from bench.kv_cache_dtype import step_logits
 from bench.numerics import BOS, heldout_windows
-from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.kv.layout import SLAB, STAGING, KVCacheConfig, bytes_per_token
 from engine.kv.pool import KVPool
+from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.sampling_params import SamplingParams
 from kernels import fused_reference, kv_quant
 from services import settings
 from services.auth import token_metadata

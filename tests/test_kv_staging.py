@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.kv.allocator import OutOfPages
 from engine.kv.layout import SLAB, STAGING, KVCacheConfig
@@ -22,6 +21,7 @@ from engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS, BlockAllocator
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model, tiny_config
+from engine.sampling_params import SamplingParams
 from tests.engine_cases import drain
 
 CFG = ModelConfig.from_hf(tiny_config(300))

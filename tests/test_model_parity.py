@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 from tests.hf_reference import VOCAB, hf_greedy, hf_logits, make_hf_checkpoint
 from tests.kernels_cases import rel_err
 

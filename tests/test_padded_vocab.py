@@ -15,9 +15,10 @@ import sys
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.request import RequestError
+from engine.sampling_params import SamplingParams
 from tests.release_reference import TOKENS
 from tests.serving_stack import Stack
 

@@ -14,8 +14,9 @@ import sys
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.sampling_params import SamplingParams
 from engine.text.chat import tokens as v4
 from tests.serving_stack import Stack, openai_client, wait_all_kv_free
 

@@ -17,9 +17,9 @@ import re
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
+from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.models import ConfigError
 from engine.models.deepseek_v4.config import ModelConfig
@@ -27,6 +27,7 @@ from engine.models.deepseek_v4.moe import RoutedExperts
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.models.deepseek_v4.weights import build_model, load_weights
 from engine.parallel.group import TensorParallel
+from engine.sampling_params import SamplingParams
 from tests.kernels_cases import rel_err
 from tests.release_reference import ENGINE, TOKENS, release_ids
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
 
