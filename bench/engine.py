@@ -47,6 +47,7 @@ import traceback
 import torch
 
 import kernels
+from bench import naive
 from bench.flash_widths import FLASH_WIDTHS
 from engine.kv.layout import KVCacheConfig
 from engine.kv.pool import KVPool
@@ -500,7 +501,7 @@ def main() -> None:
         fast_runner = bench.runner
         bench.runner = ModelRunner(bf16, bench.pool, dev, bench.max_context)
         try:
-            with kernels.use_backend("naive"):
+            with naive.in_engine():
                 bench.runner.capture_decode_graphs([64])
                 decode(BEFORE, (64,), max(3, args.steps // 4))
         finally:

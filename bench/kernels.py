@@ -29,10 +29,10 @@ import torch
 import triton
 
 import kernels
-from bench import long_context
+from bench import long_context, naive
 from bench.quant import kernel_breakdown
 from engine.profile import hardware
-from kernels import indexer, naive, sparse_mla
+from kernels import indexer, sparse_mla
 from kernels.indexer import IndexerConfig
 from kernels.sparse_mla import DecodeConfig
 

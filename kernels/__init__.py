@@ -30,17 +30,19 @@ kernels.rowwise: no host sync, shape-only allocations, so decode steps can be ca
 graphs); CPU tensors run the plain-torch references (kernels.reference, exact in fp32). Force a
 backend with
 
-    with kernels.use_backend("triton"):      # or "reference", "naive"
+    with kernels.use_backend("triton"):      # or "reference"
         out, lse = kernels.sparse_mla_decode(...)
 
-Without CUDA, "triton" runs in Triton's interpreter (kernels.env sets TRITON_INTERPRET=1 when
-this package is imported first). ``kernels.naive`` holds the "before" kernels for benchmarks.
+(kernels.backend: one rule for every kernel; `swap_kernels` is how bench/naive.py's "before"
+kernels run inside the engine). Without CUDA, "triton" runs in Triton's interpreter
+(kernels.env sets TRITON_INTERPRET=1 when this package is imported first).
 The checkpoint formats (FP8 128x128 blocks, FP4 experts) and their exact torch definitions are in
 ``kernels.quant``; the quantized kernels in kernels.act_quant, kernels.fp8_gemm, kernels.fp4_moe.
 """
 
 from kernels import env  # noqa: F401, I001  (must precede the kernel modules: picks interpreter mode)
-from kernels import kv_quant, naive, quant, reference
+from kernels import kv_quant, quant, reference
+from kernels.backend import swap_kernels, use_backend
 from kernels.dispatch import (
     apply_rope,
     hc_weights,
@@ -50,7 +52,6 @@ from kernels.dispatch import (
     store_index_k_fp8,
     store_kv_fp8,
     store_rows,
-    use_backend,
 )
 from kernels.fp4_moe import stack_fp4_experts
 from kernels.fused_dispatch import (
@@ -78,7 +79,6 @@ __all__ = [
     "indexer_query",
     "indexer_topk",
     "kv_quant",
-    "naive",
     "positions_to_slots",
     "quant",
     "quantize_activations",
@@ -90,5 +90,6 @@ __all__ = [
     "store_index_k_fp8",
     "store_kv_fp8",
     "store_rows",
+    "swap_kernels",
     "use_backend",
 ]

@@ -1,6 +1,6 @@
 """Public entry points of the quantized (FP8 / FP4) kernels: Triton for CUDA tensors, the exact
-plain-torch reference (kernels.quant) for CPU tensors; ``kernels.use_backend`` forces one
-("naive" has no quantized variant and runs Triton).
+plain-torch reference (kernels.quant) for CPU tensors, by kernels.backend's rule
+(``kernels.use_backend`` forces one).
 
 Named apart from the modules kernels.act_quant and kernels.fp4_moe so that exporting them from
 the package does not shadow those modules.
@@ -10,22 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels import act_quant as _act_quant
-from kernels import fp4_moe as _fp4_moe
-from kernels import fp8_gemm as _fp8_gemm
-from kernels import quant
-from kernels.dispatch import _forced
-
-
-def _triton(t: torch.Tensor) -> bool:
-    forced = _forced.get()
-    return forced in ("triton", "naive") or (forced is None and t.is_cuda)
+from kernels import act_quant, fp4_moe, fp8_gemm, quant
+from kernels.backend import uses_triton
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (K % 128 == 0) -> (float8_e4m3fn [..., K], float8_e8m0fnu [..., K/128]): the
     release's act_quant with power-of-two (ue8m0) scales; see kernels.quant."""
-    return (_act_quant.act_quant if _triton(x) else quant.act_quant_reference)(x)
+    return (act_quant.act_quant if uses_triton(x) else quant.act_quant_reference)(x)
 
 
 def fp8_linear(
@@ -39,8 +31,8 @@ def fp8_linear(
 
     weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] float8_e8m0fnu; details in
     kernels.fp8_gemm."""
-    if _triton(x):
-        return _fp8_gemm.fp8_linear(x, weight, scale, out_dtype=out_dtype)
+    if uses_triton(x):
+        return fp8_gemm.fp8_linear(x, weight, scale, out_dtype=out_dtype)
     return quant.fp8_linear_reference(x, weight, scale, out_dtype)
 
 
@@ -56,6 +48,6 @@ def fp4_experts(
 ) -> torch.Tensor:
     """Routed FP4 experts -> fp32 [T, H]; layout and semantics in kernels.fp4_moe. Expert ids
     outside [0, E) add nothing (under expert parallelism: the experts of other ranks)."""
-    if _triton(x):
-        return _fp4_moe.fp4_moe(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)
+    if uses_triton(x):
+        return fp4_moe.fp4_moe(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)
     return quant.fp4_experts_reference(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)

@@ -1,4 +1,5 @@
-"""The "before" kernels, kept only so benchmarks (and tests, as extra references) can compare.
+"""The "before" kernels, kept only so benchmarks (and tests, as extra references) can compare;
+`in_engine()` runs them in place of the product's inside the engine (kernels.swap_kernels).
 
 - ``sparse_mla_decode``: one program per (request, head), elementwise multiply and sum, no
   tensor cores; every head re-reads the same gathered KV rows.
@@ -8,10 +9,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels.backend import swap_kernels
 from kernels.kv_quant import keys_per_page
 from kernels.reference import indexer_scores, pick_topk
 from kernels.softmax import LOG2E, finalize, normalize, softmax_step
@@ -142,3 +147,11 @@ def indexer_topk(
     width = max_context or page_table.shape[1] * keys_per_page(k_cache, q.shape[2])
     scores = indexer_scores(q, weights, k_cache, page_table, width, scale)  # [B, width]
     return pick_topk(scores, lengths, topk)
+
+
+@contextlib.contextmanager
+def in_engine() -> Iterator[None]:
+    """Every sparse_mla_decode and indexer_topk call of the enclosed code on these kernels (the
+    other kernels stay as they are): the engine's "before" configuration."""
+    with swap_kernels(sparse_mla_decode=sparse_mla_decode, indexer_topk=indexer_topk):
+        yield
