@@ -11,6 +11,7 @@ then the warm-up steps of the graph captures, in the same order.
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,15 @@ from engine.parallel.launch import join_follower
 from engine.runner import ModelRunner
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
+
+
+class Quantized(Protocol):
+    """A family's config, as far as keeps_quantized reads it."""
+
+    @property
+    def quantization(self) -> object | None: ...  # None: a dense checkpoint
+
+
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -37,7 +47,7 @@ def device_of(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
-def keeps_quantized(config: EngineConfig, model_config) -> bool:
+def keeps_quantized(config: EngineConfig, model_config: Quantized) -> bool:
     """Whether FP8/FP4 weights stay quantized: as asked, or by default for bfloat16 (the
     release computes in bf16 with FP8 activations)."""
     if config.quantized_compute is not None:

@@ -11,6 +11,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.kv.layout import SLAB
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step import sampled_ref
@@ -77,6 +78,16 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     lease_deadline: float | None = None  # HELD: time.monotonic() after which the KV is freed
+
+    @property
+    def slab_row(self) -> int:
+        """The slab row of a request that holds KV (scheduled, held or reserved)."""
+        assert self.slab is not None, f"request {self.request_id!r} holds no KV"
+        return self.slab
+
+    def kv_pages(self) -> dict[str, list[int]]:
+        """Its pages by pool group and its slab row under "slab" (as KVPages holds them)."""
+        return {**self.page_tables, SLAB: [self.slab_row]}
 
     @property
     def prefill_only(self) -> bool:

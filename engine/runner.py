@@ -21,7 +21,7 @@ collectives meet inside the model. Graphs are captured on every rank in the same
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -88,6 +88,7 @@ class ModelRunner:
         """Run `method(*args)` on every rank of the group (rank 0 calls; the others follow)."""
         if self.channel is not None:
             writes, self.pool.table_writes = self.pool.table_writes, []
+            assert writes is not None  # (kept since the channel exists: __init__)
             self.channel.send(Call(method, args, writes))
         return getattr(self, method)(*args)
 
@@ -98,7 +99,7 @@ class ModelRunner:
         """
         work = [(req, 1) for req in batch.decode] + batch.prefill
         spans = [
-            RowSpan(req.num_computed, n, req.slab, req.tokens(req.num_computed, n))
+            RowSpan(req.num_computed, n, req.slab_row, req.tokens(req.num_computed, n))
             for req, n in work
         ]
         samplers, rows, row = [], [], 0
@@ -107,14 +108,14 @@ class ModelRunner:
             if req.num_computed + n == req.num_tokens:  # the chunk reaches the newest token
                 samplers.append(req)
                 rows.append(row - 1)
-        logits = self.call("forward", spans, len(batch.decode), rows)
+        logits = cast(torch.Tensor, self.call("forward", spans, len(batch.decode), rows))
         for req, n in work:
             req.num_computed += n
         return samplers, logits
 
     def forward_all_rows(self, spans: list[RowSpan], num_decode: int) -> torch.Tensor:
         """Logits of every row of a step (scoring)."""
-        return self.call("forward", spans, num_decode, None)
+        return cast(torch.Tensor, self.call("forward", spans, num_decode, None))
 
     def forward(
         self, spans: list[RowSpan], num_decode: int, logit_rows: list[int] | None
@@ -141,6 +142,7 @@ class ModelRunner:
         if rows <= 0:
             return None
         if self.tp.rank == 0:
+            assert self.sampled is not None  # (rank 0 sampled the step these refs name)
             ids = self.sampled[:rows]
         else:
             ids = torch.empty(rows, dtype=torch.int64, device=self.device)
@@ -178,7 +180,8 @@ class ModelRunner:
 class _DecodeGraph:
     """One captured decode step for `bs` rows, with static input buffers refreshed per replay."""
 
-    def __init__(self, runner: ModelRunner, bs: int, mempool) -> None:
+    def __init__(self, runner: ModelRunner, bs: int, mempool: Any) -> None:
+        """mempool: torch.cuda.graph_pool_handle(), shared by every graph of the runner."""
         pool, dev = runner.pool, runner.device
         self.pool, self.bs = pool, bs
         arange = torch.arange(bs, device=dev)

@@ -204,6 +204,7 @@ def compress_decode(
         out, slots = staged
         assert out.shape == (n, head_dim) and slots.shape == (n,) and slots.dtype == torch.int64
     else:
+        assert target is not None, "a target pool, or staged outputs"
         out, slots = target, positions  # (slots unused)
     assert out.is_contiguous()
     if n == 0:

@@ -225,6 +225,7 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton path of kernels.hc_pre (semantics there)."""
     streams, dot, sq = _mix(streams, merge, fn)
+    assert dot is not None and sq is not None  # (fn given: the partial mixes exist)
     rows, ns, dim = streams.shape
     post = torch.empty(rows, ns, dtype=torch.float32, device=streams.device)
     comb = torch.empty(rows, ns, ns, dtype=torch.float32, device=streams.device)

@@ -59,6 +59,7 @@ def _generate(llm: LLM, s: GenerateSettings) -> None:
     from engine.text.chat_format import ChatOptions, chat_format, opens_reasoning
 
     reasoning = False
+    prompts: list[str | list[int]]
     if s.chat is not None:
         # The router's choice of chat format: the template, or the V4 release's encoder.
         try:
@@ -88,7 +89,7 @@ def _generate(llm: LLM, s: GenerateSettings) -> None:
         sys.exit(f"dsaserve generate: {e}")
     for result in results:
         if s.json:
-            answer = {
+            answer: dict[str, object] = {
                 "token_ids": result.token_ids,
                 "text": result.text,
                 "finish_reason": result.finish_reason,

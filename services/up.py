@@ -192,7 +192,7 @@ def run(s: UpSettings) -> None:
     stack = Stack()
     stopping = False
 
-    def on_signal(signum, frame) -> None:
+    def on_signal(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
 
@@ -268,7 +268,7 @@ def run(s: UpSettings) -> None:
         stack.stop()
 
 
-def _wait_healthy(url: str, stack: Stack, timeout: float, stopping) -> None:
+def _wait_healthy(url: str, stack: Stack, timeout: float, stopping: Callable[[], bool]) -> None:
     deadline = time.monotonic() + timeout
     while not stopping():
         stack.check()

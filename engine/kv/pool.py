@@ -199,7 +199,7 @@ class KVPool:
         self.staging = KVStaging(outbox, block, cell, self.arena.dtype, self.device)
         # Per group (in `regions()` order, a group's regions being adjacent there): the cell
         # each of its regions starts at, and how many cells a page of it spans.
-        base, runs = self.arena.data_ptr(), {}
+        base, runs = self.arena.data_ptr(), dict[str, list[tuple[int, int]]]()
         for r in self.regions():
             if r.group != STAGING:
                 first, per = (r.tensor.data_ptr() - base) // cell, r.tensor[0].nbytes // cell

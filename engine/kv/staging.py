@@ -63,7 +63,12 @@ class KVStaging:
     pulls land in, then `outbox` blocks that hold staged requests."""
 
     def __init__(
-        self, outbox: int, block_bytes: int, cell_bytes: int, word: torch.dtype, device
+        self,
+        outbox: int,
+        block_bytes: int,
+        cell_bytes: int,
+        word: torch.dtype,
+        device: torch.device,
     ) -> None:
         num_blocks = RING_SLOTS * CHUNK_BLOCKS + outbox
         words = block_bytes // torch.empty((), dtype=word).element_size()
@@ -168,7 +173,8 @@ class Unpacker:
         stream: torch.cuda.Stream | None,
     ) -> None:
         self._rows, self._staged, self._stream = rows, staged, stream
-        self.nbytes, self._cells, self._dst = nbytes, cells, None
+        self.nbytes, self._cells = nbytes, cells
+        self._dst: torch.Tensor | None = None  # the cells, on the device once the first chunk lands
         self._chunk = CHUNK_BLOCKS * staging.cells_per_block  # cells per chunk
         self._slots = [slot[0] * staging.cells_per_block for slot in staging.ring]  # first cells
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ def for_device(device: torch.device, how: str = "auto") -> Hardware | None:
     return measure(device)
 
 
-def _median_ms(fn, reps: int = 20) -> float:
+def _median_ms(fn: Callable[[], object], reps: int = 20) -> float:
     fn()  # warm-up (allocation, kernel selection)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -99,7 +99,10 @@ class TemplateChat:
     ) -> str:
         # Both spellings of the thinking switch that DeepSeek and Qwen templates read, then the
         # request's own variables; a template that reads neither is unaffected.
-        variables = {"thinking": options.thinking, "enable_thinking": options.thinking}
+        variables: dict[str, Any] = {
+            "thinking": options.thinking,
+            "enable_thinking": options.thinking,
+        }
         if options.reasoning_effort is not None:
             variables["reasoning_effort"] = options.reasoning_effort
         return self._tokenizer.apply_chat_template(

@@ -10,7 +10,7 @@ Torch-free, like all of engine.text.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,10 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: list[dict[str, Any]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None,
+        tools: Sequence[Mapping[str, Any]] | None,
         variables: Mapping[str, Any],
         tokens: Mapping[str, str],
     ) -> str:
@@ -146,8 +146,9 @@ def _template_tool_call(call: Any) -> Any:
     """A tool call with its `function.arguments` as an object, as templates expect (vLLM and
     transformers both hand templates parsed arguments; OpenAI sends them as JSON text)."""
     function = call.get("function") if isinstance(call, Mapping) else None
-    arguments = function.get("arguments") if isinstance(function, Mapping) else None
-    if not isinstance(arguments, str):
+    if not isinstance(function, Mapping) or not isinstance(
+        arguments := function.get("arguments"), str
+    ):
         return call
     try:
         parsed = json.loads(arguments)

@@ -138,7 +138,10 @@ class Tokenizer:
         if token_id in self._added_bytes:
             return self._added_bytes[token_id]
         if self._byte_of is not None:
-            return bytes(self._byte_of[c] for c in self._backend.id_to_token(token_id))
+            piece = self._backend.id_to_token(token_id)
+            if piece is None:
+                raise ValueError(f"token id {token_id} is outside the vocabulary")
+            return bytes(self._byte_of[c] for c in piece)
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     @property
@@ -152,10 +155,10 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, Any]],
+        messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         variables: Mapping[str, Any] | None = None,
     ) -> str:
         """Render `messages` into the prompt text the model was trained on.

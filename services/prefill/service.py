@@ -15,12 +15,14 @@ authenticated link, so pairing needs no registry.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
 import grpc
 
 from engine.engine_loop import OutputQueue
+from engine.llm_engine import LLMEngine
 from engine.request import RequestError
 from services.rpc import grpc_api, pb
 from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
@@ -114,6 +116,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"request {rid} holds no KV here any more (its lease ran out, or it was aborted)",
             )
+        assert deadline is not None  # (context.abort raised otherwise)
         return pb.ClaimResponse(lease_expires_unix_ms=now_ms() + int((deadline - now) * 1000))
 
     async def Release(
@@ -137,7 +140,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             # The time of asking, not of running: a Claim that reached the queue before the
             # deadline runs first (the queue is FIFO) even when a long step delays both.
             now = time.monotonic()
-            expired = await w.loop.run(lambda e, now=now: e.expire_leases(now))
+            expired = await w.loop.run(functools.partial(LLMEngine.expire_leases, now=now))
             for rid in expired:
                 log.warning("KV lease of %s ran out before a decode worker released it", rid)
                 w.metrics.fail("lease_expired")

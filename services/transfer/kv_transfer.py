@@ -184,7 +184,7 @@ class KVTransfer:
                 )
             local_list, remote_list = self._prepared(peer, known, group, ours, theirs)
             chunks, descriptors = -(-remote.size // chunk), 0
-            agent, inflight = self._agent, deque()
+            agent, inflight = self._agent, deque[Any]()  # NIXL transfer handles
             _sharp_sleeps()
 
             def post(j: int) -> None:

@@ -96,7 +96,13 @@ class Compressor(torch.nn.Module):
             ring_kv[seg.slab, keep.remainder(rows)] = kv[chunk][keep - s]
             ring_gate[seg.slab, keep.remainder(rows)] = gate[chunk][keep - s]
 
-    def _pool(self, cur, prev, first_pos: torch.Tensor, step: StepState) -> torch.Tensor:
+    def _pool(
+        self,
+        cur: tuple[torch.Tensor, torch.Tensor],
+        prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        first_pos: torch.Tensor,
+        step: StepState,
+    ) -> torch.Tensor:
         """cur = (kv, gate) [M, rate, feats] of the closing windows; prev = the windows before
         them plus a [M] validity mask (overlap only) -> entries [M, head_dim]."""
         inv_freq = step.rope_tables["compress"].inv_freq
