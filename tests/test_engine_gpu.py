@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import kernels
+from bench.compare import rel_err
 from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.sampling_params import SamplingParams
 from engine.step import RowSpan
-from tests.kernels_cases import gpu_test, rel_err
+from tests.kernels_cases import gpu_test
 from tests.release_reference import (
     ENGINE,
     TOKENS,

@@ -2,7 +2,7 @@
 match their torch references (kernels.fused_reference, which the engine runs on CPU and which
 the model-parity tests hold to HF transformers).
 
-Every op runs on a real KVPool/StepState (tests.fused_cases): the tiny model's widths on CPU,
+Every op runs on a real KVPool/StepState (bench.fused_cases): the tiny model's widths on CPU,
 V4-Flash's on a GPU. Decode rows sit at positions chosen for the edges: position 0, the first
 CSA window (no previous window to overlap), windows that close for CSA only and for both CSA
 and HCA, rows whose windows stay open; a mixed step adds a prefill chunk behind them.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from tests.fused_cases import GlueStep, Op, as_tuple, compare, model_config
+from bench.fused_cases import GlueStep, Op, as_tuple, compare, model_config
 from tests.kernels_cases import gpu_test
 
 POSITIONS = [0, 3, 7, 15, 18, 47, 63, 100]  # tiny model: CSA rate 4, HCA rate 16, window 16

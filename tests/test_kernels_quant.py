@@ -17,11 +17,12 @@ import triton
 import triton.language as tl
 
 import kernels
+from bench.compare import rel_err
 from kernels import fp8_gemm, quant
 from kernels.act_quant import act_quant, fp4_to_e4m3
 from kernels.fp4_moe import MoeConfig, fp4_moe, stack_fp4_experts
 from kernels.fp8_gemm import GemmConfig, fp8_linear
-from tests.kernels_cases import gpu_test, rel_err
+from tests.kernels_cases import gpu_test
 
 # convert.py's FP4_TABLE, transcribed: index = the 4-bit code
 RELEASE_FP4_TABLE = [

@@ -8,8 +8,9 @@ import torch
 
 import kernels
 from bench import naive
+from bench.compare import rel_err
 from kernels import mhc, reference, rowwise
-from tests.kernels_cases import gpu_test, rel_err
+from tests.kernels_cases import gpu_test
 
 
 def _rope_inputs(n: int, heads: int, dim: int, half: int, dtype: torch.dtype, device: str):

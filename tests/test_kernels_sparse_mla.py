@@ -8,9 +8,10 @@ import torch
 
 import kernels
 from bench import naive
+from bench.compare import rel_err
 from kernels import reference, sparse_mla
 from kernels.sparse_mla import DecodeConfig
-from tests.kernels_cases import decode_case, fp8_decode_case, gpu_test, rel_err
+from tests.kernels_cases import decode_case, fp8_decode_case, gpu_test
 
 # Tolerances (relative error): fp32 arithmetic lands far under 1e-5; bf16 operands of the PV
 # product (p is rounded to bf16) land near 3e-3; lse comes from fp32 QK sums.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.compare import rel_err
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.hf_reference import VOCAB, hf_greedy, hf_logits, make_hf_checkpoint
-from tests.kernels_cases import rel_err
 
 SEQ = 160  # CSA: 40 compressed entries > index_topk 8; HCA (rate 16): 10 entries
 

@@ -17,6 +17,7 @@ import re
 import pytest
 import torch
 
+from bench.compare import rel_err
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.llm import LLM
@@ -28,7 +29,6 @@ from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.models.deepseek_v4.weights import build_model, load_weights
 from engine.parallel.group import TensorParallel
 from engine.sampling_params import SamplingParams
-from tests.kernels_cases import rel_err
 from tests.release_reference import ENGINE, TOKENS, release_ids
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

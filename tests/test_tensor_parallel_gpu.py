@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.compare import rel_err
 from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.sampling_params import SamplingParams
 from engine.step import RowSpan
-from tests.kernels_cases import rel_err
 from tests.release_reference import TOKENS, release_ids
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

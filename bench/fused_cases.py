@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import kernels
+from bench.compare import rel_err
 from engine.kv.layout import KVCacheConfig
 from engine.kv.pool import KVPool
 from engine.layers.norm import RMSNorm
@@ -27,7 +28,6 @@ from engine.models.deepseek_v4.mhc import HyperConnection
 from engine.models.deepseek_v4.tiny import tiny_config
 from engine.step import RowSpan, StepState, build_step_inputs
 from kernels import fused_reference
-from tests.kernels_cases import rel_err
 
 V4_FLASH = {  # V4-Flash's attention, compressor, indexer and mHC widths; one layer per kind
     "model_type": "deepseek_v4",
