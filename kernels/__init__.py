@@ -15,8 +15,7 @@ Public API (imports torch and triton only):
 
 Fused decode glue (kernels.fused_dispatch; one or two launches each where the engine runs 5-25):
 
-    compress_decode(kv, gate, positions, slab, ring_kv, ring_gate, ape, norm_weight, eps,
-                    inv_freq, entry_table, page_size, target, trash_slot)   # CSA / HCA decode
+    compress_decode(CompressorRows(kv, gate, positions, ...), target, trash_slot)  # CSA / HCA
     q, weights, lengths = indexer_query(q, weights, cos, sin, positions, rate)
     indices, lengths = sparse_indices(positions, row_req, req_past, req_row0, table, ...)
     streams, post, comb, x = hc_pre(streams, fn, base, scale, norm_weight, iters, hc_eps,
@@ -43,6 +42,7 @@ The checkpoint formats (FP8 128x128 blocks, FP4 experts) and their exact torch d
 from kernels import env  # noqa: F401, I001  (must precede the kernel modules: picks interpreter mode)
 from kernels import kv_quant, quant, reference
 from kernels.backend import swap_kernels, use_backend
+from kernels.compressor_rows import CompressorRows
 from kernels.dispatch import (
     apply_rope,
     hc_weights,
@@ -67,6 +67,7 @@ from kernels.paging import positions_to_slots
 from kernels.quant_dispatch import fp4_experts, fp8_linear, quantize_activations
 
 __all__ = [
+    "CompressorRows",
     "apply_rope",
     "attention_post",
     "attention_pre",

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.compressor_rows import CompressorRows
 from kernels.env import INTERPRET
 from kernels.fused_common import cos_sin, halves, rotate, round_to
 
@@ -172,18 +173,7 @@ def _compress_decode_kernel(
 
 
 def compress_decode(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    positions: torch.Tensor,
-    slab: torch.Tensor,
-    ring_kv: torch.Tensor,
-    ring_gate: torch.Tensor,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    entry_table: torch.Tensor,
-    page_size: int,
+    rows: CompressorRows,
     target: torch.Tensor | None,
     staged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
@@ -191,8 +181,10 @@ def compress_decode(
     nothing to `target`. staged = (entries [D, head_dim], slots [D] int64), target None: each
     row's entry goes to entries[b] and its slot to slots[b] (-1 where the window stays open,
     that row of entries untouched), for a caller that writes an FP8 pool."""
+    kv, gate, positions, slab = rows.kv, rows.gate, rows.positions, rows.slab
+    ring_kv, ring_gate, entry_table = rows.ring_kv, rows.ring_gate, rows.entry_table
     n, feats = kv.shape
-    rate, head_dim = ape.shape[0], norm_weight.shape[0]
+    rate, head_dim = rows.rate, rows.head_dim
     overlap = feats == 2 * head_dim
     assert overlap or feats == head_dim, (feats, head_dim)
     assert kv.stride(1) == gate.stride(1) == 1 and entry_table.stride(1) == 1
@@ -219,9 +211,9 @@ def compress_decode(
         slab,
         ring_kv,
         ring_gate,
-        ape.float().contiguous(),
-        norm_weight.float().contiguous(),
-        inv_freq.float().contiguous(),
+        rows.ape.float().contiguous(),
+        rows.norm_weight.float().contiguous(),
+        rows.inv_freq.float().contiguous(),
         entry_table,
         out,
         slots,
@@ -230,13 +222,13 @@ def compress_decode(
         ring_kv.stride(0),
         ring_gate.stride(0),
         entry_table.stride(0),
-        page_size,
-        eps,
+        rows.page_size,
+        rows.eps,
         RATE=rate,
         ROWS=ring_kv.shape[1],
         F=feats,
         HD=head_dim,
-        HALF=inv_freq.shape[0],
+        HALF=rows.inv_freq.shape[0],
         OVERLAP=overlap,
         BLOCK_F=triton.next_power_of_2(feats),
         BLOCK_W=block_w,

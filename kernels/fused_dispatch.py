@@ -22,41 +22,14 @@ from kernels import (
     fused_reference,
 )
 from kernels.backend import uses_triton
+from kernels.compressor_rows import CompressorRows
 from kernels.dispatch import store_kv_fp8, store_rows
 
 
-def compress_decode(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    positions: torch.Tensor,
-    slab: torch.Tensor,
-    ring_kv: torch.Tensor,
-    ring_gate: torch.Tensor,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    entry_table: torch.Tensor,
-    page_size: int,
-    target: torch.Tensor,
-    trash_slot: int,
-) -> None:
-    """A compressor's decode rows: ring update, and the entry of every window that closes.
+def compress_decode(rows: CompressorRows, target: torch.Tensor, trash_slot: int) -> None:
+    """A compressor's decode rows (kernels.CompressorRows: shapes there): ring update, and the
+    entry of every window that closes.
 
-    kv, gate     [D, F] the new tokens' raw projections (wkv(x), wgate(x) of the D decode rows),
-                 the pool dtype; rows may be strided, channels contiguous. F = head_dim, or
-                 2 * head_dim for an overlapping (CSA) compressor: [Ca | Cb].
-    positions    [D] int64 position of each row's token; slab [D] int64 its request's slab row.
-    ring_kv, ring_gate
-                 [seqs, ROWS, F] the compressor's ring (KVPool.comp_ring / index_ring of the
-                 layer: a slice of each slab row, so dense per sequence, not across them): row
-                 p % ROWS holds the projections of position p.
-                 ROWS = rate, or 2 * rate with overlap.
-    ape          [rate, F] fp32 per-slot gate bias; norm_weight [head_dim] fp32, eps its RMS
-                 norm's; inv_freq [rope_dim // 2] fp32 the RoPE table's inverse frequencies
-                 (RotaryTable.inv_freq of the "compress" table).
-    entry_table  [>= D, pages] int32, row b = decode row b's request: the pages holding its
-                 compressed entries (the step's table of the group without its ring pages).
     target       [slots, head_dim] contiguous pool of the entries (kv[layer] or index_k[layer]),
                  or an FP8 pool of them (uint8 pages, kernels.kv_quant: attention entries
                  [pages, P * 584] or index keys [pages, P * (head_dim + 4)], P = page_size).
@@ -75,50 +48,18 @@ def compress_decode(
     closing windows' only (two launches; still no host sync).
     """
     if target.dtype == torch.uint8:
-        args = (kv, gate, positions, slab, ring_kv, ring_gate, ape, norm_weight, eps, inv_freq)
-        if uses_triton(kv):
-            entries = kv.new_empty(kv.shape[0], norm_weight.shape[0])
-            slots = torch.empty(kv.shape[0], dtype=torch.int64, device=kv.device)
-            fused_compressor.compress_decode(
-                *args, entry_table, page_size, None, staged=(entries, slots)
-            )
+        if uses_triton(rows.kv):
+            entries = rows.kv.new_empty(rows.kv.shape[0], rows.head_dim)
+            slots = torch.empty(rows.kv.shape[0], dtype=torch.int64, device=rows.kv.device)
+            fused_compressor.compress_decode(rows, None, staged=(entries, slots))
         else:
-            entries, slots = fused_reference.compress_decode_entries(*args, entry_table, page_size)
-        store_rows(target, slots, entries, page_size)
+            entries, slots = fused_reference.compress_decode_entries(rows)
+        store_rows(target, slots, entries, rows.page_size)
         return
-    if uses_triton(kv):
-        fused_compressor.compress_decode(
-            kv,
-            gate,
-            positions,
-            slab,
-            ring_kv,
-            ring_gate,
-            ape,
-            norm_weight,
-            eps,
-            inv_freq,
-            entry_table,
-            page_size,
-            target,
-        )
+    if uses_triton(rows.kv):
+        fused_compressor.compress_decode(rows, target)
     else:
-        fused_reference.compress_decode(
-            kv,
-            gate,
-            positions,
-            slab,
-            ring_kv,
-            ring_gate,
-            ape,
-            norm_weight,
-            eps,
-            inv_freq,
-            entry_table,
-            page_size,
-            target,
-            trash_slot,
-        )
+        fused_reference.compress_decode(rows, target, trash_slot)
 
 
 def indexer_query(
