@@ -26,13 +26,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runs as a module or a script from the repository root
+from bench.flash_widths import FLASH_WIDTHS
+from loadtest.bench_serving import BenchConfig, run_benchmark
+from loadtest.report import plot_series
+from loadtest.soak import LocalStack
 
-from bench.flash_widths import FLASH_WIDTHS  # noqa: E402
-from loadtest.bench_serving import BenchConfig, run_benchmark  # noqa: E402
-from loadtest.report import plot_series  # noqa: E402
-from loadtest.soak import LocalStack  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SLO_TTFT_S, SLO_ITL_S = 2.0, 0.050
 # A V4-Flash-width slice: the real model's per-layer shapes, fewer layers and experts.

@@ -24,7 +24,7 @@ pages, one process), "torch contiguous" (one copy_ of the same byte count: the c
 is each row's share of it). GB/s counts the request's bytes once.
 
 CPU, two processes over loopback (UCX's default transports, i.e. cma for the data):
-    .venv/bin/python bench/transfer.py --device cpu      # -> bench/results/cpu-transfer.json
+    .venv/bin/python -m bench.transfer --device cpu      # -> bench/results/cpu-transfer.json
 
 Two GPUs of one host: prefill on cuda:0, decode on cuda:1, against torch's cuda:0 -> cuda:1
 copy (one GPU: both on cuda:0, against a copy within it; -> h200-transfer.json). UCX_TLS
@@ -37,7 +37,7 @@ no network, so carry the nixl-cu13 wheel (59 MB; the device tool's working-tree 
   2. device run, kind nvidia-h200-x2, carry [".whl"], command:
        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
          --target /tmp/site .whl/nixl_cu13-*.whl && export PYTHONPATH=/tmp/site || exit;
-       PYTHONUNBUFFERED=1 python3 bench/transfer.py --device cuda --out $OUT/h200x2-transfer.json
+       PYTHONUNBUFFERED=1 python3 -m bench.transfer --device cuda --out $OUT/h200x2-transfer.json
   3. copy the returned JSON to bench/results/h200x2-transfer.json and commit it.
 """
 
@@ -58,8 +58,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs as a script from anywhere
 
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import (

@@ -36,11 +36,17 @@ from typing import Any
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: make `loadtest` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
-from loadtest.prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt
+try:
+    from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
+    from loadtest.prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt
+except ImportError:  # run as `python loadtest/bench_serving.py`: this folder is on sys.path
+    from openai_stream import StreamRecord, auth_headers, chat_payload  # type: ignore[no-redef]
+    from prompts import (  # type: ignore[no-redef]
+        PROBE_WORDS,
+        calibrated_words,
+        load_tokenizer,
+        make_prompt,
+    )
 
 
 @dataclass

@@ -40,8 +40,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from demo_model_card import write_card, write_loss_png  # noqa: E402
 

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx
@@ -382,7 +381,6 @@ def test_a_short_soak_with_faults_ends_every_request_and_leaks_nothing(model, tm
     """loadtest/soak.py as CI can afford it: users stream while the decode worker is killed and
     restarted and Redis is stopped; every request ends (answered or a clear error) and, once
     idle, every page is free on both workers."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from loadtest.soak import Fault, SoakConfig, run_soak
 
     cfg = SoakConfig(

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # loadtest/ is a tool folder of the repo, not an installed package
+from loadtest import bench_serving as bench
+from loadtest import report
+from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
+from loadtest.prompts import calibrated_words, load_tokenizer, make_prompt
 
-from loadtest import bench_serving as bench  # noqa: E402
-from loadtest import report  # noqa: E402
-from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload  # noqa: E402
-from loadtest.prompts import calibrated_words, load_tokenizer, make_prompt  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def chunk(content: str | None = None, usage: dict | None = None, role: bool = False) -> str:
