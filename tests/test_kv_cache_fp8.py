@@ -37,9 +37,8 @@ from services import settings
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from services.transfer.layout import Region, describe, first_difference
-from tests.engine_cases import drain
+from tests.engine_cases import drain, move_staged
 from tests.serving_stack import TOKEN, Stack, offline_generate, wait_for
-from tests.test_kv_staging import _move
 
 MODEL = DEMO_MODEL_DIR
 CFG = ModelConfig.from_dir(MODEL)
@@ -214,7 +213,7 @@ def test_a_request_prefilled_by_one_fp8_engine_decodes_on_another_as_if_never_mo
     reserved = decode.reserve("r", prompt, first, params)
     if via == "staging":
         unpack = decode.pool.unpacker(reserved.pages)
-        _move(prefill.pool, held.pages[STAGING], decode.pool, unpack)
+        move_staged(prefill.pool, held.pages[STAGING], decode.pool, unpack)
     else:
         for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
             if src.group in held.pages:
