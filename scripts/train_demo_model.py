@@ -41,7 +41,10 @@ import torch.nn.functional as F  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-from demo_model_card import write_card, write_loss_png  # noqa: E402
+try:  # run as a script: its folder is on sys.path
+    from demo_model_card import write_card, write_loss_png
+except ImportError:  # loaded from the repository root (tests/test_train_demo_model.py)
+    from scripts.demo_model_card import write_card, write_loss_png
 
 from engine.text.byte_tokenizer import PLAY_CHAT_TEMPLATE, write_byte_tokenizer  # noqa: E402
 
