@@ -25,29 +25,12 @@ from kernels.sparse_mla import check_decode_args
 
 @triton.jit
 def _naive_decode_kernel(
-    q_ptr,
-    kv_ptr,
-    idx_ptr,
-    len_ptr,
-    sink_ptr,
-    out_ptr,
-    lse_ptr,  #
-    stride_qb,
-    stride_qh,
-    stride_kv,
-    stride_ib,
-    stride_ob,
-    stride_oh,
-    stride_lb,  #
-    num_slots,
-    num_idx,
-    qk_scale,  #
-    D_V: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_N: tl.constexpr,  #
-    HAS_LENGTHS: tl.constexpr,
-    HAS_SINKS: tl.constexpr,  #
-):
+    q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_kv, stride_ib, stride_ob, stride_oh, stride_lb,
+    num_slots, num_idx, qk_scale,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) + tl.arange(0, 1)  # one head, kept 1-d for the shared helpers
     offs_v = tl.arange(0, D_V)
@@ -104,30 +87,17 @@ def sparse_mla_decode(
     out = torch.empty(batch, heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, dtype=torch.float32, device=q.device)
     _naive_decode_kernel[(batch, heads)](
-        q,
-        kv,
-        indices,
+        q, kv, indices,
         lse if lengths is None else lengths,
         lse if sinks is None else sinks,
-        out,
-        lse,
-        q.stride(0),
-        q.stride(1),
-        kv.stride(0),
-        indices.stride(0),
-        out.stride(0),
-        out.stride(1),
+        out, lse,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         lse.stride(0),
-        kv.shape[0],
-        indices.shape[1],
-        sm_scale * LOG2E,
-        D_V=d_v,
-        D_ROPE=d_rope,
-        BLOCK_N=16,
-        HAS_LENGTHS=lengths is not None,
+        kv.shape[0], indices.shape[1], sm_scale * LOG2E,
+        D_V=d_v, D_ROPE=d_rope, BLOCK_N=16, HAS_LENGTHS=lengths is not None,
         HAS_SINKS=sinks is not None,
         num_warps=4,
-    )
+    )  # fmt: skip
     return out, lse
 
 

@@ -37,6 +37,10 @@ kernels run inside the engine). Without CUDA, "triton" runs in Triton's interpre
 (kernels.env sets TRITON_INTERPRET=1 when this package is imported first).
 The checkpoint formats (FP8 128x128 blocks, FP4 experts) and their exact torch definitions are in
 ``kernels.quant``; the quantized kernels in kernels.act_quant, kernels.fp8_gemm, kernels.fp4_moe.
+
+Kernel signatures and launches are written as argument groups (pointers, strides, sizes,
+constexprs, launch options), as Triton's tutorials write them; `# fmt: skip` on the closing
+line keeps the formatter from putting every argument on a line of its own.
 """
 
 from kernels import env  # noqa: F401, I001  (must precede the kernel modules: picks interpreter mode)

@@ -74,25 +74,11 @@ def _compress_decode_kernel(
     table_ptr,  # [B, pages] int32 entry pages of each request (row b = decode row b)
     out_ptr,  # [slots, HD] the pool the entries go to; STAGE: [D, HD] one row per decode row
     slot_ptr,  # STAGE: [D] int64 the entry's slot, -1 where the window stays open
-    kv_stride,
-    gate_stride,
-    ring_kv_stride,
-    ring_gate_stride,
-    table_stride,
-    page_size,
-    eps,
-    RATE: tl.constexpr,
-    ROWS: tl.constexpr,
-    F: tl.constexpr,
-    HD: tl.constexpr,
-    HALF: tl.constexpr,
-    OVERLAP: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    PRECISE: tl.constexpr,
-    STAGE: tl.constexpr,
-):
+    kv_stride, gate_stride, ring_kv_stride, ring_gate_stride, table_stride, page_size, eps,
+    RATE: tl.constexpr, ROWS: tl.constexpr, F: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+    OVERLAP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr,
+    PRECISE: tl.constexpr, STAGE: tl.constexpr,
+):  # fmt: skip
     DTYPE: tl.constexpr = ring_kv_ptr.dtype.element_ty
     W: tl.constexpr = 2 * RATE if OVERLAP else RATE  # slots a window pools
     COL_OFF: tl.constexpr = HD if OVERLAP else 0  # where window w's own features (Cb) start
@@ -205,35 +191,13 @@ def compress_decode(
     block_p = halves(head_dim)
     block_w = min(triton.next_power_of_2(window_slots), max(1, 2048 // block_p))
     _compress_decode_kernel[(n,)](
-        kv,
-        gate,
-        positions,
-        slab,
-        ring_kv,
-        ring_gate,
-        rows.ape.float().contiguous(),
-        rows.norm_weight.float().contiguous(),
-        rows.inv_freq.float().contiguous(),
-        entry_table,
-        out,
+        kv, gate, positions, slab, ring_kv, ring_gate, rows.ape.float().contiguous(),
+        rows.norm_weight.float().contiguous(), rows.inv_freq.float().contiguous(), entry_table, out,
         slots,
-        kv.stride(0),
-        gate.stride(0),
-        ring_kv.stride(0),
-        ring_gate.stride(0),
-        entry_table.stride(0),
-        rows.page_size,
-        rows.eps,
-        RATE=rate,
-        ROWS=ring_kv.shape[1],
-        F=feats,
-        HD=head_dim,
-        HALF=rows.inv_freq.shape[0],
-        OVERLAP=overlap,
-        BLOCK_F=triton.next_power_of_2(feats),
-        BLOCK_W=block_w,
-        BLOCK_P=block_p,
-        PRECISE=not INTERPRET,
-        STAGE=staged is not None,
+        kv.stride(0), gate.stride(0), ring_kv.stride(0), ring_gate.stride(0), entry_table.stride(0),
+        rows.page_size, rows.eps,
+        RATE=rate, ROWS=ring_kv.shape[1], F=feats, HD=head_dim, HALF=rows.inv_freq.shape[0],
+        OVERLAP=overlap, BLOCK_F=triton.next_power_of_2(feats), BLOCK_W=block_w, BLOCK_P=block_p,
+        PRECISE=not INTERPRET, STAGE=staged is not None,
         num_warps=8 if window_slots * block_p > 4096 else 4,
-    )
+    )  # fmt: skip
