@@ -124,7 +124,8 @@ def visible_gpus() -> list[str]:
 
 def model_splits(model: str, engine: EngineConfig) -> Callable[[int], bool]:
     """Whether the model in `model`, run as `engine` says, splits over n ranks."""
-    from engine.models import ConfigError, family
+    from engine.checkpoint import ConfigError
+    from engine.models import family
     from engine.rank import keeps_quantized
 
     cfg = family(model).ModelConfig.from_dir(model)

@@ -820,7 +820,12 @@ async def test_router_binds_loopback_unless_told_and_warns_when_open(
 
 
 # The engine modules the router may import: engine.text and these torch-free leaves.
-ROUTER_ENGINE_MODULES = ("engine.config", "engine.load", "engine.models", "engine.sampling_params")
+ROUTER_ENGINE_MODULES = (
+    "engine.checkpoint",
+    "engine.config",
+    "engine.load",
+    "engine.sampling_params",
+)
 
 
 def test_router_imports_without_torch() -> None:

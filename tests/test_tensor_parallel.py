@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from bench.compare import rel_err
+from engine.checkpoint import ConfigError
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.models import ConfigError
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.moe import RoutedExperts
 from engine.models.deepseek_v4.weights import build_model, load_weights
@@ -30,6 +30,7 @@ from engine.parallel.group import TensorParallel
 from engine.sampling_params import SamplingParams
 from tests.engine_cases import byte_ids
 from tests.release_reference import ENGINE, TOKENS, release_ids
+
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEQ = 300  # CSA (rate 4): 75 entries > index_topk 8; HCA (rate 128 / 16): entries too

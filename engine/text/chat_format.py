@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.models import read_config
+from engine.checkpoint import read_config
 from engine.text.chat import ChatEncodingError, encode_messages
 from engine.text.chat.tokens import THINK_START
 from engine.text.template import ChatTemplateError

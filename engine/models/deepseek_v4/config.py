@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from engine.checkpoint import ConfigError, read_config
 from engine.kv.layout import LayerGroup, Ring
 from engine.layers.rope import RopeSpec
-from engine.models import ConfigError, read_config
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
