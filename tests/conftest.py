@@ -34,6 +34,13 @@ if TYPE_CHECKING:
 REDIS_START_TIMEOUT_S = 10.0
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `unit` every test that is neither `e2e` nor `gpu`, so `-m unit` runs them alone."""
+    for item in items:
+        if item.get_closest_marker("e2e") is None and item.get_closest_marker("gpu") is None:
+            item.add_marker(pytest.mark.unit)
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (the caller binds it soon after)."""
     with socket.socket() as s:

@@ -12,6 +12,8 @@ from engine.demo_model import DEMO_MODEL_DIR
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.e2e  # the shipped checkpoint, generating
+
 MODEL_DIR = DEMO_MODEL_DIR
 
 WINDOWS = 6  # held-out windows scored (3 KB at the 512-byte training window): a few seconds

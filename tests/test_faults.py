@@ -24,6 +24,8 @@ from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from tests.serving_stack import TOKEN, Proc, Stack, wait_all_kv_free, wait_for
 
+pytestmark = pytest.mark.e2e  # the stack as processes, broken on purpose
+
 PROMPTS = [f"Tell me about river number {i}, please." for i in range(6)]
 
 

@@ -257,6 +257,7 @@ def test_unknown_or_unfit_kv_cache_dtypes_are_refused(tmp_path, capsys, monkeypa
 MESSAGES = [{"role": "user", "content": "Good morrow, cousin."}]
 
 
+@pytest.mark.e2e
 def test_fp8_workers_answer_like_offline_fp8_and_a_bf16_peer_is_refused(redis_url, tmp_path):
     """An FP8 prefill worker pairs with the FP8 decode worker only (NIXL moves the FP8 bytes)
     and the answers are `dsaserve generate --kv-cache-dtype fp8`'s; handed the FP8 worker's KV,

@@ -10,6 +10,8 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.hf_reference import VOCAB, hf_greedy, hf_logits, make_hf_checkpoint
 
+pytestmark = pytest.mark.e2e  # the whole model against HF transformers
+
 SEQ = 160  # CSA: 40 compressed entries > index_topk 8; HCA (rate 16): 10 entries
 
 

@@ -31,6 +31,8 @@ from tests.release_reference import (
     release_ids,
 )
 
+pytestmark = pytest.mark.e2e  # the whole release-format model against HF and the release
+
 SEQ = 300  # HCA (rate 128): 2 entries; CSA (rate 4): 75 entries > index_topk 8
 
 

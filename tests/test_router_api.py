@@ -799,6 +799,7 @@ async def _startup_log(argv: list[str]) -> str:
 
 
 @pytest.mark.asyncio
+@pytest.mark.e2e  # a dsaserve command as a process
 async def test_router_binds_loopback_unless_told_and_warns_when_open(
     router_model_dir: Path, redis_url: str
 ) -> None:

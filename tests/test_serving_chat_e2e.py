@@ -20,6 +20,8 @@ from engine.sampling_params import SamplingParams
 from engine.text.chat import tokens as v4
 from tests.serving_stack import pd_stack, wait_all_kv_free
 
+pytestmark = pytest.mark.e2e  # the router and both workers as processes
+
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 WEATHER = {
     "type": "function",

@@ -32,6 +32,8 @@ from tests.serving_stack import (
     wait_for,
 )
 
+pytestmark = pytest.mark.e2e  # the router and both workers as processes
+
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name three rivers."},

@@ -25,6 +25,8 @@ from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from tests.serving_stack import TOKEN, Proc, Stack, wait_for
 
+pytestmark = pytest.mark.e2e  # the router and both workers as processes
+
 PROMPTS = [f"Where does river number {i} meet the sea?" for i in range(4)]
 SEQS, BATCHED = 32, 1024  # what tests/serving_stack.py gives every worker
 

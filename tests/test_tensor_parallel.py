@@ -31,6 +31,7 @@ from engine.sampling_params import SamplingParams
 from tests.engine_cases import byte_ids
 from tests.release_reference import ENGINE, TOKENS, release_ids
 
+pytestmark = pytest.mark.e2e  # engines of two ranks, each rank a process
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEQ = 300  # CSA (rate 4): 75 entries > index_topk 8; HCA (rate 128 / 16): entries too

@@ -12,6 +12,8 @@ import pytest
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.e2e  # the training script, trained and served
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
 
 transformers = pytest.importorskip("transformers")
