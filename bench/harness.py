@@ -18,7 +18,6 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import sys
 import traceback
 from collections.abc import Callable
@@ -63,21 +62,9 @@ def time_ms(
             for args in arg_sets:
                 fn(*args)
 
-    unit()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    unit()
-    end.record()
-    end.synchronize()
-    reps = int(min(MAX_REPS, max(5, budget_ms / max(start.elapsed_time(end), 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        unit()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(arg_sets))
-    return statistics.median(times)
+    once = hardware.median_ms(unit, reps=1)  # (after a warm-up replay)
+    reps = int(min(MAX_REPS, max(5, budget_ms / max(once, 1e-3))))
+    return hardware.median_ms(unit, reps) / len(arg_sets)
 
 
 def time_ms_any(
