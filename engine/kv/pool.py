@@ -43,8 +43,8 @@ byte formats instead of model-dtype rows, as vLLM stores V4 with `--kv-cache-dty
   in fp32).
 Every write goes through kernels.store_rows / the fused glue's FP8 branches (quantize on write),
 every read through the kernels' FP8 loaders (sparse_mla_decode, indexer_topk). Budgets are in
-bytes, so the same --kv-cache-memory-bytes holds ~1.77x (the built-in model) to ~1.79x
-(V4-Flash) the tokens of bf16 pages (`bytes_per_token`).
+bytes, so the same --kv-cache-memory-bytes holds more tokens than in bf16 pages: how many is
+engine.kv.layout.bytes_per_token's ratio, recorded per model by bench/kv_cache_dtype.py.
 """
 
 from __future__ import annotations
