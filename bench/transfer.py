@@ -70,7 +70,7 @@ from engine.kv.layout import (
 )
 from engine.kv.pool import KVPool
 from engine.models.deepseek_v4.config import ModelConfig
-from services.transfer import KVTransfer, Region, _nixl
+from services.transfer import KVTransfer, Region, nixl_binding
 
 LAYERS, WINDOW, HEAD, INDEX_HEAD, PAGE = 43, 128, 512, 128, 64
 CSA_RATE, HCA_RATE = 4, 128
@@ -450,7 +450,7 @@ def config(args: argparse.Namespace, load: float) -> dict:
         "cores": os.cpu_count(),
         "load_avg_1m_at_start": load,  # the CPU machine is shared: a high load skews CPU rows
         "torch": torch.__version__,
-        "nixl": _nixl._api.__name__,
+        "nixl": nixl_binding.api.__name__,
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
         "tokens": args.tokens,
         "page": PAGE,

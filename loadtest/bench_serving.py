@@ -158,7 +158,7 @@ def _error_kind(error: str | None) -> str:
     return (status or "") + re.sub(r"\d+", "N", rest)
 
 
-def _drawn(length: int, ratio: float, rng: random.Random) -> int:
+def drawn_length(length: int, ratio: float, rng: random.Random) -> int:
     """A length uniform in [length * (1 - ratio), length] (vLLM's random dataset)."""
     return rng.randint(max(1, round(length * (1 - ratio))), length) if ratio else length
 
@@ -248,8 +248,8 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             words = await prompt_words(client, cfg, model, rng)
         shapes = [
             (
-                make_prompt(_drawn(words, cfg.range_ratio, rng), rng, tokenizer),
-                _drawn(cfg.output_len, cfg.range_ratio, rng),
+                make_prompt(drawn_length(words, cfg.range_ratio, rng), rng, tokenizer),
+                drawn_length(cfg.output_len, cfg.range_ratio, rng),
             )
             for _ in range(cfg.num_prompts)
         ]

@@ -184,7 +184,7 @@ def test_fp8_blocks_round_trip():
     w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-6, 6, (n, 1), generator=g))
     q, s = quant.quantize_fp8_blocks(w)
     back = quant.dequantize_fp8_blocks(q, s)
-    blk_scale = quant._expand_blocks(quant.ue8m0_to_float(s), n, k, 128)
+    blk_scale = quant.expand_blocks(quant.ue8m0_to_float(s), n, k, 128)
     assert bool(((back - w).abs() <= w.abs() * 2**-4 + blk_scale * 2**-10).all())
     assert bool((w.abs() <= blk_scale * 448).all())
 

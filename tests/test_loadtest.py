@@ -289,10 +289,10 @@ def test_report_plots_throughput_and_tail_latency(tmp_path: Path) -> None:
 
 def test_random_range_ratio_draws_lengths_within_bounds() -> None:
     rng = random.Random(0)
-    drawn = [bench._drawn(8192, 0.875, rng) for _ in range(2000)]
+    drawn = [bench.drawn_length(8192, 0.875, rng) for _ in range(2000)]
     assert min(drawn) >= 1024 and max(drawn) <= 8192
     assert min(drawn) < 1200 and max(drawn) > 8000  # the whole range is used
-    assert bench._drawn(512, 0.0, rng) == 512
+    assert bench.drawn_length(512, 0.0, rng) == 512
 
 
 def test_goodput_counts_requests_within_both_slos() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _nixl, descs, layout
+from . import descs, layout, nixl_binding
 from .errors import TransferError
 from .layout import Descriptor, Region, RegionInfo
 
@@ -72,7 +72,9 @@ class KVTransfer:
         self._peers: dict[str, _Peer] = {}
         self._blocks: dict[str, Any] = {}  # group -> our prepared block list
         self._busy = threading.Lock()
-        self._agent = _nixl.nixl_agent(agent_name, _nixl.nixl_agent_config(backends=[]))
+        self._agent = nixl_binding.nixl_agent(
+            agent_name, nixl_binding.nixl_agent_config(backends=[])
+        )
         # "peer" error handling makes UCX fail an in-flight READ when the peer dies
         # (NIXL_ERR_REMOTE_DISCONNECT); with "none" such a READ can hang forever.
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
