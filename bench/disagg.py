@@ -20,13 +20,13 @@ PNG plots of TTFT and ITL against the rate into --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.flash_widths import FLASH_WIDTHS
+from bench.harness import write_record
 from loadtest.bench_serving import BenchConfig, run_benchmark
 from loadtest.report import plot_series
 from loadtest.soak import LocalStack
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for r in results:
         r.pop("requests")  # per-request timings: large, and summarized already
-    (out / "disagg.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_record(out / "disagg.json", results)
     for metric in ("ttft_ms", "itl_ms"):
         plot_series(results, metric, out / f"{metric.split('_')[0]}.png", by="placement")
     print(f"wrote {out / 'disagg.json'} and plots", flush=True)

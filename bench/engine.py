@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 import traceback
@@ -49,6 +48,7 @@ import torch
 import kernels
 from bench import naive
 from bench.flash_widths import FLASH_WIDTHS
+from bench.harness import write_record
 from engine.kv.layout import KVCacheConfig
 from engine.kv.pool import KVPool
 from engine.layers.fp8_linear import Fp8Linear
@@ -521,9 +521,7 @@ def main() -> None:
         if not args.only or name in args.only:
             phase(name, fn)
     summarize(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_record(args.out, result, indent=2)
     print_table(result)
 
 

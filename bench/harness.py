@@ -162,3 +162,4 @@ def write_record(path: str | os.PathLike | None, record: dict, indent: int = 1) 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(record, f, indent=indent, default=str)
+        f.write("\n")

@@ -25,10 +25,10 @@ import argparse
 import json
 import math
 import time
-from pathlib import Path
 
 import torch
 
+from bench.harness import write_record
 from bench.numerics import BOS, bits_per_byte, greedy_agreement, heldout_windows
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.kv.layout import KVCacheConfig, bytes_per_token, plan_pages, staging_block_bytes
@@ -194,8 +194,7 @@ def main() -> None:
         "seconds": round(time.perf_counter() - t, 1),
     }
     print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args.out, result)
 
 
 if __name__ == "__main__":

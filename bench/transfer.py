@@ -44,7 +44,6 @@ no network, so carry the nixl-cu13 wheel (59 MB; the device tool's working-tree 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -59,6 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.harness import write_record
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import (
     SLAB,
@@ -522,8 +522,7 @@ def main() -> None:
     print_table(results)
     tag = "cpu" if args.device == "cpu" else "h200" if src == dst else "h200x2"
     out = args.out or Path(__file__).parent / "results" / f"{tag}-transfer.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": config(args, load), "results": results}, indent=2) + "\n")
+    write_record(out, {"config": config(args, load), "results": results}, indent=2)
     print(f"wrote {out}")
 
 
