@@ -26,6 +26,8 @@ from engine.parallel.launch import join_follower
 from engine.runner import ModelRunner
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Quantized(Protocol):
@@ -33,10 +35,6 @@ class Quantized(Protocol):
 
     @property
     def quantization(self) -> object | None: ...  # None: a dense checkpoint
-
-
-DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def device_of(config: EngineConfig, rank: int) -> torch.device:
