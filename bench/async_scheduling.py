@@ -19,11 +19,11 @@ concurrency and context, printed and kept in the JSON; the c=1 target of issue 1
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
+from bench.harness import write_record
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.llm_engine import LLMEngine
@@ -113,9 +113,7 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     print_table(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_record(args.out, result, indent=2)
 
 
 def print_table(result: dict) -> None:

@@ -20,19 +20,18 @@ PNG plots of TTFT and ITL against the rate into --out-dir.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runs as a module or a script from the repository root
+from bench.flash_widths import FLASH_WIDTHS
+from bench.harness import write_record
+from loadtest.bench_serving import BenchConfig, run_benchmark
+from loadtest.report import plot_series
+from loadtest.soak import LocalStack
 
-from bench.flash_widths import FLASH_WIDTHS  # noqa: E402
-from loadtest.bench_serving import BenchConfig, run_benchmark  # noqa: E402
-from loadtest.report import plot_series  # noqa: E402
-from loadtest.soak import LocalStack  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SLO_TTFT_S, SLO_ITL_S = 2.0, 0.050
 # A V4-Flash-width slice: the real model's per-layer shapes, fewer layers and experts.
@@ -148,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     for r in results:
         r.pop("requests")  # per-request timings: large, and summarized already
-    (out / "disagg.json").write_text(json.dumps(results, indent=1) + "\n")
+    write_record(out / "disagg.json", results)
     for metric in ("ttft_ms", "itl_ms"):
         plot_series(results, metric, out / f"{metric.split('_')[0]}.png", by="placement")
     print(f"wrote {out / 'disagg.json'} and plots", flush=True)

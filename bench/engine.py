@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import time
 import traceback
@@ -47,8 +46,11 @@ import traceback
 import torch
 
 import kernels
+from bench import naive
 from bench.flash_widths import FLASH_WIDTHS
-from engine.kv_pool import KVCacheConfig, KVPool
+from bench.harness import write_record
+from engine.kv.layout import KVCacheConfig
+from engine.kv.pool import KVPool
 from engine.layers.fp8_linear import Fp8Linear
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
 from engine.models.deepseek_v4.model import DeepseekV4
@@ -500,7 +502,7 @@ def main() -> None:
         fast_runner = bench.runner
         bench.runner = ModelRunner(bf16, bench.pool, dev, bench.max_context)
         try:
-            with kernels.use_backend("naive"):
+            with naive.in_engine():
                 bench.runner.capture_decode_graphs([64])
                 decode(BEFORE, (64,), max(3, args.steps // 4))
         finally:
@@ -520,9 +522,7 @@ def main() -> None:
         if not args.only or name in args.only:
             phase(name, fn)
     summarize(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_record(args.out, result, indent=2)
     print_table(result)
 
 

@@ -15,7 +15,7 @@ context; each merges its rows into the JSON as soon as it has them):
 - ``attention``: attention's pre (q and kv norm + RoPE, scratch and ring writes) and post
   (inverse RoPE) glue.
 
-Every op runs on a real KVPool/StepState of V4-Flash's widths (tests.fused_cases) at B = 1 and
+Every op runs on a real KVPool/StepState of V4-Flash's widths (bench.fused_cases) at B = 1 and
 64 decode rows around 32K tokens of context, the compressors also with every row closing a
 window. Per op: the Triton kernels against the torch sequence they replace
 (kernels.fused_reference: on a GPU it calls the same row-wise Triton kernels the engine calls),
@@ -29,21 +29,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 
 import torch
 
 import kernels  # (before triton: on CPU, kernels.env picks the interpreter)
-from bench.kernels import time_ms
+from bench.fused_cases import GlueStep, Op, compare, model_config, paired
+from bench.harness import attempt, fmt, launches, time_ms_any, write_record
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING
 from engine.profile import hardware
-from tests.fused_cases import GlueStep, Op, compare, model_config, paired
 
 DEFAULT_OUT = "bench/results/h200-glue.json"
 REPEAT = 20  # calls per timed graph: back to back, as the kernels run inside a decode step
@@ -101,31 +99,8 @@ def steps(phase: str, smoke: bool) -> Iterator[tuple[str, GlueStep]]:
 
 def time_us(fn: Callable, args: tuple, kwargs: dict) -> tuple[float, str]:
     """Median us per call: CUDA-graph replays of REPEAT calls (eager calls if capture fails)."""
-    unit = lambda: [fn(*args, **kwargs) for _ in range(REPEAT)]
-    try:
-        return 1e3 * time_ms(unit, [()]) / REPEAT, "graph"
-    except Exception as e:
-        print(f"    (graph capture failed: {type(e).__name__}: {str(e)[:160]}; eager)", flush=True)
-        torch.cuda.synchronize()
-        return 1e3 * time_ms(unit, [()], graph=False) / REPEAT, "eager"
-
-
-def launches(fn: Callable, args: tuple, kwargs: dict) -> float:
-    """Device operations (kernels, copies, memsets) one call issues, from the profiler."""
-    fn(*args, **kwargs)
-    torch.cuda.synchronize()
-    calls = 5
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn(*args, **kwargs)
-        torch.cuda.synchronize()
-    count = sum(
-        e.count
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-        and (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) > 0
-    )
-    return count / calls
+    ms, mode = time_ms_any(lambda: [fn(*args, **kwargs) for _ in range(REPEAT)], [()])
+    return 1e3 * ms / REPEAT, mode
 
 
 def bitwise_equal(op: Op, got: tuple, want: tuple) -> float:
@@ -165,20 +140,6 @@ def measure(
     return row
 
 
-def attempt(label: str, fn: Callable, *args) -> dict:
-    """Run one measurement; on failure print it and return the error (the phase goes on)."""
-    try:
-        return fn(*args)
-    except Exception as e:
-        print(f"  FAILED {label}: {type(e).__name__}: {str(e)[:400]}", flush=True)
-        traceback.print_exc(limit=4, file=sys.stdout)
-        return {"op": label, "error": f"{type(e).__name__}: {e}"[:1000]}
-
-
-def fmt(v, spec: str) -> str:
-    return format(v, spec) if isinstance(v, (int, float)) and not math.isnan(v) else "-"
-
-
 def print_row(r: dict) -> None:
     if "error" in r:
         print(f"  {r['op']:<22} ERROR {r['error'][:120]}", flush=True)
@@ -207,6 +168,8 @@ def run_phase(phase: str, smoke: bool, result: dict, save: Callable[[], None]) -
     for label, step in steps(phase, smoke):
         for i, build in enumerate(PHASES[phase]):
             r = attempt(f"{phase} op {i} {label}", measure, build, step, label, smoke, gbps)
+            if "error" in r:  # (a failed op is still named in the record)
+                r = {"op": f"{phase} op {i} {label}", **r}
             r["phase"] = phase
             rows.append(r)
             print_row(r)
@@ -280,10 +243,7 @@ def main() -> None:
 
     def save() -> None:  # after each op, so a run cut short keeps what it measured
         result.setdefault("wall_s", {})[args.only] = time.time() - t0
-        if out:
-            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1)
+        write_record(out, result)
 
     run_phase(args.only, args.smoke, result, save)
     bad = [r for r in result["rows"] if r.get("phase") == args.only and not r.get("ok")]

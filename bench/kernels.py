@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -29,61 +28,14 @@ import torch
 import triton
 
 import kernels
-from bench import long_context
-from bench.quant import kernel_breakdown
-from engine.profile import hardware
-from kernels import indexer, naive, sparse_mla
+from bench import long_context, naive
+from bench.harness import ceilings, kernel_breakdown, time_ms, write_record
+from kernels import indexer, sparse_mla
 from kernels.indexer import IndexerConfig
 from kernels.sparse_mla import DecodeConfig
 
 DEV = torch.device("cuda")
 ANCHOR_TORCH_V4_B64_MS = 0.120  # ../shared/reference/gpu-anchors.md, plain torch, same shape
-
-
-# ---- timing --------------------------------------------------------------------------------
-
-
-BUDGET_MS = 200.0  # timed replays per measurement
-
-
-def time_ms(fn, arg_sets: list[tuple], graph: bool = True) -> float:
-    """Median ms per call; one timed unit calls fn once per arg set (rotating inputs)."""
-    fn(*arg_sets[0])  # compile / warm up outside any capture
-    torch.cuda.synchronize()
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for args in arg_sets:
-                fn(*args)
-        unit = g.replay
-    else:
-
-        def unit():
-            for args in arg_sets:
-                fn(*args)
-
-    unit()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    unit()
-    end.record()
-    end.synchronize()
-    reps = int(min(200, max(5, BUDGET_MS / max(start.elapsed_time(end), 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        unit()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(arg_sets))
-    return statistics.median(times)
-
-
-def ceilings() -> dict:
-    """Copy bandwidth (bytes read + written) and bf16 matmul rate, measured now
-    (engine.profile.hardware, whose figures `dsaserve profile` divides by)."""
-    hw = hardware.measure(DEV)
-    return {"copy_GBps": hw.copy_GBps, "bf16_matmul_TFLOPs": hw.bf16_matmul_TFLOPs}
 
 
 # ---- decode --------------------------------------------------------------------------------
@@ -361,9 +313,7 @@ def record_failure(out: str, phase: str, rc: int) -> None:
     errors = result.setdefault("errors", {})
     if phase not in errors:
         errors[phase] = f"the phase's process exited with {rc} before recording an error"
-        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
+        write_record(out, result)
 
 
 def main() -> None:
@@ -401,7 +351,7 @@ def main() -> None:
         sys.exit(f"phase {phase} runs on CUDA only; --smoke covers {list(long_context.PHASES)}")
     t0 = time.time()
     props = torch.cuda.get_device_properties(DEV)
-    hw = ceilings()
+    hw = ceilings(DEV)
     print(
         f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton "
         f"{triton.__version__}: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul "
@@ -429,9 +379,7 @@ def main() -> None:
 
     def save() -> None:  # after each section, so a run cut short keeps what it measured
         result["runs"][-1]["wall_s"] = time.time() - t0
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+        write_record(args.out, result)
 
     if phase == "decode":
         pool = torch.randn(POOL_SLOTS, 512, device=DEV, dtype=torch.bfloat16)

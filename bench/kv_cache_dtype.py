@@ -4,7 +4,7 @@ what the FP8 pages do to the demo model's logits.
     python -m bench.kv_cache_dtype --out bench/results/cpu-kv-cache-dtype.json       # CPU
     python -m bench.kv_cache_dtype --device cuda --out bench/results/h200-kv-cache-dtype.json
 
-Capacity is exact arithmetic on the pool plans (engine.kv_pool.plan_pages, nothing allocated):
+Capacity is exact arithmetic on the pool plans (engine.kv.pool.plan_pages, nothing allocated):
 bytes one more token of context costs (every layer past its window: bytes_per_token), and the
 compressed tokens the pools hold at a budget, for the built-in demo model and V4-Flash (HF's
 defaults), FP8 against bf16 (and against fp32, the CPU's default --dtype).
@@ -25,15 +25,16 @@ import argparse
 import json
 import math
 import time
-from pathlib import Path
 
 import torch
 
+from bench.harness import write_record
 from bench.numerics import BOS, bits_per_byte, greedy_agreement, heldout_windows
-from engine import LLM, SamplingParams
 from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv_pool import KVCacheConfig, bytes_per_token, plan_pages, staging_block_bytes
+from engine.kv.layout import KVCacheConfig, bytes_per_token, plan_pages, staging_block_bytes
+from engine.llm import LLM
 from engine.models.deepseek_v4.config import CSA, HCA, ModelConfig
+from engine.sampling_params import SamplingParams
 
 V4_FLASH = ModelConfig.from_hf({"model_type": "deepseek_v4"})  # HF's defaults: V4-Flash
 DEMO = ModelConfig.from_dir(DEMO_MODEL_DIR)
@@ -193,8 +194,7 @@ def main() -> None:
         "seconds": round(time.perf_counter() - t, 1),
     }
     print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args.out, result)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ import torch
 import triton
 
 import kernels
-from bench.quant import Env, attempt, ceilings, kernel_breakdown, time_ms
+from bench.harness import Env, attempt, ceilings, kernel_breakdown, timed, write_record
 from kernels import indexer, kv_quant, reference, sparse_mla
 from kernels.indexer import IndexerConfig
 from kernels.sparse_mla import DecodeConfig
@@ -180,7 +180,7 @@ def phase_capacity(env: Env, sz: Sizes, result: dict, hw: dict, save: Callable) 
 
 
 def store_row(env: Env, hw: dict, label: str, fn: Callable, sets: list, bytes_moved: int) -> dict:
-    ms, mode = time_ms(env, fn, sets)
+    ms, mode = timed(env, fn, sets)
     floor_us = bytes_moved / hw["copy_GBps"] / 1e3
     row = {"what": label, "us": 1e3 * ms, "floor_us": floor_us, "x_floor": 1e3 * ms / floor_us}
     row["mode"] = mode
@@ -260,7 +260,7 @@ def time_decode(
 ) -> dict:
     run = decode_run(pool, cfg)
     err = decode_error(run, pool, *sets[0])
-    ms, mode = time_ms(env, run, sets)
+    ms, mode = timed(env, run, sets)
     b, k = shape["B"], shape["K"]
     row_bytes = KV_DIM * 2 if fmt == "bf16" else kv_quant.KV_TOKEN_BYTES
     moved = b * k * (row_bytes + 4) + 2 * b * shape["H"] * KV_DIM * 2  # rows + ids, q + out
@@ -408,7 +408,7 @@ def time_indexer(
 ) -> dict:
     run = indexer_run(sz, keys, cfg)
     err = indexer_error(sz, run, keys, *sets[0])
-    ms, mode = time_ms(env, run, sets)
+    ms, mode = timed(env, run, sets)
     b, n = shape["B"], shape["entries"]
     key_bytes = 2 * sz.idx_dim if fmt == "bf16" else kv_quant.index_token_bytes(sz.idx_dim)
     q_w = b * sz.idx_heads * (2 * sz.idx_dim + 4)
@@ -523,13 +523,10 @@ def run_phase(phase: str, out: str | None, smoke: bool) -> None:
 
     def save() -> None:
         run["wall_s"] = time.time() - t0
-        if out:
-            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1, default=str)
+        write_record(out, result)
 
     try:
-        hw = ceilings(env)  # engine.profile.hardware: the ceilings every bench divides by
+        hw = ceilings(env.device, env.smoke)  # the ceilings every bench divides by
         run["ceilings"] = hw
         print(f"{dev_name}, {sms} SMs, copy {hw['copy_GBps']:.0f} GB/s", flush=True)
         PHASES[phase](env, sizes, result, hw, save)

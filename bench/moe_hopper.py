@@ -29,7 +29,7 @@ import sys
 import torch
 
 import kernels  # noqa: F401  (before triton: on CPU, kernels.env picks the interpreter)
-from bench.quant import Env, attempt, ceilings, kernel_breakdown, time_ms
+from bench.harness import Env, attempt, ceilings, kernel_breakdown, timed, write_record
 from kernels import quant
 from kernels.fp4_moe import default_config as triton_config
 from kernels.fp4_moe import fp4_moe
@@ -164,7 +164,7 @@ def phase_bench(dev: torch.device, result: dict) -> None:
     from kernels.hopper import fp4_moe as hop
 
     env = Env(dev, smoke=False, quick=True)
-    hw = ceilings(env)
+    hw = ceilings(dev)
     result["ceilings"] = hw
     e, h, i, topk = 256, 4096, 2048, 6
     w = layer(e, h, i, dev, 0)
@@ -207,7 +207,7 @@ def phase_bench(dev: torch.device, result: dict) -> None:
                 def fn(x, ids, wts, cfg=cfg):
                     return hop.fp4_moe_hopper(x, ids, wts, *w, LIMIT, config=cfg)
 
-            t = attempt(f"{kind} T={tokens}", time_ms, env, fn, sets)
+            t = attempt(f"{kind} T={tokens}", timed, env, fn, sets)
             r = {"kernel": kind, "config": dataclasses.asdict(used), "default": cfg is None}
             if isinstance(t, tuple):
                 r["us"], r["timing"] = 1e3 * t[0], t[1]
@@ -264,8 +264,7 @@ def main() -> None:
         try:
             PHASES[args.only][0](dev, part)
         finally:
-            with open(f"{args.out}.{args.only}", "w") as f:
-                json.dump(part, f, indent=1)
+            write_record(f"{args.out}.{args.only}", part)
         return
     result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
     for name, (_, limit) in PHASES.items():
@@ -281,8 +280,7 @@ def main() -> None:
                 result.update(json.load(f))
             os.remove(part_path)
         result[f"{name}_rc"] = rc
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_record(args.out, result)
 
 
 if __name__ == "__main__":

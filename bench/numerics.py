@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from engine import LLM, SamplingParams
+from bench.harness import write_record
 from engine.demo_model import DEMO_MODEL_DIR
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 BOS = 256  # the byte tokenizer's <｜begin▁of▁sentence｜>
@@ -129,7 +131,7 @@ def main() -> None:
     args = p.parse_args()
     result = probe()
     print(json.dumps(result, indent=1))
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args.out, result)
 
 
 if __name__ == "__main__":

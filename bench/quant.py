@@ -34,18 +34,16 @@ import dataclasses
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable
 
 import torch
 import triton
 
 import kernels  # noqa: F401  (before triton: on CPU, kernels.env picks the interpreter)
-from engine.profile import hardware
+from bench.harness import Env, attempt, ceilings, fmt, kernel_breakdown, timed, write_record
 from kernels import fp8_gemm, quant
 from kernels.act_quant import act_quant
 from kernels.fp4_moe import MoeConfig, fp4_moe
@@ -74,104 +72,6 @@ SMOKE_ROWS = (1, 20, 130)
 # one MoE layer of V4-Flash
 MOE = dict(experts=256, hidden=4096, inter=2048, topk=6, limit=10.0)
 SMOKE_MOE = dict(experts=8, hidden=256, inter=128, topk=2, limit=10.0)
-
-
-@dataclasses.dataclass
-class Env:
-    device: torch.device
-    smoke: bool
-    quick: bool
-    budget_ms: float = 100.0
-
-
-# ---- timing --------------------------------------------------------------------------------
-
-
-def time_ms(env: Env, fn: Callable, arg_sets: list[tuple]) -> tuple[float, str]:
-    """Median ms per call over CUDA-graph replays of fn once per arg set (eager launches if the
-    capture fails). In --smoke, fn runs once and the time is NaN."""
-    fn(*arg_sets[0])  # compile / warm up outside any capture
-    if env.smoke:
-        return float("nan"), "smoke"
-    torch.cuda.synchronize()
-    mode = "graph"
-    try:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for args in arg_sets:
-                fn(*args)
-        unit = g.replay
-        unit()
-        torch.cuda.synchronize()
-    except Exception as e:
-        print(f"    (graph capture failed: {type(e).__name__}: {str(e)[:120]}; eager)")
-        torch.cuda.synchronize()
-        mode = "eager"
-
-        def unit():
-            for args in arg_sets:
-                fn(*args)
-
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    unit()
-    end.record()
-    end.synchronize()
-    reps = int(min(200, max(5, env.budget_ms / max(start.elapsed_time(end), 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        unit()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(arg_sets))
-    return statistics.median(times), mode
-
-
-def kernel_breakdown(fn: Callable, args: tuple, calls: int = 20) -> dict[str, float]:
-    """us per call of each CUDA kernel that fn launches (torch profiler over `calls` calls);
-    prints the four longest."""
-    fn(*args)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn(*args)
-        torch.cuda.synchronize()
-    out = {}
-    for e in prof.key_averages():
-        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-        if total > 0:
-            out[e.key[:60]] = total / calls
-    for name, us in sorted(out.items(), key=lambda kv: -kv[1])[:4]:
-        print(f"    {us:9.1f} us  {name}")
-    return out
-
-
-def attempt(label: str, fn: Callable, *args, **kwargs):
-    """Run one measurement; on failure print it and return the error text (the run goes on)."""
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:
-        msg = f"{type(e).__name__}: {e}"
-        print(f"  FAILED {label}: {msg[:400]}", flush=True)
-        traceback.print_exc(limit=3, file=sys.stdout)
-        return {"error": msg[:1000]}
-
-
-def ceilings(env: Env) -> dict:
-    """Copy bandwidth (bytes read + written), bf16 matmul and per-tensor FP8 _scaled_mm rates,
-    measured now (engine.profile.hardware, whose figures `dsaserve profile` divides by)."""
-    if env.smoke:
-        return {
-            "copy_GBps": float("nan"),
-            "bf16_matmul_TFLOPs": float("nan"),
-            "fp8_scaled_mm_TFLOPs": float("nan"),
-        }
-    hw = hardware.measure(env.device)
-    return {
-        "copy_GBps": hw.copy_GBps,
-        "bf16_matmul_TFLOPs": hw.bf16_matmul_TFLOPs,
-        "fp8_scaled_mm_TFLOPs": hw.fp8_matmul_TFLOPs or float("nan"),
-    }
 
 
 # ---- FP8 GEMM ------------------------------------------------------------------------------
@@ -262,25 +162,25 @@ def bench_linear(env: Env, case: LinearCase, m: int, hw: dict) -> dict:
         "weight_MB": case.weight_bytes / 1e6,
         "config": dataclasses.asdict(cfg),
     }
-    t = attempt(f"{case.name} M={m} triton", time_ms, env, lambda w, s: fp8_linear(x, w, s), rot)
+    t = attempt(f"{case.name} M={m} triton", timed, env, lambda w, s: fp8_linear(x, w, s), rot)
     if isinstance(t, tuple):
         row["triton_us"], row["timing"] = 1e3 * t[0], t[1]
     if m > 64:  # the GEMM alone on act_quant's output, and act_quant alone
         xq, xs = act_quant(x)
         t = attempt(
             f"{case.name} M={m} triton gemm",
-            time_ms,
+            timed,
             env,
             lambda w, s: fp8_gemm.fp8_gemm(xq, xs, w, s),
             rot,
         )
         if isinstance(t, tuple):
             row["triton_gemm_us"] = 1e3 * t[0]
-        t = attempt(f"{case.name} M={m} act_quant", time_ms, env, lambda: act_quant(x), [()])
+        t = attempt(f"{case.name} M={m} act_quant", timed, env, lambda: act_quant(x), [()])
         if isinstance(t, tuple):
             row["act_quant_us"] = 1e3 * t[0]
     bf16_sets = [(w,) for w in (case.bf16 if m <= 64 else case.bf16[:1])]
-    t = attempt(f"{case.name} M={m} bf16", time_ms, env, lambda w: x @ w.t(), bf16_sets)
+    t = attempt(f"{case.name} M={m} bf16", timed, env, lambda w: x @ w.t(), bf16_sets)
     if isinstance(t, tuple):
         row["bf16_us"] = 1e3 * t[0]
     # per-tensor FP8 cuBLAS (rows padded to 16: its minimum)
@@ -292,7 +192,7 @@ def bench_linear(env: Env, case: LinearCase, m: int, hw: dict) -> dict:
         key = "scaled_mm_fast_us" if fast else "scaled_mm_us"
         t = attempt(
             f"{case.name} M={m} {key}",
-            time_ms,
+            timed,
             env,
             scaled_mm_fn(fast),
             [(xq8, w, one) for w, _ in rot],
@@ -314,14 +214,6 @@ def bench_linear(env: Env, case: LinearCase, m: int, hw: dict) -> dict:
                 row["linear_share_of_" + key[:-3]] = row[key] / row["triton_us"]
     print_linear_row(row)
     return row
-
-
-def fmt(v, spec: str = "8.1f") -> str:
-    return (
-        format(v, spec)
-        if isinstance(v, (int, float)) and not math.isnan(v)
-        else "-".rjust(int(spec.split(".")[0]) if spec[0].isdigit() else 1)
-    )
 
 
 def print_linear_row(r: dict) -> None:
@@ -381,7 +273,7 @@ def bench_alternatives(env: Env, case: LinearCase, m: int, configs: list[GemmCon
         try:
             out = run(*case.weights[0])
             err = ((out[:64].double() - ref.double()).norm() / ref.double().norm()).item()
-            ms, mode = time_ms(env, run, rot)
+            ms, mode = timed(env, run, rot)
         except Exception as e:
             print(f"  {label}: {type(e).__name__} {str(e)[:200]}", flush=True)
             rows.append(
@@ -416,7 +308,7 @@ def bench_alternatives(env: Env, case: LinearCase, m: int, configs: list[GemmCon
 
 
 def phase_gemm(env: Env, result: dict, save: Callable[[], None]) -> None:
-    hw = attempt("ceilings", ceilings, env)
+    hw = attempt("ceilings", ceilings, env.device, env.smoke)
     if "copy_GBps" not in hw:  # reported; the ratios to it come out NaN
         hw = {"copy_GBps": float("nan"), "bf16_matmul_TFLOPs": float("nan"), **hw}
     result["ceilings"] = hw
@@ -634,7 +526,7 @@ def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, chec
                 continue
             row["rel_err"] = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
             row["ok"] = row["rel_err"] < 4e-3
-        t = attempt(f"fp4 moe time {used}", time_ms, env, run, arg_sets)
+        t = attempt(f"fp4 moe time {used}", timed, env, run, arg_sets)
         if cfg is None and not env.smoke:
             row["kernels_us"] = attempt("fp4 moe kernels", kernel_breakdown, run, arg_sets[0])
         if isinstance(t, tuple):
@@ -660,15 +552,15 @@ def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, chec
                     res["bf16_rel_diff_vs_release"] = (
                         (out.double() - ref.double()).norm() / ref.double().norm()
                     ).item()
-            t = attempt("bf16 moe time", time_ms, env, layer.bf16, arg_sets)
+            t = attempt("bf16 moe time", timed, env, layer.bf16, arg_sets)
         if isinstance(t, tuple):
             res["bf16_us"], res["bf16_timing"] = 1e3 * t[0], t[1]
-    timed = [v for v in res["variants"] if "us" in v and v.get("ok", True)]
-    if timed:
-        best = min(timed, key=lambda v: v["us"])
+    measured = [v for v in res["variants"] if "us" in v and v.get("ok", True)]
+    if measured:
+        best = min(measured, key=lambda v: v["us"])
         res["best"] = best["config"]
         res["best_us"] = best["us"]
-        default = [v for v in timed if v["default"]]
+        default = [v for v in measured if v["default"]]
         if "bf16_us" in res:
             res["x_bf16_best"] = res["bf16_us"] / best["us"]
             if default:
@@ -685,7 +577,7 @@ def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, chec
 
 def phase_moe(env: Env, result: dict, save: Callable[[], None]) -> None:
     spec = SMOKE_MOE if env.smoke else MOE
-    hw = result.get("ceilings") or attempt("ceilings", ceilings, env)
+    hw = result.get("ceilings") or attempt("ceilings", ceilings, env.device, env.smoke)
     if "copy_GBps" not in hw:
         hw = {"copy_GBps": float("nan")}
     print(f"MoE layer: {spec}", flush=True)
@@ -772,10 +664,7 @@ def main() -> None:
 
     def save() -> None:  # after each section, so a run cut short keeps what it measured
         run["wall_s"] = time.time() - t0
-        if out:
-            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-            with open(out, "w") as f:
-                json.dump(result, f, indent=1, default=str)
+        write_record(out, result)
 
     PHASES[args.only](env, result, save)
     save()

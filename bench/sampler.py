@@ -11,12 +11,12 @@ it first, the cost every sampled row paid before the two were told apart.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from bench.harness import write_record
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 
@@ -62,9 +62,7 @@ def main() -> None:
             us = time_us(logits, params, args.reps)
             result["rows"].append({"kind": kind, "batch": rows, "us": us})
             print(f"{kind:22s} {rows:4d} {us:9.1f}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_record(args.out, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,10 +25,11 @@ import torch
 import torch.distributed as dist
 
 from bench.engine import Bench, release_model, slice_config
+from bench.harness import write_record
 from engine.parallel.channel import Channel
-from engine.parallel.follower import serve
 from engine.parallel.group import SINGLE, TensorParallel
 from engine.parallel.launch import Followers, join_follower
+from engine.rank import serve
 
 PHASES = ("bf16", "release")
 
@@ -142,9 +142,7 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     result["step_ratio"] = ratios(result, size)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_record(args.out, result, indent=2)
     print(f"\nstep(TP={size}) / step(TP=1), by phase, concurrency, context (target c64 <= 0.6):")
     for key, ratio in result["step_ratio"].items():
         print(f"  {key:28s} {ratio:.3f}")

@@ -24,7 +24,7 @@ pages, one process), "torch contiguous" (one copy_ of the same byte count: the c
 is each row's share of it). GB/s counts the request's bytes once.
 
 CPU, two processes over loopback (UCX's default transports, i.e. cma for the data):
-    .venv/bin/python bench/transfer.py --device cpu      # -> bench/results/cpu-transfer.json
+    .venv/bin/python -m bench.transfer --device cpu      # -> bench/results/cpu-transfer.json
 
 Two GPUs of one host: prefill on cuda:0, decode on cuda:1, against torch's cuda:0 -> cuda:1
 copy (one GPU: both on cuda:0, against a copy within it; -> h200-transfer.json). UCX_TLS
@@ -37,14 +37,13 @@ no network, so carry the nixl-cu13 wheel (59 MB; the device tool's working-tree 
   2. device run, kind nvidia-h200-x2, carry [".whl"], command:
        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
          --target /tmp/site .whl/nixl_cu13-*.whl && export PYTHONPATH=/tmp/site || exit;
-       PYTHONUNBUFFERED=1 python3 bench/transfer.py --device cuda --out $OUT/h200x2-transfer.json
+       PYTHONUNBUFFERED=1 python3 -m bench.transfer --device cuda --out $OUT/h200x2-transfer.json
   3. copy the returned JSON to bench/results/h200x2-transfer.json and commit it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -59,20 +58,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs as a script from anywhere
-
-from engine.kv_pool import (
+from bench.harness import write_record
+from engine.kv.allocator import PageAllocator
+from engine.kv.layout import (
     SLAB,
     STAGING,
     KVBudgetError,
     KVCacheConfig,
-    KVPool,
     plan_pages,
     staging_block_bytes,
 )
+from engine.kv.pool import KVPool
 from engine.models.deepseek_v4.config import ModelConfig
-from engine.page_allocator import PageAllocator
-from services.transfer import KVTransfer, Region, _nixl
+from services.transfer import KVTransfer, Region, nixl_binding
 
 LAYERS, WINDOW, HEAD, INDEX_HEAD, PAGE = 43, 128, 512, 128, 64
 CSA_RATE, HCA_RATE = 4, 128
@@ -452,7 +450,7 @@ def config(args: argparse.Namespace, load: float) -> dict:
         "cores": os.cpu_count(),
         "load_avg_1m_at_start": load,  # the CPU machine is shared: a high load skews CPU rows
         "torch": torch.__version__,
-        "nixl": _nixl._api.__name__,
+        "nixl": nixl_binding.api.__name__,
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
         "tokens": args.tokens,
         "page": PAGE,
@@ -524,8 +522,7 @@ def main() -> None:
     print_table(results)
     tag = "cpu" if args.device == "cpu" else "h200" if src == dst else "h200x2"
     out = args.out or Path(__file__).parent / "results" / f"{tag}-transfer.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": config(args, load), "results": results}, indent=2) + "\n")
+    write_record(out, {"config": config(args, load), "results": results}, indent=2)
     print(f"wrote {out}")
 
 

@@ -1,27 +1,6 @@
 """dsaserve engine: one GPU group's runtime for DeepSeek-V4 (no networking).
 
-`LLM` and `SamplingParams` are imported lazily so that torch-free users of this package
-(the router imports `engine.tokenizer`) never pay for, or need, torch.
+The offline API is `engine.llm.LLM` with `engine.sampling_params.SamplingParams`. The torch-free
+side the router imports is `engine.text` (with `config`, `load`, `sampling_params` and the
+model registry `models`); importing this package itself loads nothing.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
-
-__all__ = ["LLM", "SamplingParams"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "LLM":
-        from engine.llm import LLM
-
-        return LLM
-    if name == "SamplingParams":
-        from engine.sampling_params import SamplingParams
-
-        return SamplingParams
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")

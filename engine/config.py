@@ -46,7 +46,8 @@ class EngineConfig:
         "KV cache storage: auto (the --dtype) or fp8 (DeepSeek-V4's FP8 pages, vLLM's "
         "fp8_ds_mla: window rows and compressed entries as 448 e4m3 + 64 bf16 RoPE values with "
         "ue8m0 scales, 584 bytes instead of 1024 in bf16; indexer keys as e4m3 with one fp32 "
-        "scale; ~1.75x the tokens in the same --kv-cache-memory-bytes)",
+        "scale; more tokens in the same --kv-cache-memory-bytes: engine.kv.layout.bytes_per_token "
+        "computes how many, bench/README.md 'FP8 KV cache' records it per model)",
         choices=KV_CACHE_DTYPES,
     )
     kv_staging_memory_bytes: int | None = setting(

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
 from engine.load import Load
+from engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -8,11 +8,14 @@ at a time.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -34,7 +37,7 @@ class LLM:
         model_dir: str | os.PathLike,
         device: str = "cpu",
         dtype: str = "float32",
-        **engine_options,
+        **engine_options: Any,
     ) -> None:
         self.engine = LLMEngine(
             model_dir, EngineConfig(device=device, dtype=dtype, **engine_options)
@@ -43,14 +46,15 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | list[Prompt],
+        prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | list[SamplingParams] | None = None,
     ) -> list[Result]:
         """Generate for every prompt (token-id list or text) in one continuous batch."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]
+            prompts = [cast(Prompt, prompts)]
+        prompts = cast(Sequence[Prompt], prompts)
         params = params if params is not None else SamplingParams()
         params = params if isinstance(params, list) else [replace(params) for _ in prompts]
         if len(params) != len(prompts):
@@ -62,8 +66,8 @@ class LLM:
         keys = [f"offline-{i}" for i in range(len(ids))]
         for key, prompt, p in zip(keys, ids, params, strict=True):
             self.engine.add_request(key, prompt, p)
-        tokens = {k: [] for k in keys}
-        texts = {k: [] for k in keys}
+        tokens: dict[str, list[int]] = {k: [] for k in keys}
+        texts: dict[str, list[str]] = {k: [] for k in keys}
         logprobs: dict[str, list[TokenLogprobs]] = {k: [] for k in keys}
         reasons: dict[str, str] = {}
         try:
@@ -73,6 +77,7 @@ class LLM:
                     texts[out.request_id].append(out.text)
                     logprobs[out.request_id] += out.logprobs or []
                     if out.finished:
+                        assert out.finish_reason is not None  # (a finished output says why)
                         reasons[out.request_id] = out.finish_reason
         finally:
             for key in keys:
@@ -89,7 +94,7 @@ class LLM:
             for k, p, q in zip(keys, ids, params, strict=True)
         ]
 
-    def score(self, token_ids: list[int]) -> torch.FloatTensor:
+    def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] (fp32) of one causal forward over token_ids."""
         return self.engine.score(list(token_ids))
 

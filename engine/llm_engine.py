@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,50 +35,22 @@ import torch
 from engine import models
 from engine.async_copy import ToHost
 from engine.config import EngineConfig
-from engine.kv_pool import SLAB, STAGING, check_kv_cache_dtype
+from engine.kv.layout import STAGING, check_kv_cache_dtype
 from engine.load import Load
 from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
-from engine.parallel import follower
 from engine.parallel.group import SINGLE
 from engine.parallel.launch import Followers
 from engine.profiling import profiled
-from engine.rank import build_runner, device_of, keeps_quantized
-from engine.request import Request, Status
+from engine.rank import build_runner, device_of, follower_main, keeps_quantized
+from engine.request import KVPages, Listener, Request, RequestError, RequestOutput, Status
 from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.step import RowSpan
-from engine.text_stream import TextStream
-from engine.tokenizer import Tokenizer
+from engine.text.text_stream import TextStream
+from engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request this engine cannot serve as asked; the message says what to change."""
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str  # new text since the last output
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
-
-
-@dataclass(frozen=True)
-class KVPages:
-    """Where a request's KV state lives: for a reader on another worker, or a transfer's target."""
-
-    pages: dict[str, list[int]]  # pool group -> page ids in logical order ("slab" -> [row])
-    num_tokens: int  # tokens whose KV the pages hold
-
-
-Listener = Callable[[RequestOutput], None]
 
 
 @dataclass
@@ -106,7 +77,7 @@ class LLMEngine:
         self.followers = None
         if config.tensor_parallel_size > 1:
             self.followers = Followers(
-                config.tensor_parallel_size, self.device, follower.main, self.model_dir, config
+                config.tensor_parallel_size, self.device, follower_main, self.model_dir, config
             )
         try:
             self.runner = build_runner(
@@ -245,7 +216,7 @@ class LLMEngine:
         if req.status is not Status.HELD:
             raise KeyError(request_id)
         staged = self._staged.get(request_id)
-        pages = {STAGING: staged} if staged else {**req.page_tables, SLAB: [req.slab]}
+        pages = {STAGING: staged} if staged else req.kv_pages()
         return KVPages(pages=pages, num_tokens=req.num_computed)
 
     def stage(self, request_id: str) -> KVPages:
@@ -321,15 +292,13 @@ class LLMEngine:
             )
         if not self.scheduler.reserve(req):
             return None
-        return KVPages(
-            pages={**req.page_tables, "slab": [req.slab]}, num_tokens=len(prompt_token_ids)
-        )
+        return KVPages(pages=req.kv_pages(), num_tokens=len(prompt_token_ids))
 
     def join(self, request_id: str) -> None:
         """The reserved request's KV has arrived (in rank 0's pools): decode it from the next
         step on, with a copy on every rank."""
         req = self.scheduler.requests[request_id]
-        self.runner.call("share_pages", {**req.page_tables, "slab": [req.slab]})
+        self.runner.call("share_pages", req.kv_pages())
         req.num_computed = len(req.prompt_token_ids)
         self.scheduler.join(req)
 
@@ -373,6 +342,7 @@ class LLMEngine:
             return []
         with profiled("wait"):
             tokens, table = step.results.wait()
+        assert tokens is not None  # (a step with samplers sampled)
         with profiled("outputs"):
             return self._hand_out(step.samplers, tokens.tolist(), table)
 
@@ -388,11 +358,12 @@ class LLMEngine:
             reason = req.append_token(token, in_flight=True)
             finished = reason is not None
             if req.status is Status.HELD:  # prefill only: the reader's lease starts now
+                assert req.hold_for_s is not None
                 # (a claim made before the token was known may already reach further)
                 req.lease_deadline = max(
                     req.lease_deadline or 0.0, time.monotonic() + req.hold_for_s
                 )
-            if finished:
+            if reason is not None:
                 self._finish(req, reason)  # (a held request may already be staged)
             text = req.text.take(finished)
             out = self._output(
@@ -445,7 +416,7 @@ class LLMEngine:
             chunks, step = [], self.config.max_num_batched_tokens
             for start in range(0, len(token_ids), step):
                 part = token_ids[start : start + step]
-                span = RowSpan(start=start, num_rows=len(part), slab=req.slab, token_ids=part)
+                span = RowSpan(start=start, num_rows=len(part), slab=req.slab_row, token_ids=part)
                 chunks.append(self.runner.forward_all_rows([span], num_decode=0))
             return torch.cat(chunks)
         finally:

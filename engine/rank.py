@@ -1,28 +1,40 @@
 """What every rank of an engine builds from a checkpoint: its shard of the model, its KV pool and
-its runner, with the decode steps captured as CUDA graphs.
+its runner, with the decode steps captured as CUDA graphs; and what a follower rank (ranks
+1..N-1 of a tensor-parallel group) then runs: every call rank 0 sends (`follower_main`).
 
-Rank 0 (`LLMEngine`) and each follower rank (engine.parallel.follower) call `build_runner` with
-the same settings, so the collectives inside it line up across the group: the smallest KV
-budget of any rank (every rank's pools must have the same layout: rank 0 allocates pages, the
-others replay its page tables), then the warm-up steps of the graph captures, in the same order.
+Rank 0 (`LLMEngine`) and each follower rank call `build_runner` with the same settings, so the
+collectives inside it line up across the group: the smallest KV budget of any rank (every rank's
+pools must have the same layout: rank 0 allocates pages, the others replay its page tables),
+then the warm-up steps of the graph captures, in the same order.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from engine import models
 from engine.config import EngineConfig
-from engine.kv_pool import KVCacheConfig, KVPool
+from engine.kv.layout import KVCacheConfig
+from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
+from engine.parallel.launch import join_follower
 from engine.runner import ModelRunner
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Quantized(Protocol):
+    """A family's config, as far as keeps_quantized reads it."""
+
+    @property
+    def quantization(self) -> object | None: ...  # None: a dense checkpoint
 
 
 def device_of(config: EngineConfig, rank: int) -> torch.device:
@@ -33,7 +45,7 @@ def device_of(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
-def keeps_quantized(config: EngineConfig, model_config) -> bool:
+def keeps_quantized(config: EngineConfig, model_config: Quantized) -> bool:
     """Whether FP8/FP4 weights stay quantized: as asked, or by default for bfloat16 (the
     release computes in bf16 with FP8 activations)."""
     if config.quantized_compute is not None:
@@ -82,3 +94,21 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
     free, total = torch.cuda.mem_get_info(device)
     # Leave (1 - utilization) of the card, plus headroom for activations and graphs.
     return max(0, int(free - total * (1 - config.gpu_memory_utilization) - (2 << 30)))
+
+
+def follower_main(model_dir: str, config: EngineConfig, rank: int, size: int, port: int) -> None:
+    """A follower rank's process (multiprocessing's spawn target): build its shard exactly as
+    rank 0 builds its own (collectives in lockstep), then serve rank 0's calls until it closes
+    the group."""
+    tp, channel = join_follower(rank, size, port, device_of(config, rank))
+    serve(build_runner(model_dir, config, tp), channel)
+    dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def serve(runner: ModelRunner, channel: Channel) -> None:
+    """Run rank 0's calls, on this rank's shard and pool, until it sends None."""
+    while (call := channel.recv()) is not None:
+        for write in call.table_writes:  # the pages rank 0's scheduler gave out since
+            runner.pool.write_page_table(*write)
+        getattr(runner, call.method)(*call.args)

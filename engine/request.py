@@ -10,14 +10,39 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from engine.kv.layout import SLAB
+from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step import sampled_ref
-from engine.text_stream import TextStream
+from engine.text.text_stream import TextStream
 
-if TYPE_CHECKING:
-    from engine.llm_engine import RequestOutput
+
+class RequestError(ValueError):
+    """A request this engine cannot serve as asked; the message says what to change."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text since the last output
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+
+
+@dataclass(frozen=True)
+class KVPages:
+    """Where a request's KV state lives: for a reader on another worker, or a transfer's target."""
+
+    pages: dict[str, list[int]]  # pool group -> page ids in logical order ("slab" -> [row])
+    num_tokens: int  # tokens whose KV the pages hold
+
+
+Listener = Callable[[RequestOutput], None]
 
 
 class Status(enum.Enum):
@@ -40,7 +65,7 @@ class Request:
     # seconds for a reader; None for a request that decodes here.
     hold_for_s: float | None = None
     # Called on the engine thread with each of this request's outputs (services stream them).
-    listener: Callable[[RequestOutput], None] | None = None
+    listener: Listener | None = None
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens sampled by steps still running on the device (async scheduling): they count in
     # num_tokens, but their ids are not on the host yet (at most one when a step is scheduled;
@@ -53,6 +78,16 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     lease_deadline: float | None = None  # HELD: time.monotonic() after which the KV is freed
+
+    @property
+    def slab_row(self) -> int:
+        """The slab row of a request that holds KV (scheduled, held or reserved)."""
+        assert self.slab is not None, f"request {self.request_id!r} holds no KV"
+        return self.slab
+
+    def kv_pages(self) -> dict[str, list[int]]:
+        """Its pages by pool group and its slab row under "slab" (as KVPages holds them)."""
+        return {**self.page_tables, SLAB: [self.slab_row]}
 
     @property
     def prefill_only(self) -> bool:

@@ -21,13 +21,14 @@ collectives meet inside the model. Graphs are captured on every rank in the same
 from __future__ import annotations
 
 import logging
+from typing import Any, Protocol, cast
 
 import torch
 
 from engine.async_copy import to_device
-from engine.kv_pool import KVPool
-from engine.models.deepseek_v4.model import DeepseekV4
+from engine.kv.pool import KVPool
 from engine.parallel.channel import Call, Channel
+from engine.parallel.group import TensorParallel
 from engine.profiling import profiled
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
@@ -36,10 +37,20 @@ from engine.step import RowSpan, StepInputs, build_step_inputs
 log = logging.getLogger(__name__)
 
 
+class Model(Protocol):
+    """What the runner asks of a family's model (engine.models: `build_model`)."""
+
+    tp: TensorParallel  # its rank's place in the group
+
+    def __call__(self, pool: KVPool, inputs: StepInputs, rows: torch.Tensor) -> torch.Tensor:
+        """One step over `inputs`: fp32 logits of `rows` [len(rows), vocab]."""
+        ...
+
+
 class ModelRunner:
     def __init__(
         self,
-        model: DeepseekV4,
+        model: Model,
         pool: KVPool,
         device: torch.device,
         max_context: int,
@@ -77,6 +88,7 @@ class ModelRunner:
         """Run `method(*args)` on every rank of the group (rank 0 calls; the others follow)."""
         if self.channel is not None:
             writes, self.pool.table_writes = self.pool.table_writes, []
+            assert writes is not None  # (kept since the channel exists: __init__)
             self.channel.send(Call(method, args, writes))
         return getattr(self, method)(*args)
 
@@ -87,7 +99,7 @@ class ModelRunner:
         """
         work = [(req, 1) for req in batch.decode] + batch.prefill
         spans = [
-            RowSpan(req.num_computed, n, req.slab, req.tokens(req.num_computed, n))
+            RowSpan(req.num_computed, n, req.slab_row, req.tokens(req.num_computed, n))
             for req, n in work
         ]
         samplers, rows, row = [], [], 0
@@ -96,14 +108,14 @@ class ModelRunner:
             if req.num_computed + n == req.num_tokens:  # the chunk reaches the newest token
                 samplers.append(req)
                 rows.append(row - 1)
-        logits = self.call("forward", spans, len(batch.decode), rows)
+        logits = cast(torch.Tensor, self.call("forward", spans, len(batch.decode), rows))
         for req, n in work:
             req.num_computed += n
         return samplers, logits
 
     def forward_all_rows(self, spans: list[RowSpan], num_decode: int) -> torch.Tensor:
         """Logits of every row of a step (scoring)."""
-        return self.call("forward", spans, num_decode, None)
+        return cast(torch.Tensor, self.call("forward", spans, num_decode, None))
 
     def forward(
         self, spans: list[RowSpan], num_decode: int, logit_rows: list[int] | None
@@ -130,6 +142,7 @@ class ModelRunner:
         if rows <= 0:
             return None
         if self.tp.rank == 0:
+            assert self.sampled is not None  # (rank 0 sampled the step these refs name)
             ids = self.sampled[:rows]
         else:
             ids = torch.empty(rows, dtype=torch.int64, device=self.device)
@@ -167,7 +180,8 @@ class ModelRunner:
 class _DecodeGraph:
     """One captured decode step for `bs` rows, with static input buffers refreshed per replay."""
 
-    def __init__(self, runner: ModelRunner, bs: int, mempool) -> None:
+    def __init__(self, runner: ModelRunner, bs: int, mempool: Any) -> None:
+        """mempool: torch.cuda.graph_pool_handle(), shared by every graph of the runner."""
         pool, dev = runner.pool, runner.device
         self.pool, self.bs = pool, bs
         arange = torch.arange(bs, device=dev)

@@ -71,7 +71,8 @@ def _race(
     dev = logits.device
     temp = to_device([p.temperature for p in params], torch.float32, dev)
     scaled = logits[sel] / temp[:, None]  # [R, V]
-    return (scaled - _noise(scaled.shape, params, draws, dev).log()).argmax(dim=-1)
+    noise = _noise((scaled.shape[0], scaled.shape[1]), params, draws, dev)
+    return (scaled - noise.log()).argmax(dim=-1)
 
 
 def _truncated_race(

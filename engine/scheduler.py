@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_pool import KVPool
-from engine.page_allocator import OutOfPages
+from engine.kv.allocator import OutOfPages
+from engine.kv.pool import KVPool
 from engine.request import Request, Status
 
 

@@ -9,13 +9,17 @@ pool group and shared by all layers of the group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 from engine.async_copy import to_device
-from engine.kv_pool import KVPool
+from engine.kv.pool import KVPool
 from engine.layers.rope import RotaryTable
+
+T = TypeVar("T")
 
 
 def sampled_ref(row: int) -> int:
@@ -77,8 +81,14 @@ def build_step_inputs(
     device: torch.device,
 ) -> StepInputs:
     """spans: one per request, the `num_decode` single-row decode spans first."""
-    positions, row_req, token_ids, persist, segments = [], [], [], [], []
-    req_past, req_row0, slabs = [], [], []
+    positions: list[int] = []
+    row_req: list[int] = []
+    token_ids: list[int] = []
+    persist: list[int] = []
+    segments: list[Segment] = []
+    req_past: list[int] = []
+    req_row0: list[int] = []
+    slabs: list[int] = []
     row = 0
     for b, span in enumerate(spans):
         start, n, slab, toks = span.start, span.num_rows, span.slab, span.token_ids
@@ -89,7 +99,9 @@ def build_step_inputs(
         # Only the newest ring_len rows survive in the ring; writing only those keeps the
         # scatter free of duplicate targets.
         persist.extend(range(row + max(0, n - pool.ring_len), row + n))
-        req_past.append(start), req_row0.append(row), slabs.append(slab)
+        req_past.append(start)
+        req_row0.append(row)
+        slabs.append(slab)
         if b >= num_decode:
             segments.append(Segment(row0=row, start=start, num_rows=n, slab=slab, req=b))
         row += n
@@ -120,7 +132,7 @@ class StepState:
         self, pool: KVPool, inputs: StepInputs, rope_tables: dict[str, RotaryTable]
     ) -> None:
         self.pool, self.inp, self.rope_tables = pool, inputs, rope_tables
-        self._cache: dict[tuple, torch.Tensor] = {}
+        self._cache: dict[tuple, Any] = {}  # tensors, or (cos, sin) pairs
 
     def rope(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [N, rope_dim // 2] of every row for the "main" or "compress" table."""
@@ -128,7 +140,7 @@ class StepState:
             ("rope", kind), lambda: self.rope_tables[kind](self.inp.positions, self.pool.dtype)
         )
 
-    def _cached(self, key: tuple, make):
+    def _cached(self, key: tuple, make: Callable[[], T]) -> T:
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]

@@ -15,8 +15,7 @@ Public API (imports torch and triton only):
 
 Fused decode glue (kernels.fused_dispatch; one or two launches each where the engine runs 5-25):
 
-    compress_decode(kv, gate, positions, slab, ring_kv, ring_gate, ape, norm_weight, eps,
-                    inv_freq, entry_table, page_size, target, trash_slot)   # CSA / HCA decode
+    compress_decode(CompressorRows(kv, gate, positions, ...), target, trash_slot)  # CSA / HCA
     q, weights, lengths = indexer_query(q, weights, cos, sin, positions, rate)
     indices, lengths = sparse_indices(positions, row_req, req_past, req_row0, table, ...)
     streams, post, comb, x = hc_pre(streams, fn, base, scale, norm_weight, iters, hc_eps,
@@ -30,17 +29,24 @@ kernels.rowwise: no host sync, shape-only allocations, so decode steps can be ca
 graphs); CPU tensors run the plain-torch references (kernels.reference, exact in fp32). Force a
 backend with
 
-    with kernels.use_backend("triton"):      # or "reference", "naive"
+    with kernels.use_backend("triton"):      # or "reference"
         out, lse = kernels.sparse_mla_decode(...)
 
-Without CUDA, "triton" runs in Triton's interpreter (kernels.env sets TRITON_INTERPRET=1 when
-this package is imported first). ``kernels.naive`` holds the "before" kernels for benchmarks.
+(kernels.backend: one rule for every kernel; `swap_kernels` is how bench/naive.py's "before"
+kernels run inside the engine). Without CUDA, "triton" runs in Triton's interpreter
+(kernels.env sets TRITON_INTERPRET=1 when this package is imported first).
 The checkpoint formats (FP8 128x128 blocks, FP4 experts) and their exact torch definitions are in
 ``kernels.quant``; the quantized kernels in kernels.act_quant, kernels.fp8_gemm, kernels.fp4_moe.
+
+Kernel signatures and launches are written as argument groups (pointers, strides, sizes,
+constexprs, launch options), as Triton's tutorials write them; `# fmt: skip` on the closing
+line keeps the formatter from putting every argument on a line of its own.
 """
 
 from kernels import env  # noqa: F401, I001  (must precede the kernel modules: picks interpreter mode)
-from kernels import kv_quant, naive, quant, reference
+from kernels import kv_quant, quant, reference
+from kernels.backend import swap_kernels, use_backend
+from kernels.compressor_rows import CompressorRows
 from kernels.dispatch import (
     apply_rope,
     hc_weights,
@@ -50,7 +56,6 @@ from kernels.dispatch import (
     store_index_k_fp8,
     store_kv_fp8,
     store_rows,
-    use_backend,
 )
 from kernels.fp4_moe import stack_fp4_experts
 from kernels.fused_dispatch import (
@@ -66,6 +71,7 @@ from kernels.paging import positions_to_slots
 from kernels.quant_dispatch import fp4_experts, fp8_linear, quantize_activations
 
 __all__ = [
+    "CompressorRows",
     "apply_rope",
     "attention_post",
     "attention_pre",
@@ -78,7 +84,6 @@ __all__ = [
     "indexer_query",
     "indexer_topk",
     "kv_quant",
-    "naive",
     "positions_to_slots",
     "quant",
     "quantize_activations",
@@ -90,5 +95,6 @@ __all__ = [
     "store_index_k_fp8",
     "store_kv_fp8",
     "store_rows",
+    "swap_kernels",
     "use_backend",
 ]

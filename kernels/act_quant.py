@@ -140,16 +140,10 @@ def fp4_to_e4m3(b, USE_ASM: tl.constexpr):
 
 @triton.jit
 def _act_quant_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,  #
-    M,
-    stride_xm,
-    stride_qm,
-    stride_sm,  #
-    BLOCK_M: tl.constexpr,
-    INTERP: tl.constexpr,  #
-):
+    x_ptr, q_ptr, s_ptr,
+    M, stride_xm, stride_qm, stride_sm,
+    BLOCK_M: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     group = tl.program_id(1)
     cols = group * 128 + tl.arange(0, 128)
@@ -181,17 +175,11 @@ def act_quant(x: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, to
     block_m = 16 if m <= 16 else 32
     if m > 0:
         _act_quant_kernel[(triton.cdiv(m, block_m), k // block)](
-            x2,
-            q.view(torch.uint8),
-            s.view(torch.uint8),
-            m,
-            x2.stride(0),
-            q.stride(0),
-            s.stride(0),
-            BLOCK_M=block_m,
-            INTERP=INTERPRET,
+            x2, q.view(torch.uint8), s.view(torch.uint8), m,
+            x2.stride(0), q.stride(0), s.stride(0),
+            BLOCK_M=block_m, INTERP=INTERPRET,
             num_warps=4,
-        )
+        )  # fmt: skip
     return q.view(*x.shape), s.view(*x.shape[:-1], k // block)
 
 

@@ -1,48 +1,14 @@
-"""Public entry points: pick Triton for CUDA tensors and the torch reference for CPU tensors.
-
-Tests and benchmarks force a backend with ``use_backend("triton" | "reference" | "naive")``;
-without CUDA the Triton kernels run in Triton's interpreter (kernels.env).
+"""Public entry points of the attention, indexer, KV-store, mHC and row-wise kernels: Triton or
+the torch reference by kernels.backend's rule (Triton for CUDA tensors; tests force a backend
+with ``kernels.use_backend``, and without CUDA Triton runs in its interpreter, kernels.env).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-from typing import Literal
-
 import torch
 
-from kernels import indexer, kv_quant, mhc, naive, reference, rowwise, sparse_mla
-
-Backend = Literal["triton", "reference", "naive"]
-_forced: contextvars.ContextVar[Backend | None] = contextvars.ContextVar(
-    "kernels_backend", default=None
-)
-
-
-@contextlib.contextmanager
-def use_backend(backend: Backend | None) -> Iterator[None]:
-    """Run the enclosed calls on one backend (None: choose by device again)."""
-    assert backend in ("triton", "reference", "naive", None), backend
-    token = _forced.set(backend)
-    try:
-        yield
-    finally:
-        _forced.reset(token)
-
-
-def _backend(t: torch.Tensor) -> Backend:
-    return _forced.get() or ("triton" if t.is_cuda else "reference")
-
-
-def _elementwise_backend(t: torch.Tensor) -> Backend:
-    """The row-wise and mHC kernels have no "before" version: "naive" keeps them on Triton, so a
-    naive run isolates the attention and indexer kernels."""
-    forced = _forced.get()
-    return (
-        "reference" if forced == "reference" or (forced != "triton" and not t.is_cuda) else "triton"
-    )
+from kernels import indexer, kv_quant, mhc, reference, rowwise, sparse_mla
+from kernels.backend import forced, swapped, uses_triton
 
 
 def sparse_mla_decode(
@@ -76,18 +42,13 @@ def sparse_mla_decode(
     valid index gives out = 0 and lse = -inf. Decode (B requests) and prefill (B prompt tokens,
     each with its own index list) use the same call.
     """
-    backend = _backend(q)
-    if (
-        backend == "triton"
-        and _forced.get() is None
-        and not sparse_mla.supports(q.shape[1], q.shape[2], d_v)
-    ):
-        backend = "reference"  # e.g. the tiny demo model's 4 heads on a GPU; graph-safe too
-    impl = {
-        "triton": sparse_mla.sparse_mla_decode,
-        "reference": reference.sparse_mla_decode,
-        "naive": naive.sparse_mla_decode,
-    }[backend]
+    impl = swapped("sparse_mla_decode")
+    if impl is None:
+        # The reference also where the kernel's tiles do not fit the shape, unless Triton is
+        # forced: e.g. the tiny demo model's 4 heads on a GPU; graph-safe too.
+        fits = forced() is not None or sparse_mla.supports(q.shape[1], q.shape[2], d_v)
+        triton = uses_triton(q) and fits
+        impl = sparse_mla.sparse_mla_decode if triton else reference.sparse_mla_decode
     return impl(q, kv, indices, sm_scale, d_v=d_v, sinks=sinks, lengths=lengths)
 
 
@@ -117,11 +78,9 @@ def indexer_topk(
     0..lengths[b]-1 then -1, without scoring. Map positions to slot ids with
     kernels.positions_to_slots. Work and memory scaling of the CUDA path: kernels.indexer.
     """
-    impl = {
-        "triton": indexer.indexer_topk,
-        "reference": reference.indexer_topk,
-        "naive": naive.indexer_topk,
-    }[_backend(q)]
+    impl = swapped("indexer_topk") or (
+        indexer.indexer_topk if uses_triton(q) else reference.indexer_topk
+    )
     return impl(q, weights, k_cache, page_table, lengths, topk, scale=scale)
 
 
@@ -133,7 +92,7 @@ def store_kv_fp8(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> N
     layout; slots outside [0, num_pages * P) are skipped; a slot named twice gets one of its
     rows. The CUDA path (one program per 16-32 rows and 64-value group) reads nothing back to the
     host, so it runs inside captured decode graphs."""
-    impl = kv_quant.store_kv if _backend(kv) != "reference" else kv_quant.store_kv_reference
+    impl = kv_quant.store_kv if uses_triton(kv) else kv_quant.store_kv_reference
     impl(pool, slots, kv)
 
 
@@ -141,11 +100,7 @@ def store_index_k_fp8(pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
     """Quantize-on-write of indexer keys: keys [N, Di] into slots [N] of an FP8 pool uint8
     [num_pages, P * (Di + 4)] (kernels.kv_quant), in place; slots outside [0, num_pages * P) are
     skipped. Graph-safe on CUDA like store_kv_fp8."""
-    impl = (
-        kv_quant.store_index_k
-        if _backend(keys) != "reference"
-        else kv_quant.store_index_k_reference
-    )
+    impl = kv_quant.store_index_k if uses_triton(keys) else kv_quant.store_index_k_reference
     impl(pool, slots, keys)
 
 
@@ -176,13 +131,13 @@ def hc_weights(
     comb = row softmax of m[2n:].view(n, n)*scale[2] + base[2n:], plus eps, then `iters` Sinkhorn
     sweeps (columns first, ending on columns).
     """
-    impl = mhc.hc_weights if _elementwise_backend(mixes) == "triton" else reference.hc_weights
+    impl = mhc.hc_weights if uses_triton(mixes) else reference.hc_weights
     return impl(mixes, base, scale, n, iters, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x [..., D] / rms(x) over D (statistics in fp32), times `weight` [D] fp32 if given."""
-    impl = rowwise.rms_norm if _elementwise_backend(x) == "triton" else reference.rms_norm
+    impl = rowwise.rms_norm if uses_triton(x) else reference.rms_norm
     return impl(x, weight, eps)
 
 
@@ -192,5 +147,5 @@ def apply_rope(
     """Interleaved RoPE on the trailing 2*half channels of x [N, ..., D]: pairs (x0, x1) become
     (x0 c - x1 s, x1 c + x0 s) with cos/sin [N, half] per row N (x's dtype, math in fp32);
     `inverse` rotates by minus the angle. The leading channels pass through."""
-    impl = rowwise.apply_rope if _elementwise_backend(x) == "triton" else reference.apply_rope
+    impl = rowwise.apply_rope if uses_triton(x) else reference.apply_rope
     return impl(x, cos, sin, inverse)

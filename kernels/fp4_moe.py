@@ -181,40 +181,14 @@ def _slot_rows(slot, block_end_ptr, row_end_ptr, E, E_POW2: tl.constexpr, BLOCK_
 
 @triton.jit
 def _moe_up_kernel(
-    xq_ptr,
-    xs_ptr,
-    order_ptr,
-    rw_ptr,
-    block_end_ptr,
-    row_end_ptr,  #
-    w_ptr,
-    ws_ptr,
-    hq_ptr,
-    hs_ptr,
-    part_ptr,  #
-    E,
-    TOPK,
-    H,
-    INTER,
-    limit,  #
-    stride_xm,
-    stride_xsm,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_wsn,
-    stride_hm,
-    stride_hsm,
-    stride_ps,
-    stride_pm,
-    KB_PER_SPLIT,  #
-    BLOCK_M: tl.constexpr,
-    E_POW2: tl.constexpr,
-    SPLIT: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,  #
-    USE_ASM: tl.constexpr,
-    INTERP: tl.constexpr,  #
-):
+    xq_ptr, xs_ptr, order_ptr, rw_ptr, block_end_ptr, row_end_ptr,
+    w_ptr, ws_ptr, hq_ptr, hs_ptr, part_ptr,
+    E, TOPK, H, INTER, limit,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm, stride_hsm,
+    stride_ps, stride_pm, KB_PER_SPLIT,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    USE_ASM: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs. Program
     (slot, column tile, K slice); SPLIT: store the slice's fp32 gate and up sums into
     part [slice, sorted row, gate | up] (_moe_up_finish_kernel finishes them), else finish."""
@@ -288,21 +262,12 @@ def _moe_up_kernel(
 
 @triton.jit
 def _finish_up(
-    acc_g,
-    acc_u,
-    rows,
-    ok,
-    flat,
-    jt,
-    rw_ptr,
-    hq_ptr,
-    hs_ptr,
-    stride_hm,
-    stride_hsm,
+    acc_g, acc_u, rows, ok, flat, jt,
+    rw_ptr, hq_ptr, hs_ptr,
+    stride_hm, stride_hsm,
     limit,
-    HAS_LIMIT: tl.constexpr,
-    INTERP: tl.constexpr,
-):
+    HAS_LIMIT: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     """fp32 gate and up sums [BM, 128] of sorted rows `rows` (valid where ok; flat: their
     (token, slot) rows), column tile jt -> h's FP8 codes and its scale byte for these columns."""
     cols = jt * 128 + tl.arange(0, 128)
@@ -323,24 +288,11 @@ def _finish_up(
 
 @triton.jit
 def _moe_up_finish_kernel(
-    part_ptr,
-    order_ptr,
-    rw_ptr,
-    row_end_ptr,
-    hq_ptr,
-    hs_ptr,  #
-    E,
-    INTER,
-    limit,  #
-    stride_ps,
-    stride_pm,
-    stride_hm,
-    stride_hsm,  #
-    SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,
-    INTERP: tl.constexpr,  #
-):
+    part_ptr, order_ptr, rw_ptr, row_end_ptr, hq_ptr, hs_ptr,
+    E, INTER, limit,
+    stride_ps, stride_pm, stride_hm, stride_hsm,
+    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LIMIT: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     """Split-K gate/up: program (block of sorted rows, column tile) adds the K slices' partial
     sums in slice order, then finishes as the unsplit kernel does."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -375,33 +327,13 @@ def _moe_up_finish_kernel(
 
 @triton.jit
 def _moe_down_kernel(
-    hq_ptr,
-    hs_ptr,
-    order_ptr,
-    block_end_ptr,
-    row_end_ptr,
-    w_ptr,
-    ws_ptr,
-    out_ptr,  #
-    E,
-    H,
-    INTER,  #
-    stride_hm,
-    stride_hsm,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_wsn,
-    stride_os,
-    stride_om,
-    KB_PER_SPLIT,  #
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    E_POW2: tl.constexpr,
-    SPLIT: tl.constexpr,  #
-    USE_ASM: tl.constexpr,
-    INTERP: tl.constexpr,  #
-):
+    hq_ptr, hs_ptr, order_ptr, block_end_ptr, row_end_ptr, w_ptr, ws_ptr, out_ptr,
+    E, H, INTER,
+    stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om,
+    KB_PER_SPLIT,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, E_POW2: tl.constexpr, SPLIT: tl.constexpr,
+    USE_ASM: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs. Program
     (slot, column tile, K slice); SPLIT: out is fp32 [slice, (token, slot) row, H] and gets
     the slice's sums, else bf16 [(token, slot) row, H] and the whole sum."""
@@ -578,63 +510,23 @@ def fp4_moe(
     # split-K: fp32 [slice, sorted row, gate | up] partial sums
     part = torch.empty((split_up, rows, 2 * inter) if split_up > 1 else (1, 1, 1), device=dev)
     _moe_up_kernel[(slots, inter // 128, split_up)](
-        xq,
-        xs.view(torch.uint8),
-        order,
-        route_w,
-        block_end,
-        row_end,
-        w13,
-        ws13,
-        hq.view(torch.uint8),
-        hs,
-        part,
-        n_exp,
-        topk,
-        hidden,
-        inter,
-        float(swiglu_limit),
-        xq.stride(0),
-        xs.stride(0),
-        w13.stride(0),
-        w13.stride(1),
-        ws13.stride(0),
-        ws13.stride(1),
-        hq.stride(0),
-        hs.stride(0),
-        part.stride(0),
-        part.stride(1),
+        xq, xs.view(torch.uint8), order, route_w, block_end, row_end, w13, ws13,
+        hq.view(torch.uint8), hs, part, n_exp, topk, hidden, inter, float(swiglu_limit),
+        xq.stride(0), xs.stride(0), w13.stride(0), w13.stride(1), ws13.stride(0), ws13.stride(1),
+        hq.stride(0), hs.stride(0), part.stride(0), part.stride(1),
         (hidden // 128) // split_up,
-        BLOCK_M=cfg.block_m,
-        E_POW2=triton.next_power_of_2(n_exp),
-        SPLIT=split_up > 1,
-        HAS_LIMIT=swiglu_limit > 0,
-        USE_ASM=cfg.use_asm and not INTERPRET,
-        INTERP=INTERPRET,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        BLOCK_M=cfg.block_m, E_POW2=triton.next_power_of_2(n_exp), SPLIT=split_up > 1,
+        HAS_LIMIT=swiglu_limit > 0, USE_ASM=cfg.use_asm and not INTERPRET, INTERP=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if split_up > 1:
         _moe_up_finish_kernel[(triton.cdiv(rows, cfg.block_m), inter // 128)](
-            part,
-            order,
-            route_w,
-            row_end,
-            hq.view(torch.uint8),
-            hs,
-            n_exp,
-            inter,
+            part, order, route_w, row_end, hq.view(torch.uint8), hs, n_exp, inter,
             float(swiglu_limit),
-            part.stride(0),
-            part.stride(1),
-            hq.stride(0),
-            hs.stride(0),
-            SPLITS=split_up,
-            BLOCK_M=cfg.block_m,
-            HAS_LIMIT=swiglu_limit > 0,
-            INTERP=INTERPRET,
+            part.stride(0), part.stride(1), hq.stride(0), hs.stride(0),
+            SPLITS=split_up, BLOCK_M=cfg.block_m, HAS_LIMIT=swiglu_limit > 0, INTERP=INTERPRET,
             num_warps=cfg.num_warps,
-        )
+        )  # fmt: skip
     # [(token, slot), H] bf16; split-K: fp32 [slice, (token, slot), H], summed below. Rows
     # of other ranks' experts stay zero.
     down = torch.zeros(
@@ -643,35 +535,14 @@ def fp4_moe(
         device=dev,
     )
     _moe_down_kernel[(slots, triton.cdiv(hidden, cfg.block_n), split_down)](
-        hq,
-        hs,
-        order,
-        block_end,
-        row_end,
-        w2,
-        ws2,
-        down,
-        n_exp,
-        hidden,
-        inter,
-        hq.stride(0),
-        hs.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        ws2.stride(0),
-        ws2.stride(1),
-        down.stride(0),
-        down.stride(1),
+        hq, hs, order, block_end, row_end, w2, ws2, down, n_exp, hidden, inter,
+        hq.stride(0), hs.stride(0), w2.stride(0), w2.stride(1), ws2.stride(0), ws2.stride(1),
+        down.stride(0), down.stride(1),
         (inter // 128) // split_down,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        E_POW2=triton.next_power_of_2(n_exp),
-        SPLIT=split_down > 1,
-        USE_ASM=cfg.use_asm and not INTERPRET,
-        INTERP=INTERPRET,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, E_POW2=triton.next_power_of_2(n_exp),
+        SPLIT=split_down > 1, USE_ASM=cfg.use_asm and not INTERPRET, INTERP=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     # the release adds each expert's bf16 output into an fp32 sum (in expert order; here in
     # slot order, which only changes the last fp32 bit)
     down = down.sum(0).to(torch.bfloat16) if split_down > 1 else down[0]

@@ -77,29 +77,13 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr,
-    as_ptr,
-    w_ptr,
-    ws_ptr,
-    c_ptr,  #
-    M,
-    N,
-    K,
-    stride_am,
-    stride_asm,
-    stride_wn,
-    stride_wsn,
-    stride_cs,
-    stride_cm,  #
-    blocks_per_split,  #
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr,  #
-    FUSE_QUANT: tl.constexpr,
-    SPLIT: tl.constexpr,
-    OUT_BF16: tl.constexpr,  #
-    INTERP: tl.constexpr,  #
-):
+    a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr,
+    M, N, K, stride_am, stride_asm, stride_wn, stride_wsn, stride_cs, stride_cm,
+    blocks_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    FUSE_QUANT: tl.constexpr, SPLIT: tl.constexpr, OUT_BF16: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
     # grouped launch order: GROUP_M row tiles share each weight stripe while it sits in L2
     pid = tl.program_id(0)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -218,31 +202,14 @@ def _launch(
     )  # [S, M, N] partials
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
     _fp8_gemm_kernel[grid](
-        a,
-        xs,
-        weight,
-        ws,
-        dst,
-        m,
-        n,
-        k,
-        a.stride(0),
-        xs.stride(0),
-        weight.stride(0),
-        ws.stride(0),
+        a, xs, weight, ws, dst, m, n, k,
+        a.stride(0), xs.stride(0), weight.stride(0), ws.stride(0),
         dst.stride(0) if splits > 1 else 0,
-        n,
-        per_split,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        GROUP_M=cfg.group_m,
-        FUSE_QUANT=a_scale is None,
-        SPLIT=splits > 1,
-        OUT_BF16=out_dtype == torch.bfloat16,
-        INTERP=INTERPRET,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        n, per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, FUSE_QUANT=a_scale is None,
+        SPLIT=splits > 1, OUT_BF16=out_dtype == torch.bfloat16, INTERP=INTERPRET,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if splits > 1:
         block = 1024
         round_out = INTERPRET and out_dtype == torch.bfloat16

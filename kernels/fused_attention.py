@@ -25,18 +25,13 @@ ROWS_PER_PROGRAM = 8  # x 512 channels: a 4K-element tile per program at V4-Flas
 @triton.jit
 def _norm_rope(
     x_ptr,
-    r,
-    live,
-    tok,
-    w_ptr,
-    cos_ptr,
-    sin_ptr,
+    r, live, tok,
+    w_ptr, cos_ptr, sin_ptr,
     eps,
     HAS_WEIGHT: tl.constexpr,
-    D,
-    HALF,
+    D, HALF,
     BLOCK_P: tl.constexpr,
-):
+):  # fmt: skip
     """Rows r [R] (int64) of x [rows, D] -> RoPE(RMSNorm(x)) as (even, odd) channel halves
     [R, BLOCK_P] fp32 holding model-dtype values; cos/sin row tok [R]."""
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
@@ -80,17 +75,10 @@ def _attention_pre_kernel(
     cache_ptr,  # [slots, D]
     scratch_ptr,  # [N] int64 scratch slots
     ring_ptr,  # [M] int64 ring slots of rows 0..M-1
-    rows,
-    heads,
-    ring_rows,
-    q_programs,
-    eps,
-    D: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    rows, heads, ring_rows, q_programs, eps,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     WRITE_CACHE: tl.constexpr,  # False: an FP8 pool, written by the dispatcher
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     if pid < q_programs:  # query head rows; head row r belongs to token r // heads
         r = (pid * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -144,28 +132,14 @@ def attention_pre(
     if n:
         q_programs = triton.cdiv(n * heads, ROWS_PER_PROGRAM)
         _attention_pre_kernel[(q_programs + triton.cdiv(n, ROWS_PER_PROGRAM),)](
-            q,
-            kv,
-            kv_weight.float().contiguous(),
-            cos.contiguous(),
-            sin.contiguous(),
-            q_out,
+            q, kv, kv_weight.float().contiguous(), cos.contiguous(), sin.contiguous(), q_out,
             kv_out,
             kv_out if cache is None else cache,
-            scratch_slots,
-            ring_slots,
-            n,
-            heads,
-            ring_slots.shape[0],
-            q_programs,
-            eps,
-            D=dim,
-            HALF=cos.shape[-1],
-            BLOCK_R=ROWS_PER_PROGRAM,
-            BLOCK_P=halves(dim),
+            scratch_slots, ring_slots, n, heads, ring_slots.shape[0], q_programs, eps,
+            D=dim, HALF=cos.shape[-1], BLOCK_R=ROWS_PER_PROGRAM, BLOCK_P=halves(dim),
             WRITE_CACHE=cache is not None,
             num_warps=4,
-        )
+        )  # fmt: skip
     return q_out, kv_out
 
 
@@ -186,15 +160,8 @@ def attention_post(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     block_r = max(1, 2048 // block_h)
     if rows:
         _rope_back_kernel[(triton.cdiv(rows, block_r),)](
-            out,
-            cos.contiguous(),
-            sin.contiguous(),
-            rows,
-            rows // n,
-            dim,
-            half,
-            BLOCK_R=block_r,
-            BLOCK_H=block_h,
+            out, cos.contiguous(), sin.contiguous(), rows, rows // n, dim, half,
+            BLOCK_R=block_r, BLOCK_H=block_h,
             num_warps=4,
-        )
+        )  # fmt: skip
     return out

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.compressor_rows import CompressorRows
 from kernels.env import INTERPRET
 from kernels.fused_common import cos_sin, halves, rotate, round_to
 
@@ -73,25 +74,11 @@ def _compress_decode_kernel(
     table_ptr,  # [B, pages] int32 entry pages of each request (row b = decode row b)
     out_ptr,  # [slots, HD] the pool the entries go to; STAGE: [D, HD] one row per decode row
     slot_ptr,  # STAGE: [D] int64 the entry's slot, -1 where the window stays open
-    kv_stride,
-    gate_stride,
-    ring_kv_stride,
-    ring_gate_stride,
-    table_stride,
-    page_size,
-    eps,
-    RATE: tl.constexpr,
-    ROWS: tl.constexpr,
-    F: tl.constexpr,
-    HD: tl.constexpr,
-    HALF: tl.constexpr,
-    OVERLAP: tl.constexpr,
-    BLOCK_F: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    PRECISE: tl.constexpr,
-    STAGE: tl.constexpr,
-):
+    kv_stride, gate_stride, ring_kv_stride, ring_gate_stride, table_stride, page_size, eps,
+    RATE: tl.constexpr, ROWS: tl.constexpr, F: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr,
+    OVERLAP: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr,
+    PRECISE: tl.constexpr, STAGE: tl.constexpr,
+):  # fmt: skip
     DTYPE: tl.constexpr = ring_kv_ptr.dtype.element_ty
     W: tl.constexpr = 2 * RATE if OVERLAP else RATE  # slots a window pools
     COL_OFF: tl.constexpr = HD if OVERLAP else 0  # where window w's own features (Cb) start
@@ -172,18 +159,7 @@ def _compress_decode_kernel(
 
 
 def compress_decode(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    positions: torch.Tensor,
-    slab: torch.Tensor,
-    ring_kv: torch.Tensor,
-    ring_gate: torch.Tensor,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    entry_table: torch.Tensor,
-    page_size: int,
+    rows: CompressorRows,
     target: torch.Tensor | None,
     staged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
@@ -191,8 +167,10 @@ def compress_decode(
     nothing to `target`. staged = (entries [D, head_dim], slots [D] int64), target None: each
     row's entry goes to entries[b] and its slot to slots[b] (-1 where the window stays open,
     that row of entries untouched), for a caller that writes an FP8 pool."""
+    kv, gate, positions, slab = rows.kv, rows.gate, rows.positions, rows.slab
+    ring_kv, ring_gate, entry_table = rows.ring_kv, rows.ring_gate, rows.entry_table
     n, feats = kv.shape
-    rate, head_dim = ape.shape[0], norm_weight.shape[0]
+    rate, head_dim = rows.rate, rows.head_dim
     overlap = feats == 2 * head_dim
     assert overlap or feats == head_dim, (feats, head_dim)
     assert kv.stride(1) == gate.stride(1) == 1 and entry_table.stride(1) == 1
@@ -204,6 +182,7 @@ def compress_decode(
         out, slots = staged
         assert out.shape == (n, head_dim) and slots.shape == (n,) and slots.dtype == torch.int64
     else:
+        assert target is not None, "a target pool, or staged outputs"
         out, slots = target, positions  # (slots unused)
     assert out.is_contiguous()
     if n == 0:
@@ -212,35 +191,13 @@ def compress_decode(
     block_p = halves(head_dim)
     block_w = min(triton.next_power_of_2(window_slots), max(1, 2048 // block_p))
     _compress_decode_kernel[(n,)](
-        kv,
-        gate,
-        positions,
-        slab,
-        ring_kv,
-        ring_gate,
-        ape.float().contiguous(),
-        norm_weight.float().contiguous(),
-        inv_freq.float().contiguous(),
-        entry_table,
-        out,
+        kv, gate, positions, slab, ring_kv, ring_gate, rows.ape.float().contiguous(),
+        rows.norm_weight.float().contiguous(), rows.inv_freq.float().contiguous(), entry_table, out,
         slots,
-        kv.stride(0),
-        gate.stride(0),
-        ring_kv.stride(0),
-        ring_gate.stride(0),
-        entry_table.stride(0),
-        page_size,
-        eps,
-        RATE=rate,
-        ROWS=ring_kv.shape[1],
-        F=feats,
-        HD=head_dim,
-        HALF=inv_freq.shape[0],
-        OVERLAP=overlap,
-        BLOCK_F=triton.next_power_of_2(feats),
-        BLOCK_W=block_w,
-        BLOCK_P=block_p,
-        PRECISE=not INTERPRET,
-        STAGE=staged is not None,
+        kv.stride(0), gate.stride(0), ring_kv.stride(0), ring_gate.stride(0), entry_table.stride(0),
+        rows.page_size, rows.eps,
+        RATE=rate, ROWS=ring_kv.shape[1], F=feats, HD=head_dim, HALF=rows.inv_freq.shape[0],
+        OVERLAP=overlap, BLOCK_F=triton.next_power_of_2(feats), BLOCK_W=block_w, BLOCK_P=block_p,
+        PRECISE=not INTERPRET, STAGE=staged is not None,
         num_warps=8 if window_slots * block_p > 4096 else 4,
-    )
+    )  # fmt: skip

@@ -3,8 +3,8 @@ sequence (kernels.fused_reference) for CPU tensors.
 
 A decode step of DeepSeek-V4 is launch-bound on the small ops between its GEMMs and attention
 kernels; each function here is one or two launches where the engine runs 5 to 25. The backend
-follows the row-wise kernels' rule (kernels.dispatch.use_backend: "reference" forces torch,
-"triton" and "naive" run Triton, on CPU in the interpreter). All Triton paths are free of host
+is kernels.backend's rule, as for every kernel (``kernels.use_backend`` forces one; "triton"
+runs on CPU in the interpreter). All Triton paths are free of host
 synchronisation and allocate by shape only, so decode steps that use them stay capturable in
 CUDA graphs.
 """
@@ -21,47 +21,15 @@ from kernels import (
     fused_mhc,
     fused_reference,
 )
-
-# The fused kernels follow the backend rule of the row-wise ones; dispatch.py names it privately.
-from kernels.dispatch import _elementwise_backend, store_kv_fp8, store_rows
-
-
-def _triton(t: torch.Tensor) -> bool:
-    return _elementwise_backend(t) == "triton"
+from kernels.backend import uses_triton
+from kernels.compressor_rows import CompressorRows
+from kernels.dispatch import store_kv_fp8, store_rows
 
 
-def compress_decode(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    positions: torch.Tensor,
-    slab: torch.Tensor,
-    ring_kv: torch.Tensor,
-    ring_gate: torch.Tensor,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    entry_table: torch.Tensor,
-    page_size: int,
-    target: torch.Tensor,
-    trash_slot: int,
-) -> None:
-    """A compressor's decode rows: ring update, and the entry of every window that closes.
+def compress_decode(rows: CompressorRows, target: torch.Tensor, trash_slot: int) -> None:
+    """A compressor's decode rows (kernels.CompressorRows: shapes there): ring update, and the
+    entry of every window that closes.
 
-    kv, gate     [D, F] the new tokens' raw projections (wkv(x), wgate(x) of the D decode rows),
-                 the pool dtype; rows may be strided, channels contiguous. F = head_dim, or
-                 2 * head_dim for an overlapping (CSA) compressor: [Ca | Cb].
-    positions    [D] int64 position of each row's token; slab [D] int64 its request's slab row.
-    ring_kv, ring_gate
-                 [seqs, ROWS, F] the compressor's ring (KVPool.comp_ring / index_ring of the
-                 layer: a slice of each slab row, so dense per sequence, not across them): row
-                 p % ROWS holds the projections of position p.
-                 ROWS = rate, or 2 * rate with overlap.
-    ape          [rate, F] fp32 per-slot gate bias; norm_weight [head_dim] fp32, eps its RMS
-                 norm's; inv_freq [rope_dim // 2] fp32 the RoPE table's inverse frequencies
-                 (RotaryTable.inv_freq of the "compress" table).
-    entry_table  [>= D, pages] int32, row b = decode row b's request: the pages holding its
-                 compressed entries (the step's table of the group without its ring pages).
     target       [slots, head_dim] contiguous pool of the entries (kv[layer] or index_k[layer]),
                  or an FP8 pool of them (uint8 pages, kernels.kv_quant: attention entries
                  [pages, P * 584] or index keys [pages, P * (head_dim + 4)], P = page_size).
@@ -80,50 +48,18 @@ def compress_decode(
     closing windows' only (two launches; still no host sync).
     """
     if target.dtype == torch.uint8:
-        args = (kv, gate, positions, slab, ring_kv, ring_gate, ape, norm_weight, eps, inv_freq)
-        if _triton(kv):
-            entries = kv.new_empty(kv.shape[0], norm_weight.shape[0])
-            slots = torch.empty(kv.shape[0], dtype=torch.int64, device=kv.device)
-            fused_compressor.compress_decode(
-                *args, entry_table, page_size, None, staged=(entries, slots)
-            )
+        if uses_triton(rows.kv):
+            entries = rows.kv.new_empty(rows.kv.shape[0], rows.head_dim)
+            slots = torch.empty(rows.kv.shape[0], dtype=torch.int64, device=rows.kv.device)
+            fused_compressor.compress_decode(rows, None, staged=(entries, slots))
         else:
-            entries, slots = fused_reference.compress_decode_entries(*args, entry_table, page_size)
-        store_rows(target, slots, entries, page_size)
+            entries, slots = fused_reference.compress_decode_entries(rows)
+        store_rows(target, slots, entries, rows.page_size)
         return
-    if _triton(kv):
-        fused_compressor.compress_decode(
-            kv,
-            gate,
-            positions,
-            slab,
-            ring_kv,
-            ring_gate,
-            ape,
-            norm_weight,
-            eps,
-            inv_freq,
-            entry_table,
-            page_size,
-            target,
-        )
+    if uses_triton(rows.kv):
+        fused_compressor.compress_decode(rows, target)
     else:
-        fused_reference.compress_decode(
-            kv,
-            gate,
-            positions,
-            slab,
-            ring_kv,
-            ring_gate,
-            ape,
-            norm_weight,
-            eps,
-            inv_freq,
-            entry_table,
-            page_size,
-            target,
-            trash_slot,
-        )
+        fused_reference.compress_decode(rows, target, trash_slot)
 
 
 def indexer_query(
@@ -146,7 +82,7 @@ def indexer_query(
     weights.float() * Hi ** -0.5 [N, Hi] fp32, lengths = (positions + 1) // rate [N] int32,
     the entries each row may see).
     """
-    impl = fused_indexer.indexer_query if _triton(q) else fused_reference.indexer_query
+    impl = fused_indexer.indexer_query if uses_triton(q) else fused_reference.indexer_query
     return impl(q, weights, cos, sin, positions, rate)
 
 
@@ -187,7 +123,9 @@ def sparse_indices(
     past W: entry e (picked, or 0..count-1 for HCA, -1 beyond) at slot
     table[req, ring_pages + e // P] * P + e % P, -1 staying -1.
     """
-    impl = fused_indices.sparse_indices if _triton(positions) else fused_reference.sparse_indices
+    impl = (
+        fused_indices.sparse_indices if uses_triton(positions) else fused_reference.sparse_indices
+    )
     return impl(
         positions,
         row_req,
@@ -215,7 +153,7 @@ def hc_merge(
     the model dtype first and each of the two terms rounded to it (the engine's
     merge_streams: a broadcast product plus a batched matmul).
     """
-    impl = fused_mhc.hc_merge if _triton(streams) else fused_reference.hc_merge
+    impl = fused_mhc.hc_merge if uses_triton(streams) else fused_reference.hc_merge
     return impl(streams, out, post, comb)
 
 
@@ -247,7 +185,7 @@ def hc_pre(
     streams[:, i]) with norm_weight. The Triton path computes mixes as
     (flatten(streams) @ fn^T) * rsqrt(mean square + eps), reading each stream element once.
     """
-    impl = fused_mhc.hc_pre if _triton(streams) else fused_reference.hc_pre
+    impl = fused_mhc.hc_pre if uses_triton(streams) else fused_reference.hc_pre
     return impl(streams, fn, base, scale, norm_weight, iters, hc_eps, norm_eps, merge)
 
 
@@ -280,7 +218,7 @@ def attention_pre(
     statistics in fp32, rounded to the model dtype before the rotation, as the engine's two
     kernels round), and writes kv rows to cache[scratch_slots] and cache[ring_slots].
     """
-    impl = fused_attention.attention_pre if _triton(q) else fused_reference.attention_pre
+    impl = fused_attention.attention_pre if uses_triton(q) else fused_reference.attention_pre
     if cache.dtype != torch.uint8:
         return impl(q, kv, kv_weight, eps, cos, sin, cache, scratch_slots, ring_slots)
     q, kv = impl(q, kv, kv_weight, eps, cos, sin, None, scratch_slots, ring_slots)
@@ -296,5 +234,5 @@ def attention_post(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     trailing rope_dim channels in place and returns it. cos, sin [N, rope_dim // 2] the rows'
     table, out's dtype. Returns out with its rope channels rotated by minus the angle.
     """
-    impl = fused_attention.attention_post if _triton(out) else fused_reference.attention_post
+    impl = fused_attention.attention_post if uses_triton(out) else fused_reference.attention_post
     return impl(out, cos, sin)

@@ -24,14 +24,10 @@ def _indexer_query_kernel(
     pos_ptr,  # [N] int64
     w_out_ptr,  # [N, HI] fp32
     len_ptr,  # [N] int32
-    rate,
-    scale,
-    HI: tl.constexpr,
-    DI: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_HI: tl.constexpr,
+    rate, scale,
+    HI: tl.constexpr, DI: tl.constexpr, HALF: tl.constexpr, BLOCK_HI: tl.constexpr,
     BLOCK_H: tl.constexpr,
-):
+):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, BLOCK_HI)
     live = h < HI
@@ -57,20 +53,10 @@ def indexer_query(
     lengths = torch.empty(n, dtype=torch.int32, device=q.device)
     if n:
         _indexer_query_kernel[(n,)](
-            q,
-            weights,
-            cos.contiguous(),
-            sin.contiguous(),
-            positions,
-            w_out,
-            lengths,
-            rate,
+            q, weights, cos.contiguous(), sin.contiguous(), positions, w_out, lengths, rate,
             heads**-0.5,
-            HI=heads,
-            DI=head_dim,
-            HALF=half,
-            BLOCK_HI=triton.next_power_of_2(heads),
+            HI=heads, DI=head_dim, HALF=half, BLOCK_HI=triton.next_power_of_2(heads),
             BLOCK_H=triton.next_power_of_2(half),
             num_warps=4,
-        )
+        )  # fmt: skip
     return q, w_out, lengths

@@ -29,17 +29,10 @@ def _sparse_indices_kernel(
     picked_ptr,  # [N, EXTRA] int32 entry positions (PICKED)
     out_ptr,  # [N, W + EXTRA] int32
     len_ptr,  # [N] int32 (ALL_ENTRIES)
-    table_stride,
-    picked_stride,
-    scratch_base,
-    page_size,
-    ring_pages,
-    hca_ratio,
+    table_stride, picked_stride, scratch_base, page_size, ring_pages, hca_ratio,
     EXTRA,  # entry columns: varies with the context in eager steps, so not a constexpr
-    W: tl.constexpr,
-    MODE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    W: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     pos = tl.load(pos_ptr + row)
@@ -100,24 +93,14 @@ def sparse_indices(
     lengths = torch.empty(n, dtype=torch.int32, device=dev) if mode == ALL_ENTRIES else None
     if n:
         _sparse_indices_kernel[(n, triton.cdiv(window + extra, BLOCK))](
-            positions,
-            row_req,
-            req_past,
-            req_row0,
-            table,
+            positions, row_req, req_past, req_row0, table,
             picked if picked is not None else out,
             out,
             lengths if lengths is not None else out,
             table.stride(0),
             picked.stride(0) if picked is not None else 0,
-            scratch_base,
-            page_size,
-            ring_pages,
-            max(hca_ratio, 1),
-            extra,
-            W=window,
-            MODE=mode,
-            BLOCK=BLOCK,
+            scratch_base, page_size, ring_pages, max(hca_ratio, 1), extra,
+            W=window, MODE=mode, BLOCK=BLOCK,
             num_warps=4,
-        )
+        )  # fmt: skip
     return out, lengths

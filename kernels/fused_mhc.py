@@ -43,17 +43,11 @@ def _hc_mix_kernel(
     fn_ptr,  # [M, NS * D] fp32 (MIX)
     dot_ptr,  # [splits, N, M] fp32 partial mixes (MIX)
     sq_ptr,  # [splits, N] fp32 partial sums of squares (MIX)
-    rows,
-    D,
+    rows, D,
     cols,  # hidden channels per split, a multiple of BLOCK_D
-    NS: tl.constexpr,
-    M: tl.constexpr,
-    M_PAD: tl.constexpr,
-    MERGE: tl.constexpr,
-    MIX: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    NS: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, MERGE: tl.constexpr, MIX: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     DTYPE: tl.constexpr = streams_ptr.dtype.element_ty
     split = tl.program_id(1)
     r = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -106,16 +100,9 @@ def _hc_finish_kernel(
     post_ptr,  # [N, NS] fp32
     comb_ptr,  # [N, NS, NS] fp32
     x_ptr,  # [N, D] the normalised collapsed input
-    rows,
-    splits,
-    D,
-    hc_eps,
-    norm_eps,
-    NS: tl.constexpr,
-    ITERS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    rows, splits, D, hc_eps, norm_eps,
+    NS: tl.constexpr, ITERS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     M: tl.constexpr = (2 + NS) * NS
     b = tl.program_id(0).to(tl.int64)
@@ -182,26 +169,15 @@ def _mix(
     if rows:
         out, post, comb = merge if merge is not None else (streams, streams, streams)
         _hc_mix_kernel[(row_blocks, splits)](
-            streams,
-            out,
-            post,
-            comb,
-            new,
+            streams, out, post, comb, new,
             fn.float().contiguous() if fn is not None else streams,
             dot if dot is not None else streams,
             sq if sq is not None else streams,
-            rows,
-            dim,
-            cols,
-            NS=ns,
-            M=width,
-            M_PAD=max(16, triton.next_power_of_2(width)),
-            MERGE=merge is not None,
-            MIX=fn is not None,
-            BLOCK_N=MIX_ROWS,
-            BLOCK_D=MIX_BLOCK,
+            rows, dim, cols,
+            NS=ns, M=width, M_PAD=max(16, triton.next_power_of_2(width)), MERGE=merge is not None,
+            MIX=fn is not None, BLOCK_N=MIX_ROWS, BLOCK_D=MIX_BLOCK,
             num_warps=8,
-        )
+        )  # fmt: skip
     return new, dot, sq
 
 
@@ -225,30 +201,18 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton path of kernels.hc_pre (semantics there)."""
     streams, dot, sq = _mix(streams, merge, fn)
+    assert dot is not None and sq is not None  # (fn given: the partial mixes exist)
     rows, ns, dim = streams.shape
     post = torch.empty(rows, ns, dtype=torch.float32, device=streams.device)
     comb = torch.empty(rows, ns, ns, dtype=torch.float32, device=streams.device)
     x = torch.empty(rows, dim, dtype=streams.dtype, device=streams.device)
     if rows:
         _hc_finish_kernel[(rows,)](
-            dot,
-            sq,
-            base.float().contiguous(),
-            scale.float().contiguous(),
-            streams,
-            norm_weight.float().contiguous(),
-            post,
-            comb,
-            x,
-            rows,
-            dot.shape[0],
-            dim,
-            hc_eps,
+            dot, sq, base.float().contiguous(), scale.float().contiguous(), streams,
+            norm_weight.float().contiguous(), post, comb, x, rows, dot.shape[0], dim, hc_eps,
             norm_eps,
-            NS=ns,
-            ITERS=iters,
-            BLOCK_S=triton.next_power_of_2(dot.shape[0]),
+            NS=ns, ITERS=iters, BLOCK_S=triton.next_power_of_2(dot.shape[0]),
             BLOCK_D=triton.next_power_of_2(dim),
             num_warps=8,
-        )
+        )  # fmt: skip
     return streams, post, comb, x

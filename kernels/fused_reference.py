@@ -14,76 +14,44 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.compressor_rows import CompressorRows
 from kernels.dispatch import apply_rope, hc_weights, rms_norm
 from kernels.paging import positions_to_slots
 
 
-def compress_decode(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    positions: torch.Tensor,
-    slab: torch.Tensor,
-    ring_kv: torch.Tensor,
-    ring_gate: torch.Tensor,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    entry_table: torch.Tensor,
-    page_size: int,
-    target: torch.Tensor,
-    trash_slot: int,
-) -> None:
+def compress_decode(rows: CompressorRows, target: torch.Tensor, trash_slot: int) -> None:
     """Compressor._decode_rows (semantics in kernels.fused_dispatch.compress_decode)."""
-    entries, slots = compress_decode_entries(
-        kv,
-        gate,
-        positions,
-        slab,
-        ring_kv,
-        ring_gate,
-        ape,
-        norm_weight,
-        eps,
-        inv_freq,
-        entry_table,
-        page_size,
-    )
+    entries, slots = compress_decode_entries(rows)
     target.index_copy_(0, torch.where(slots >= 0, slots, trash_slot), entries)
 
 
-def compress_decode_entries(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
-    positions: torch.Tensor,
-    slab: torch.Tensor,
-    ring_kv: torch.Tensor,
-    ring_gate: torch.Tensor,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    inv_freq: torch.Tensor,
-    entry_table: torch.Tensor,
-    page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compress_decode_entries(rows: CompressorRows) -> tuple[torch.Tensor, torch.Tensor]:
     """compress_decode up to the write: updates the ring, returns (entries [D, head_dim] in kv's
     dtype, one per row (open windows pooled too), their slots [D] int64, -1 where the window
     stays open)."""
-    rate = ape.shape[0]
-    rows = ring_kv.shape[1]
-    ring_kv[slab, positions.remainder(rows)] = kv
-    ring_gate[slab, positions.remainder(rows)] = gate
+    kv, gate, positions, slab = rows.kv, rows.gate, rows.positions, rows.slab
+    ring_kv, ring_gate, page_size, entry_table = (
+        rows.ring_kv,
+        rows.ring_gate,
+        rows.page_size,
+        rows.entry_table,
+    )
+    rate, ring_rows = rows.rate, ring_kv.shape[1]
+    ring_kv[slab, positions.remainder(ring_rows)] = kv
+    ring_gate[slab, positions.remainder(ring_rows)] = gate
     window = torch.div(positions, rate, rounding_mode="floor")  # [D]
     cur_rows = (window * rate)[:, None] + torch.arange(rate, device=positions.device)  # [D, rate]
     cur = (
-        ring_kv[slab[:, None], cur_rows.remainder(rows)],
-        ring_gate[slab[:, None], cur_rows.remainder(rows)],
+        ring_kv[slab[:, None], cur_rows.remainder(ring_rows)],
+        ring_gate[slab[:, None], cur_rows.remainder(ring_rows)],
     )
     prev = None
-    if kv.shape[1] == 2 * norm_weight.shape[0]:  # overlap: window w-1 joins window w
-        prev_rows = (cur_rows - rate).remainder(rows)
+    if kv.shape[1] == 2 * rows.head_dim:  # overlap: window w-1 joins window w
+        prev_rows = (cur_rows - rate).remainder(ring_rows)
         prev = (ring_kv[slab[:, None], prev_rows], ring_gate[slab[:, None], prev_rows], window >= 1)
-    entries = pool_windows(cur, prev, ape, norm_weight, eps, inv_freq, window * rate)
+    entries = pool_windows(
+        cur, prev, rows.ape, rows.norm_weight, rows.eps, rows.inv_freq, window * rate
+    )
     closes = (positions + 1).remainder(rate) == 0
     entry = torch.where(closes, window, 0)
     req = torch.arange(positions.shape[0], device=positions.device)

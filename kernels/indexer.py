@@ -104,38 +104,14 @@ def _load_keys(
 
 @triton.jit
 def _score_kernel(
-    q_ptr,
-    w_ptr,
-    kc_ptr,
-    pt_ptr,
-    len_ptr,
-    key_ptr,
-    pos_ptr,
-    cnt_ptr,
-    idx_ptr,  #
-    stride_qb,
-    stride_qh,
-    stride_wb,
-    stride_kp,
-    stride_ks,
-    stride_pt,
-    stride_ib,  #
-    n_heads,
-    page_size,
-    topk,
-    cap,
-    scale,
-    num_splits,  #
-    BLOCK_HI: tl.constexpr,
-    BLOCK_DI: tl.constexpr,
-    BLOCK_N: tl.constexpr,  #
-    EMIT: tl.constexpr,
-    SELECT_BLOCK: tl.constexpr,  #
-    KEYS_FP8: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  #
-):
+    q_ptr, w_ptr, kc_ptr, pt_ptr, len_ptr, key_ptr, pos_ptr, cnt_ptr, idx_ptr,
+    stride_qb, stride_qh, stride_wb, stride_kp, stride_ks, stride_pt, stride_ib,
+    n_heads, page_size, topk, cap, scale, num_splits,
+    BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,
+    EMIT: tl.constexpr, SELECT_BLOCK: tl.constexpr,
+    KEYS_FP8: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     n = tl.load(len_ptr + b)
@@ -238,17 +214,11 @@ def _score_kernel(
 
 @triton.jit
 def _merge_kernel(
-    key_ptr,
-    pos_ptr,
-    cnt_ptr,
-    len_ptr,
-    idx_ptr,
+    key_ptr, pos_ptr, cnt_ptr, len_ptr, idx_ptr,
     stride_ib,
-    topk,
-    cap,
-    num_splits,
+    topk, cap, num_splits,
     SELECT_BLOCK: tl.constexpr,
-):
+):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     _emit_row(
         key_ptr + b * num_splits * cap,
@@ -304,52 +274,21 @@ def indexer_topk(
     counts = torch.empty(batch, cfg.num_splits, dtype=torch.int32, device=dev)
     idx = torch.empty(batch, topk, dtype=torch.int32, device=dev)  # [B, topk]
     _score_kernel[(batch, cfg.num_splits)](
-        q,
-        weights,
-        k_cache,
-        page_table,
-        lengths,
-        keys,
-        pos,
-        counts,
-        idx,
-        q.stride(0),
-        q.stride(1),
-        weights.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        page_table.stride(0),
-        idx.stride(0),
-        n_heads,
-        page_size,
-        topk,
-        cap,
-        scale,
-        cfg.num_splits,
-        BLOCK_HI=max(16, triton.next_power_of_2(n_heads)),
-        BLOCK_DI=head_dim,
-        BLOCK_N=cfg.block_n,
-        EMIT=cfg.num_splits == 1,
-        SELECT_BLOCK=cfg.select_block,
-        KEYS_FP8=keys_fp8,
-        PREFETCH=cfg.prefetch,
-        UPCAST=INTERPRET,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        q, weights, k_cache, page_table, lengths, keys, pos, counts, idx,
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), k_cache.stride(1),
+        page_table.stride(0), idx.stride(0),
+        n_heads, page_size, topk, cap, scale, cfg.num_splits,
+        BLOCK_HI=max(16, triton.next_power_of_2(n_heads)), BLOCK_DI=head_dim, BLOCK_N=cfg.block_n,
+        EMIT=cfg.num_splits == 1, SELECT_BLOCK=cfg.select_block, KEYS_FP8=keys_fp8,
+        PREFETCH=cfg.prefetch, UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if cfg.num_splits > 1:
         _merge_kernel[(batch,)](
-            keys,
-            pos,
-            counts,
-            lengths,
-            idx,
+            keys, pos, counts, lengths, idx,
             idx.stride(0),
-            topk,
-            cap,
-            cfg.num_splits,
+            topk, cap, cfg.num_splits,
             SELECT_BLOCK=cfg.select_block,
             num_warps=cfg.num_warps,
-        )
+        )  # fmt: skip
     return idx

@@ -247,17 +247,10 @@ def gather_index_k(pool: torch.Tensor, slots: torch.Tensor, head_dim: int) -> to
 
 @triton.jit
 def _store_kv_kernel(
-    pool_ptr,
-    slot_ptr,
-    x_ptr,  #
-    n_rows,
-    stride_x,
-    stride_page,
-    num_slots,  #
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    INTERP: tl.constexpr,  #
-):
+    pool_ptr, slot_ptr, x_ptr,
+    n_rows, stride_x, stride_page, num_slots,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     group = tl.program_id(1)  # 0..6: one 64-value NoPE group; 7: the RoPE values and the pad
     slot = tl.load(slot_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
@@ -285,18 +278,10 @@ def _store_kv_kernel(
 
 @triton.jit
 def _store_index_k_kernel(
-    pool_ptr,
-    slot_ptr,
-    x_ptr,  #
-    n_rows,
-    stride_x,
-    stride_page,
-    num_slots,  #
-    PAGE: tl.constexpr,
-    DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    INTERP: tl.constexpr,  #
-):
+    pool_ptr, slot_ptr, x_ptr,
+    n_rows, stride_x, stride_page, num_slots,
+    PAGE: tl.constexpr, DIM: tl.constexpr, BLOCK_M: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.load(slot_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
     ok = (rows < n_rows) & (slot >= 0) & (slot < num_slots)
@@ -328,18 +313,12 @@ def store_kv(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
     block_m = 16 if n <= 16 else 32
     if n > 0:
         _store_kv_kernel[(triton.cdiv(n, block_m), KV_GROUPS + 1)](
-            pool,
-            slots,
-            kv,
-            n,
-            kv.stride(0),
-            pool.stride(0),
+            pool, slots, kv, n,
+            kv.stride(0), pool.stride(0),
             pool.shape[0] * page,
-            PAGE=page,
-            BLOCK_M=block_m,
-            INTERP=INTERPRET,
+            PAGE=page, BLOCK_M=block_m, INTERP=INTERPRET,
             num_warps=4,
-        )
+        )  # fmt: skip
 
 
 def store_index_k(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
@@ -353,19 +332,12 @@ def store_index_k(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> N
     block_m = 16 if n <= 16 else 32
     if n > 0:
         _store_index_k_kernel[(triton.cdiv(n, block_m),)](
-            pool,
-            slots,
-            k,
-            n,
-            k.stride(0),
-            pool.stride(0),
+            pool, slots, k, n,
+            k.stride(0), pool.stride(0),
             pool.shape[0] * page,
-            PAGE=page,
-            DIM=head_dim,
-            BLOCK_M=block_m,
-            INTERP=INTERPRET,
+            PAGE=page, DIM=head_dim, BLOCK_M=block_m, INTERP=INTERPRET,
             num_warps=4,
-        )
+        )  # fmt: skip
 
 
 # ---- Triton: tile loaders of the read kernels ------------------------------------------------

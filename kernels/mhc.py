@@ -39,18 +39,10 @@ def hc_mix_weights(pre, post, c, base_ptr, scale_ptr, eps, N: tl.constexpr, ITER
 
 @triton.jit
 def _hc_weights_kernel(
-    mix_ptr,
-    base_ptr,
-    scale_ptr,
-    pre_ptr,
-    post_ptr,
-    comb_ptr,
-    rows,
-    eps,
-    N: tl.constexpr,
-    ITERS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+    rows, eps,
+    N: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] rows
     live = r < rows
     i = tl.arange(0, N)
@@ -85,16 +77,7 @@ def hc_weights(
     comb = torch.empty(rows, n, n, dtype=torch.float32, device=mixes.device)
     grid = (triton.cdiv(rows, ROWS_PER_PROGRAM),)
     _hc_weights_kernel[grid](
-        mixes,
-        base.float().contiguous(),
-        scale.float().contiguous(),
-        pre,
-        post,
-        comb,
-        rows,
-        eps,
-        N=n,
-        ITERS=iters,
-        BLOCK=ROWS_PER_PROGRAM,
-    )
+        mixes, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, rows, eps,
+        N=n, ITERS=iters, BLOCK=ROWS_PER_PROGRAM,
+    )  # fmt: skip
     return pre, post, comb

@@ -148,7 +148,7 @@ def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
 # ---- dequantization ----------------------------------------------------------------------------
 
 
-def _expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: int) -> torch.Tensor:
+def expand_blocks(scale: torch.Tensor, rows: int, cols: int, block: int) -> torch.Tensor:
     """[ceil(rows/b), ceil(cols/b)] -> [rows, cols]: each block's scale over its elements."""
     return scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
 
@@ -161,7 +161,7 @@ def dequantize_fp8_blocks(
     n, k = weight.shape
     want = (-(-n // block), -(-k // block))
     assert tuple(scale.shape) == want, f"scale {tuple(scale.shape)} for weight {n}x{k}: want {want}"
-    return weight.float() * _expand_blocks(ue8m0_to_float(scale), n, k, block)
+    return weight.float() * expand_blocks(ue8m0_to_float(scale), n, k, block)
 
 
 def narrow_fp4_scales(*scales: torch.Tensor) -> bool:

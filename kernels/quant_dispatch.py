@@ -1,6 +1,6 @@
 """Public entry points of the quantized (FP8 / FP4) kernels: Triton for CUDA tensors, the exact
-plain-torch reference (kernels.quant) for CPU tensors; ``kernels.use_backend`` forces one
-("naive" has no quantized variant and runs Triton).
+plain-torch reference (kernels.quant) for CPU tensors, by kernels.backend's rule
+(``kernels.use_backend`` forces one).
 
 Named apart from the modules kernels.act_quant and kernels.fp4_moe so that exporting them from
 the package does not shadow those modules.
@@ -10,23 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels import act_quant as _act_quant
-from kernels import fp4_moe as _fp4_moe
-from kernels import fp8_gemm as _fp8_gemm
-from kernels import hopper, quant
-from kernels.dispatch import _forced
-from kernels.env import GLUON
-
-
-def _triton(t: torch.Tensor) -> bool:
-    forced = _forced.get()
-    return forced in ("triton", "naive") or (forced is None and t.is_cuda)
+from kernels import act_quant, fp4_moe, fp8_gemm, quant
+from kernels.backend import uses_gluon, uses_triton
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] (K % 128 == 0) -> (float8_e4m3fn [..., K], float8_e8m0fnu [..., K/128]): the
     release's act_quant with power-of-two (ue8m0) scales; see kernels.quant."""
-    return (_act_quant.act_quant if _triton(x) else quant.act_quant_reference)(x)
+    return (act_quant.act_quant if uses_triton(x) else quant.act_quant_reference)(x)
 
 
 def fp8_linear(
@@ -40,8 +31,8 @@ def fp8_linear(
 
     weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] float8_e8m0fnu; details in
     kernels.fp8_gemm."""
-    if _triton(x):
-        return _fp8_gemm.fp8_linear(x, weight, scale, out_dtype=out_dtype)
+    if uses_triton(x):
+        return fp8_gemm.fp8_linear(x, weight, scale, out_dtype=out_dtype)
     return quant.fp8_linear_reference(x, weight, scale, out_dtype)
 
 
@@ -58,24 +49,17 @@ def fp4_experts(
     narrow_scales: bool = False,
 ) -> torch.Tensor:
     """Routed FP4 experts -> fp32 [T, H]; layout and semantics in kernels.fp4_moe. Expert ids
-    outside [0, E) add nothing (under expert parallelism: the experts of other ranks). On an
-    sm_90 device the Gluon kernel runs (kernels.hopper.fp4_moe; its faster decode where the
-    caller says every scale byte is <= 128: kernels.quant.narrow_fp4_scales), unless a backend
-    is forced."""
-    if _forced.get() is None and _gluon_moe(x, w13):
-        from kernels.hopper.fp4_moe import fp4_moe_hopper
+    outside [0, E) add nothing (under expert parallelism: the experts of other ranks). Where the
+    Gluon kernels run (kernels.backend.uses_gluon) and take the shapes, kernels.hopper.fp4_moe;
+    narrow_scales (every scale byte <= 128: kernels.quant.narrow_fp4_scales) lets it pick its
+    exact bf16 decode for prefill-sized batches."""
+    if uses_gluon(x):
+        from kernels.hopper import fp4_moe as hopper_moe
 
-        return fp4_moe_hopper(
-            x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit, narrow_scales=narrow_scales
-        )
-    if _triton(x):
-        return _fp4_moe.fp4_moe(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)
+        if hopper_moe.supported(2 * w13.shape[-1], w13.shape[1] // 2):
+            return hopper_moe.fp4_moe_hopper(
+                x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit, narrow_scales=narrow_scales
+            )
+    if uses_triton(x):
+        return fp4_moe.fp4_moe(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)
     return quant.fp4_experts_reference(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)
-
-
-def _gluon_moe(x: torch.Tensor, w13: torch.Tensor) -> bool:
-    if not (GLUON and x.is_cuda and hopper.available(x.device)):
-        return False
-    from kernels.hopper.fp4_moe import supported
-
-    return supported(2 * w13.shape[-1], w13.shape[1] // 2)

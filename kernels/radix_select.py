@@ -52,18 +52,9 @@ def radix_threshold(keys, counts, num_segs, seg_stride, k, BLOCK: tl.constexpr):
 
 @triton.jit
 def compact_top(
-    keys,
-    pos,
-    counts,
-    num_segs,
-    seg_stride,
-    threshold,
-    take_equal,
-    out_keys,
-    out_pos,
-    WRITE_KEYS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    keys, pos, counts, num_segs, seg_stride, threshold, take_equal, out_keys, out_pos,
+    WRITE_KEYS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     """Write the winners' positions (and keys if WRITE_KEYS) densely from out_pos[0].
 
     Winners: keys > threshold, then the first take_equal keys == threshold in candidate order.

@@ -43,30 +43,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         _rms_norm_kernel[(x2.shape[0],)](
             x2,
             weight if weight is not None else x2,
-            out,
-            D,
-            eps,
-            HAS_WEIGHT=weight is not None,
-            BLOCK_D=min(4096, triton.next_power_of_2(D)),
+            out, D, eps,
+            HAS_WEIGHT=weight is not None, BLOCK_D=min(4096, triton.next_power_of_2(D)),
             num_warps=4,
-        )
+        )  # fmt: skip
     return out.view(x.shape)
 
 
 @triton.jit
 def _rope_kernel(
-    x_ptr,
-    cos_ptr,
-    sin_ptr,
-    out_ptr,
-    rows,
-    heads,
-    D,
-    HALF,
-    sign,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    rows, heads, D, HALF, sign,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
     d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     live = (r < rows)[:, None] & (d < D)[None, :]
@@ -99,17 +88,9 @@ def apply_rope(
     block_r = max(1, 2048 // triton.next_power_of_2(D))
     if x2.shape[0]:
         _rope_kernel[(triton.cdiv(x2.shape[0], block_r),)](
-            x2,
-            cos.contiguous(),
-            sin.contiguous(),
-            out,
-            x2.shape[0],
-            heads,
-            D,
-            half,
+            x2, cos.contiguous(), sin.contiguous(), out, x2.shape[0], heads, D, half,
             -1.0 if inverse else 1.0,
-            BLOCK_R=block_r,
-            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D),
             num_warps=4,
-        )
+        )  # fmt: skip
     return out.view(x.shape)

@@ -58,14 +58,11 @@ def default_config(
 @triton.jit
 def _load_rows(
     kv_ptr,
-    slot,
-    valid,
+    slot, valid,
     stride_kv,
     cols,
-    KV_FP8: tl.constexpr,
-    PAGE: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
+    KV_FP8: tl.constexpr, PAGE: tl.constexpr, DTYPE: tl.constexpr,
+):  # fmt: skip
     """Columns `cols` of the KV rows at slot [BLOCK_N] as DTYPE, 0 where not valid: a plain pool
     is [S, D] with row stride stride_kv; an FP8 pool follows kernels.kv_quant (page stride
     stride_kv, P = PAGE) and cols must then be all 512 columns."""
@@ -78,40 +75,16 @@ def _load_rows(
 
 @triton.jit
 def _sparse_mla_kernel(
-    q_ptr,
-    kv_ptr,
-    idx_ptr,
-    len_ptr,
-    sink_ptr,
-    o_ptr,
-    lse_ptr,  #
-    stride_qb,
-    stride_qh,
-    stride_kv,
-    stride_ib,  #
-    stride_ob,
-    stride_os,
-    stride_oh,
-    stride_lb,
-    stride_ls,  #
-    num_slots,
-    num_idx,
-    qk_scale,
-    head_tiles,
-    num_splits,  #
-    D_V: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,  #
-    IDX_CHUNK: tl.constexpr,
-    SPLIT: tl.constexpr,  #
-    HAS_LENGTHS: tl.constexpr,
-    HAS_SINKS: tl.constexpr,  #
-    KV_FP8: tl.constexpr,
-    PAGE: tl.constexpr,  #
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  #
-):
+    q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_kv, stride_ib,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_ls,
+    num_slots, num_idx, qk_scale, head_tiles, num_splits,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    IDX_CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGE: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
     # head tiles of one request are adjacent in launch order, so they share gathered rows in L2
     b = (tl.program_id(0) // head_tiles).to(tl.int64)
     heads = (tl.program_id(0) % head_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -177,25 +150,12 @@ def _sparse_mla_kernel(
 
 @triton.jit
 def _combine_kernel(
-    o_part_ptr,
-    lse_part_ptr,
-    sink_ptr,
-    out_ptr,
-    lse_ptr,  #
-    stride_pb,
-    stride_ps,
-    stride_ph,
-    stride_qb,
-    stride_qs,  #
-    stride_ob,
-    stride_oh,
-    stride_lb,
-    head_tiles,
-    num_splits,  #
-    D_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,  #
-    HAS_SINKS: tl.constexpr,  #
-):
+    o_part_ptr, lse_part_ptr, sink_ptr, out_ptr, lse_ptr,
+    stride_pb, stride_ps, stride_ph, stride_qb, stride_qs,
+    stride_ob, stride_oh, stride_lb, head_tiles, num_splits,
+    D_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):  # fmt: skip
     b = (tl.program_id(0) // head_tiles).to(tl.int64)
     heads = (tl.program_id(0) % head_tiles) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, D_V)
@@ -295,63 +255,28 @@ def sparse_mla_decode(
         )  # [B, splits, H]
     dummy = lse  # stands in for absent optional pointers; never read
     _sparse_mla_kernel[(batch * head_tiles, num_splits)](
-        q,
-        kv,
-        indices,
+        q, kv, indices,
         dummy if lengths is None else lengths,
         dummy if sinks is None else sinks,
-        o_buf,
-        lse_buf,
-        q.stride(0),
-        q.stride(1),
-        kv.stride(0),
-        indices.stride(0),
-        o_buf.stride(0),
-        o_buf.stride(1),
-        o_buf.stride(2),
-        lse_buf.stride(0),
-        lse_buf.stride(1),
-        kv.shape[0] * page,
-        num_idx,
-        sm_scale * LOG2E,
-        head_tiles,
-        num_splits,
-        D_V=d_v,
-        D_ROPE=d_rope,
-        BLOCK_H=cfg.block_h,
-        BLOCK_N=cfg.block_n,
-        IDX_CHUNK=idx_chunk,
-        SPLIT=num_splits > 1,
-        HAS_LENGTHS=lengths is not None,
-        HAS_SINKS=sinks is not None,
-        KV_FP8=kv_fp8,
-        PAGE=page,
-        UPCAST=INTERPRET,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        o_buf, lse_buf,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), o_buf.stride(0), o_buf.stride(1),
+        o_buf.stride(2), lse_buf.stride(0), lse_buf.stride(1),
+        kv.shape[0] * page, num_idx, sm_scale * LOG2E, head_tiles, num_splits,
+        D_V=d_v, D_ROPE=d_rope, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, IDX_CHUNK=idx_chunk,
+        SPLIT=num_splits > 1, HAS_LENGTHS=lengths is not None, HAS_SINKS=sinks is not None,
+        KV_FP8=kv_fp8, PAGE=page, UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     if num_splits > 1:
         block_h = 16
         _combine_kernel[(batch * heads // block_h,)](
-            o_buf,
-            lse_buf,
+            o_buf, lse_buf,
             dummy if sinks is None else sinks,
-            out,
-            lse,
-            o_buf.stride(0),
-            o_buf.stride(1),
-            o_buf.stride(2),
-            lse_buf.stride(0),
-            lse_buf.stride(1),
-            out.stride(0),
-            out.stride(1),
-            lse.stride(0),
-            heads // block_h,
-            num_splits,
-            D_V=d_v,
-            BLOCK_H=block_h,
-            HAS_SINKS=sinks is not None,
+            out, lse,
+            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), lse_buf.stride(0), lse_buf.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            heads // block_h, num_splits,
+            D_V=d_v, BLOCK_H=block_h, HAS_SINKS=sinks is not None,
             num_warps=4,
-        )
+        )  # fmt: skip
     return out, lse

@@ -36,11 +36,17 @@ from typing import Any
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: make `loadtest` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
-from loadtest.prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt
+try:
+    from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
+    from loadtest.prompts import PROBE_WORDS, calibrated_words, load_tokenizer, make_prompt
+except ImportError:  # run as `python loadtest/bench_serving.py`: this folder is on sys.path
+    from openai_stream import StreamRecord, auth_headers, chat_payload  # type: ignore[no-redef]
+    from prompts import (  # type: ignore[no-redef]
+        PROBE_WORDS,
+        calibrated_words,
+        load_tokenizer,
+        make_prompt,
+    )
 
 
 @dataclass
@@ -152,7 +158,7 @@ def _error_kind(error: str | None) -> str:
     return (status or "") + re.sub(r"\d+", "N", rest)
 
 
-def _drawn(length: int, ratio: float, rng: random.Random) -> int:
+def drawn_length(length: int, ratio: float, rng: random.Random) -> int:
     """A length uniform in [length * (1 - ratio), length] (vLLM's random dataset)."""
     return rng.randint(max(1, round(length * (1 - ratio))), length) if ratio else length
 
@@ -242,8 +248,8 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             words = await prompt_words(client, cfg, model, rng)
         shapes = [
             (
-                make_prompt(_drawn(words, cfg.range_ratio, rng), rng, tokenizer),
-                _drawn(cfg.output_len, cfg.range_ratio, rng),
+                make_prompt(drawn_length(words, cfg.range_ratio, rng), rng, tokenizer),
+                drawn_length(cfg.output_len, cfg.range_ratio, rng),
             )
             for _ in range(cfg.num_prompts)
         ]

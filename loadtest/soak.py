@@ -37,9 +37,6 @@ from typing import Any
 
 import httpx
 
-if __package__ in (None, ""):  # run as a script: make `loadtest` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from loadtest.bench_serving import BenchConfig, describe, send_request
 from loadtest.prompts import make_prompt
 

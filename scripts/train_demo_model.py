@@ -4,7 +4,7 @@
 The model is HF transformers' `DeepseekV4ForCausalLM` (the differentiable reference of the
 architecture the engine serves) with every V4 layer kind: sliding-window, CSA (compressor and
 lightning indexer) and HCA attention, hash-routed and routed MoE, mHC residual streams. It reads
-data/tinyshakespeare.txt one byte per token (engine/byte_tokenizer.py), holding out the last 5%
+data/tinyshakespeare.txt one byte per token (engine/text/byte_tokenizer.py), holding out the last 5%
 of the bytes, and is written as a checkpoint `engine.LLM` loads: config.json, bf16
 model.safetensors, the tokenizer files with a play-dialogue chat template, README.md (the model
 card), train_log.json and loss.png.
@@ -40,12 +40,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from demo_model_card import write_card, write_loss_png  # noqa: E402
+try:  # run as a script: its folder is on sys.path
+    from demo_model_card import write_card, write_loss_png
+except ImportError:  # loaded from the repository root (tests/test_train_demo_model.py)
+    from scripts.demo_model_card import write_card, write_loss_png
 
-from engine.byte_tokenizer import PLAY_CHAT_TEMPLATE, write_byte_tokenizer  # noqa: E402
+from engine.text.byte_tokenizer import PLAY_CHAT_TEMPLATE, write_byte_tokenizer  # noqa: E402
 
 BOS, EOS, VOCAB = (
     256,

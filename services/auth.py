@@ -7,6 +7,8 @@ The comparison takes constant time, so its duration says nothing about how much 
 from __future__ import annotations
 
 import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -31,7 +33,11 @@ class ClusterTokenCheck(grpc.aio.ServerInterceptor):
 
         self._reject = reject
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[Any], Awaitable[Any]],
+        handler_call_details: Any,  # grpc.HandlerCallDetails
+    ) -> Any:  # grpc.RpcMethodHandler
         metadata = dict(handler_call_details.invocation_metadata or ())
         presented = metadata.get(TOKEN_METADATA_KEY, "")
         if hmac.compare_digest(str(presented).encode(), self._token):
@@ -39,7 +45,9 @@ class ClusterTokenCheck(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
 
-            async def reject_stream(request: object, context: grpc.aio.ServicerContext):
+            async def reject_stream(
+                request: object, context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[None]:
                 await self._reject(request, context)
                 yield  # pragma: no cover - abort raises
 

@@ -45,20 +45,21 @@ Settings = GenerateSettings
 
 
 def run(s: GenerateSettings) -> None:
-    from engine import LLM
     from engine.demo_model import DEMO_MODEL_DIR
+    from engine.llm import LLM
 
     with LLM(s.model or DEMO_MODEL_DIR, **dataclasses.asdict(s.engine)) as llm:
         _generate(llm, s)
 
 
 def _generate(llm: LLM, s: GenerateSettings) -> None:
-    from engine import SamplingParams
-    from engine.chat import parse_completion
-    from engine.chat_format import ChatOptions, chat_format, opens_reasoning
-    from engine.llm_engine import RequestError
+    from engine.request import RequestError
+    from engine.sampling_params import SamplingParams
+    from engine.text.chat import parse_completion
+    from engine.text.chat_format import ChatOptions, chat_format, opens_reasoning
 
     reasoning = False
+    prompts: list[str | list[int]]
     if s.chat is not None:
         # The router's choice of chat format: the template, or the V4 release's encoder.
         try:
@@ -88,7 +89,7 @@ def _generate(llm: LLM, s: GenerateSettings) -> None:
         sys.exit(f"dsaserve generate: {e}")
     for result in results:
         if s.json:
-            answer = {
+            answer: dict[str, object] = {
                 "token_ids": result.token_ids,
                 "text": result.text,
                 "finish_reason": result.finish_reason,

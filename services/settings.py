@@ -23,12 +23,15 @@ import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 PREFIX = "DSASERVE_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-S = TypeVar("S")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+S = TypeVar("S", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ def _walk(cls: type, prefix: str = "") -> Iterator[tuple[type, Flag]]:
     for field in dataclasses.fields(cls):
         meta = field.metadata
         hint = hints[field.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             yield from _walk(hint, f"{prefix}{field.name}.")
             continue
         if meta.get("cli") is False:
@@ -110,7 +113,13 @@ class _Repeatable(argparse._AppendAction):
     """`append`, except that the first use on the command line replaces the default list
     (argparse's own would add command-line keys to those from the environment)."""
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         if getattr(namespace, self.dest, None) is self.default:
             setattr(namespace, self.dest, [])
         super().__call__(parser, namespace, values, option_string)
@@ -195,7 +204,7 @@ def from_args(cls: type[S], args: argparse.Namespace, prefix: str = "") -> S:
     for field in dataclasses.fields(cls):
         hint = hints[field.name]
         dest = prefix + field.name
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             values[field.name] = from_args(hint, args, dest + ".")
         elif hasattr(args, dest):
             value = getattr(args, dest)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, setting
 from engine.demo_model import DEMO_MODEL_DIR
-from services import settings
+from services import redis_server, settings
 
 log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
@@ -125,7 +124,8 @@ def visible_gpus() -> list[str]:
 
 def model_splits(model: str, engine: EngineConfig) -> Callable[[int], bool]:
     """Whether the model in `model`, run as `engine` says, splits over n ranks."""
-    from engine.models import ConfigError, family
+    from engine.checkpoint import ConfigError
+    from engine.models import family
     from engine.rank import keeps_quantized
 
     cfg = family(model).ModelConfig.from_dir(model)
@@ -192,7 +192,7 @@ def run(s: UpSettings) -> None:
     stack = Stack()
     stopping = False
 
-    def on_signal(signum, frame) -> None:
+    def on_signal(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
 
@@ -201,30 +201,13 @@ def run(s: UpSettings) -> None:
     try:
         redis_url = s.redis_url
         if redis_url is None:
-            binary = shutil.which("redis-server")
-            if binary is None:
-                raise SystemExit(
-                    "redis-server not found: install it (apt-get install redis-server) "
-                    "or pass --redis-url"
-                )
             port = _free_port()
-            stack.spawn(
-                "redis",
-                [
-                    binary,
-                    "--port",
-                    str(port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--loglevel",
-                    "warning",
-                ],
-            )
-            redis_url = f"redis://127.0.0.1:{port}/0"
+            try:
+                argv = redis_server.command(port, "--loglevel", "warning")
+            except redis_server.RedisNotFound as e:
+                raise SystemExit(f"{e} or pass --redis-url") from None
+            stack.spawn("redis", argv)
+            redis_url = redis_server.url(port)
         dsaserve = [sys.executable, "-m", "services.cli"]
         common = ["--model", model, "--redis-url", redis_url]
         env = {
@@ -268,7 +251,7 @@ def run(s: UpSettings) -> None:
         stack.stop()
 
 
-def _wait_healthy(url: str, stack: Stack, timeout: float, stopping) -> None:
+def _wait_healthy(url: str, stack: Stack, timeout: float, stopping: Callable[[], bool]) -> None:
     deadline = time.monotonic() + timeout
     while not stopping():
         stack.check()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,14 +22,23 @@ import redis
 # First of all: without CUDA, kernels.env must set TRITON_INTERPRET before any module imports
 # triton (triton reads it once), or every Triton kernel a test launches on CPU fails.
 import kernels  # noqa: F401
+from services import redis_server as redis_launcher
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from services.router.settings import RouterSettings
     from tests.scripted_worker import Serve
+    from tests.serving_stack import Stack
 
 REDIS_START_TIMEOUT_S = 10.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `unit` every test that is neither `e2e` nor `gpu`, so `-m unit` runs them alone."""
+    for item in items:
+        if item.get_closest_marker("e2e") is None and item.get_closest_marker("gpu") is None:
+            item.add_marker(pytest.mark.unit)
 
 
 def free_port() -> int:
@@ -43,34 +51,13 @@ def free_port() -> int:
 def _start_redis(log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--logfile",
-            str(log),
-        ],
+        redis_launcher.command(port, "--logfile", str(log)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-    try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                client.ping()
-                return proc, url
-            except redis.ConnectionError:
-                time.sleep(0.02)  # polling a readiness condition, bounded by the deadline
-    finally:
-        client.close()
+    url = redis_launcher.url(port)
+    if redis_launcher.wait_ready(proc, url, REDIS_START_TIMEOUT_S):
+        return proc, url
     proc.kill()
     proc.wait(timeout=5)
     tail = log.read_text(errors="replace")[-500:] if log.exists() else ""
@@ -80,10 +67,10 @@ def _start_redis(log: Path) -> tuple[subprocess.Popen[bytes], str]:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A private redis-server (no persistence) for the session; yields its URL."""
-    if shutil.which("redis-server") is None:
-        pytest.fail(
-            "redis-server is not on PATH; install Redis (e.g. apt-get install redis-server)"
-        )
+    try:
+        redis_launcher.binary()
+    except redis_launcher.RedisNotFound as e:
+        pytest.fail(str(e))
     proc, url = _start_redis_retrying(tmp_path_factory.mktemp("redis") / "redis.log")
     yield url
     _stop(proc)
@@ -141,13 +128,41 @@ def redis_url(redis_server: str) -> str:
     return redis_server
 
 
+# ---------------------------------------------------------------- tiny checkpoints
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random dense V4 checkpoint (engine.models.deepseek_v4.tiny), one per module."""
+    from engine.models.deepseek_v4.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random V4 checkpoint in the release's FP8/FP4 formats, one per module."""
+    from engine.models.deepseek_v4.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
+
+
+@pytest.fixture
+def client(stack: Stack) -> Iterator[openai.OpenAI]:
+    """An OpenAI client of the module's serving stack (the e2e modules' `stack` fixture)."""
+    from tests.serving_stack import openai_client
+
+    with openai_client(stack.url) as c:
+        yield c
+
+
 # ---------------------------------------------------------------- router
 
 
 @pytest.fixture
 def router_model_dir(tmp_path: Path) -> Path:
     """A model dir the router can serve: config.json (64-token context) + the tiny tokenizer."""
-    from engine.byte_tokenizer import write_byte_tokenizer
+    from engine.text.byte_tokenizer import write_byte_tokenizer
 
     model_dir = tmp_path / "tiny-router-model"
     write_byte_tokenizer(model_dir)
@@ -159,7 +174,7 @@ def router_model_dir(tmp_path: Path) -> Path:
 def v4_router_model_dir(tmp_path: Path) -> Path:
     """A V4 checkpoint as the router sees it: the release's tokenizer (every V4 marker, no chat
     template) and a deepseek_v4 config.json, so chats go through the release's encoder."""
-    from engine.byte_tokenizer import write_byte_tokenizer
+    from engine.text.byte_tokenizer import write_byte_tokenizer
 
     model_dir = tmp_path / "tiny-v4-router-model"
     write_byte_tokenizer(model_dir, release=True)

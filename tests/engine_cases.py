@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from engine.llm_engine import LLMEngine, RequestOutput
+from collections.abc import Callable
+
+import torch
+
+from engine.kv.pool import KVPool
+from engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput
 
 PROMPTS = [
     "The quick brown fox",
@@ -11,6 +18,11 @@ PROMPTS = [
     "Once upon a time, in a land far away,",
     "zz" * 30,
 ]
+
+
+def byte_ids(n: int, seed: int) -> list[int]:
+    """n random byte tokens (both tiny models' tokenizers have the 256 bytes)."""
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def drain(engine: LLMEngine, limit: int = 10_000) -> dict[str, list[RequestOutput]]:
@@ -35,3 +47,14 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert load.running == load.waiting == 0
     assert engine.pool.slab.num_free == engine.config.max_num_seqs
     assert not engine.scheduler.requests
+
+
+def move_staged(
+    src: KVPool, blocks: list[int], dst: KVPool, unpack: Callable[[int, int], None]
+) -> None:
+    """What a pull does, with copies for READs: chunk j of the stream into ring slot j % slots."""
+    for j in range(0, len(blocks), CHUNK_BLOCKS):
+        chunk = blocks[j : j + CHUNK_BLOCKS]
+        slot = dst.staging.ring[(j // CHUNK_BLOCKS) % RING_SLOTS]
+        dst.staging.blocks[slot[: len(chunk)]] = src.staging.blocks[chunk]
+        unpack(j // CHUNK_BLOCKS, (j // CHUNK_BLOCKS) % RING_SLOTS)

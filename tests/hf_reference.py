@@ -12,7 +12,7 @@ import os
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from engine.byte_tokenizer import write_byte_tokenizer
+from engine.text.byte_tokenizer import write_byte_tokenizer
 
 VOCAB = 262  # the tiny tokenizer's vocabulary
 

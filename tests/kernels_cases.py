@@ -20,16 +20,6 @@ def gpu_test(fn):
     return pytest.mark.gpu(skip(fn))
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| over the finite part of ref (0 when ref is all zero)."""
-    out, ref = out.double().cpu(), ref.double().cpu()
-    finite = torch.isfinite(ref)
-    assert torch.equal(finite, torch.isfinite(out)), "inf/nan pattern differs"
-    diff = (out - ref)[finite].norm().item()
-    scale = ref[finite].norm().item()
-    return diff / scale if scale > 0 else diff
-
-
 def random_bf16(shape, seed: int, spread: float = 8.0, device: str = "cpu") -> torch.Tensor:
     """Values over many binades, so groups get very different scales."""
     g = torch.Generator(device).manual_seed(seed)

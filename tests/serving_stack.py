@@ -5,6 +5,7 @@ Every wait polls a readiness condition under a deadline; processes are killed at
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -251,3 +253,19 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.proc.kill()
                 p.proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def pd_stack(model: Path, redis_url: str, workdir: Path) -> Iterator[Stack]:
+    """One prefill worker, one decode worker and a router, healthy, as the stack's `prefill`,
+    `decode` and `url`; stopped on leaving."""
+    s = Stack(model, redis_url, workdir)
+    try:
+        workers = [s.worker("prefill"), s.worker("decode")]
+        router = s.router()
+        s.wait_ready(*workers)
+        s.url = s.wait_healthy(router)
+        s.prefill, s.decode = workers
+        yield s
+    finally:
+        s.stop()

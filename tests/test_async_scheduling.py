@@ -11,9 +11,8 @@ import pytest
 
 from bench.async_scheduling import measure
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from engine.request import Status
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput, Status
 from engine.sampling_params import SamplingParams
 from tests.engine_cases import PROMPTS as ENGINE_PROMPTS
 from tests.engine_cases import assert_all_free, drain
@@ -25,11 +24,6 @@ TIGHT = dict(kv_cache_memory_bytes=800_000, page_size=4, max_num_seqs=8, max_num
 CHUNKED = dict(max_num_batched_tokens=7)
 # a prefill-only request whose first token never ends it (the tests check its finish reason)
 HELD = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ from bench.engine import slice_config, write_slice
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 
+pytestmark = pytest.mark.e2e  # a bench run end to end (--smoke)
+
 ENGINE = EngineConfig(kv_cache_memory_bytes=96 << 20, max_num_seqs=2, max_num_batched_tokens=64)
 
 

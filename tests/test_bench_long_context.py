@@ -12,6 +12,8 @@ import pytest
 
 from bench import long_context
 
+pytestmark = pytest.mark.e2e  # a bench run end to end (--smoke)
+
 
 def run(phase: str, out) -> dict:
     long_context.run_phase(phase, str(out), smoke=True)

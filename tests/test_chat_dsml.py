@@ -1,4 +1,4 @@
-"""engine.chat.dsml: V4 completions into reasoning, content and tool calls, whole and streamed.
+"""engine.text.chat.dsml: V4 completions into reasoning, content and tool calls, whole and streamed.
 
 Expected values follow the release's `parse_message_from_completion_text` for well-formed output;
 the recovery cases (no </think>, output cut inside a tool block) are ours, since the release
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from engine.chat import (
+from engine.text.chat import (
     ContentDelta,
     Event,
     ParsedMessage,
@@ -24,7 +24,7 @@ from engine.chat import (
     encode_messages,
     parse_completion,
 )
-from engine.chat.dsml import tool_call_prefix
+from engine.text.chat.dsml import tool_call_prefix
 
 EOS = "<｜end▁of▁sentence｜>"
 D = "｜DSML｜"

@@ -1,4 +1,4 @@
-"""engine.chat.encoding_dsv4: V4 prompts, compared with strings written out by hand.
+"""engine.text.chat.encoding_dsv4: V4 prompts, compared with strings written out by hand.
 
 Each expected prompt below was derived by reading the release's `encoding/encoding_dsv4.py`, not
 by running this code; the comment on each case says which of its rules the case pins down. The
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.chat import ChatEncodingError, encode_messages
+from engine.text.chat import ChatEncodingError, encode_messages
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BOS = "<｜begin▁of▁sentence｜>"
@@ -292,5 +292,5 @@ def test_inputs_the_format_cannot_express(messages: list, kwargs: dict, param: s
 
 def test_package_does_not_import_torch() -> None:
     # The router imports this package and must start without torch.
-    code = "import sys, engine.chat; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, engine.text.chat; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)

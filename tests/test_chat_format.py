@@ -1,4 +1,4 @@
-"""engine.chat_format: which chat format a checkpoint gets, and what each passes on."""
+"""engine.text.chat_format: which chat format a checkpoint gets, and what each passes on."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.byte_tokenizer import write_byte_tokenizer
-from engine.chat import ChatEncodingError, encode_messages
-from engine.chat.tokens import THINK_START
-from engine.chat_format import ChatOptions, V4Chat, chat_format, opens_reasoning
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.text.byte_tokenizer import write_byte_tokenizer
+from engine.text.chat import ChatEncodingError, encode_messages
+from engine.text.chat.tokens import THINK_START
+from engine.text.chat_format import ChatOptions, V4Chat, chat_format, opens_reasoning
+from engine.text.template import ChatTemplateError
+from engine.text.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]

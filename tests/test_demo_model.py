@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from bench.numerics import BOS, bits_per_byte, heldout_windows
-from engine import LLM, SamplingParams
 from engine.demo_model import DEMO_MODEL_DIR
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.e2e  # the shipped checkpoint, generating
 
 MODEL_DIR = DEMO_MODEL_DIR
 

@@ -617,6 +617,7 @@ sys.meta_path.insert(0, _RouterImage())
 
 
 @pytest.mark.parametrize("role", ["router", "prefill", "decode"])
+@pytest.mark.e2e  # a dsaserve command as a process
 def test_cli_help_lists_every_contract_flag(role: str) -> None:
     start = (
         "from services.cli import main\n"

@@ -6,18 +6,14 @@ import time
 
 import pytest
 
-from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine, RequestError
-from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.request import RequestError
+from engine.sampling_params import SamplingParams
 from tests.engine_cases import PROMPTS, assert_all_free, drain
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,14 @@ the demo model runs with the FP8 KV cache against the bf16 cache (not yet run on
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import kernels
-from engine import LLM, SamplingParams
-from engine.models.deepseek_v4.tiny import make_tiny_model
+from bench.compare import rel_err
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 from engine.step import RowSpan
-from tests.kernels_cases import gpu_test, rel_err
+from tests.kernels_cases import gpu_test
 from tests.release_reference import (
     ENGINE,
     TOKENS,
@@ -30,16 +30,6 @@ from tests.release_reference import (
 GPU = dict(device="cuda", kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "0123456789" * 20, "x"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
 
 
 @gpu_test

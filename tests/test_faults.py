@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx
@@ -24,6 +23,8 @@ from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from tests.serving_stack import TOKEN, Proc, Stack, wait_all_kv_free, wait_for
+
+pytestmark = pytest.mark.e2e  # the stack as processes, broken on purpose
 
 PROMPTS = [f"Tell me about river number {i}, please." for i in range(6)]
 
@@ -382,7 +383,6 @@ def test_a_short_soak_with_faults_ends_every_request_and_leaks_nothing(model, tm
     """loadtest/soak.py as CI can afford it: users stream while the decode worker is killed and
     restarted and Redis is stopped; every request ends (answered or a clear error) and, once
     idle, every page is free on both workers."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from loadtest.soak import Fault, SoakConfig, run_soak
 
     cfg = SoakConfig(

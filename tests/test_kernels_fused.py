@@ -2,7 +2,7 @@
 match their torch references (kernels.fused_reference, which the engine runs on CPU and which
 the model-parity tests hold to HF transformers).
 
-Every op runs on a real KVPool/StepState (tests.fused_cases): the tiny model's widths on CPU,
+Every op runs on a real KVPool/StepState (bench.fused_cases): the tiny model's widths on CPU,
 V4-Flash's on a GPU. Decode rows sit at positions chosen for the edges: position 0, the first
 CSA window (no previous window to overlap), windows that close for CSA only and for both CSA
 and HCA, rows whose windows stay open; a mixed step adds a prefill chunk behind them.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from tests.fused_cases import GlueStep, Op, as_tuple, compare, model_config
+from bench.fused_cases import GlueStep, Op, as_tuple, compare, model_config
 from tests.kernels_cases import gpu_test
 
 POSITIONS = [0, 3, 7, 15, 18, 47, 63, 100]  # tiny model: CSA rate 4, HCA rate 16, window 16
@@ -72,13 +72,13 @@ def test_compress_decode_writes_only_closed_windows(tiny, kind):
     step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
     op = step.compress(kind)
     (_, written) = op.run(op.fused, "triton")
-    target = op.args[12]
+    inputs, target, trash = op.args
     changed = (written[2] != target).any(dim=1)
     assert int(changed.sum()) == op.info["closing_rows"] > 0
-    assert not changed[op.args[13]]  # the trash slot
-    rate = op.args[6].shape[0]
-    overlap = op.args[0].shape[1] == 2 * op.args[7].shape[0]
-    ring_kv, ring_gate = op.args[4], op.args[5]
+    assert not changed[trash]  # the trash slot
+    rate = inputs.ape.shape[0]
+    overlap = inputs.kv.shape[1] == 2 * inputs.norm_weight.shape[0]
+    ring_kv, ring_gate = inputs.ring_kv, inputs.ring_gate
     rows = ring_kv.shape[1]
     for b, pos in enumerate(POSITIONS):  # scramble what no closing window of row b may read
         w = pos // rate
@@ -87,7 +87,7 @@ def test_compress_decode_writes_only_closed_windows(tiny, kind):
         first = max(w - 1, 0) * rate if overlap else w * rate
         used = {p % rows for p in range(first, pos + 1)}
         other = torch.tensor([r for r in range(rows) if r not in used], dtype=torch.long)
-        slab = int(op.args[3][b])
+        slab = int(inputs.slab[b])
         ring_kv[slab, other] = torch.randn(len(other), ring_kv.shape[-1]) * 100
         ring_gate[slab, other] = torch.randn(len(other), ring_gate.shape[-1]) * 100
     (_, again) = op.run(op.fused, "triton")
@@ -238,16 +238,16 @@ def test_compress_decode_quantizes_closed_windows_into_an_fp8_pool(demo, kind, b
     (closing windows only, no trash row), and the ring the same update."""
     fp8 = GlueStep(demo, FP8_POSITIONS, device="cpu", dtype=torch.float32, kv_cache_dtype="fp8")
     op = fp8.compress(kind)
-    target, page = op.args[12], fp8.pool.page_size
+    target, page = op.args[1], fp8.pool.page_size
     assert target.dtype == torch.uint8
     _, (ring_kv, ring_gate, written) = op.run(op.fused, backend)
-    head_dim = op.args[7].shape[0]
+    head_dim = op.args[0].norm_weight.shape[0]
     plain = torch.zeros(target.shape[0] * page, head_dim)
     trash = plain.shape[0] - 1  # (the torch path writes open windows there)
-    args = (*op.fresh_args()[:12], plain, trash)
+    args = (op.fresh_args()[0], plain, trash)
     with kernels.use_backend(backend):
         kernels.compress_decode(*args)
-    assert torch.equal(ring_kv, args[4]) and torch.equal(ring_gate, args[5])
+    assert torch.equal(ring_kv, args[0].ring_kv) and torch.equal(ring_gate, args[0].ring_gate)
     slots = (plain != 0).any(dim=1).nonzero()[:, 0]
     slots = slots[slots != trash]
     assert slots.numel() == op.info["closing_rows"] > 0

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kernels
-from kernels import indexer, naive, reference
+from bench import naive
+from kernels import indexer, reference
 from kernels.indexer import IndexerConfig
 from tests.kernels_cases import check_topk, fp8_indexer_case, gpu_test, indexer_case
 

@@ -17,11 +17,12 @@ import triton
 import triton.language as tl
 
 import kernels
+from bench.compare import rel_err
 from kernels import fp8_gemm, quant
 from kernels.act_quant import act_quant, fp4_to_e4m3
 from kernels.fp4_moe import MoeConfig, fp4_moe, stack_fp4_experts
 from kernels.fp8_gemm import GemmConfig, fp8_linear
-from tests.kernels_cases import gpu_test, moe_case, random_bf16, rel_err
+from tests.kernels_cases import gpu_test, moe_case, random_bf16
 
 # convert.py's FP4_TABLE, transcribed: index = the 4-bit code
 RELEASE_FP4_TABLE = [
@@ -174,7 +175,7 @@ def test_fp8_blocks_round_trip():
     w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-6, 6, (n, 1), generator=g))
     q, s = quant.quantize_fp8_blocks(w)
     back = quant.dequantize_fp8_blocks(q, s)
-    blk_scale = quant._expand_blocks(quant.ue8m0_to_float(s), n, k, 128)
+    blk_scale = quant.expand_blocks(quant.ue8m0_to_float(s), n, k, 128)
     assert bool(((back - w).abs() <= w.abs() * 2**-4 + blk_scale * 2**-10).all())
     assert bool((w.abs() <= blk_scale * 448).all())
 

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import kernels
+from bench import naive
+from bench.compare import rel_err
 from kernels import mhc, reference, rowwise
-from tests.kernels_cases import gpu_test, rel_err
+from tests.kernels_cases import gpu_test
 
 
 def _rope_inputs(n: int, heads: int, dim: int, half: int, dtype: torch.dtype, device: str):
@@ -56,7 +58,7 @@ def test_hc_weights_matches_reference():
 
 def test_dispatch_keeps_elementwise_kernels_in_naive_runs():
     x = torch.randn(2, 8)
-    with kernels.use_backend("naive"):  # on CPU: the reference, exactly
+    with naive.in_engine():  # on CPU: the reference, exactly
         assert torch.equal(kernels.rms_norm(x, None, 1e-6), reference.rms_norm(x, None, 1e-6))
 
 

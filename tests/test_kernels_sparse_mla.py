@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import kernels
-from kernels import naive, reference, sparse_mla
+from bench import naive
+from bench.compare import rel_err
+from kernels import reference, sparse_mla
 from kernels.sparse_mla import DecodeConfig
-from tests.kernels_cases import decode_case, fp8_decode_case, gpu_test, rel_err
+from tests.kernels_cases import decode_case, fp8_decode_case, gpu_test
 
 # Tolerances (relative error): fp32 arithmetic lands far under 1e-5; bf16 operands of the PV
 # product (p is rounded to bf16) land near 3e-3; lse comes from fp32 QK sums.
@@ -109,10 +111,15 @@ def test_dispatch_picks_reference_on_cpu_and_can_be_forced():
     assert all(
         torch.equal(a, b) for a, b in zip(case.run(kernels.sparse_mla_decode), want, strict=True)
     )
-    with kernels.use_backend("naive"):
+    with kernels.use_backend("reference"):
         with kernels.use_backend("triton"):
             out, _ = case.run(kernels.sparse_mla_decode)
         assert rel_err(out, want[0]) < 1e-5
+    with naive.in_engine():  # a benchmark's "before" kernels, swapped in
+        swapped = case.run(kernels.sparse_mla_decode)
+    assert all(
+        torch.equal(a, b) for a, b in zip(swapped, case.run(naive.sparse_mla_decode), strict=True)
+    )
     assert all(
         torch.equal(a, b) for a, b in zip(case.run(kernels.sparse_mla_decode), want, strict=True)
     )

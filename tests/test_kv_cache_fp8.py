@@ -23,21 +23,22 @@ import torch
 import kernels
 from bench.kv_cache_dtype import step_logits
 from bench.numerics import BOS, heldout_windows
-from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv_pool import SLAB, STAGING, KVCacheConfig, KVPool, bytes_per_token
+from engine.kv.layout import SLAB, STAGING, KVCacheConfig, bytes_per_token
+from engine.kv.pool import KVPool
+from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.sampling_params import SamplingParams
 from kernels import fused_reference, kv_quant
 from services import settings
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from services.transfer.layout import Region, describe, first_difference
-from tests.engine_cases import drain
+from tests.engine_cases import drain, move_staged
 from tests.serving_stack import TOKEN, Stack, offline_generate, wait_for
-from tests.test_kv_staging import _move
 
 MODEL = DEMO_MODEL_DIR
 CFG = ModelConfig.from_dir(MODEL)
@@ -212,7 +213,7 @@ def test_a_request_prefilled_by_one_fp8_engine_decodes_on_another_as_if_never_mo
     reserved = decode.reserve("r", prompt, first, params)
     if via == "staging":
         unpack = decode.pool.unpacker(reserved.pages)
-        _move(prefill.pool, held.pages[STAGING], decode.pool, unpack)
+        move_staged(prefill.pool, held.pages[STAGING], decode.pool, unpack)
     else:
         for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
             if src.group in held.pages:
@@ -256,6 +257,7 @@ def test_unknown_or_unfit_kv_cache_dtypes_are_refused(tmp_path, capsys, monkeypa
 MESSAGES = [{"role": "user", "content": "Good morrow, cousin."}]
 
 
+@pytest.mark.e2e
 def test_fp8_workers_answer_like_offline_fp8_and_a_bf16_peer_is_refused(redis_url, tmp_path):
     """An FP8 prefill worker pairs with the FP8 decode worker only (NIXL moves the FP8 bytes)
     and the answers are `dsaserve generate --kv-cache-dtype fp8`'s; handed the FP8 worker's KV,

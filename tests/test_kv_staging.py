@@ -13,22 +13,18 @@ import numpy as np
 import pytest
 import torch
 
-from engine import SamplingParams
 from engine.config import EngineConfig
-from engine.kv_pool import SLAB, STAGING, KVCacheConfig, KVPool
-from engine.kv_staging import CHUNK_BLOCKS, RING_SLOTS, BlockAllocator
+from engine.kv.allocator import OutOfPages
+from engine.kv.layout import SLAB, STAGING, KVCacheConfig
+from engine.kv.pool import KVPool
+from engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS, BlockAllocator
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.tiny import make_tiny_model, tiny_config
-from engine.page_allocator import OutOfPages
-from tests.engine_cases import drain
+from engine.models.deepseek_v4.tiny import tiny_config
+from engine.sampling_params import SamplingParams
+from tests.engine_cases import drain, move_staged
 
 CFG = ModelConfig.from_hf(tiny_config(300))
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 def _pool(memory_bytes: int, staging_bytes: int | None = None) -> KVPool:
@@ -54,15 +50,6 @@ def _churned(pool: KVPool, tokens: int, seed: int) -> dict[str, list[int]]:
         pages[name] = taken[:n]
     pages[SLAB] = pool.slab.allocate(2)[1:]
     return pages
-
-
-def _move(src: KVPool, blocks: list[int], dst: KVPool, unpack) -> None:
-    """What a pull does, with copies for READs: chunk j of the stream into ring slot j % slots."""
-    for j in range(0, len(blocks), CHUNK_BLOCKS):
-        chunk = blocks[j : j + CHUNK_BLOCKS]
-        slot = dst.staging.ring[(j // CHUNK_BLOCKS) % RING_SLOTS]
-        dst.staging.blocks[slot[: len(chunk)]] = src.staging.blocks[chunk]
-        unpack(j // CHUNK_BLOCKS, (j // CHUNK_BLOCKS) % RING_SLOTS)
 
 
 def test_every_pool_is_a_view_of_one_arena_at_whole_cells() -> None:
@@ -105,7 +92,7 @@ def test_a_staged_state_lands_in_other_pages_byte_for_byte() -> None:
 
     unpack = decode.unpacker(ours)
     assert unpack.nbytes == prefill.cells(theirs).size * prefill.cell_bytes
-    _move(prefill, blocks, decode, unpack)
+    move_staged(prefill, blocks, decode, unpack)
     for mine, other in zip(decode.regions(), prefill.regions(), strict=True):
         if mine.group == STAGING:
             continue
@@ -138,7 +125,9 @@ def test_a_request_staged_by_one_engine_decodes_on_another_as_if_never_moved(tin
     for group in decode.pool.groups.values():  # other pages than the prefill worker's
         group.allocator.allocate(3)
     reserved = decode.reserve("r", prompt, first, params)
-    _move(prefill.pool, held.pages[STAGING], decode.pool, decode.pool.unpacker(reserved.pages))
+    move_staged(
+        prefill.pool, held.pages[STAGING], decode.pool, decode.pool.unpacker(reserved.pages)
+    )
     decode.join("r")
     assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
     assert prefill.release("r")

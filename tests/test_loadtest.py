@@ -17,13 +17,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # loadtest/ is a tool folder of the repo, not an installed package
+from loadtest import bench_serving as bench
+from loadtest import report
+from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
+from loadtest.prompts import calibrated_words, load_tokenizer, make_prompt
 
-from loadtest import bench_serving as bench  # noqa: E402
-from loadtest import report  # noqa: E402
-from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload  # noqa: E402
-from loadtest.prompts import calibrated_words, load_tokenizer, make_prompt  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def chunk(content: str | None = None, usage: dict | None = None, role: bool = False) -> str:
@@ -290,10 +289,10 @@ def test_report_plots_throughput_and_tail_latency(tmp_path: Path) -> None:
 
 def test_random_range_ratio_draws_lengths_within_bounds() -> None:
     rng = random.Random(0)
-    drawn = [bench._drawn(8192, 0.875, rng) for _ in range(2000)]
+    drawn = [bench.drawn_length(8192, 0.875, rng) for _ in range(2000)]
     assert min(drawn) >= 1024 and max(drawn) <= 8192
     assert min(drawn) < 1200 and max(drawn) > 8000  # the whole range is used
-    assert bench._drawn(512, 0.0, rng) == 512
+    assert bench.drawn_length(512, 0.0, rng) == 512
 
 
 def test_goodput_counts_requests_within_both_slos() -> None:

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import kernels
-from engine.kv_pool import KVCacheConfig, KVPool
+from engine.kv.layout import KVCacheConfig
+from engine.kv.pool import KVPool
 from engine.layers.rope import inverse_frequencies
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.weights import build_model, load_weights

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from bench.compare import rel_err
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 from tests.hf_reference import VOCAB, hf_greedy, hf_logits, make_hf_checkpoint
-from tests.kernels_cases import rel_err
+
+pytestmark = pytest.mark.e2e  # the whole model against HF transformers
 
 SEQ = 160  # CSA: 40 compressed entries > index_topk 8; HCA (rate 16): 10 entries
 

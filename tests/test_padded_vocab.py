@@ -15,11 +15,12 @@ import sys
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.llm_engine import RequestError
+from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.request import RequestError
+from engine.sampling_params import SamplingParams
 from tests.release_reference import TOKENS
-from tests.serving_stack import Stack
+from tests.serving_stack import pd_stack
 
 SAMPLED = SamplingParams(max_tokens=48, temperature=1.0, seed=5, ignore_eos=True)
 PROMPT = [256, 72, 105, 33]  # bos "Hi!"
@@ -66,6 +67,7 @@ def _cli(model, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.e2e  # a dsaserve command as a process
 def test_cli_generation_never_samples_padded_ids(release):
     out = _cli(
         release,
@@ -88,6 +90,7 @@ def test_cli_generation_never_samples_padded_ids(release):
     assert answer["token_ids"] == offline.token_ids
 
 
+@pytest.mark.e2e  # a dsaserve command as a process
 def test_cli_refuses_padded_prompt_ids(release):
     out = _cli(release, "--prompt-token-ids", "256,300,7", "--max-tokens", "4")
     assert out.returncode != 0
@@ -98,17 +101,12 @@ def test_cli_refuses_padded_prompt_ids(release):
 @pytest.fixture(scope="module")
 def served(release, redis_server, tmp_path_factory):
     """Router, prefill and decode workers on the release-format model (its default precision
-    on the CPU: dequantized)."""
-    stack = Stack(release, redis_server, tmp_path_factory.mktemp("padded_stack"))
-    try:
-        workers = [stack.worker("prefill"), stack.worker("decode")]
-        router = stack.router()
-        stack.wait_ready(*workers)
-        yield stack.wait_healthy(router)
-    finally:
-        stack.stop()
+    on the CPU: dequantized); the router's URL."""
+    with pd_stack(release, redis_server, tmp_path_factory.mktemp("padded_stack")) as stack:
+        yield stack.url
 
 
+@pytest.mark.e2e
 def test_served_completions_never_sample_padded_ids(served, release):
     """Prefill samples token 1, decode the rest, each worker masking its own logits: the text
     equals the offline API's, whose tokens are all below the tokenizer's size."""
@@ -123,6 +121,7 @@ def test_served_completions_never_sample_padded_ids(served, release):
     assert r.json()["usage"]["completion_tokens"] == 48
 
 
+@pytest.mark.e2e
 def test_served_prompts_with_padded_ids_are_refused(served):
     body = {"model": MODEL_NAME, "prompt": [256, 300], "max_tokens": 4}
     r = httpx.post(served + "/v1/completions", json=body, timeout=60)

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.kv_pool import KVCacheConfig, KVPool
+from engine.kv.layout import KVCacheConfig
+from engine.kv.pool import KVPool
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import tiny_config
 from engine.models.deepseek_v4.weights import build_model
@@ -83,6 +84,7 @@ def cpu_run(tmp_path_factory) -> tuple[str, dict]:
     return run.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.e2e  # a dsaserve command as a process
 def test_the_printed_parts_and_classes_add_up_to_the_profiled_step(cpu_run):
     stdout, report = cpu_run
     profiled_ms = float(re.search(r"under the profiler (\d+\.\d+) ms", stdout).group(1))
@@ -103,6 +105,7 @@ def test_the_printed_parts_and_classes_add_up_to_the_profiled_step(cpu_run):
     assert re.search(r"\n  gemm\s+\d+\.\d+\s+\d+\.\d%\s+-\s+-\n", stdout)  # no floor on a CPU
 
 
+@pytest.mark.e2e  # a dsaserve command as a process
 def test_the_json_is_the_table(cpu_run):
     stdout, report = cpu_run
     total = report["profiled_step_ms"]
@@ -147,6 +150,7 @@ def test_the_json_is_the_table(cpu_run):
     assert format_table(report) == stdout.rstrip("\n")
 
 
+@pytest.mark.e2e  # a dsaserve command as a process
 def test_a_missing_model_directory_exits_with_an_error(tmp_path):
     run = _dsaserve("--model", str(tmp_path / "nowhere"))
     assert run.returncode != 0

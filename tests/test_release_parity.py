@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import save_file
 from transformers import DeepseekV4ForCausalLM
 
-from engine import LLM, SamplingParams
+from bench.compare import rel_err
+from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
+from engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, hf_logits
-from tests.kernels_cases import rel_err
 from tests.release_reference import (
     ENGINE,
     TOKENS,
@@ -29,6 +30,8 @@ from tests.release_reference import (
     read_checkpoint,
     release_ids,
 )
+
+pytestmark = pytest.mark.e2e  # the whole release-format model against HF and the release
 
 SEQ = 300  # HCA (rate 128): 2 entries; CSA (rate 4): 75 entries > index_topk 8
 

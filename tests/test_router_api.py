@@ -22,7 +22,7 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.load import Load
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from services.registry import WorkerRecord, WorkerRegistration
 from services.router.settings import RouterSettings
 from tests.conftest import free_port
@@ -799,6 +799,7 @@ async def _startup_log(argv: list[str]) -> str:
 
 
 @pytest.mark.asyncio
+@pytest.mark.e2e  # a dsaserve command as a process
 async def test_router_binds_loopback_unless_told_and_warns_when_open(
     router_model_dir: Path, redis_url: str
 ) -> None:
@@ -819,11 +820,24 @@ async def test_router_binds_loopback_unless_told_and_warns_when_open(
 # ---------------------------------------------------------------- torch-free
 
 
+# The engine modules the router may import: engine.text and these torch-free leaves.
+ROUTER_ENGINE_MODULES = (
+    "engine.checkpoint",
+    "engine.config",
+    "engine.load",
+    "engine.sampling_params",
+)
+
+
 def test_router_imports_without_torch() -> None:
     code = (
         "import sys, services.router, services.router.main, services.registry, services.cli\n"
         "from services.cli import build_parser; build_parser('router')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        f"allowed = ('engine', 'engine.text', *{ROUTER_ENGINE_MODULES!r})\n"
+        "engine = [m for m in sys.modules if m.split('.')[0] == 'engine']\n"
+        "beyond = [m for m in engine if m not in allowed and not m.startswith('engine.text.')]\n"
+        "assert not beyond, f'the router imports torch-side engine modules: {beyond}'\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run(

@@ -20,9 +20,9 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from engine.chat import encode_messages
-from engine.chat.tokens import DSML as D
-from engine.tokenizer import Tokenizer
+from engine.text.chat import encode_messages
+from engine.text.chat.tokens import DSML as D
+from engine.text.tokenizer import Tokenizer
 from services.router.logprobs import CompletionLogprobs, TokenTexts
 from services.rpc import pb
 from tests.scripted_worker import MODEL, WAIT_S, Serve, chunk_ids, scripted_logprob, sse_events

@@ -22,6 +22,8 @@ from schemathesis.schemas import BaseSchema
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from tests.serving_stack import Stack
 
+pytestmark = pytest.mark.e2e  # the router and both workers as processes, fuzzed
+
 EXAMPLES_PER_OPERATION = 150
 
 

@@ -14,10 +14,13 @@ import sys
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.chat import tokens as v4
+from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
-from tests.serving_stack import Stack, openai_client, wait_all_kv_free
+from engine.sampling_params import SamplingParams
+from engine.text.chat import tokens as v4
+from tests.serving_stack import pd_stack, wait_all_kv_free
+
+pytestmark = pytest.mark.e2e  # the router and both workers as processes
 
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 WEATHER = {
@@ -37,27 +40,14 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(model, redis_server, tmp_path_factory):
     """One prefill worker, one decode worker and a router, in a registry of their own."""
-    s = Stack(model, redis_server.rsplit("/", 1)[0] + "/4", tmp_path_factory.mktemp("stack"))
-    try:
-        workers = [s.worker("prefill"), s.worker("decode")]
-        router = s.router()
-        s.wait_ready(*workers)
-        s.url = s.wait_healthy(router)
-        s.prefill, s.decode = workers
+    registry = redis_server.rsplit("/", 1)[0] + "/4"
+    with pd_stack(model, registry, tmp_path_factory.mktemp("stack")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def llm(model):
     return LLM(model)
-
-
-@pytest.fixture
-def client(stack):
-    with openai_client(stack.url) as c:
-        yield c
 
 
 def _tokenize(stack, body: dict) -> list[int]:

@@ -27,10 +27,12 @@ from tests.serving_stack import (
     Stack,
     http_status,
     offline_generate,
-    openai_client,
+    pd_stack,
     wait_all_kv_free,
     wait_for,
 )
+
+pytestmark = pytest.mark.e2e  # the router and both workers as processes
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -46,22 +48,8 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stack(model, redis_server, tmp_path_factory):
     """One prefill worker, one decode worker and a router."""
-    s = Stack(model, redis_server, tmp_path_factory.mktemp("stack"))
-    try:
-        workers = [s.worker("prefill"), s.worker("decode")]
-        router = s.router()
-        s.wait_ready(*workers)
-        s.url = s.wait_healthy(router)
-        s.prefill, s.decode = workers
+    with pd_stack(model, redis_server, tmp_path_factory.mktemp("stack")) as s:
         yield s
-    finally:
-        s.stop()
-
-
-@pytest.fixture
-def client(stack):
-    with openai_client(stack.url) as c:
-        yield c
 
 
 def test_chat_completion_equals_offline_generation(stack, client, model):

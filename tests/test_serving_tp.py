@@ -20,6 +20,8 @@ from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.registry import worker_key
 from tests.serving_stack import Stack, offline_generate, openai_client, wait_for
 
+pytestmark = pytest.mark.e2e  # workers of several ranks as processes
+
 MESSAGES = [{"role": "user", "content": "Count the ways."}]
 ROUNDS = 4  # round robin: two requests on each decode worker
 

@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 
-from engine.kv_pool import (
+from engine.kv.layout import (
     SLAB,
     STAGING,
     KVBudgetError,
@@ -24,6 +24,8 @@ from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from tests.serving_stack import TOKEN, Proc, Stack, wait_for
+
+pytestmark = pytest.mark.e2e  # the router and both workers as processes
 
 PROMPTS = [f"Where does river number {i} meet the sea?" for i in range(4)]
 SEQS, BATCHED = 32, 1024  # what tests/serving_stack.py gives every worker

@@ -17,48 +17,36 @@ import re
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from bench.compare import rel_err
+from engine.checkpoint import ConfigError
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
+from engine.llm import LLM
 from engine.llm_engine import LLMEngine
-from engine.models import ConfigError
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.moe import RoutedExperts
-from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.models.deepseek_v4.weights import build_model, load_weights
 from engine.parallel.group import TensorParallel
-from tests.kernels_cases import rel_err
+from engine.sampling_params import SamplingParams
+from tests.engine_cases import byte_ids
 from tests.release_reference import ENGINE, TOKENS, release_ids
+
+pytestmark = pytest.mark.e2e  # engines of two ranks, each rank a process
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEQ = 300  # CSA (rate 4): 75 entries > index_topk 8; HCA (rate 128 / 16): entries too
 CHUNKED = dict(ENGINE, max_num_batched_tokens=37)  # chunks cut windows and pages at odd places
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    """n random byte tokens (both tiny models' tokenizers have the 256 bytes)."""
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _prompts() -> list[list[int]]:
-    return [_ids(n, n) for n in (1, 9, 40, 130, 250)]
+    return [byte_ids(n, n) for n in (1, 9, 40, 130, 250)]
 
 
 @pytest.mark.parametrize("fmt", ["dense", "release"])
 def test_two_ranks_compute_what_one_computes_in_fp32(tiny, release, fmt):
     model = tiny if fmt == "dense" else release
     one = LLM(model, **CHUNKED)
-    ids = _ids(SEQ, 7)
+    ids = byte_ids(SEQ, 7)
     want_tokens = [r.token_ids for r in one.generate(_prompts(), GREEDY)]
     want_logits = one.score(ids)
     with LLM(model, tensor_parallel_size=2, **CHUNKED) as two:
@@ -165,7 +153,7 @@ def _decode_on_a_group_of_two(model, engine: dict, prompt: list[int], params) ->
 
 
 def test_a_decode_group_shares_the_kv_its_rank_0_received(tiny):
-    prompt, params = _ids(90, 3), SamplingParams(max_tokens=16, temperature=0)
+    prompt, params = byte_ids(90, 3), SamplingParams(max_tokens=16, temperature=0)
     want = LLM(tiny, **ENGINE).generate(prompt, params)[0].token_ids
     assert _decode_on_a_group_of_two(tiny, ENGINE, prompt, params) == want
 
@@ -180,7 +168,7 @@ def test_an_fp8_decode_group_shares_the_fp8_pages_its_rank_0_received():
         max_num_batched_tokens=64,
         kv_cache_memory_bytes=32 << 20,
     )
-    prompt, params = _ids(150, 5), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt, params = byte_ids(150, 5), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = LLM(DEMO_MODEL_DIR, **fp8).generate(prompt, params)[0].token_ids
     assert _decode_on_a_group_of_two(DEMO_MODEL_DIR, fp8, prompt, params) == want
 

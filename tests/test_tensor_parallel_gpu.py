@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.models.deepseek_v4.tiny import make_tiny_model
+from bench.compare import rel_err
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
 from engine.step import RowSpan
-from tests.kernels_cases import rel_err
+from tests.engine_cases import byte_ids
 from tests.release_reference import TOKENS, release_ids
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -26,25 +27,11 @@ PROMPTS = ["Once upon a time", "0123456789" * 20, "x"]
 SEQ = 300
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.mark.gpu
 @two_gpus
 def test_two_gpus_compute_what_one_computes_in_fp32(tiny):
     one = LLM(tiny, dtype="float32", **GPU)
-    ids = _ids(SEQ, 0)
+    ids = byte_ids(SEQ, 0)
     want_logits, want_tokens = one.score(ids), [r.token_ids for r in one.generate(PROMPTS, GREEDY)]
     free_before = torch.cuda.mem_get_info(1)[0]
     with LLM(tiny, dtype="float32", tensor_parallel_size=2, **GPU) as two:
@@ -57,7 +44,7 @@ def test_two_gpus_compute_what_one_computes_in_fp32(tiny):
 @pytest.mark.gpu
 @two_gpus
 def test_two_gpus_match_one_within_bf16s_own_error_and_replay_graphs(tiny):
-    ids = _ids(SEQ, 1)
+    ids = byte_ids(SEQ, 1)
     exact = LLM(tiny, dtype="float32", **GPU).score(ids)
     one = LLM(tiny, dtype="bfloat16", **GPU).score(ids)
     with LLM(tiny, dtype="bfloat16", tensor_parallel_size=2, **GPU) as llm:

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.e2e  # the training script, trained and served
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
 

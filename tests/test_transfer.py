@@ -21,6 +21,8 @@ import torch
 
 from services.transfer import KVTransfer, Region, TransferError
 
+pytestmark = pytest.mark.e2e  # NIXL transfers between two processes
+
 # Region name -> (group, page shape); bf16 throughout. Pages per group differ per worker, as pools
 # are sized per worker.
 LAYOUT = {

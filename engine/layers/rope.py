@@ -43,13 +43,10 @@ def inverse_frequencies(spec: RopeSpec, rope_dim: int) -> torch.Tensor:
 
 def _yarn_correction_range(spec: RopeSpec, dim: int) -> tuple[float, float]:
     assert spec.original_max_position is not None
+    original = spec.original_max_position
 
     def correction_dim(num_rotations: float) -> float:
-        return (
-            dim
-            * math.log(spec.original_max_position / (num_rotations * 2 * math.pi))
-            / (2 * math.log(spec.theta))
-        )
+        return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
 
     return max(math.floor(correction_dim(spec.beta_fast)), 0), min(
         math.ceil(correction_dim(spec.beta_slow)), dim - 1
@@ -58,6 +55,8 @@ def _yarn_correction_range(spec: RopeSpec, dim: int) -> tuple[float, float]:
 
 class RotaryTable(torch.nn.Module):
     """cos/sin for arbitrary positions of one RoPE spec."""
+
+    inv_freq: torch.Tensor  # [rope_dim // 2] (a buffer)
 
     def __init__(self, spec: RopeSpec, rope_dim: int) -> None:
         super().__init__()

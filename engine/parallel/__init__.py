@@ -3,7 +3,9 @@
     group.py     TensorParallel (rank, size, the collectives the split layers call), shard marks
     channel.py   rank 0 -> the other ranks: each runner call, with the page-table writes
     launch.py    rank 0 spawns the followers; everyone joins the group; close
-    follower.py  the follower process: build its shard, run rank 0's calls
+
+These are primitives: what a follower process builds and runs is engine.rank's
+(`follower_main`), which sits above them with the runner.
 
 Rank 0 is the process that builds the `LLMEngine`: it owns the scheduler, the sampler, the
 tokenizer and (in a worker) gRPC and the NIXL agent. Each step it sends the step's RowSpans to

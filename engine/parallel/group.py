@@ -10,6 +10,7 @@ rank's slice of each, and `engine.models.deepseek_v4` decides the split (its mod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,15 +65,16 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+P = TypeVar("P", bound=torch.Tensor)  # a parameter (nn.Linear's weight is typed a Tensor)
 
 
-def shard(param: torch.nn.Parameter, dim: int) -> torch.nn.Parameter:
+def shard(param: P, dim: int) -> P:
     """Mark `param` as this rank's contiguous slice of the checkpoint tensor along `dim`."""
-    param.tp_dim = dim
+    param.tp_dim = dim  # type: ignore[attr-defined]  # a mark of ours, read by the loader
     return param
 
 
-def shard_experts(param: torch.nn.Parameter, start: int, stop: int) -> torch.nn.Parameter:
+def shard_experts(param: P, start: int, stop: int) -> P:
     """Mark a stacked-experts `param` as holding experts [start, stop) of the checkpoint."""
-    param.tp_experts = (start, stop)
+    param.tp_experts = (start, stop)  # type: ignore[attr-defined]  # (as tp_dim)
     return param

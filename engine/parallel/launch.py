@@ -1,7 +1,7 @@
 """Start and stop a tensor-parallel group.
 
 The process that builds an `LLMEngine` with tensor_parallel_size N is rank 0: it spawns ranks
-1..N-1 (one process each, running engine.parallel.follower.main; bench.tp runs its own), and
+1..N-1 (one process each, running engine.rank.follower_main; bench.tp runs its own), and
 all join one torch.distributed group through a TCP store on 127.0.0.1: NCCL for the model's
 collectives on GPUs (rank r on the r-th visible GPU), gloo on the CPU, plus a gloo group that
 carries rank 0's calls (engine.parallel.channel). Followers die with the thread that started

@@ -194,7 +194,7 @@ def attribute_device(kernels: Iterable[Kernel], spans: Iterable[Span], wall_us: 
     """(part, class) -> µs of one step on a GPU: each kernel's duration, and the rest of the
     step's wall time (the device idle) under (HOST, HOST). Kernels of one stream do not
     overlap; should some (several streams), the idle time is counted as 0."""
-    timeline, cells = Timeline(spans), {}
+    timeline, cells = Timeline(spans), Cells()
     busy = 0.0
     for k in kernels:
         part = kernel_part(k, timeline)

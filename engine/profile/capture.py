@@ -7,8 +7,9 @@ floors.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,11 +44,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cpu_events(events) -> list:
+def _cpu_events(events: Iterable[Any]) -> list[Any]:  # torch FunctionEvents
     return [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
 
 
-def op_parts(events) -> dict[int, str]:
+def op_parts(events: Iterable[Any]) -> dict[int, str]:
     """Each CPU op's (FunctionEvent's) innermost part, by id: its own range, or its nearest
     enclosing one, or OTHER."""
     parts: dict[int, str] = {}
@@ -57,7 +58,7 @@ def op_parts(events) -> dict[int, str]:
     return parts
 
 
-def cpu_ops(events) -> list[CpuOp]:
+def cpu_ops(events: Iterable[Any]) -> list[CpuOp]:
     """The CPU ops of a profile (FunctionEvents) with their self times and parts."""
     parts = op_parts(events)
     return [CpuOp(e.name, e.self_cpu_time_total, parts[e.id]) for e in _cpu_events(events)]
@@ -75,7 +76,9 @@ def device_records(prof: torch.profiler.profile) -> tuple[list[Kernel], list[Spa
     launched it where the profiler linked the two, and the ranges' spans on the device."""
     part_by_op = op_parts(prof.events())  # a CPU op's id is its correlation id
     kernels, spans = [], []
-    for ev in prof.profiler.kineto_results.events():
+    results = prof.profiler.kineto_results if prof.profiler is not None else None
+    assert results is not None, "a profile that has run (its kineto results)"
+    for ev in results.events():
         if ev.device_type() == torch.autograd.DeviceType.CPU or _not_work(ev.name()):
             continue
         start = ev.start_ns() / 1e3

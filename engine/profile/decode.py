@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from engine.llm_engine import LLMEngine
+from engine.models.deepseek_v4.model import DeepseekV4
 from engine.profile import history
 from engine.profile.capture import profile_steps, sync
 from engine.profile.floors import decode_work
@@ -40,7 +41,8 @@ def profile_decode(
 ) -> Report:
     """`step` runs one decode step of `concurrency` requests at about `context` tokens of
     context (each call one token further) on `runner`; it is called `steps_run(steps)` times."""
-    device = runner.device
+    device, model = runner.device, runner.model
+    assert isinstance(model, DeepseekV4), "the profile knows DeepSeek-V4's parts (floors)"
     for _ in range(WARMUP_STEPS):
         step()
     # Back to back, as served: with async scheduling a step's host work overlaps the one
@@ -55,10 +57,10 @@ def profile_decode(
     was = runner.graphs_enabled
     runner.call("use_graphs", False)  # the profiler sees no kernel of a replayed graph
     try:
-        profile = profile_steps(step, runner.model, device, steps)
+        profile = profile_steps(step, model, device, steps)
     finally:
         runner.call("use_graphs", was)
-    work = decode_work(runner.model, runner.pool, concurrency, context, profile.experts)
+    work = decode_work(model, runner.pool, concurrency, context, profile.experts)
     notes = []
     if runner.tp.size > 1:
         notes.append(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_pool import KVPool
+from engine.kv.pool import KVPool
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.models.deepseek_v4.moe import MoE
@@ -117,10 +117,9 @@ def _add(cells: Cells, key: tuple[str, str], work: Work) -> None:
 def weight_work(model: DeepseekV4, n: int, experts: Sequence[ExpertLoad] | None = None) -> Cells:
     """The weights' work of a decode step of n rows. experts: per MoE layer (model order), the
     experts hit and pairs on this rank; None: expected under uniform routing."""
-    cfg, cells = model.cfg, {}
-    moes = [m for m in model.layers if isinstance(getattr(m, "ffn", None), MoE)]
-    for i, block in enumerate(moes):
-        moe = block.ffn
+    cfg, cells = model.cfg, Cells()
+    moes = [ffn for m in model.layers if isinstance(ffn := getattr(m, "ffn", None), MoE)]
+    for i, moe in enumerate(moes):
         local = next(iter(moe.experts.parameters())).shape[0]
         load = (
             experts[i]
@@ -155,7 +154,7 @@ def row_bytes(pool: KVPool) -> dict[tuple[int, str], float]:
 
 def attention_work(model: DeepseekV4, pool: KVPool, n: int, context: int) -> Cells:
     """The KV rows and indexer keys a decode step's queries read, at position `context`."""
-    cfg, cells = model.cfg, {}
+    cfg, cells = model.cfg, Cells()
     slot_bytes = row_bytes(pool)
     heads = model.tp.local(cfg.num_heads)
     seen = context + 1  # tokens visible to the query, itself included

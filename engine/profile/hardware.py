@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,8 @@ def for_device(device: torch.device, how: str = "auto") -> Hardware | None:
     return measure(device)
 
 
-def _median_ms(fn, reps: int = 20) -> float:
+def median_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Median ms of `reps` CUDA-event-timed calls of fn, after one warm-up call."""
     fn()  # warm-up (allocation, kernel selection)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -87,7 +89,7 @@ def _median_ms(fn, reps: int = 20) -> float:
 def _copy_ms(device: torch.device) -> float:
     src = torch.randn(1 << 30, device=device)  # 4 GiB of fp32
     dst = torch.empty_like(src)
-    return _median_ms(lambda: dst.copy_(src))
+    return median_ms(lambda: dst.copy_(src))
 
 
 def measure(device: torch.device | str = "cuda") -> Hardware:
@@ -96,13 +98,13 @@ def measure(device: torch.device | str = "cuda") -> Hardware:
     device = torch.device(device)
     copy_ms = _copy_ms(device)
     a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
-    mm_ms = _median_ms(lambda: a @ b)
+    mm_ms = median_ms(lambda: a @ b)
     fp8 = None
     try:
         a8 = a.to(torch.float8_e4m3fn)
         b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()
         one = torch.ones((), device=device)
-        fp8_ms = _median_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
+        fp8_ms = median_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
         fp8 = 2 * 8192**3 / fp8_ms / 1e9
     except (RuntimeError, TypeError):  # no FP8 tensor cores (or no _scaled_mm) here
         pass

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_pool import STAGING, KVPool
+from engine.kv.layout import STAGING
+from engine.kv.pool import KVPool
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 

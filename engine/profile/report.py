@@ -8,6 +8,7 @@ replayed where the engine captured them), timed without the profiler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.profile.attribution import ALL_PARTS, CLASSES, HOST
@@ -28,7 +29,7 @@ class Report:
 
     # ---------------------------------------------------------------- sums
 
-    def _floor(self, keep) -> float | None:
+    def _floor(self, keep: Callable[[tuple[str, str]], bool]) -> float | None:
         if self.hardware is None:
             return None
         cells = [w for key, w in self.work.items() if keep(key)]
@@ -48,7 +49,7 @@ class Report:
             rows.setdefault(key[axis], {"ms": 0.0})
         for name, row in rows.items():
             row["share"] = row["ms"] / total if total else 0.0
-            row["floor_ms"] = self._floor(lambda key, name=name: key[axis] == name)
+            row["floor_ms"] = self._floor(_on(axis, name))
         order = ALL_PARTS if axis == 0 else CLASSES
         return dict(
             sorted(
@@ -148,3 +149,8 @@ def format_table(report: Report | dict) -> str:
         lines.append(f"step {d['step_ms']:.3f} ms (no floors without hardware figures)")
     lines += [f"note: {n}" for n in d.get("notes", [])]
     return "\n".join(lines)
+
+
+def _on(axis: int, name: str) -> Callable[[tuple[str, str]], bool]:
+    """Whether a (part, class) cell is `name` on `axis` (0: the part, 1: the class)."""
+    return lambda key: key[axis] == name

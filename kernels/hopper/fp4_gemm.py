@@ -63,12 +63,13 @@ def _item_of(step, pid, nprog, ksteps, NT: gl.constexpr, SPLITS: gl.constexpr):
     return slot, rem // NT, rem % NT, step % ksteps
 
 
-# fmt: off
 @gluon.jit
-def _producer(w_desc, s_desc, x_desc, xs_desc, w_smem, s_smem, x_smem, xs_smem, ready, empty,
-              slot_ptr, pid, nprog, ksteps, total, n_w, half_off, tile_stride, k_item,
-              NT: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
-              DECODE: gl.constexpr):
+def _producer(
+    w_desc, s_desc, x_desc, xs_desc, w_smem, s_smem, x_smem, xs_smem, ready, empty,
+    slot_ptr, pid, nprog, ksteps, total, n_w, half_off, tile_stride, k_item,
+    NT: gl.constexpr, SPLITS: gl.constexpr, STAGES: gl.constexpr,
+    DECODE: gl.constexpr,
+):  # fmt: skip
     """One warp: the TMA loads of each flat step into its ring stage, once both consumers have
     released the stage. Stage bytes: two SUB_K halves of packed weights (gate and up rows, or
     two 64-row halves), their activation tiles, and the step's 16 scale bytes per row."""
@@ -84,35 +85,46 @@ def _producer(w_desc, s_desc, x_desc, xs_desc, w_smem, s_smem, x_smem, xs_smem, 
         s = step % STAGES
         mbarrier.wait(empty.index(s), ((step // STAGES) & 1) ^ 1)
         bar = ready.index(s)
-        mbarrier.expect(bar, 4 * w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
-                        + 2 * s_desc.block_type.nbytes
-                        + (xs_desc.block_type.nbytes if DECODE == 2 else 0))
+        mbarrier.expect(
+            bar,
+            4 * w_desc.block_type.nbytes
+            + 2 * x_desc.block_type.nbytes
+            + 2 * s_desc.block_type.nbytes
+            + (xs_desc.block_type.nbytes if DECODE == 2 else 0),
+        )
         for h in gl.static_range(2):
             w_buf = w_smem.index(2 * s + h)
-            tma.async_copy_global_to_shared(w_desc, [wrow, k // 2 + h * _SUB_K // 2], bar,
-                                            w_buf.slice(0, 64))
-            tma.async_copy_global_to_shared(w_desc, [wrow + half_off, k // 2 + h * _SUB_K // 2],
-                                            bar, w_buf.slice(64, 64))
-            tma.async_copy_global_to_shared(x_desc, [row0, k + h * _SUB_K], bar,
-                                            x_smem.index(2 * s + h))
+            tma.async_copy_global_to_shared(
+                w_desc, [wrow, k // 2 + h * _SUB_K // 2], bar, w_buf.slice(0, 64)
+            )
+            tma.async_copy_global_to_shared(
+                w_desc, [wrow + half_off, k // 2 + h * _SUB_K // 2], bar, w_buf.slice(64, 64)
+            )
+            tma.async_copy_global_to_shared(
+                x_desc, [row0, k + h * _SUB_K], bar, x_smem.index(2 * s + h)
+            )
         s_buf = s_smem.index(s)
         tma.async_copy_global_to_shared(s_desc, [wrow, k // 32], bar, s_buf.slice(0, 64))
-        tma.async_copy_global_to_shared(s_desc, [wrow + half_off, k // 32], bar,
-                                        s_buf.slice(64, 64))
+        tma.async_copy_global_to_shared(
+            s_desc, [wrow + half_off, k // 32], bar, s_buf.slice(64, 64)
+        )
         if DECODE == 2:
             tma.async_copy_global_to_shared(xs_desc, [row0, k // 128], bar, xs_smem.index(s))
 
 
 @gluon.jit
-def _consumer(w_smem, s_smem, x_smem, xs_smem, ready, empty, out_ptr, slot_ptr,
-              pid, nprog, ksteps, total, half_off, tile_stride, stride_os, stride_or,
-              HALF: gl.constexpr, NT: gl.constexpr, SPLITS: gl.constexpr,
-              STAGES: gl.constexpr, BT: gl.constexpr, DECODE: gl.constexpr):
+def _consumer(
+    w_smem, s_smem, x_smem, xs_smem, ready, empty, out_ptr, slot_ptr,
+    pid, nprog, ksteps, total, half_off, tile_stride, stride_os, stride_or,
+    HALF: gl.constexpr, NT: gl.constexpr, SPLITS: gl.constexpr,
+    STAGES: gl.constexpr, BT: gl.constexpr, DECODE: gl.constexpr,
+):  # fmt: skip
     """One warpgroup, rows [64 HALF, 64 HALF + 64) of each tile: decode each stage's weights
     into registers, MMA against its activation tile, release the stage; at an item's last
     step store its fp32 sums."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BT, 32 if DECODE == 2 else 16])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 32 if DECODE == 2 else 16]
+    )
     A_LAYOUT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     COLS: gl.constexpr = gl.SliceLayout(0, MMA)
     rows = gl.arange(0, 64, gl.SliceLayout(1, MMA))
@@ -131,20 +143,29 @@ def _consumer(w_smem, s_smem, x_smem, xs_smem, ready, empty, out_ptr, slot_ptr,
             acc = gl.where(kk > 0, acc, 0.0)
             xs_tile = xs_smem.index(s)  # [BT, 4]: the step's four 128-blocks
             for h in gl.static_range(2):
-                as0 = gl.convert_layout(gl.reshape(xs_tile.slice(2 * h, 1, dim=1).load(
-                    col_layout(BT)), [BT]), COLS)
-                as1 = gl.convert_layout(gl.reshape(xs_tile.slice(2 * h + 1, 1, dim=1).load(
-                    col_layout(BT)), [BT]), COLS)
-                acc = fp8_substep(acc, w_smem.index(2 * s + h).slice(64 * HALF, 64),
-                                   x_smem.index(2 * s + h), s_half.slice(8 * h, 8, dim=1),
-                                   as0, as1, MMA)
+                as0 = gl.convert_layout(
+                    gl.reshape(xs_tile.slice(2 * h, 1, dim=1).load(col_layout(BT)), [BT]), COLS
+                )
+                as1 = gl.convert_layout(
+                    gl.reshape(xs_tile.slice(2 * h + 1, 1, dim=1).load(col_layout(BT)), [BT]), COLS
+                )
+                acc = fp8_substep(
+                    acc,
+                    w_smem.index(2 * s + h).slice(64 * HALF, 64),
+                    x_smem.index(2 * s + h),
+                    s_half.slice(8 * h, 8, dim=1),
+                    as0,
+                    as1,
+                    MMA,
+                )
         else:
             if DECODE == 0:
                 a0 = decode_table(w0, s_half.slice(0, 8, dim=1), A_LAYOUT)
             else:
                 a0 = decode_shift(w0, s_half.slice(0, 8, dim=1), A_LAYOUT)
-            acc = warpgroup_mma(a0, x_smem.index(2 * s).permute((1, 0)), acc, use_acc=kk > 0,
-                                is_async=True)
+            acc = warpgroup_mma(
+                a0, x_smem.index(2 * s).permute((1, 0)), acc, use_acc=kk > 0, is_async=True
+            )
             if DECODE == 0:  # the second half decodes while the first MMA runs
                 a1 = decode_table(w1, s_half.slice(8, 8, dim=1), A_LAYOUT)
             else:
@@ -156,17 +177,22 @@ def _consumer(w_smem, s_smem, x_smem, xs_smem, ready, empty, out_ptr, slot_ptr,
         mbarrier.arrive(empty.index(s), count=1)
         if kk == ksteps - 1:
             srow = row0 + cols
-            ptr = (out_ptr + split.to(gl.int64) * stride_os
-                   + srow[None, :].to(gl.int64) * stride_or
-                   + (nt * tile_stride + HALF * half_off + rows)[:, None])
+            ptr = (
+                out_ptr
+                + split.to(gl.int64) * stride_os
+                + srow[None, :].to(gl.int64) * stride_or
+                + (nt * tile_stride + HALF * half_off + rows)[:, None]
+            )
             gl.store(ptr, acc, mask=(srow < row_end)[None, :])
 
 
 @gluon.jit
-def _fp4_gemm_kernel(w_desc, s_desc, x_desc, xs_desc, out_ptr, slot_ptr, nslot_ptr,
-                     n_w, half_off, tile_stride, k_item, stride_os, stride_or,
-                     NT: gl.constexpr, SPLITS: gl.constexpr, BT: gl.constexpr,
-                     STAGES: gl.constexpr, DECODE: gl.constexpr, num_warps: gl.constexpr):
+def _fp4_gemm_kernel(
+    w_desc, s_desc, x_desc, xs_desc, out_ptr, slot_ptr, nslot_ptr,
+    n_w, half_off, tile_stride, k_item, stride_os, stride_or,
+    NT: gl.constexpr, SPLITS: gl.constexpr, BT: gl.constexpr,
+    STAGES: gl.constexpr, DECODE: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
     """out[split, sorted row, weight row] = sum over the split's K of w[e, row, k] x[row, k]
     for every real slot (slot_ptr: int32 [S, 3] expert, first row, end of the expert's rows;
     nslot_ptr: the number of real slots). Weight rows of a tile: tile_stride * nt + [0, 64) and
@@ -188,6 +214,7 @@ def _fp4_gemm_kernel(w_desc, s_desc, x_desc, xs_desc, out_ptr, slot_ptr, nslot_p
     n_items = gl.load(nslot_ptr) * (SPLITS * NT)
     total = (gl.maximum(n_items - pid + nprog - 1, 0) // nprog) * ksteps
 
+    # (one tuple literal a partition: Gluon's frontend does not concatenate tuples of constants)
     gl.warp_specialize([
         (_consumer, (w_smem, s_smem, x_smem, xs_smem, ready, empty, out_ptr, slot_ptr,
                      pid, nprog, ksteps, total, half_off, tile_stride, stride_os, stride_or,
@@ -198,12 +225,11 @@ def _fp4_gemm_kernel(w_desc, s_desc, x_desc, xs_desc, out_ptr, slot_ptr, nslot_p
         (_producer, (w_desc, s_desc, x_desc, xs_desc, w_smem, s_smem, x_smem, xs_smem, ready,
                      empty, slot_ptr, pid, nprog, ksteps, total, n_w, half_off, tile_stride,
                      k_item, NT, SPLITS, STAGES, DECODE)),
-    ], [4, 1], [168, 40])
+    ], [4, 1], [168, 40])  # fmt: skip
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
-# fmt: on
 
 
 def weight_descriptors(w: torch.Tensor, s: torch.Tensor) -> tuple[TensorDescriptor, ...]:
@@ -225,7 +251,6 @@ def grouped_gemm(
     xg: torch.Tensor,
     xs: torch.Tensor,
     p: MoePlan,
-    *,
     gate_up: bool,
     split: int,
     block_t: int,
@@ -249,12 +274,10 @@ def grouped_gemm(
     xs_block = [block_t, STEP_K // FP8_BLOCK] if decode == "fp8" else [1, 4]
     xs_desc = TensorDescriptor.from_tensor(xs, xs_block, xs_layout)
     grid = (min(num_sms(xg.device), p.slots * split * tiles),)
-    # fmt: off
     _fp4_gemm_kernel[grid](
         w_desc, s_desc, x_desc, xs_desc, out, p.table, p.nslot,
         n_w, half_off, tile_stride, xg.shape[1] // split, out.stride(0), out.stride(1),
         NT=tiles, SPLITS=split, BT=block_t, STAGES=stages,
         DECODE=DECODES.index(decode), num_warps=4, maxnreg=168,
-    )
-    # fmt: on
+    )  # fmt: skip
     return out

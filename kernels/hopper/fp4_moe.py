@@ -111,11 +111,9 @@ def fp4_moe_hopper(
         x = x.contiguous()
     p = plan(expert_ids, n_exp, cfg.block_t)
     xg, xs = gather_activations(x, p, topk, cfg.decode)
-    tiles = dict(block_t=cfg.block_t, stages=cfg.stages, decode=cfg.decode)
-    up = grouped_gemm(w13.view(torch.uint8), s13, xg, xs, p, gate_up=True, split=split_up, **tiles)
+    tiles = (cfg.block_t, cfg.stages, cfg.decode)
+    up = grouped_gemm(w13.view(torch.uint8), s13, xg, xs, p, True, split_up, *tiles)
     route_w = weights.reshape(-1).to(torch.float32).contiguous()
     hg, hs = swiglu(up, p, route_w, swiglu_limit, cfg.decode)
-    down = grouped_gemm(
-        w2.view(torch.uint8), s2, hg, hs, p, gate_up=False, split=split_down, **tiles
-    )
+    down = grouped_gemm(w2.view(torch.uint8), s2, hg, hs, p, False, split_down, *tiles)
     return finish(down, p, tokens, topk).to(out_dtype)

@@ -21,7 +21,6 @@ from kernels.quant import FP8_BLOCK
 SMALL_ROUTE = 2048  # rows up to which one program groups them by expert (a decode step)
 
 
-# fmt: off
 @triton.jit
 def _slot_rows(block_end_ptr, row_end_ptr, s, E, E_POW2: tl.constexpr, BT: tl.constexpr):
     """Slots s [BLOCK] -> (expert (E past the last block), first sorted row, end of the
@@ -39,8 +38,10 @@ def _slot_rows(block_end_ptr, row_end_ptr, s, E, E_POW2: tl.constexpr, BT: tl.co
 
 
 @triton.jit
-def _store_slots(block_end_ptr, row_end_ptr, table_ptr, s, S, E,
-                 E_POW2: tl.constexpr, BT: tl.constexpr):
+def _store_slots(
+    block_end_ptr, row_end_ptr, table_ptr, s, S, E,
+    E_POW2: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
     e, row0, end = _slot_rows(block_end_ptr, row_end_ptr, s, E, E_POW2, BT)
     ok = s < S
     tl.store(table_ptr + 3 * s, e, mask=ok)
@@ -49,8 +50,10 @@ def _store_slots(block_end_ptr, row_end_ptr, table_ptr, s, S, E,
 
 
 @triton.jit
-def _slot_table_kernel(block_end_ptr, row_end_ptr, table_ptr, nslot_ptr, E, S,
-                       E_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BT: tl.constexpr):
+def _slot_table_kernel(
+    block_end_ptr, row_end_ptr, table_ptr, nslot_ptr, E, S,
+    E_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
     """table[s] = (expert, first sorted row, end of the expert's rows) for every slot s < S;
     nslot = the number of real slots."""
     s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -60,9 +63,11 @@ def _slot_table_kernel(block_end_ptr, row_end_ptr, table_ptr, nslot_ptr, E, S,
 
 
 @triton.jit
-def _route_kernel(ids_ptr, order_ptr, inv_ptr, row_end_ptr, block_end_ptr, table_ptr, nslot_ptr,
-                  R, E, S, R_POW2: tl.constexpr, E_BINS: tl.constexpr, E_POW2: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BT: tl.constexpr):
+def _route_kernel(
+    ids_ptr, order_ptr, inv_ptr, row_end_ptr, block_end_ptr, table_ptr, nslot_ptr,
+    R, E, S, R_POW2: tl.constexpr, E_BINS: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_S: tl.constexpr, BT: tl.constexpr,
+):  # fmt: skip
     """A decode step's whole routing plan in one program: the rows grouped by expert (order, and
     its inverse), the per-expert cumsums, and the slot table. Ids outside [0, E) go last. Rows
     of one expert come in the order their atomics land: each row's sums are its own, so the
@@ -85,14 +90,17 @@ def _route_kernel(ids_ptr, order_ptr, inv_ptr, row_end_ptr, block_end_ptr, table
     tl.store(order_ptr + pos, r, mask=ok)
     tl.store(inv_ptr + r, pos, mask=ok)
     for s0 in range(0, S, BLOCK_S):
-        _store_slots(block_end_ptr, row_end_ptr, table_ptr, s0 + tl.arange(0, BLOCK_S), S, E,
-                     E_POW2, BT)
+        _store_slots(
+            block_end_ptr, row_end_ptr, table_ptr, s0 + tl.arange(0, BLOCK_S), S, E, E_POW2, BT
+        )
     tl.store(nslot_ptr, tl.load(block_end_ptr + E - 1))
 
 
 @triton.jit
-def _store_activations(val, bits, scale, rows, ok, cols, xg_ptr, xs_ptr, stride_g, stride_s,
-                       BLOCK_M: tl.constexpr, DECODE: tl.constexpr):
+def _store_activations(
+    val, bits, scale, rows, ok, cols, xg_ptr, xs_ptr, stride_g, stride_s,
+    BLOCK_M: tl.constexpr, DECODE: tl.constexpr,
+):  # fmt: skip
     """One act_quant group [BLOCK_M, 128] (its codes' values, codes and scales) into the GEMM's
     activation buffer in MMA column order: dequantized bf16, or ("fp8") the codes and the
     scale times 2^6 (the weights' codes are 2^-6 times e2m1)."""
@@ -106,8 +114,10 @@ def _store_activations(val, bits, scale, rows, ok, cols, xg_ptr, xs_ptr, stride_
 
 
 @triton.jit
-def _gather_quant_kernel(x_ptr, order_ptr, xg_ptr, xs_ptr, R, TOPK, stride_x, stride_g, stride_s,
-                         BLOCK_M: tl.constexpr, DECODE: tl.constexpr, INTERP: tl.constexpr):
+def _gather_quant_kernel(
+    x_ptr, order_ptr, xg_ptr, xs_ptr, R, TOPK, stride_x, stride_g, stride_s,
+    BLOCK_M: tl.constexpr, DECODE: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     """xg[r] = the release's act_quant of x[token of sorted row r] (_store_activations); one
     128-wide group of k a program."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,15 +126,18 @@ def _gather_quant_kernel(x_ptr, order_ptr, xg_ptr, xs_ptr, R, TOPK, stride_x, st
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=ok[:, None], other=0.0)
     val, bits, scale, _ = quantize_rows(x.to(tl.float32), INTERP)
-    _store_activations(val, bits, scale, rows, ok, cols, xg_ptr, xs_ptr, stride_g, stride_s,
-                       BLOCK_M, DECODE)
+    _store_activations(
+        val, bits, scale, rows, ok, cols, xg_ptr, xs_ptr, stride_g, stride_s, BLOCK_M, DECODE
+    )
 
 
 @triton.jit
-def _swiglu_kernel(part_ptr, order_ptr, rw_ptr, row_end_ptr, hg_ptr, hs_ptr, E, INTER, limit,
-                   stride_ps, stride_pr, stride_h, stride_hs,
-                   SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                   DECODE: tl.constexpr, INTERP: tl.constexpr):
+def _swiglu_kernel(
+    part_ptr, order_ptr, rw_ptr, row_end_ptr, hg_ptr, hs_ptr, E, INTER, limit,
+    stride_ps, stride_pr, stride_h, stride_hs,
+    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    DECODE: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
     """Gate/up fp32 sums (added over K slices in order) -> h as the release computes it
     (bf16 gate and up, clamped SwiGLU, routing weight, bf16, act_quant per 128), stored for
     the down GEMM (_store_activations)."""
@@ -146,15 +159,18 @@ def _swiglu_kernel(part_ptr, order_ptr, rw_ptr, row_end_ptr, hg_ptr, hs_ptr, E, 
     flat = tl.load(order_ptr + rows, mask=ok, other=0)
     h = round_bf16(tl.load(rw_ptr + flat, mask=ok, other=0.0)[:, None] * h, INTERP)
     val, bits, scale, _ = quantize_rows(h, INTERP)
-    _store_activations(val, bits, scale, rows, ok, cols, hg_ptr, hs_ptr, stride_h, stride_hs,
-                       BLOCK_M, DECODE)
+    _store_activations(
+        val, bits, scale, rows, ok, cols, hg_ptr, hs_ptr, stride_h, stride_hs, BLOCK_M, DECODE
+    )
 
 
 @triton.jit
-def _finish_kernel(part_ptr, inv_ptr, row_end_ptr, y_ptr, T, E,
-                   stride_ps, stride_pr, stride_y,
-                   TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
-                   INTERP: tl.constexpr):
+def _finish_kernel(
+    part_ptr, inv_ptr, row_end_ptr, y_ptr, T, E,
+    stride_ps, stride_pr, stride_y,
+    TOPK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    INTERP: tl.constexpr,
+):  # fmt: skip
     """y[t] = sum over the token's k rows of bf16(its down sum over K slices in order), in fp32;
     rows of other ranks' experts (sorted past this rank's) add nothing."""
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -169,9 +185,9 @@ def _finish_kernel(part_ptr, inv_ptr, row_end_ptr, y_ptr, T, E,
         for sp in tl.static_range(SPLITS):
             acc += tl.load(part + sp * stride_ps, mask=ok[:, None], other=0.0)
         y += round_bf16(acc, INTERP)  # the expert's output is bf16 in the release
-    tl.store(y_ptr + tok[:, None].to(tl.int64) * stride_y + cols[None, :], y,
-             mask=(tok < T)[:, None])
-# fmt: on
+    tl.store(
+        y_ptr + tok[:, None].to(tl.int64) * stride_y + cols[None, :], y, mask=(tok < T)[:, None]
+    )
 
 
 @dataclass
@@ -201,23 +217,19 @@ def plan(expert_ids: torch.Tensor, n_exp: int, block_t: int) -> MoePlan:
         inv = torch.empty(rows, dtype=torch.int32, device=dev)
         row_end = torch.empty(bins, dtype=torch.int32, device=dev)
         block_end = torch.empty(bins, dtype=torch.int32, device=dev)
-        # fmt: off
         _route_kernel[(1,)](
             expert_ids.reshape(-1), scratch, inv, row_end, block_end, table, nslot,
             rows, n_exp, slots, R_POW2=triton.next_power_of_2(rows), E_BINS=bins, E_POW2=e_pow2,
             BLOCK_S=16, BT=block_t, num_warps=8,
-        )
-        # fmt: on
+        )  # fmt: skip
         return MoePlan(scratch[:rows], inv, row_end[:n_exp], table, nslot, slots)
     order, row_end, block_end, _ = route_rows(expert_ids, n_exp, block_t)
     inv = torch.empty_like(order)
     inv[order.long()] = torch.arange(rows, dtype=torch.int32, device=dev)
-    # fmt: off
     _slot_table_kernel[(triton.cdiv(slots, 16),)](
         block_end, row_end, table, nslot, n_exp, slots,
         E_POW2=e_pow2, BLOCK_S=16, BT=block_t, num_warps=4,
-    )
-    # fmt: on
+    )  # fmt: skip
     return MoePlan(order, inv, row_end, table, nslot, slots)
 
 
@@ -244,13 +256,11 @@ def gather_activations(
     """x [T, H] -> each sorted row's token, act_quant-ed per 128 (activation_buffers)."""
     rows, hidden = p.order.numel(), x.shape[1]
     xg, xs = activation_buffers(rows, hidden, decode, x.device)
-    # fmt: off
     _gather_quant_kernel[(triton.cdiv(rows, _block_m(rows)), hidden // FP8_BLOCK)](
         x, p.order, xg.view(torch.uint8) if decode == "fp8" else xg, xs, rows, topk,
         x.stride(0), xg.stride(0), xs.stride(0), BLOCK_M=_block_m(rows),
         DECODE=DECODES.index(decode), INTERP=INTERPRET, num_warps=4,
-    )
-    # fmt: on
+    )  # fmt: skip
     return xg, xs
 
 
@@ -261,15 +271,13 @@ def swiglu(
     split, rows, two_i = part.shape
     inter = two_i // 2
     hg, hs = activation_buffers(rows, inter, decode, part.device)
-    # fmt: off
     _swiglu_kernel[(triton.cdiv(rows, _block_m(rows)), inter // FP8_BLOCK)](
         part, p.order, route_w, p.row_end, hg.view(torch.uint8) if decode == "fp8" else hg, hs,
         p.row_end.numel(), inter, float(swiglu_limit),
         part.stride(0), part.stride(1), hg.stride(0), hs.stride(0),
         SPLITS=split, BLOCK_M=_block_m(rows), HAS_LIMIT=swiglu_limit > 0,
         DECODE=DECODES.index(decode), INTERP=INTERPRET, num_warps=4,
-    )
-    # fmt: on
+    )  # fmt: skip
     return hg, hs
 
 
@@ -279,11 +287,9 @@ def finish(part: torch.Tensor, p: MoePlan, tokens: int, topk: int) -> torch.Tens
     split, _, hidden = part.shape
     y = torch.empty(tokens, hidden, dtype=torch.float32, device=part.device)
     block_t = 16 if tokens <= 16 else 32
-    # fmt: off
     _finish_kernel[(triton.cdiv(tokens, block_t), hidden // FP8_BLOCK)](
         part, p.inv, p.row_end, y, tokens, p.row_end.numel(),
         part.stride(0), part.stride(1), y.stride(0),
         TOPK=topk, SPLITS=split, BLOCK_T=block_t, INTERP=INTERPRET, num_warps=4,
-    )
-    # fmt: on
+    )  # fmt: skip
     return y

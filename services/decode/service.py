@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.engine_loop import OutputQueue
-from engine.kv_pool import STAGING
-from engine.llm_engine import KVPages, RequestError
+from engine.kv.layout import STAGING
+from engine.request import KVPages, RequestError
 from engine.sampling_params import SamplingParams
 from services import connections
 from services.auth import token_metadata

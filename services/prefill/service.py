@@ -2,7 +2,7 @@
 
 A request's KV stays pinned after its first token until one of: the reader's Release (the
 normal path), an Abort, or the lease running out. It is held in staging blocks when the pool has
-room for it there (engine.kv_staging), else in its pages; the KV handle says which. A reader
+room for it there (engine.kv.staging), else in its pages; the KV handle says which. A reader
 Claims it before its NIXL READ (which extends the lease to cover the READ) and trusts what it
 read only if Release answers `intact`. The lease lives on the engine's request (`hold_for_s`,
 `lease_deadline`); every way of freeing goes through the engine thread's command queue, which
@@ -15,13 +15,15 @@ authenticated link, so pairing needs no registry.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 
 import grpc
 
 from engine.engine_loop import OutputQueue
-from engine.llm_engine import RequestError
+from engine.llm_engine import LLMEngine
+from engine.request import RequestError
 from services.rpc import grpc_api, pb
 from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
 from services.worker.process import RoleService, Worker, now_ms
@@ -114,6 +116,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                 grpc.StatusCode.NOT_FOUND,
                 f"request {rid} holds no KV here any more (its lease ran out, or it was aborted)",
             )
+        assert deadline is not None  # (context.abort raised otherwise)
         return pb.ClaimResponse(lease_expires_unix_ms=now_ms() + int((deadline - now) * 1000))
 
     async def Release(
@@ -137,7 +140,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             # The time of asking, not of running: a Claim that reached the queue before the
             # deadline runs first (the queue is FIFO) even when a long step delays both.
             now = time.monotonic()
-            expired = await w.loop.run(lambda e, now=now: e.expire_leases(now))
+            expired = await w.loop.run(functools.partial(LLMEngine.expire_leases, now=now))
             for rid in expired:
                 log.warning("KV lease of %s ran out before a decode worker released it", rid)
                 w.metrics.fail("lease_expired")

@@ -9,7 +9,8 @@ instead would reset a client still sending, and it would never see the 413.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
@@ -27,7 +28,7 @@ class LimitedRoute(APIRoute):
     into its generic "error parsing the body" 400.
     """
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def read_then_handle(request: Request) -> Response:

@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.chat.dsml import tool_call_prefix
-from engine.chat_format import ChatFormat, ChatOptions, opens_reasoning
+from engine.text.chat.dsml import tool_call_prefix
+from engine.text.chat_format import ChatFormat, ChatOptions, opens_reasoning
 
 from .errors import APIError
 from .schemas import ChatPromptFields, NamedToolChoice

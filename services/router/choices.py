@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.chat import (
+from engine.text.chat import (
     ContentDelta,
     Event,
     ReasoningDelta,

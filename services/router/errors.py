@@ -224,7 +224,8 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI responses for these error statuses (and a 500 as the default), so /openapi.json
     lists what the router really sends: its own error body, never FastAPI's 422."""
     responses: dict[int | str, dict[str, Any]] = {}
-    for status in (*statuses, "default"):
+    keys: tuple[int | str, ...] = (*statuses, "default")
+    for status in keys:
         response: dict[str, Any] = {"model": ErrorBody, "description": _DESCRIPTIONS[status]}
         if status in (429, 503):
             response["headers"] = {

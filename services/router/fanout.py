@@ -20,7 +20,9 @@ Indexed = tuple[int, Event]
 
 async def fan_in(sources: Sequence[AsyncGenerator[Event, None]]) -> AsyncGenerator[Indexed, None]:
     """Every source's first event awaited (raising the first failure), then all events."""
-    pending = {asyncio.ensure_future(anext(source)): i for i, source in enumerate(sources)}
+    pending: dict[asyncio.Future[Event], int] = {
+        asyncio.ensure_future(anext(source)): i for i, source in enumerate(sources)
+    }
     firsts: dict[int, Event] = {}
     try:
         while len(firsts) < len(sources):

@@ -20,7 +20,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.text.text_stream import IncrementalDetokenizer
+from engine.text.tokenizer import Tokenizer
 from services.rpc import pb
 
 JSON = dict[str, Any]

@@ -1,7 +1,7 @@
 """The one model a router serves: its name, context length, chat format and prompt tokens.
 
-Reads only the checkpoint's `config.json` and tokenizer files: `engine.tokenizer` and
-`engine.chat_format` are torch-free, and so is everything this module touches. A chat
+Reads only the checkpoint's `config.json` and tokenizer files: `engine.text.tokenizer` and
+`engine.text.chat_format` are torch-free, and so is everything this module touches. A chat
 completion and /tokenize of the same chat both come here, so prefill gets exactly the ids
 /tokenize shows.
 """
@@ -14,10 +14,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from engine.chat_format import ChatEncodingError, ChatFormat, chat_format
 from engine.sampling_params import ContextLengthError, resolve_max_tokens
-from engine.token_bound import min_tokens
-from engine.tokenizer import Tokenizer
+from engine.text.chat_format import ChatEncodingError, ChatFormat, chat_format
+from engine.text.token_bound import min_tokens
+from engine.text.tokenizer import Tokenizer
 
 from .chat import ChatPrompt, chat_prompt
 from .errors import APIError

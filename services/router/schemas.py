@@ -129,8 +129,8 @@ class _GenerationRequest(_Body):
         params = pb.SamplingParams(
             max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos
         )
-        if self.logprobs_count() is not None:
-            params.logprobs = self.logprobs_count()
+        if (logprobs := self.logprobs_count()) is not None:
+            params.logprobs = logprobs
         if self.temperature is not None:
             params.temperature = self.temperature
         if self.top_p is not None:

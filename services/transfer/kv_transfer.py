@@ -1,7 +1,7 @@
 """KVTransfer: one NIXL agent per worker process, pulling KV from peers with NIXL READs.
 
 Pull model: the prefill worker holds a request's KV under a lease; the decode worker reserves
-its own pages, then pulls. Two ways, by where the peer holds the KV (why: engine.kv_staging):
+its own pages, then pulls. Two ways, by where the peer holds the KV (why: engine.kv.staging):
 - `pull`: the peer packed it into staging blocks; they come a chunk per READ (one descriptor
   per run of blocks, from descriptor lists prepared once per peer) into a ring of our own
   blocks, and a callback scatters each landed chunk while the next ones are in flight.
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _nixl, descs, layout
+from . import descs, layout, nixl_binding
 from .errors import TransferError
 from .layout import Descriptor, Region, RegionInfo
 
@@ -72,7 +72,9 @@ class KVTransfer:
         self._peers: dict[str, _Peer] = {}
         self._blocks: dict[str, Any] = {}  # group -> our prepared block list
         self._busy = threading.Lock()
-        self._agent = _nixl.nixl_agent(agent_name, _nixl.nixl_agent_config(backends=[]))
+        self._agent = nixl_binding.nixl_agent(
+            agent_name, nixl_binding.nixl_agent_config(backends=[])
+        )
         # "peer" error handling makes UCX fail an in-flight READ when the peer dies
         # (NIXL_ERR_REMOTE_DISCONNECT); with "none" such a READ can hang forever.
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
@@ -184,7 +186,7 @@ class KVTransfer:
                 )
             local_list, remote_list = self._prepared(peer, known, group, ours, theirs)
             chunks, descriptors = -(-remote.size // chunk), 0
-            agent, inflight = self._agent, deque()
+            agent, inflight = self._agent, deque[Any]()  # NIXL transfer handles
             _sharp_sleeps()
 
             def post(j: int) -> None:

@@ -24,7 +24,7 @@ class WorkerMetrics:
             ("dsaserve_kv_pages_total", "KV pages over all pools", "total_pages"),
         ):
             Gauge(name, doc, labels.keys(), registry=r).labels(**labels).set_function(
-                lambda f=field: getattr(load(), f)
+                _reader(load, field)
             )
         self.requests = Counter(
             "dsaserve_worker_requests_total",
@@ -61,3 +61,8 @@ class WorkerMetrics:
 
     def fail(self, cause: str) -> None:
         self.failures.labels(role=self.role, cause=cause).inc()
+
+
+def _reader(load: Callable[[], Load], field: str) -> Callable[[], float]:
+    """What a gauge reads: one field of the engine's load, read when scraped."""
+    return lambda: getattr(load(), field)

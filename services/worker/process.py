@@ -28,7 +28,7 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from services import connections
 from services.auth import ClusterTokenCheck
-from services.registry import WorkerRecord, WorkerRegistration
+from services.registry import Role, WorkerRecord, WorkerRegistration
 from services.rpc import pb
 from services.transfer import KVTransfer, Region
 from services.transfer.interfaces import bind_ucx_to
@@ -73,7 +73,7 @@ class RoleService:
 class Worker:
     """One prefill or decode worker process."""
 
-    def __init__(self, settings: WorkerSettings, role: str) -> None:
+    def __init__(self, settings: WorkerSettings, role: Role) -> None:
         self.settings, self.role = settings, role
         model_dir = settings.model or str(DEMO_MODEL_DIR)
         self.model_name = settings.served_model_name or os.path.basename(

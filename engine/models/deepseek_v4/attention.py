@@ -89,7 +89,7 @@ class Attention(torch.nn.Module):
         n, pool, inp = x.shape[0], step.pool, step.inp
         group = pool.group_of_layer[self.layer]
         cos, sin = step.rope(self.rope_kind)
-        slots = pool.groups[group].kv[self.layer]  # [S, D], or FP8 pages (engine.kv_pool)
+        slots = pool.groups[group].kv[self.layer]  # [S, D], or FP8 pages (engine.kv.pool)
         q_residual = self.q_norm(self.wq_a(x))  # [N, q_lora]
         # Per-head norm + RoPE of q; norm + RoPE of kv, written to the step's scratch rows and,
         # for decode rows, to the ring (a decode row's ring slot lies outside every window of

@@ -48,22 +48,21 @@ class Compressor(torch.nn.Module):
         ring_kv, ring_gate = ring  # [seqs, ring_rows, feats]
         inp, D = step.inp, step.inp.num_decode
         if D:  # one fused launch: ring update, pooling, norm, RoPE, the entry's write
-            kernels.compress_decode(
-                kv[:D],
-                gate[:D],
-                inp.positions[:D],
-                inp.slab[:D],
-                ring_kv,
-                ring_gate,
-                self.ape,
-                self.norm.weight,
-                self.norm.eps,
-                step.rope_tables["compress"].inv_freq,
-                step.table(group)[:, step.pool.ring_pages :],
-                step.pool.page_size,
-                target,
-                trash_slot,
+            decode_rows = kernels.CompressorRows(
+                kv=kv[:D],
+                gate=gate[:D],
+                positions=inp.positions[:D],
+                slab=inp.slab[:D],
+                ring_kv=ring_kv,
+                ring_gate=ring_gate,
+                ape=self.ape,
+                norm_weight=self.norm.weight,
+                eps=self.norm.eps,
+                inv_freq=step.rope_tables["compress"].inv_freq,
+                entry_table=step.table(group)[:, step.pool.ring_pages :],
+                page_size=step.pool.page_size,
             )
+            kernels.compress_decode(decode_rows, target, trash_slot)
         rows = ring_kv.shape[1]
         for seg in inp.segments:
             s, e = seg.start, seg.start + seg.num_rows
@@ -96,7 +95,13 @@ class Compressor(torch.nn.Module):
             ring_kv[seg.slab, keep.remainder(rows)] = kv[chunk][keep - s]
             ring_gate[seg.slab, keep.remainder(rows)] = gate[chunk][keep - s]
 
-    def _pool(self, cur, prev, first_pos: torch.Tensor, step: StepState) -> torch.Tensor:
+    def _pool(
+        self,
+        cur: tuple[torch.Tensor, torch.Tensor],
+        prev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        first_pos: torch.Tensor,
+        step: StepState,
+    ) -> torch.Tensor:
         """cur = (kv, gate) [M, rate, feats] of the closing windows; prev = the windows before
         them plus a [M] validity mask (overlap only) -> entries [M, head_dim]."""
         inv_freq = step.rope_tables["compress"].inv_freq

@@ -17,8 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from engine.checkpoint import ConfigError, read_config
+from engine.kv.layout import LayerGroup, Ring
 from engine.layers.rope import RopeSpec
-from engine.models import ConfigError, read_config
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
@@ -27,6 +28,7 @@ SLIDING, CSA, HCA = (
 )
 LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+KV_GROUP = {SLIDING: "swa", CSA: "csa", HCA: "hca"}  # each kind's KV pool group
 HASH_MOE, MOE = "hash_moe", "moe"
 FP8_BLOCK = 128  # the release's FP8 weight block (128 x 128) and activation group
 
@@ -94,6 +96,33 @@ class ModelConfig:
 
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+    # ---------------------------------------------------------------- engine.kv.layout.KVModel
+
+    def kv_groups(self) -> tuple[LayerGroup, ...]:
+        """A pool group per attention kind: sliding, CSA (with the indexer's keys), HCA."""
+        return tuple(
+            LayerGroup(KV_GROUP[kind], tuple(layers), self.compress_rate(layers[0]), kind == CSA)
+            for kind in LAYER_TYPES
+            if (layers := self.layers_of(kind))
+        )
+
+    def compressor_rings(self) -> tuple[Ring, ...]:
+        """Each compressed layer's rings, layer by layer: its compressor's, then (CSA) its
+        indexer's. An overlapping (CSA) compressor keeps 2 windows of [Ca | Cb] features."""
+        rings = []
+        for i, kind in enumerate(self.layer_types):
+            rate = self.compress_rate(i)
+            widths = {CSA: (("comp", self.head_dim), ("index", self.index_head_dim))}.get(
+                kind, (("comp", self.head_dim),) if kind == HCA else ()
+            )
+            for name, width in widths:
+                rows, features = (2 * rate, 2 * width) if kind == CSA else (rate, width)
+                rings.append(Ring(i, name, rows, features))
+        return tuple(rings)
+
+    def kv_layout_fields(self) -> dict[str, object]:
+        return {"layer_types": list(self.layer_types), "compress_rates": self.compress_rates}
 
     def check_tensor_parallel(self, size: int, fp8: bool) -> None:
         """Raise ConfigError unless `size` ranks can split this model as the release does:

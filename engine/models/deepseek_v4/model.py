@@ -11,9 +11,11 @@ modules say how); the mHC parameters, norms and routers are replicated.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
-from engine.kv_pool import KVPool
+from engine.kv.pool import KVPool
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import VocabParallelEmbedding, VocabParallelHead
 from engine.layers.rope import RotaryTable
@@ -53,7 +55,9 @@ class DeepseekV4(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, pool: KVPool, inputs: StepInputs, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(logit_rows), vocab] of the selected rows."""
-        step = StepState(pool, inputs, dict(self.rope_tables))
+        step = StepState(
+            pool, inputs, {k: cast(RotaryTable, t) for k, t in self.rope_tables.items()}
+        )
         with profiled("embed"):
             x = self.embed(inputs.token_ids)
         streams = (

@@ -129,6 +129,9 @@ class Fp4Experts(torch.nn.Module):
 
 
 class Gate(torch.nn.Module):
+    tid2eid: torch.Tensor  # hashed: [vocab, k] int64 (a buffer)
+    bias: torch.Tensor  # scored: [experts] fp32 (a buffer)
+
     def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
@@ -174,6 +177,7 @@ class MoE(torch.nn.Module):
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         self.gate = Gate(cfg, hashed=cfg.mlp_kind(layer) == HASH_MOE)
         self.tp, (self.first_expert, stop) = tp, tp.span(cfg.num_experts)
+        experts: Fp4Experts | RoutedExperts
         if quant is not None and quant.expert_dtype == "fp4":
             experts = Fp4Experts(stop - self.first_expert, cfg.hidden_size, inter, limit)
         else:

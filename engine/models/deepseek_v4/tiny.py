@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.byte_tokenizer import write_byte_tokenizer
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.weights import build_model
+from engine.text.byte_tokenizer import write_byte_tokenizer
 from kernels.quant import quantize_fp4, quantize_fp8_blocks
 
 FORMATS = ("dense", "release")

@@ -38,7 +38,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.models import ConfigError
+from engine.checkpoint import ConfigError
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.models.deepseek_v4.moe import Fp4Experts

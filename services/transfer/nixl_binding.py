@@ -24,6 +24,6 @@ def _load() -> ModuleType:
     raise ImportError(f"NIXL is not importable (pip install nixl-cu12 or nixl-cu13):\n  {reasons}")
 
 
-_api = _load()
-nixl_agent = _api.nixl_agent
-nixl_agent_config = _api.nixl_agent_config
+api = _load()  # the binding's module, for a record of which one ran
+nixl_agent = api.nixl_agent
+nixl_agent_config = api.nixl_agent_config

@@ -7,7 +7,7 @@ reads completions; `tokens` names the special-token strings both use.
 
 from __future__ import annotations
 
-from engine.chat.dsml import (
+from engine.text.chat.dsml import (
     ContentDelta,
     Event,
     ParsedMessage,
@@ -18,7 +18,7 @@ from engine.chat.dsml import (
     ToolCallStart,
     parse_completion,
 )
-from engine.chat.encoding_dsv4 import ChatEncodingError, encode_messages
+from engine.text.chat.encoding_dsv4 import ChatEncodingError, encode_messages
 
 __all__ = [
     "ChatEncodingError",

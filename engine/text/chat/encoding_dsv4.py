@@ -35,7 +35,7 @@ Where the OpenAI API and the release differ, we chose:
   a system message. The release's own `developer` role is an internal search-agent role that the
   release notes say the official API refuses; it renders as a user turn and, in thinking mode,
   is silently dropped from earlier turns, which would lose the client's instructions.
-- Text content parts are joined with "\n" (as vLLM does, and engine.tokenizer), except in tool
+- Text content parts are joined with "\n" (as vLLM does, and engine.text.tokenizer), except in tool
   results, where the release itself joins text parts with a blank line.
 - The conversation must end with a user or tool message: the release only prompts the model to
   answer after a user turn.
@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.chat.tokens import (
+from engine.text.chat.tokens import (
     ASSISTANT,
     BOS,
     DSML,

@@ -22,7 +22,7 @@ one row per running request, each layer's rings a view into it.
 Every pool is a view into ONE zeroed allocation, the arena, at an offset that is a multiple of
 the cell size (the largest size dividing every page). So each page of any pool, and each slab
 row, is a run of whole cells, and a request's KV state is a list of cells (`cells`): what the
-staging buffer (engine.kv_staging) gathers and scatters with one indexed copy. Each layer's pool
+staging buffer (engine.kv.staging) gathers and scatters with one indexed copy. Each layer's pool
 is still a contiguous [slots, D] tensor, what the kernels read, so a decode step does not change.
 `regions()` lists what NIXL registers, `layout()` describes it and `layout_hash()` identifies it
 across workers.
@@ -43,8 +43,8 @@ byte formats instead of model-dtype rows, as vLLM stores V4 with `--kv-cache-dty
   in fp32).
 Every write goes through kernels.store_rows / the fused glue's FP8 branches (quantize on write),
 every read through the kernels' FP8 loaders (sparse_mla_decode, indexer_topk). Budgets are in
-bytes, so the same --kv-cache-memory-bytes holds ~1.77x (the built-in model) to ~1.79x
-(V4-Flash) the tokens of bf16 pages (`bytes_per_token`).
+bytes, so the same --kv-cache-memory-bytes holds more tokens than in bf16 pages: how many is
+engine.kv.layout.bytes_per_token's ratio, recorded per model by bench/kv_cache_dtype.py.
 """
 
 from __future__ import annotations
@@ -61,58 +61,24 @@ import torch
 
 import kernels
 from engine.async_copy import to_device
-from engine.kv_staging import KVStaging, Unpacker
-from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
-from engine.page_allocator import PageAllocator
-from kernels.kv_quant import KV_DIM, KV_ROPE, KV_TOKEN_BYTES, index_token_bytes
-
-GROUP_OF_KIND = {SLIDING: "swa", CSA: "csa", HCA: "hca"}
-SLAB = "slab"
-STAGING = "staging"
-STAGING_SHARE = 16  # by default staged requests get 1/16 of the budget left after fixed costs
-
-
-class KVBudgetError(ValueError):
-    """The memory budget cannot hold the requested pool shape."""
-
-
-@dataclass(frozen=True)
-class KVCacheConfig:
-    memory_bytes: int  # budget for pages + slab + scratch + staged requests
-    page_size: int = 64  # entries (window rows or compressed entries) per page
-    max_num_seqs: int = 256  # slab rows = requests that can hold KV at once
-    max_num_batched_tokens: int = 8192  # rows one forward step may compute (scratch rows)
-    staging_bytes: int | None = None  # for staged requests (None: see STAGING_SHARE)
-    kv_cache_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": kernels.kv_quant pages
-
-    @property
-    def fp8(self) -> bool:
-        return self.kv_cache_dtype == "fp8"
-
-
-def check_kv_cache_dtype(cfg: ModelConfig, kv_cache_dtype: str, page_size: int) -> None:
-    """Raise ValueError, saying what to change, when the pools cannot take `kv_cache_dtype`."""
-    if kv_cache_dtype == "auto":
-        return
-    if kv_cache_dtype != "fp8":
-        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
-    if cfg.head_dim != KV_DIM or cfg.rope_dim != KV_ROPE:
-        raise ValueError(
-            f"--kv-cache-dtype fp8 stores DeepSeek-V4's {KV_DIM}-wide KV rows ({KV_DIM - KV_ROPE} "
-            f"e4m3 + {KV_ROPE} bf16 RoPE values); this model has head_dim {cfg.head_dim} with "
-            f"{cfg.rope_dim} RoPE dims: use --kv-cache-dtype auto"
-        )
-    if page_size % 4:
-        raise ValueError(
-            f"--kv-cache-dtype fp8 needs a --block-size that is a multiple of 4 (FP8 pages stay "
-            f"16-byte aligned), got {page_size}"
-        )
-    di = cfg.index_head_dim
-    if cfg.layers_of(CSA) and (di < 16 or di & (di - 1)):
-        raise ValueError(
-            f"--kv-cache-dtype fp8 stores index keys of a power-of-two width >= 16; this model's "
-            f"index_head_dim is {di}: use --kv-cache-dtype auto"
-        )
+from engine.kv.allocator import PageAllocator
+from engine.kv.layout import (
+    SLAB,
+    STAGING,
+    KVCacheConfig,
+    KVModel,
+    cell_bytes,
+    check_kv_cache_dtype,
+    element_size,
+    plan_pages,
+    ring_elems,
+    ring_pages,
+    round_up,
+    scratch_pages,
+    staging_block_bytes,
+)
+from engine.kv.staging import KVStaging, Unpacker
+from kernels.kv_quant import KV_TOKEN_BYTES, index_token_bytes
 
 
 class PoolRegion(NamedTuple):
@@ -141,7 +107,7 @@ class PoolGroup:
 class KVPool:
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: KVModel,
         kv_cfg: KVCacheConfig,
         *,
         dtype: torch.dtype,
@@ -150,55 +116,51 @@ class KVPool:
     ) -> None:
         self.cfg, self.kv_cfg, self.dtype, self.device = cfg, kv_cfg, dtype, torch.device(device)
         self.page_size = P = kv_cfg.page_size
-        self.ring_pages = math.ceil(cfg.sliding_window / P)
+        self.ring_pages = ring_pages(cfg, P)
         self.ring_len = self.ring_pages * P
         self.scratch_rows = S = kv_cfg.max_num_batched_tokens
         check_kv_cache_dtype(cfg, kv_cfg.kv_cache_dtype, P)
         self.fp8 = fp8 = kv_cfg.fp8
         # what a cached row is stored as (the layout names it): "fp8" or the model dtype
         self.kv_cache_dtype = "fp8" if fp8 else str(dtype).removeprefix("torch.")
-        esize = _esize(dtype)
-        layer_kinds = {
-            GROUP_OF_KIND[k]: (k, tuple(cfg.layers_of(k)))
-            for k in (SLIDING, CSA, HCA)
-            if cfg.layers_of(k)
-        }
+        esize = element_size(dtype)
+        layer_groups = cfg.kv_groups()
         self.cell_bytes = cell = cell_bytes(cfg, P, esize, fp8)
         block = staging_block_bytes(cfg, P, esize, fp8)
         pages, outbox = plan_pages(cfg, kv_cfg, esize, block)
 
         seqs = kv_cfg.max_num_seqs + 1
         shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
-        for name, (kind, layers) in layer_kinds.items():
-            n = pages[name] + 1  # + one dummy page (below)
-            for i in layers:
+        for lg in layer_groups:
+            n = pages[lg.name] + 1  # + one dummy page (below)
+            for i in lg.layers:
                 if fp8:  # scratch + trash rows in whole pages; the index trash row in one more
-                    pages_kv = n + _scratch_pages(P, S)
-                    shapes[name, "kv", i] = (pages_kv, P * KV_TOKEN_BYTES), torch.uint8
-                    if kind == CSA:
+                    pages_kv = n + scratch_pages(P, S)
+                    shapes[lg.name, "kv", i] = (pages_kv, P * KV_TOKEN_BYTES), torch.uint8
+                    if lg.indexed:
                         width = P * index_token_bytes(cfg.index_head_dim)
-                        shapes[name, "index_k", i] = (n + 1, width), torch.uint8
+                        shapes[lg.name, "index_k", i] = (n + 1, width), torch.uint8
                 else:
-                    shapes[name, "kv", i] = (n * P + S + 1, cfg.head_dim), dtype
-                    if kind == CSA:
-                        shapes[name, "index_k", i] = (n * P + 1, cfg.index_head_dim), dtype
-        shapes[SLAB,] = (seqs, _round_up(max(_ring_elems(cfg), 1), cell // esize)), dtype
+                    shapes[lg.name, "kv", i] = (n * P + S + 1, cfg.head_dim), dtype
+                    if lg.indexed:
+                        shapes[lg.name, "index_k", i] = (n * P + 1, cfg.index_head_dim), dtype
+        shapes[SLAB,] = (seqs, round_up(max(ring_elems(cfg), 1), cell // esize)), dtype
         self.arena, views = _carve(shapes, cell, self.device)
         self.cell_rows = self.arena.view(-1, cell // self.arena.element_size())  # [cells, words]
 
         self.groups: dict[str, PoolGroup] = {}
-        for name, (kind, layers) in layer_kinds.items():
-            n = pages[name] + 1
-            self.groups[name] = PoolGroup(
-                name=name,
-                layers=layers,
-                ratio=cfg.compress_rate(layers[0]),
+        for lg in layer_groups:
+            n = pages[lg.name] + 1
+            self.groups[lg.name] = PoolGroup(
+                name=lg.name,
+                layers=lg.layers,
+                ratio=lg.ratio,
                 num_pages=n,
                 allocator=PageAllocator(n),
-                kv={i: views[name, "kv", i] for i in layers},
-                index_k={i: views[name, "index_k", i] for i in layers} if kind == CSA else {},
+                kv={i: views[lg.name, "kv", i] for i in lg.layers},
+                index_k={i: views[lg.name, "index_k", i] for i in lg.layers} if lg.indexed else {},
             )
-        self.group_of_layer = [GROUP_OF_KIND[k] for k in cfg.layer_types]
+        self.group_of_layer = {i: g.name for g in self.groups.values() for i in g.layers}
         self.slab = PageAllocator(seqs)
         self.slab_rows = views[SLAB,]  # [seqs, row]: every ring of one request, padded to cells
         # Padding rows of a captured decode batch read and write a dummy page and slab row
@@ -221,24 +183,23 @@ class KVPool:
             )
             for g, grp in self.groups.items()
         }
-        # Compressor rings, per layer: raw (kv, gate) projections of the most recent tokens.
-        # Overlapping (CSA) compressors keep two windows, the others one.
+        # Compressor rings, per layer: raw (kv, gate) projections of the most recent tokens,
+        # the layer's main compressor's in comp_ring, its indexer's in index_ring.
         self.comp_ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.index_ring: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         at = 0
-        for i in range(cfg.num_layers):
-            for ring, width in _compressor_rings(cfg, i):
-                rows, feats = ring_shape(cfg, i, width)
-                pair = []
-                for _ in ("kv", "gate"):
-                    pair.append(self.slab_rows[:, at : at + rows * feats].view(seqs, rows, feats))
-                    at += rows * feats
-                target = self.comp_ring if ring == "comp" else self.index_ring
-                target[i] = (pair[0], pair[1])
+        for ring in cfg.compressor_rings():
+            pair = []
+            for _ in ("kv", "gate"):
+                size = ring.rows * ring.features
+                pair.append(self.slab_rows[:, at : at + size].view(seqs, ring.rows, ring.features))
+                at += size
+            target = self.index_ring if ring.name == "index" else self.comp_ring
+            target[ring.layer] = (pair[0], pair[1])
         self.staging = KVStaging(outbox, block, cell, self.arena.dtype, self.device)
         # Per group (in `regions()` order, a group's regions being adjacent there): the cell
         # each of its regions starts at, and how many cells a page of it spans.
-        base, runs = self.arena.data_ptr(), {}
+        base, runs = self.arena.data_ptr(), dict[str, list[tuple[int, int]]]()
         for r in self.regions():
             if r.group != STAGING:
                 first, per = (r.tensor.data_ptr() - base) // cell, r.tensor[0].nbytes // cell
@@ -269,7 +230,9 @@ class KVPool:
         return self.entry_slot_base(group) + self.scratch_rows
 
     def index_trash_slot(self) -> int:
-        return self.groups["csa"].num_pages * self.page_size
+        """The trash row of every `index_k[layer]` (one group's layers keep index keys)."""
+        indexed = next(g for g in self.groups.values() if g.index_k)
+        return indexed.num_pages * self.page_size
 
     def pages_of(self, t: torch.Tensor, num_pages: int) -> torch.Tensor:
         """The first num_pages pages of a layer's pool `t` (kv or index_k), viewed as [pages,
@@ -370,8 +333,7 @@ class KVPool:
             "kv_cache_dtype": self.kv_cache_dtype,
             "page_size": self.page_size,
             "ring_len": self.ring_len,
-            "layer_types": list(self.cfg.layer_types),
-            "compress_rates": self.cfg.compress_rates,
+            **self.cfg.kv_layout_fields(),
             "head_dim": self.cfg.head_dim,
             "index_head_dim": self.cfg.index_head_dim,
             "regions": [[r.name, r.group, list(r.tensor.shape[1:])] for r in self.regions()],
@@ -390,67 +352,6 @@ class KVPool:
         )
 
 
-def _esize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def row_bytes(cfg: ModelConfig, esize: int, fp8: bool = False) -> tuple[int, int]:
-    """Bytes of one cached row: (attention entry or window row, index key); model-dtype rows of
-    esize-byte elements, or kernels.kv_quant's FP8 rows (584, Di + 4)."""
-    if fp8:
-        return KV_TOKEN_BYTES, index_token_bytes(cfg.index_head_dim)
-    return cfg.head_dim * esize, cfg.index_head_dim * esize
-
-
-def bytes_per_token(cfg: ModelConfig, esize: int, fp8: bool = False) -> float:
-    """KV bytes one more token of context costs a request (every layer, past its fixed window
-    and ring): what a budget's spare bytes are divided by (plan_pages). The FP8 / bf16
-    capacity ratio is bytes_per_token(cfg, 2) / bytes_per_token(cfg, 2, fp8=True)."""
-    kv, index = row_bytes(cfg, esize, fp8)
-    return sum(
-        (kv + (index if kind == CSA else 0)) / cfg.compress_rate(i)
-        for i, kind in enumerate(cfg.layer_types)
-        if cfg.compress_rate(i)
-    )
-
-
-def _scratch_pages(page_size: int, scratch_rows: int) -> int:
-    """Pages an FP8 pool spends on its scratch rows and its trash row."""
-    return -(-(scratch_rows + 1) // page_size)
-
-
-def _page_bytes(
-    cfg: ModelConfig, page_size: int, esize: int, fp8: bool = False
-) -> dict[str, list[int]]:
-    """group -> bytes of one page in each of its layers' pools."""
-    kv, index = row_bytes(cfg, esize, fp8)
-    out: dict[str, list[int]] = {}
-    for kind in cfg.layer_types:
-        pools = out.setdefault(GROUP_OF_KIND[kind], [])
-        pools.append(page_size * kv)
-        if kind == CSA:
-            pools.append(page_size * index)
-    return out
-
-
-def cell_bytes(cfg: ModelConfig, page_size: int, esize: int, fp8: bool = False) -> int:
-    """The largest size that divides every page of every pool (FP8 at P = 64: 256 bytes, where
-    bf16 pages give 16 KiB)."""
-    pages = _page_bytes(cfg, page_size, esize, fp8)
-    return math.gcd(*(b for pools in pages.values() for b in pools))
-
-
-def staging_block_bytes(cfg: ModelConfig, page_size: int, esize: int, fp8: bool = False) -> int:
-    """Bytes of one staging block: a page of the largest group, every layer of it (1.6 MB on
-    V4-Flash in bf16, 0.9 MB in FP8). Depends only on the layout, so workers with different
-    budgets agree on it."""
-    return max(sum(pools) for pools in _page_bytes(cfg, page_size, esize, fp8).values())
-
-
 def _carve(
     shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]], align: int, device: torch.device
 ) -> tuple[torch.Tensor, dict[tuple, torch.Tensor]]:
@@ -459,94 +360,18 @@ def _carve(
     offsets, size = {}, 0
     for key, (shape, dtype) in shapes.items():
         offsets[key] = size
-        size += _round_up(math.prod(shape) * _esize(dtype), align)
+        size += round_up(math.prod(shape) * element_size(dtype), align)
     word = next(
-        w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if align % _esize(w) == 0
+        w
+        for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+        if align % element_size(w) == 0
     )
-    arena = torch.zeros(size // _esize(word), dtype=word, device=device)
+    arena = torch.zeros(size // element_size(word), dtype=word, device=device)
     raw = arena.view(torch.uint8)
     views = {
-        key: raw[offsets[key] : offsets[key] + math.prod(shape) * _esize(dtype)]
+        key: raw[offsets[key] : offsets[key] + math.prod(shape) * element_size(dtype)]
         .view(dtype)
         .view(shape)
         for key, (shape, dtype) in shapes.items()
     }
     return arena, views
-
-
-def _ring_elems(cfg: ModelConfig) -> int:
-    """Elements of every compressor ring of one request: what a slab row holds."""
-    return sum(
-        2 * math.prod(ring_shape(cfg, i, width))
-        for i in range(cfg.num_layers)
-        for _, width in _compressor_rings(cfg, i)
-    )
-
-
-def _compressor_rings(cfg: ModelConfig, layer: int) -> list[tuple[str, int]]:
-    kind = cfg.layer_types[layer]
-    if kind == CSA:
-        return [("comp", cfg.head_dim), ("index", cfg.index_head_dim)]
-    if kind == HCA:
-        return [("comp", cfg.head_dim)]
-    return []
-
-
-def ring_shape(cfg: ModelConfig, layer: int, head_dim: int) -> tuple[int, int]:
-    """(rows, features) of a compressor ring: CSA keeps 2 windows of [Ca | Cb] features."""
-    rate = cfg.compress_rate(layer)
-    overlap = cfg.layer_types[layer] == CSA
-    return (2 * rate, 2 * head_dim) if overlap else (rate, head_dim)
-
-
-def plan_pages(
-    cfg: ModelConfig, kv_cfg: KVCacheConfig, esize: int, block_bytes: int
-) -> tuple[dict[str, int], int]:
-    """Split the budget so every group can hold the same total number of tokens; returns
-    (pages per group, staging blocks for staged requests).
-
-    Fixed costs (scratch, slab rows, each sequence's ring pages plus one partial page per
-    compressed group) come first. Of the rest, staged requests get `staging_bytes` (default
-    1/STAGING_SHARE of it; the ring pulls land in is not part of the budget), and what is left
-    buys token capacity C: a compressed group with rate r gets C / r / P more pages.
-    """
-    P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, kv_cfg.max_num_batched_tokens
-    ring_pages = math.ceil(cfg.sliding_window / P)
-    kv_row, index_row = row_bytes(cfg, esize, kv_cfg.fp8)
-    fixed, per_token, pages = 0.0, 0.0, {}
-    for kind in (SLIDING, CSA, HCA):
-        layers = cfg.layers_of(kind)
-        if not layers:
-            continue
-        row = kv_row + (index_row if kind == CSA else 0)
-        page_bytes = P * row * len(layers)
-        ratio = cfg.compress_rate(layers[0])
-        base_pages = S * (ring_pages + (1 if ratio else 0))
-        pages[GROUP_OF_KIND[kind]] = (base_pages, ratio)
-        if kv_cfg.fp8:  # scratch + trash rows in whole pages, the index trash row in a page
-            extra = _scratch_pages(P, B) * P * kv_row + (P * index_row if kind == CSA else 0)
-        else:
-            extra = (B + 2) * row
-        fixed += base_pages * page_bytes + extra * len(layers)
-        if ratio:
-            per_token += page_bytes / (ratio * P)
-    for i in range(cfg.num_layers):
-        for _, width in _compressor_rings(cfg, i):
-            rows, feats = ring_shape(cfg, i, width)
-            fixed += 2 * S * rows * feats * esize
-    spare = kv_cfg.memory_bytes - fixed
-    staging = kv_cfg.staging_bytes
-    staging = max(0, int(spare)) // STAGING_SHARE if staging is None else staging
-    if spare - staging <= 0:
-        raise KVBudgetError(
-            f"KV cache budget of {kv_cfg.memory_bytes / 2**20:.1f} MiB is below the fixed cost of "
-            f"{fixed / 2**20:.1f} MiB (plus {staging / 2**20:.1f} MiB for staged requests) for "
-            f"max_num_seqs={S} and max_num_batched_tokens={kv_cfg.max_num_batched_tokens}; "
-            "raise --kv-cache-memory-bytes or lower those limits"
-        )
-    capacity = int((spare - staging) / per_token) if per_token else 0
-    plan = {
-        g: base + (math.ceil(capacity / ratio / P) if ratio else 0)
-        for g, (base, ratio) in pages.items()
-    }
-    return plan, staging // block_bytes

@@ -8,7 +8,7 @@ generation_config.json), so the tiny model exercises the same loading and chat-t
 
 The release-format tiny model's variant (`release=True`) is the V4 release's tokenizer in
 miniature: also `｜DSML｜` 262 and `<｜latest_reminder｜>` 263, and no chat
-template (the release ships none; its prompts come from `engine.chat.encode_messages`).
+template (the release ships none; its prompts come from `engine.text.chat.encode_messages`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.chat import tokens as v4
-from engine.tokenizer import byte_level_alphabet
+from engine.text.chat import tokens as v4
+from engine.text.tokenizer import byte_level_alphabet
 
 BOS_TOKEN = v4.BOS
 EOS_TOKEN = v4.EOS

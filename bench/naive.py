@@ -1,4 +1,5 @@
-"""The "before" kernels, kept only so benchmarks (and tests, as extra references) can compare.
+"""The "before" kernels, kept only so benchmarks (and tests, as extra references) can compare;
+`in_engine()` runs them in place of the product's inside the engine (kernels.swap_kernels).
 
 - ``sparse_mla_decode``: one program per (request, head), elementwise multiply and sum, no
   tensor cores; every head re-reads the same gathered KV rows.
@@ -8,10 +9,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels.backend import swap_kernels
 from kernels.kv_quant import keys_per_page
 from kernels.reference import indexer_scores, pick_topk
 from kernels.softmax import LOG2E, finalize, normalize, softmax_step
@@ -20,29 +25,12 @@ from kernels.sparse_mla import check_decode_args
 
 @triton.jit
 def _naive_decode_kernel(
-    q_ptr,
-    kv_ptr,
-    idx_ptr,
-    len_ptr,
-    sink_ptr,
-    out_ptr,
-    lse_ptr,  #
-    stride_qb,
-    stride_qh,
-    stride_kv,
-    stride_ib,
-    stride_ob,
-    stride_oh,
-    stride_lb,  #
-    num_slots,
-    num_idx,
-    qk_scale,  #
-    D_V: tl.constexpr,
-    D_ROPE: tl.constexpr,
-    BLOCK_N: tl.constexpr,  #
-    HAS_LENGTHS: tl.constexpr,
-    HAS_SINKS: tl.constexpr,  #
-):
+    q_ptr, kv_ptr, idx_ptr, len_ptr, sink_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_kv, stride_ib, stride_ob, stride_oh, stride_lb,
+    num_slots, num_idx, qk_scale,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) + tl.arange(0, 1)  # one head, kept 1-d for the shared helpers
     offs_v = tl.arange(0, D_V)
@@ -99,30 +87,17 @@ def sparse_mla_decode(
     out = torch.empty(batch, heads, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, heads, dtype=torch.float32, device=q.device)
     _naive_decode_kernel[(batch, heads)](
-        q,
-        kv,
-        indices,
+        q, kv, indices,
         lse if lengths is None else lengths,
         lse if sinks is None else sinks,
-        out,
-        lse,
-        q.stride(0),
-        q.stride(1),
-        kv.stride(0),
-        indices.stride(0),
-        out.stride(0),
-        out.stride(1),
+        out, lse,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1),
         lse.stride(0),
-        kv.shape[0],
-        indices.shape[1],
-        sm_scale * LOG2E,
-        D_V=d_v,
-        D_ROPE=d_rope,
-        BLOCK_N=16,
-        HAS_LENGTHS=lengths is not None,
+        kv.shape[0], indices.shape[1], sm_scale * LOG2E,
+        D_V=d_v, D_ROPE=d_rope, BLOCK_N=16, HAS_LENGTHS=lengths is not None,
         HAS_SINKS=sinks is not None,
         num_warps=4,
-    )
+    )  # fmt: skip
     return out, lse
 
 
@@ -142,3 +117,11 @@ def indexer_topk(
     width = max_context or page_table.shape[1] * keys_per_page(k_cache, q.shape[2])
     scores = indexer_scores(q, weights, k_cache, page_table, width, scale)  # [B, width]
     return pick_topk(scores, lengths, topk)
+
+
+@contextlib.contextmanager
+def in_engine() -> Iterator[None]:
+    """Every sparse_mla_decode and indexer_topk call of the enclosed code on these kernels (the
+    other kernels stay as they are): the engine's "before" configuration."""
+    with swap_kernels(sparse_mla_decode=sparse_mla_decode, indexer_topk=indexer_topk):
+        yield

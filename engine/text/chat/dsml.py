@@ -42,7 +42,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.chat.tokens import (
+from engine.text.chat.tokens import (
     DSML,
     EOS,
     INVOKE_CLOSE,

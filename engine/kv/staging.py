@@ -20,7 +20,7 @@ GPU-to-GPU copy moves 378 GB/s.
 When too few staging blocks are free, the request stays in its pages and the reader READs those
 (slower): prefill never waits for a decode worker to make room.
 
-The gather and the scatter move whole cells (16 KiB rows on V4-Flash; see engine.kv_pool): a
+The gather and the scatter move whole cells (16 KiB rows on V4-Flash; see engine.kv.pool): a
 plain torch index_select / index_copy_ each, no kernel of our own. bench/transfer.py times the
 gather (at the prefill worker) and the pull with its scatters. With --kv-cache-dtype fp8 the
 cells are 256-byte rows (584- and 132-byte rows share only 4 bytes a slot): ~36x the indices for
@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from engine.page_allocator import OutOfPages
+from engine.kv.allocator import OutOfPages
 
 RING_SLOTS = 4  # chunks a pull keeps in flight while it scatters a landed one
 # Blocks per chunk: a chunk of a V4-Flash state is 25 MB, a READ of ~70 us over NVLink, longer
@@ -63,7 +63,12 @@ class KVStaging:
     pulls land in, then `outbox` blocks that hold staged requests."""
 
     def __init__(
-        self, outbox: int, block_bytes: int, cell_bytes: int, word: torch.dtype, device
+        self,
+        outbox: int,
+        block_bytes: int,
+        cell_bytes: int,
+        word: torch.dtype,
+        device: torch.device,
     ) -> None:
         num_blocks = RING_SLOTS * CHUNK_BLOCKS + outbox
         words = block_bytes // torch.empty((), dtype=word).element_size()
@@ -168,7 +173,8 @@ class Unpacker:
         stream: torch.cuda.Stream | None,
     ) -> None:
         self._rows, self._staged, self._stream = rows, staged, stream
-        self.nbytes, self._cells, self._dst = nbytes, cells, None
+        self.nbytes, self._cells = nbytes, cells
+        self._dst: torch.Tensor | None = None  # the cells, on the device once the first chunk lands
         self._chunk = CHUNK_BLOCKS * staging.cells_per_block  # cells per chunk
         self._slots = [slot[0] * staging.cells_per_block for slot in staging.ring]  # first cells
 

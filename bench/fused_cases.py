@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 import kernels
-from engine.kv_pool import KVCacheConfig, KVPool
+from bench.compare import rel_err
+from engine.kv.layout import KVCacheConfig
+from engine.kv.pool import KVPool
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import RotaryTable
 from engine.models.deepseek_v4.compressor import Compressor
@@ -26,7 +28,6 @@ from engine.models.deepseek_v4.mhc import HyperConnection
 from engine.models.deepseek_v4.tiny import tiny_config
 from engine.step import RowSpan, StepState, build_step_inputs
 from kernels import fused_reference
-from tests.kernels_cases import rel_err
 
 V4_FLASH = {  # V4-Flash's attention, compressor, indexer and mHC widths; one layer per kind
     "model_type": "deepseek_v4",
@@ -44,15 +45,19 @@ def model_config(name: str) -> ModelConfig:
     return ModelConfig.from_hf(tiny_config(300) if name == "tiny" else V4_FLASH)
 
 
+Written = int | tuple[int, str]  # an Op argument, or a field of one
+
+
 @dataclasses.dataclass
 class Op:
     name: str
     fused: Callable  # the kernels.fused_dispatch function
     args: tuple
     kwargs: dict
-    writes: tuple[int, ...]  # indices of the args the op writes into
+    # what the op writes into: an arg's index, or (index, field) of a dataclass arg's tensor
+    writes: tuple[Written, ...]
     floor_bytes: int  # what any implementation must read and write
-    skip_rows: dict[int, int] = dataclasses.field(
+    skip_rows: dict[Written, int] = dataclasses.field(
         default_factory=dict
     )  # written arg -> row to ignore
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -67,14 +72,34 @@ class Op:
         """Copies of the arguments, for one call (the op writes into some of them), with the
         originals' strides: the engine hands kernels views (a ring is a slice of slab rows),
         which clone() would make contiguous."""
-        return tuple(_strided_copy(a) if isinstance(a, torch.Tensor) else a for a in self.args)
+        return tuple(_fresh(a) for a in self.args)
 
     def run(self, fn: Callable, backend: str | None = None) -> tuple[Any, list[torch.Tensor]]:
         """fn on fresh copies of the arguments (under `backend`): (result, the written args)."""
         args = self.fresh_args()
         with kernels.use_backend(backend):
             out = fn(*args, **self.kwargs)
-        return out, [args[i] for i in self.writes]
+        return out, [written(args, w) for w in self.writes]
+
+
+def written(args: tuple, where: Written) -> torch.Tensor:
+    """The tensor `where` names in `args` (an Op's `writes` entry)."""
+    if isinstance(where, int):
+        return args[where]
+    i, name = where
+    return getattr(args[i], name)
+
+
+def _fresh(a: Any) -> Any:
+    """A copy of an op argument: tensors copied with their strides, a dataclass of tensors (such
+    as kernels.CompressorRows) field by field, anything else as it is."""
+    if isinstance(a, torch.Tensor):
+        return _strided_copy(a)
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return dataclasses.replace(
+            a, **{f.name: _fresh(getattr(a, f.name)) for f in dataclasses.fields(a)}
+        )
+    return a
 
 
 def _strided_copy(t: torch.Tensor) -> torch.Tensor:
@@ -101,7 +126,7 @@ class GlueStep:
         seed: int = 0,
         kv_cache_dtype: str = "auto",
     ) -> None:
-        """kv_cache_dtype "fp8": FP8 pools (engine.kv_pool), left zeroed (zero bytes read 0.0)."""
+        """kv_cache_dtype "fp8": FP8 pools (engine.kv.pool), left zeroed (zero bytes read 0.0)."""
         self.cfg, self.dtype, self.dev = cfg, dtype, torch.device(device)
         self.gen = torch.Generator(self.dev).manual_seed(seed)
         contexts = [p + 1 for p in positions] + [s + n for s, n in prefill]
@@ -184,21 +209,19 @@ class GlueStep:
         trash = pool.index_trash_slot() if kind == "index" else pool.trash_slot(group)
         feats = ring[0].shape[-1]
         pos = self.inp.positions[:D]
-        args = (
-            self.randn(D, feats),
-            self.randn(D, feats),
-            pos,
-            self.inp.slab[:D],
-            ring[0],
-            ring[1],
-            comp.ape,
-            comp.norm.weight,
-            cfg.rms_norm_eps,
-            self.rope["compress"].inv_freq,
-            self.step.table(group)[:, pool.ring_pages :],
-            pool.page_size,
-            target,
-            trash,
+        rows = kernels.CompressorRows(
+            kv=self.randn(D, feats),
+            gate=self.randn(D, feats),
+            positions=pos,
+            slab=self.inp.slab[:D],
+            ring_kv=ring[0],
+            ring_gate=ring[1],
+            ape=comp.ape,
+            norm_weight=comp.norm.weight,
+            eps=cfg.rms_norm_eps,
+            inv_freq=self.rope["compress"].inv_freq,
+            entry_table=self.step.table(group)[:, pool.ring_pages :],
+            page_size=pool.page_size,
         )
 
         closes = int(((pos + 1) % rate == 0).sum())
@@ -207,11 +230,11 @@ class GlueStep:
         return Op(
             f"compress_{kind}",
             kernels.compress_decode,
-            args,
+            (rows, target, trash),
             {},
-            (4, 5, 12),
+            ((0, "ring_kv"), (0, "ring_gate"), 1),
             D * feats * esize * 4 + closes * (window * head_dim * esize * 2 + head_dim * esize),
-            skip_rows={12: trash},
+            skip_rows={1: trash},
             info={"closing_rows": closes},
         )
 
@@ -397,7 +420,7 @@ def paired(op: Op, got: tuple[Any, list], want: tuple[Any, list]) -> list | None
     (out_a, w_a), (out_b, w_b) = got, want
     pairs = [(a, b) for a, b in zip(as_tuple(out_a), as_tuple(out_b), strict=True)]
     for i, a, b in zip(op.writes, w_a, w_b, strict=True):
-        before = op.args[i]
+        before = written(op.args, i)
         changed = (b != before).flatten(1).any(dim=1)  # rows the op wrote
         keep = torch.ones_like(changed)
         if i in op.skip_rows:

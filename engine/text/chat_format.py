@@ -3,7 +3,7 @@
 A checkpoint with a chat template (`chat_template.jinja`, or `chat_template` in
 tokenizer_config.json) renders it, as transformers and vLLM do. The DeepSeek-V4 release ships
 none: its `encoding/encoding_dsv4.py` is the format, so a V4 checkpoint (config.json
-`model_type: deepseek_v4`) without a template uses `engine.chat.encode_messages`. Anything else
+`model_type: deepseek_v4`) without a template uses `engine.text.chat.encode_messages`. Anything else
 has no chat format, and says so when asked to render one.
 
 The router (tokenizing requests) and `dsaserve generate --chat` both call `chat_format`, so
@@ -17,10 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.chat import ChatEncodingError, encode_messages
-from engine.chat.tokens import THINK_START
-from engine.models import read_config
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.checkpoint import read_config
+from engine.text.chat import ChatEncodingError, encode_messages
+from engine.text.chat.tokens import THINK_START
+from engine.text.template import ChatTemplateError
+from engine.text.tokenizer import Tokenizer
 
 V4_MODEL_TYPE = "deepseek_v4"
 # The V4 encoder's own arguments that a request may set through `chat_template_kwargs`
@@ -98,7 +99,10 @@ class TemplateChat:
     ) -> str:
         # Both spellings of the thinking switch that DeepSeek and Qwen templates read, then the
         # request's own variables; a template that reads neither is unaffected.
-        variables = {"thinking": options.thinking, "enable_thinking": options.thinking}
+        variables: dict[str, Any] = {
+            "thinking": options.thinking,
+            "enable_thinking": options.thinking,
+        }
         if options.reasoning_effort is not None:
             variables["reasoning_effort"] = options.reasoning_effort
         return self._tokenizer.apply_chat_template(
