@@ -21,6 +21,7 @@ from kernels.kv_quant import KV_DIM, KV_ROPE, KV_TOKEN_BYTES, index_token_bytes
 SLAB = "slab"
 STAGING = "staging"
 STAGING_SHARE = 16  # by default staged requests get 1/16 of the budget left after fixed costs
+CHECKPOINT_SHARE = 8  # prefix caching: checkpoints' slab rows get 1/8 of what is left after them
 
 
 class KVBudgetError(ValueError):
@@ -35,6 +36,9 @@ class KVCacheConfig:
     max_num_batched_tokens: int = 8192  # rows one forward step may compute (scratch rows)
     staging_bytes: int | None = None  # for staged requests (None: see STAGING_SHARE)
     kv_cache_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": kernels.kv_quant pages
+    # slab rows beyond the requests' that hold the prefix cache's checkpoints (compressor rings
+    # at a cached position; engine.kv.prefix_cache), a fixed cost of the budget
+    checkpoint_rows: int = 0
 
     @property
     def fp8(self) -> bool:
@@ -195,17 +199,12 @@ def ring_elems(model: KVModel) -> int:
     return sum(2 * r.rows * r.features for r in model.compressor_rings())
 
 
-def plan_pages(
-    model: KVModel, kv_cfg: KVCacheConfig, esize: int, block_bytes: int
-) -> tuple[dict[str, int], int]:
-    """Split the budget so every group can hold the same total number of tokens; returns
-    (pages per group, staging blocks for staged requests).
-
-    Fixed costs (scratch, slab rows, each sequence's ring pages plus one partial page per
-    compressed group) come first. Of the rest, staged requests get `staging_bytes` (default
-    1/STAGING_SHARE of it; the ring pulls land in is not part of the budget), and what is left
-    buys token capacity C: a compressed group with rate r gets C / r / P more pages.
-    """
+def _fixed_and_per_token(
+    model: KVModel, kv_cfg: KVCacheConfig, esize: int
+) -> tuple[float, float, dict[str, tuple[int, int]]]:
+    """(fixed bytes, bytes a token of capacity costs, group -> (base pages, ratio)) of a plan:
+    scratch, slab rows (the requests' and the checkpoints'), each sequence's ring pages plus one
+    partial page per compressed group."""
     P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, kv_cfg.max_num_batched_tokens
     ring = ring_pages(model, P)
     kv_row, index_row = row_bytes(model, esize, kv_cfg.fp8)
@@ -222,7 +221,32 @@ def plan_pages(
         fixed += base_pages * page + extra * len(g.layers)
         if g.ratio:
             per_token += page / (g.ratio * P)
-    fixed += S * ring_elems(model) * esize
+    fixed += (S + kv_cfg.checkpoint_rows) * ring_elems(model) * esize
+    return fixed, per_token, pages
+
+
+def default_checkpoint_rows(model: KVModel, kv_cfg: KVCacheConfig, esize: int) -> int:
+    """Checkpoint rows for prefix caching: 1/CHECKPOINT_SHARE of the budget left after the
+    other fixed costs, in slab rows (each checkpoint also takes its window ring's pages from the
+    groups, as a request does)."""
+    fixed, _, _ = _fixed_and_per_token(model, kv_cfg, esize)
+    spare = kv_cfg.memory_bytes - fixed
+    return max(0, int(spare)) // CHECKPOINT_SHARE // max(1, ring_elems(model) * esize)
+
+
+def plan_pages(
+    model: KVModel, kv_cfg: KVCacheConfig, esize: int, block_bytes: int
+) -> tuple[dict[str, int], int]:
+    """Split the budget so every group can hold the same total number of tokens; returns
+    (pages per group, staging blocks for staged requests).
+
+    Fixed costs (scratch, slab rows, each sequence's ring pages plus one partial page per
+    compressed group) come first. Of the rest, staged requests get `staging_bytes` (default
+    1/STAGING_SHARE of it; the ring pulls land in is not part of the budget), and what is left
+    buys token capacity C: a compressed group with rate r gets C / r / P more pages.
+    """
+    P, S = kv_cfg.page_size, kv_cfg.max_num_seqs
+    fixed, per_token, pages = _fixed_and_per_token(model, kv_cfg, esize)
     spare = kv_cfg.memory_bytes - fixed
     staging = kv_cfg.staging_bytes
     staging = max(0, int(spare)) // STAGING_SHARE if staging is None else staging
