@@ -82,6 +82,20 @@ class EngineConfig:
         "work hides behind the device's; a request that stops computes one row more); "
         "--no-async-scheduling waits for every step's tokens before scheduling the next",
     )
+    enable_prefix_caching: bool = setting(
+        True,
+        "resume each prompt from the KV state of an earlier one with the same leading tokens "
+        "(content-hashed blocks; full compressed-entry pages shared, window rows and compressor "
+        "state checkpointed at the end of every prompt and every "
+        "--prefix-cache-checkpoint-interval tokens along it); --no-enable-prefix-caching "
+        "computes every prompt from its first token",
+    )
+    prefix_cache_checkpoint_interval: int = setting(
+        512,
+        "tokens between the prefix cache's checkpoints along a prompt: a prompt that shares L "
+        "tokens with a cached one resumes at least L minus this far in (each checkpoint costs "
+        "a window of rows and the compressor rings of every layer)",
+    )
     enforce_eager: bool = setting(
         False, "never capture CUDA graphs for decode steps", aliases=("--no-cuda-graphs",)
     )
@@ -120,6 +134,11 @@ class EngineConfig:
                 f"kv_staging_memory_bytes must be >= 0, got {self.kv_staging_memory_bytes}",
             ),
             (self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}"),
+            (
+                self.prefix_cache_checkpoint_interval >= 1,
+                "prefix_cache_checkpoint_interval must be >= 1, got "
+                f"{self.prefix_cache_checkpoint_interval}",
+            ),
             (
                 self.tensor_parallel_size >= 1,
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",

@@ -10,6 +10,7 @@ then the warm-up steps of the graph captures, in the same order.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Protocol
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from engine import models
 from engine.config import EngineConfig
-from engine.kv.layout import KVCacheConfig
+from engine.kv.layout import KVCacheConfig, default_checkpoint_rows
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
@@ -77,6 +78,9 @@ def build_runner(
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
     )
+    if config.enable_prefix_caching:
+        rows = default_checkpoint_rows(cfg, kv_cfg, dtype.itemsize)
+        kv_cfg = dataclasses.replace(kv_cfg, checkpoint_rows=rows)
     pool = KVPool(cfg, kv_cfg, dtype=dtype, device=device, max_context=max_context)
     runner = ModelRunner(model, pool, device, max_context, channel)
     if device.type == "cuda" and not config.enforce_eager and dtype is torch.bfloat16:

@@ -26,6 +26,7 @@ from typing import Any, Protocol, cast
 import torch
 
 from engine.async_copy import to_device
+from engine.kv.checkpoint import capture_window_rows, copy_pages
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Call, Channel
 from engine.parallel.group import TensorParallel
@@ -99,9 +100,17 @@ class ModelRunner:
         """
         work = [(req, 1) for req in batch.decode] + batch.prefill
         spans = [
-            RowSpan(req.num_computed, n, req.slab_row, req.tokens(req.num_computed, n))
+            RowSpan(
+                req.num_computed,
+                n,
+                req.slab_row,
+                req.tokens(req.num_computed, n),
+                batch.captures.get(req.request_id, ()),
+            )
             for req, n in work
         ]
+        if batch.copies:  # prefix cache: requests resumed, checkpoints begun
+            self.call("copy_pages", batch.copies.src, batch.copies.dst)
         samplers, rows, row = [], [], 0
         for req, n in work:
             row += n
@@ -133,7 +142,16 @@ class ModelRunner:
                 if logit_rows is None
                 else to_device(logit_rows, torch.int64, self.device)
             )
-        return self.model(self.pool, inputs, rows)
+        logits = self.model(self.pool, inputs, rows)
+        captures = [(s.row0, s.start, s.captures) for s in inputs.segments if s.captures]
+        if captures:
+            capture_window_rows(self.pool, captures)
+        return logits
+
+    def copy_pages(self, src: dict[str, list[int]], dst: dict[str, list[int]]) -> None:
+        """Every rank: pages src[group][i] into dst[group][i], the slab's rows too (a
+        CopyPlan's lists: the prefix cache's restores and checkpoints)."""
+        copy_pages(self.pool, src, dst)
 
     def _sampled_ids(self, spans: list[RowSpan]) -> torch.Tensor | None:
         """Every rank: the ids the spans' sampled_refs stand for ([1 + largest row] int64 on
