@@ -96,6 +96,11 @@ class EngineConfig:
         "tokens with a cached one resumes at least L minus this far in (each checkpoint costs "
         "a window of rows and the compressor rings of every layer)",
     )
+    prefix_cache_checkpoint_memory_bytes: int | None = setting(
+        None,
+        "bytes of the KV budget that hold the prefix cache's checkpoints (default: 1/8 of what "
+        "is left after fixed costs); the shared entry pages come from the pages themselves",
+    )
     enforce_eager: bool = setting(
         False, "never capture CUDA graphs for decode steps", aliases=("--no-cuda-graphs",)
     )
@@ -134,6 +139,11 @@ class EngineConfig:
                 f"kv_staging_memory_bytes must be >= 0, got {self.kv_staging_memory_bytes}",
             ),
             (self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}"),
+            (
+                (self.prefix_cache_checkpoint_memory_bytes or 0) >= 0,
+                "prefix_cache_checkpoint_memory_bytes must be >= 0, got "
+                f"{self.prefix_cache_checkpoint_memory_bytes}",
+            ),
             (
                 self.prefix_cache_checkpoint_interval >= 1,
                 "prefix_cache_checkpoint_interval must be >= 1, got "

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from engine import models
 from engine.config import EngineConfig
-from engine.kv.layout import KVCacheConfig, default_checkpoint_rows
+from engine.kv.layout import KVCacheConfig, checkpoint_bytes, default_checkpoint_rows
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
@@ -79,7 +79,11 @@ def build_runner(
         kv_cache_dtype=config.kv_cache_dtype,
     )
     if config.enable_prefix_caching:
-        rows = default_checkpoint_rows(cfg, kv_cfg, dtype.itemsize)
+        size = config.prefix_cache_checkpoint_memory_bytes
+        each = checkpoint_bytes(cfg, kv_cfg.page_size, dtype.itemsize, kv_cfg.fp8)
+        rows = (
+            default_checkpoint_rows(cfg, kv_cfg, dtype.itemsize) if size is None else size // each
+        )
         kv_cfg = dataclasses.replace(kv_cfg, checkpoint_rows=rows)
     pool = KVPool(cfg, kv_cfg, dtype=dtype, device=device, max_context=max_context)
     runner = ModelRunner(model, pool, device, max_context, channel)

@@ -21,7 +21,7 @@ from kernels.kv_quant import KV_DIM, KV_ROPE, KV_TOKEN_BYTES, index_token_bytes
 SLAB = "slab"
 STAGING = "staging"
 STAGING_SHARE = 16  # by default staged requests get 1/16 of the budget left after fixed costs
-CHECKPOINT_SHARE = 8  # prefix caching: checkpoints' slab rows get 1/8 of what is left after them
+CHECKPOINT_SHARE = 8  # prefix caching: checkpoints get 1/8 of the budget left after fixed costs
 
 
 class KVBudgetError(ValueError):
@@ -36,8 +36,9 @@ class KVCacheConfig:
     max_num_batched_tokens: int = 8192  # rows one forward step may compute (scratch rows)
     staging_bytes: int | None = None  # for staged requests (None: see STAGING_SHARE)
     kv_cache_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": kernels.kv_quant pages
-    # slab rows beyond the requests' that hold the prefix cache's checkpoints (compressor rings
-    # at a cached position; engine.kv.prefix_cache), a fixed cost of the budget
+    # checkpoints of the prefix cache (engine.kv.prefix_cache): each a slab row past the
+    # requests' (compressor rings at a cached position) and a window ring's pages in every
+    # group, a fixed cost of the budget
     checkpoint_rows: int = 0
 
     @property
@@ -203,8 +204,8 @@ def _fixed_and_per_token(
     model: KVModel, kv_cfg: KVCacheConfig, esize: int
 ) -> tuple[float, float, dict[str, tuple[int, int]]]:
     """(fixed bytes, bytes a token of capacity costs, group -> (base pages, ratio)) of a plan:
-    scratch, slab rows (the requests' and the checkpoints'), each sequence's ring pages plus one
-    partial page per compressed group."""
+    scratch, slab rows, each sequence's ring pages plus one partial page per compressed group,
+    each checkpoint's ring pages."""
     P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, kv_cfg.max_num_batched_tokens
     ring = ring_pages(model, P)
     kv_row, index_row = row_bytes(model, esize, kv_cfg.fp8)
@@ -212,7 +213,7 @@ def _fixed_and_per_token(
     for g in model.kv_groups():
         row = group_row_bytes(model, g, esize, kv_cfg.fp8)
         page = P * row * len(g.layers)
-        base_pages = S * (ring + (1 if g.ratio else 0))
+        base_pages = S * (ring + (1 if g.ratio else 0)) + kv_cfg.checkpoint_rows * ring
         pages[g.name] = (base_pages, g.ratio)
         if kv_cfg.fp8:  # scratch + trash rows in whole pages, the index trash row in a page
             extra = scratch_pages(P, B) * P * kv_row + (P * index_row if g.indexed else 0)
@@ -225,13 +226,24 @@ def _fixed_and_per_token(
     return fixed, per_token, pages
 
 
+def checkpoint_bytes(model: KVModel, page_size: int, esize: int, fp8: bool = False) -> int:
+    """What one checkpoint of the prefix cache holds of its own: a slab row (every compressor's
+    rings) and the window ring's pages of every group."""
+    ring = ring_pages(model, page_size)
+    pages = sum(
+        page_size * group_row_bytes(model, g, esize, fp8) * len(g.layers) * ring
+        for g in model.kv_groups()
+    )
+    return ring_elems(model) * esize + pages
+
+
 def default_checkpoint_rows(model: KVModel, kv_cfg: KVCacheConfig, esize: int) -> int:
-    """Checkpoint rows for prefix caching: 1/CHECKPOINT_SHARE of the budget left after the
-    other fixed costs, in slab rows (each checkpoint also takes its window ring's pages from the
-    groups, as a request does)."""
+    """Checkpoints for prefix caching: 1/CHECKPOINT_SHARE of the budget left after the other
+    fixed costs."""
     fixed, _, _ = _fixed_and_per_token(model, kv_cfg, esize)
     spare = kv_cfg.memory_bytes - fixed
-    return max(0, int(spare)) // CHECKPOINT_SHARE // max(1, ring_elems(model) * esize)
+    each = checkpoint_bytes(model, kv_cfg.page_size, esize, kv_cfg.fp8)
+    return max(0, int(spare)) // CHECKPOINT_SHARE // max(1, each)
 
 
 def plan_pages(
