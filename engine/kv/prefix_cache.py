@@ -356,14 +356,19 @@ class PrefixCache:
         """Pages of the groups only the cache holds: free as soon as it evicts them."""
         return sum(g.allocator.num_cached for g in self.pool.groups.values())
 
-    def held_hashes(self) -> list[bytes]:
-        """The hash of every node held (what a router may route by)."""
-        out, stack = [], list(self.root.children.values())
+    def take_events(self, snapshot: bool) -> tuple[list[bytes] | None, list[tuple[bytes, bool]]]:
+        """What a router needs to know of the cache since the last call: (with `snapshot`, the
+        hash of every node held; else None) and every node made (True) or dropped (False) since,
+        in order. The first call starts the recording."""
+        events, self.events = self.events or [], []
+        if not snapshot:
+            return None, events
+        held, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
-            out.append(node.hash)
+            held.append(node.hash)
             stack.extend(node.children.values())
-        return out
+        return held, []
 
 
 def known_tokens(req: Request) -> list[int]:
