@@ -82,6 +82,9 @@ class Request:
     # tokens its first admission resumed from the cache (None until then)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None
+    # where its tokens part from a cached prefix that no checkpoint of its marks: its prefill
+    # takes one there too (None: nowhere worth it)
+    branch_point: int | None = None
     lease_deadline: float | None = None  # HELD: time.monotonic() after which the KV is freed
 
     @property

@@ -139,6 +139,10 @@ class Scheduler:
                 return False
         elif not self._resume(req, hit, copies):
             return False
+        if self.cache is not None:
+            shared = self.cache.shared_length(req)
+            worth = shared >= req.num_computed + self.cache.block
+            req.branch_point = shared if worth else None
         if req.num_cached_tokens is None:  # its first admission
             req.num_cached_tokens = req.num_computed
             if self.cache is not None:

@@ -124,6 +124,19 @@ def test_dense_model_at_page_boundaries_and_without_async_scheduling(tiny, block
     assert_all_free(engine)
 
 
+def test_a_prefix_two_prompts_share_is_checkpointed_where_they_part(tiny):
+    """A system prompt shorter than the checkpoint interval: the second prompt that shares it
+    leaves a checkpoint where the two part, and every later one resumes there."""
+    engine = LLMEngine(tiny)
+    rec = Recorder(engine, vocab=engine.tokenizer.vocab_size)
+    system = byte_ids(300, 30)
+    cached = [
+        _check_against_zero(engine, rec, f"q{i}", system + byte_ids(20, 31 + i)) for i in range(4)
+    ]
+    assert cached == [0, 0, 300, 300]
+    assert_all_free(engine)
+
+
 def test_without_prefix_caching_nothing_is_cached(tiny):
     engine = LLMEngine(tiny, EngineConfig(enable_prefix_caching=False))
     x = byte_ids(100, 3)

@@ -14,6 +14,7 @@ import pytest
 from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.sampling_params import SamplingParams
+from loadtest import bench_serving
 from tests.serving_stack import Proc, Stack, openai_client, wait_all_kv_free, wait_for
 
 pytestmark = pytest.mark.e2e  # the router and three workers as processes
@@ -165,3 +166,28 @@ def test_a_hot_prefix_under_load_spreads_over_both_workers(stack, model) -> None
     assert all(a - b > 0 for a, b in zip(after, before, strict=True)), (before, after)
     assert sum(cached > 0 for _, cached in results) >= 6
     wait_for(lambda: all(w.all_kv_free() for w in stack.workers), 20, "every worker to idle")
+
+
+@pytest.mark.parametrize("dataset", ["multi-turn", "generated-shared-prefix"])
+def test_bench_serving_reports_the_hit_rate_of_its_cache_workloads(stack, dataset) -> None:
+    result = bench_serving.run_benchmark(
+        {
+            "base_url": stack.url,
+            "dataset": dataset,
+            "num_prompts": 3,
+            "multi_turn_turns": 3,
+            "input_len": 40,
+            "output_len": 8,
+            "gsp_num_groups": 2,
+            "gsp_prompts_per_group": 6,
+            "gsp_system_prompt_len": 300,
+            "gsp_question_len": 20,
+            "gsp_output_len": 8,
+            "max_concurrency": 2,
+        }
+    )
+    s = result["summary"]
+    assert s["failed"] == 0 and s["completed"] == (9 if dataset == "multi-turn" else 12)
+    # later turns resume the earlier ones; a group's questions after its second resume where
+    # the first two parted (its system prompt)
+    assert s["cache_hit_rate"] > 0.4, s["cache_hit_rate"]

@@ -161,6 +161,20 @@ class PrefixCache:
         position, ck = max(usable, key=lambda c: c[0])
         return self._hit(ck, position)
 
+    def shared_length(self, req: Request) -> int:
+        """How many of `req`'s leading tokens some cached prefix shares (checkpoint or not)."""
+        tokens = known_tokens(req)
+        B, hashes = self.block, self._hashes(req, tokens)
+        node, d = self.root, 0
+        while d < len(hashes):
+            child = node.children.get(hashes[d])
+            if child is None or child.tokens != tuple(tokens[d * B : (d + 1) * B]):
+                break
+            node, d = child, d + 1
+        after = tokens[node.end :]
+        seqs = [c.tokens for c in node.children.values()] + [ck.tail for ck in node.checkpoints]
+        return node.end + max((_common(seq, after) for seq in seqs), default=0)
+
     def should_wait(self, req: Request, hit: Hit | None) -> bool:
         """Whether `req` had better wait a step: a checkpoint the step being scheduled computes
         would let it resume at least a block further than it can now."""
@@ -218,13 +232,15 @@ class PrefixCache:
     # ---------------------------------------------------------------- capture
 
     def capture_positions(self, req: Request, start: int, n: int) -> list[int]:
-        """Where a chunk [start, start + n) of `req` ends a checkpoint interval or its prompt."""
+        """Where a chunk [start, start + n) of `req` ends a checkpoint interval, its prompt, or
+        the prefix it shares with a cached one (where the next request with that prefix, a
+        system prompt say, resumes)."""
         end, every = start + n, self.interval
         out = list(range((start // every + 1) * every, end + 1, every))
-        prompt = len(req.prompt_token_ids)
-        if start < prompt <= end and prompt not in out:
-            out.append(prompt)
-        return out
+        for at in (req.branch_point, len(req.prompt_token_ids)):
+            if at is not None and start < at <= end and at not in out:
+                out.append(at)
+        return sorted(out)
 
     def plan_captures(
         self, req: Request, start: int, n: int, plan: CopyPlan
