@@ -101,6 +101,12 @@ class EngineConfig:
         "bytes of the KV budget that hold the prefix cache's checkpoints (default: 1/8 of what "
         "is left after fixed costs); the shared entry pages come from the pages themselves",
     )
+    kv_offloading_size: float | None = setting(
+        None,
+        "GiB of pinned host memory per rank for the prefix cache's second tier: what it evicts "
+        "from the device moves there and comes back on a hit, copied while the device computes "
+        "(default: none, evicted state is dropped)",
+    )
     enforce_eager: bool = setting(
         False, "never capture CUDA graphs for decode steps", aliases=("--no-cuda-graphs",)
     )
@@ -143,6 +149,10 @@ class EngineConfig:
                 (self.prefix_cache_checkpoint_memory_bytes or 0) >= 0,
                 "prefix_cache_checkpoint_memory_bytes must be >= 0, got "
                 f"{self.prefix_cache_checkpoint_memory_bytes}",
+            ),
+            (
+                (self.kv_offloading_size or 0) >= 0,
+                f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}",
             ),
             (
                 self.prefix_cache_checkpoint_interval >= 1,

@@ -99,7 +99,7 @@ class LLMEngine:
             layout = self.pool.layout_hash()
             salt = cache_salt(model_identity(model_dir), layout, config.kv_cache_dtype)
             self.prefix_cache = PrefixCache(
-                self.pool, config.prefix_cache_checkpoint_interval, salt
+                self.pool, config.prefix_cache_checkpoint_interval, salt, self.runner.host
             )
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache)
         self._staged: dict[str, list[int]] = {}  # held request -> its staging blocks
@@ -301,7 +301,11 @@ class LLMEngine:
             raise RequestError(
                 f"request {request_id!r} already finished at its first token ({reason})"
             )
-        if not self.scheduler.reserve(req):
+        plan = self.prefix_cache.begin_step() if self.prefix_cache else None
+        reserved = self.scheduler.reserve(req)
+        if plan:  # (evictions to the host tier, before the transfer writes the pages)
+            self.runner.call("copy_pages", plan)
+        if not reserved:
             return None
         return KVPages(pages=req.kv_pages(), num_tokens=len(prompt_token_ids))
 
@@ -422,8 +426,11 @@ class LLMEngine:
         if self._in_flight is not None:  # (only rows of finished requests can be left in it)
             self.step()
         req = self.new_request("__score__", token_ids, SamplingParams(max_tokens=1))
+        plan = self.prefix_cache.begin_step() if self.prefix_cache else None
         if not self.scheduler.try_allocate(req, len(token_ids)):
             raise RequestError(f"{len(token_ids)} tokens do not fit in the KV pools")
+        if plan:  # (evictions to the host tier)
+            self.runner.call("copy_pages", plan)
         try:
             chunks, step = [], self.config.max_num_batched_tokens
             for start in range(0, len(token_ids), step):

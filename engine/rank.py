@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from engine import models
 from engine.config import EngineConfig
+from engine.kv.host_tier import HostTier
 from engine.kv.layout import KVCacheConfig, checkpoint_bytes, default_checkpoint_rows
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
@@ -86,7 +87,11 @@ def build_runner(
         )
         kv_cfg = dataclasses.replace(kv_cfg, checkpoint_rows=rows)
     pool = KVPool(cfg, kv_cfg, dtype=dtype, device=device, max_context=max_context)
-    runner = ModelRunner(model, pool, device, max_context, channel)
+    host = None
+    if config.enable_prefix_caching and config.kv_offloading_size:
+        size = int(config.kv_offloading_size * 2**30)
+        host = HostTier(size, pool.staging.block_bytes, pool.cell_bytes, pool.cell_rows)
+    runner = ModelRunner(model, pool, device, max_context, channel, host)
     if device.type == "cuda" and not config.enforce_eager and dtype is torch.bfloat16:
         # (torch's grouped GEMM of other dtypes syncs with the host on CUDA: eager there)
         sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]

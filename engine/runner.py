@@ -26,7 +26,8 @@ from typing import Any, Protocol, cast
 import torch
 
 from engine.async_copy import to_device
-from engine.kv.checkpoint import capture_window_rows, copy_pages
+from engine.kv.checkpoint import CopyPlan, capture_window_rows, run_copies
+from engine.kv.host_tier import HostTier
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Call, Channel
 from engine.parallel.group import TensorParallel
@@ -56,16 +57,18 @@ class ModelRunner:
         device: torch.device,
         max_context: int,
         channel: Channel | None = None,
+        host: HostTier | None = None,
     ) -> None:
         """channel: rank 0's line to the other ranks of its tensor-parallel group (None on a
-        single rank and on the other ranks, which receive the calls)."""
+        single rank and on the other ranks, which receive the calls); host: this rank's host
+        tier of the prefix cache (--kv-offloading-size)."""
         self.model, self.pool, self.device, self.max_context = (
             model,
             pool,
             torch.device(device),
             max_context,
         )
-        self.tp, self.channel = model.tp, channel
+        self.tp, self.channel, self.host = model.tp, channel, host
         if channel is not None:
             pool.table_writes = []  # the other ranks replay them
         self.graphs: dict[int, _DecodeGraph] = {}
@@ -109,8 +112,8 @@ class ModelRunner:
             )
             for req, n in work
         ]
-        if batch.copies:  # prefix cache: requests resumed, checkpoints begun
-            self.call("copy_pages", batch.copies.src, batch.copies.dst)
+        if batch.copies:  # prefix cache: requests resumed, checkpoints begun, tiers moved
+            self.call("copy_pages", batch.copies)
         samplers, rows, row = [], [], 0
         for req, n in work:
             row += n
@@ -148,10 +151,10 @@ class ModelRunner:
             capture_window_rows(self.pool, captures)
         return logits
 
-    def copy_pages(self, src: dict[str, list[int]], dst: dict[str, list[int]]) -> None:
-        """Every rank: pages src[group][i] into dst[group][i], the slab's rows too (a
-        CopyPlan's lists: the prefix cache's restores and checkpoints)."""
-        copy_pages(self.pool, src, dst)
+    def copy_pages(self, plan: CopyPlan) -> None:
+        """Every rank: the prefix cache's copies before a step (restores, checkpoints, pages to
+        and from the host tier)."""
+        run_copies(self.pool, plan, self.host)
 
     def _sampled_ids(self, spans: list[RowSpan]) -> torch.Tensor | None:
         """Every rank: the ids the spans' sampled_refs stand for ([1 + largest row] int64 on

@@ -92,7 +92,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch(), self.token_budget
         if self.cache is not None:
-            self.cache.begin_step()
+            batch.copies = self.cache.begin_step()
         for req in [r for r in self.running if _is_decoding(r) and not r.ends_in_flight]:
             if budget == 0:
                 break
@@ -155,7 +155,8 @@ class Scheduler:
         assert cache is not None
         cache.pin(hit)  # (evictions that make room for it must not take it)
         try:
-            if not self.try_allocate(req, req.num_tokens, hit):
+            shared = cache.shared_pages(hit) if cache.bring_back(hit) else None
+            if shared is None or not self.try_allocate(req, req.num_tokens, shared):
                 return False
             cache.restore(req, hit, copies)
             return True
@@ -182,13 +183,15 @@ class Scheduler:
 
     # ---------------------------------------------------------------- KV pages
 
-    def try_allocate(self, req: Request, num_tokens: int, hit: Hit | None = None) -> bool:
+    def try_allocate(
+        self, req: Request, num_tokens: int, shared: dict[str, list[int]] | None = None
+    ) -> bool:
         """Grow req's page tables (and give it a slab row) to cover `num_tokens` tokens; a
-        request that holds none yet and resumes from `hit` shares its full entry pages (its
-        tables: its ring pages, the shared pages, then its own). Evicts what only the prefix
-        cache holds when the pools are short."""
+        request that holds none yet and resumes from the prefix cache shares the full entry
+        pages `shared` (its tables: its ring pages, the shared pages, then its own). Evicts what
+        only the prefix cache holds when the pools are short."""
         pool = self.pool
-        shared = hit.shared if hit is not None else {}
+        shared = shared or {}
         need = {
             g: pool.pages_for(g, num_tokens)
             - len(req.page_tables.get(g, []))

@@ -54,6 +54,8 @@ def assert_all_free(engine: LLMEngine) -> None:
     assert engine.load().free_pages == load.total_pages and engine.load().cached_pages == 0
     rows = engine.pool.checkpoint_slab
     assert rows.num_free == rows.num_pages
+    host = engine.runner.host
+    assert host is None or host.num_free == host.allocator.num_pages
 
 
 def move_staged(

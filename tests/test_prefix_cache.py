@@ -137,6 +137,44 @@ def test_a_prefix_two_prompts_share_is_checkpointed_where_they_part(tiny):
     assert_all_free(engine)
 
 
+def test_evicted_checkpoints_come_back_from_the_host_tier(tiny):
+    """Two checkpoints fit on the device: the rest move to host memory, with the full entry
+    pages no device checkpoint needs any more, and come back on a hit. A tier too small for
+    all of them drops its oldest."""
+    tight = dict(
+        page_size=8, max_num_batched_tokens=128, prefix_cache_checkpoint_memory_bytes=180_000
+    )
+    engine = LLMEngine(tiny, EngineConfig(kv_offloading_size=1 / 1024, **tight))  # 1 MiB
+    rec = Recorder(engine, vocab=engine.tokenizer.vocab_size)
+    cache, host = engine.prefix_cache, engine.runner.host
+    assert cache is not None and host is not None
+    prompts = [byte_ids(200, 40 + i) for i in range(4)]
+    for i, p in enumerate(prompts):
+        assert _check_against_zero(engine, rec, f"p{i}", p) == 0
+    assert cache.stats.evictions >= 2 and host.num_free < host.allocator.num_pages
+    nodes_on_host = [n for n in _nodes(cache.root) if n.host is not None]
+    assert nodes_on_host  # full CSA pages (every 32 tokens here) moved too
+    loads = cache.stats.host_loads
+    assert _check_against_zero(engine, rec, "back0", prompts[0] + byte_ids(9, 50)) == 200
+    assert cache.stats.host_loads == loads + 1
+    assert_all_free(engine)
+    small = LLMEngine(tiny, EngineConfig(kv_offloading_size=0.25 / 1024, **tight))
+    rec = Recorder(small, vocab=small.tokenizer.vocab_size)
+    for i, p in enumerate(prompts):
+        _check_against_zero(small, rec, f"p{i}", p)
+    assert _check_against_zero(small, rec, "gone", prompts[0] + byte_ids(9, 51)) == 0
+    assert _check_against_zero(small, rec, "kept", prompts[3] + byte_ids(9, 52)) == 200
+    assert_all_free(small)
+
+
+def _nodes(root):  # type: ignore[no-untyped-def]
+    stack, out = list(root.children.values()), []
+    while stack:
+        out.append(stack.pop())
+        stack.extend(out[-1].children.values())
+    return out
+
+
 def test_without_prefix_caching_nothing_is_cached(tiny):
     engine = LLMEngine(tiny, EngineConfig(enable_prefix_caching=False))
     x = byte_ids(100, 3)

@@ -28,6 +28,7 @@ import torch
 
 import kernels
 from engine.async_copy import to_device
+from engine.kv.host_tier import HostTier
 from engine.kv.pool import KVPool
 
 
@@ -45,13 +46,23 @@ class Capture:
 
 @dataclass
 class CopyPlan:
-    """Whole pages (and slab rows, group "slab") to copy before a step, in the order planned. A
-    page written by an earlier copy is read through it (from that copy's source), so the plan runs
-    as one gather and one scatter that both see the state before the step."""
+    """What to copy before a step, in this order:
+    - saves: pages (and slab rows, group "slab") to the host tier's blocks (engine.kv.host_tier),
+      read before anything below writes into them;
+    - loads: host blocks into pages;
+    - copies: pages into pages, in the order planned. A page written by an earlier copy is read
+      through it (from that copy's source), so they run as one gather and one scatter that both
+      see the state after the loads."""
 
     src: dict[str, list[int]] = field(default_factory=dict)
     dst: dict[str, list[int]] = field(default_factory=dict)
+    saves: list[tuple[dict[str, list[int]], list[int]]] = field(default_factory=list)
+    loads: list[tuple[list[int], dict[str, list[int]]]] = field(default_factory=list)
     _source: dict[tuple[str, int], int] = field(default_factory=dict)  # (group, dst) -> src
+
+    def __getstate__(self) -> dict:
+        # (sent to the other ranks of a tensor-parallel group without the planning's index)
+        return {**self.__dict__, "_source": {}}
 
     def add(self, src: Mapping[str, Sequence[int]], dst: Mapping[str, Sequence[int]]) -> None:
         for group, ids in src.items():
@@ -63,18 +74,23 @@ class CopyPlan:
                 self.dst.setdefault(group, []).append(d)
 
     def __bool__(self) -> bool:
-        return bool(self.dst)
+        return bool(self.dst or self.saves or self.loads)
 
 
-def copy_pages(
-    pool: KVPool, src: Mapping[str, Sequence[int]], dst: Mapping[str, Sequence[int]]
-) -> None:
-    """Every region of the pages src[group][i] into pages dst[group][i] (a CopyPlan's lists), as
-    one cell gather and one cell scatter on the current stream."""
-    device = pool.cell_rows.device
-    cells_from = to_device(pool.cells(src), torch.int64, device)  # [n]
-    cells_to = to_device(pool.cells(dst), torch.int64, device)
-    pool.cell_rows.index_copy_(0, cells_to, pool.cell_rows.index_select(0, cells_from))
+def run_copies(pool: KVPool, plan: CopyPlan, host: HostTier | None) -> None:
+    """Every rank: a CopyPlan on the current stream, each kind of copy as one gather and one
+    scatter of the arena's cells (engine.kv.pool)."""
+    for pages, blocks in plan.saves:
+        assert host is not None
+        host.save(pool.cells(pages), blocks)
+    for blocks, pages in plan.loads:
+        assert host is not None
+        host.load(blocks, pool.cells(pages))
+    if plan.dst:
+        device = pool.cell_rows.device
+        cells_from = to_device(pool.cells(plan.src), torch.int64, device)  # [n]
+        cells_to = to_device(pool.cells(plan.dst), torch.int64, device)
+        pool.cell_rows.index_copy_(0, cells_to, pool.cell_rows.index_select(0, cells_from))
 
 
 def capture_window_rows(pool: KVPool, spans: Sequence[tuple[int, int, Sequence[Capture]]]) -> None:

@@ -22,13 +22,20 @@ used checkpoint (made or resumed from) that no request is being restored from, t
 whose subtree no longer holds a checkpoint (its entry pages with it): a page a running request
 uses only loses the cache's reference. Nothing is evicted that the step being built captures.
 
+Host tier (`--kv-offloading-size`, engine.kv.host_tier): with one, an evicted checkpoint moves to
+pinned host memory instead of going (its ring pages, slab row and open pages packed into host
+blocks), and so do a node's full pages once no checkpoint on the device lies below it
+(`Node.device_below`); a hit on either brings it back into device pages first, in the step that
+resumes from it. Host memory runs out the same way: its least recently used checkpoint goes.
+
 Timing: a checkpoint is registered when the step that computes it is scheduled, and its bytes
 are written on the engine's stream by that step; a request may resume from it from the next
 step on (every copy follows on the same stream). A request whose prefix another request is
 computing in the step being scheduled waits for it (`should_wait`) rather than computing it too.
 
 Every decision here is bookkeeping on page ids; the scheduler runs it on rank 0, and the copies it
-plans run on every rank of a tensor-parallel group (the same page ids everywhere).
+plans (the step's CopyPlan, `begin_step`) run on every rank of a tensor-parallel group (the same
+page ids and host blocks everywhere).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from dataclasses import dataclass, field
 
 from engine.kv.block_hash import block_hashes
 from engine.kv.checkpoint import Capture, CopyPlan
+from engine.kv.host_tier import HostTier
 from engine.kv.layout import SLAB
 from engine.kv.pool import KVPool
 from engine.request import Request
@@ -55,6 +63,9 @@ class Node:
     children: dict[bytes, Node] = field(default_factory=dict)
     pages: dict[str, int] = field(default_factory=dict)  # group -> its entry page full at `end`
     checkpoints: list[Checkpoint] = field(default_factory=list)  # positions in [end, end + B)
+    host: list[int] | None = None  # its pages' host blocks, when they moved there
+    host_groups: tuple[str, ...] = ()  # the groups of those pages, in order
+    device_below: int = 0  # checkpoints on the device at or below this node
 
     def ancestry(self) -> list[Node]:
         """The nodes from the root down to this one, index = depth."""
@@ -76,6 +87,9 @@ class Checkpoint:
     open_pages: dict[str, int]  # group -> the entry page still open at `position` (shared)
     step: int  # the step that computes it; a request may resume from it after that step
     pins: int = 0  # requests being restored from it right now
+    used: int = 0  # the last step a request resumed from it (it stays on the device in that step)
+    host: list[int] | None = None  # on the host tier: its blocks (ring, slab row, open pages)
+    open_groups: tuple[str, ...] = ()  # on the host tier: the groups of its open pages
 
 
 @dataclass(frozen=True)
@@ -84,8 +98,6 @@ class Hit:
 
     checkpoint: Checkpoint
     position: int
-    shared: dict[str, list[int]]  # group -> the full entry pages it shares, in order
-    open: dict[str, int]  # group -> the page whose entries before the position it copies
 
 
 @dataclass
@@ -94,18 +106,24 @@ class CacheStats:
 
     queries: int = 0  # prompt tokens of requests looked up
     hits: int = 0  # of those, tokens resumed from the cache
-    evictions: int = 0  # checkpoints evicted
+    evictions: int = 0  # checkpoints evicted from the device (moved to the host tier, or gone)
+    host_loads: int = 0  # checkpoints brought back from the host tier
 
 
 class PrefixCache:
-    def __init__(self, pool: KVPool, interval: int, salt: bytes) -> None:
+    def __init__(
+        self, pool: KVPool, interval: int, salt: bytes, host: HostTier | None = None
+    ) -> None:
         """interval: tokens between the checkpoints kept along a prompt; salt: engine.kv.
-        block_hash.cache_salt of the model and layout."""
-        self.pool, self.interval, self.salt = pool, interval, salt
+        block_hash.cache_salt of the model and layout; host: the second tier, if any."""
+        self.pool, self.interval, self.salt, self.host = pool, interval, salt, host
         self.block = pool.page_size
         self.root = Node(0, salt, (), None)
-        self._lru: OrderedDict[Checkpoint, None] = OrderedDict()  # oldest first
+        self._lru: OrderedDict[Checkpoint, None] = OrderedDict()  # on the device, oldest first
+        self._host_lru: OrderedDict[Checkpoint, None] = OrderedDict()  # on the host tier
         self._step = 0  # the step being scheduled
+        self._plan = CopyPlan()  # its copies
+        self._loaded: list[list[int]] = []  # host blocks its loads read (free from the next)
         self.stats = CacheStats()
         # (hash, stored?) of every node made or dropped, for who routes by them (None: nobody)
         self.events: list[tuple[bytes, bool]] | None = None
@@ -115,13 +133,20 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- steps
 
-    def begin_step(self) -> None:
-        """A new step is being scheduled: what earlier ones capture is now restorable."""
+    def begin_step(self) -> CopyPlan:
+        """A new step is being scheduled (or scored): what earlier ones capture is now
+        restorable. Returns the plan its copies go into, which must run before it."""
         self._step += 1
+        self._plan = CopyPlan()
+        if self.host is not None:  # the last plan read them: their blocks may be written again
+            for blocks in self._loaded:
+                self.host.allocator.free(blocks)
+        self._loaded = []
+        return self._plan
 
     @property
     def num_checkpoints(self) -> int:
-        return len(self._lru)
+        return len(self._lru) + len(self._host_lru)
 
     # ---------------------------------------------------------------- lookup
 
@@ -131,17 +156,11 @@ class PrefixCache:
         being scheduled computes (to tell whether waiting a step would pay)."""
         tokens = known_tokens(req)
         limit = len(tokens) - 1
-        B = self.block
-        hashes = self._hashes(req, tokens)
-        node, d = self.root, 0
-        while d < len(hashes):
-            child = node.children.get(hashes[d])
-            if child is None or child.tokens != tuple(tokens[d * B : (d + 1) * B]):
-                break
-            node, d = child, d + 1
+        node = self._walk(req, tokens)
+        d, B = node.end // self.block, self.block
         ready = (lambda ck: True) if pending else (lambda ck: ck.step < self._step)
         candidates: list[tuple[int, Checkpoint]] = []
-        if d < len(hashes):  # the next block differs: in its last token only?
+        if (d + 1) * B <= len(tokens):  # the next block differs: in its last token only?
             block = tuple(tokens[d * B : (d + 1) * B - 1])
             for child in node.children.values():
                 if child.tokens[:-1] == block:
@@ -159,18 +178,12 @@ class PrefixCache:
         if not usable:
             return None
         position, ck = max(usable, key=lambda c: c[0])
-        return self._hit(ck, position)
+        return Hit(ck, position)
 
     def shared_length(self, req: Request) -> int:
         """How many of `req`'s leading tokens some cached prefix shares (checkpoint or not)."""
         tokens = known_tokens(req)
-        B, hashes = self.block, self._hashes(req, tokens)
-        node, d = self.root, 0
-        while d < len(hashes):
-            child = node.children.get(hashes[d])
-            if child is None or child.tokens != tuple(tokens[d * B : (d + 1) * B]):
-                break
-            node, d = child, d + 1
+        node = self._walk(req, tokens)
         after = tokens[node.end :]
         seqs = [c.tokens for c in node.children.values()] + [ck.tail for ck in node.checkpoints]
         return node.end + max((_common(seq, after) for seq in seqs), default=0)
@@ -182,22 +195,16 @@ class PrefixCache:
         now = hit.position if hit is not None else 0
         return ahead is not None and ahead.position >= now + self.block
 
-    def _hit(self, ck: Checkpoint, position: int) -> Hit:
-        chain = ck.node.ancestry()
-        P, B = self.pool.page_size, self.block
-        shared, opened = {}, {}
-        for g, r in self._compressed.items():
-            entries = position // r
-            full = entries // P
-            shared[g] = [chain[(k + 1) * self._page_tokens[g] // B].pages[g] for k in range(full)]
-            if entries % P:
-                at_ck = (ck.position // r) // P
-                opened[g] = (
-                    ck.open_pages[g]
-                    if full == at_ck
-                    else chain[(full + 1) * self._page_tokens[g] // B].pages[g]
-                )
-        return Hit(ck, position, shared, opened)
+    def _walk(self, req: Request, tokens: Sequence[int]) -> Node:
+        """The deepest node whose whole prefix `tokens` starts with."""
+        B, hashes = self.block, self._hashes(req, tokens)
+        node = self.root
+        for d in range(len(hashes)):
+            child = node.children.get(hashes[d])
+            if child is None or child.tokens != tuple(tokens[d * B : (d + 1) * B]):
+                break
+            node = child
+        return node
 
     def _hashes(self, req: Request, tokens: Sequence[int]) -> list[bytes]:
         if len(req.block_hashes) < len(tokens) // self.block:
@@ -213,20 +220,73 @@ class PrefixCache:
     def unpin(self, hit: Hit) -> None:
         hit.checkpoint.pins -= 1
 
+    def bring_back(self, hit: Hit) -> bool:
+        """Put on the device what resuming from `hit` reads (the checkpoint and the full pages
+        of its prefix) where it is on the host tier, evicting to make room; False if there is
+        none. The loads are planned into this step's copies. A pinned hit stays pinned."""
+        ck, chain = hit.checkpoint, hit.checkpoint.node.ancestry()
+        self._count_device(ck.node, +1)  # (its prefix's pages must not leave while it comes)
+        need: dict[str, int] = dict.fromkeys(self.pool.groups, 0)
+        for node in chain:
+            for g in node.host_groups:
+                need[g] += 1
+        if ck.host is not None:
+            for g in self.pool.groups:
+                need[g] += self.pool.ring_pages + (g in ck.open_groups)
+        if not self.make_room(need, checkpoint_rows=int(ck.host is not None)):
+            self._count_device(ck.node, -1, offload=False)
+            return False
+        for node in chain:
+            if node.host is not None:
+                assert self.host is not None
+                node.pages = {g: self._alloc(g, 1)[0] for g in node.host_groups}
+                self._load(node.host, {g: [p] for g, p in node.pages.items()})
+                node.host, node.host_groups = None, ()
+        if ck.host is None:
+            self._count_device(ck.node, -1, offload=False)  # (it was counted already)
+        else:
+            ck.ring = {g: self._alloc(g, self.pool.ring_pages) for g in self.pool.groups}
+            ck.slab = self.pool.checkpoint_slab.allocate(1, cached=True)[0]
+            ck.open_pages = {g: self._alloc(g, 1)[0] for g in ck.open_groups}
+            self._load(ck.host, self._pages(ck))
+            ck.host, ck.open_groups = None, ()
+            del self._host_lru[ck]
+            self._lru[ck] = None
+            self.stats.host_loads += 1
+        return True
+
+    def shared_pages(self, hit: Hit) -> dict[str, list[int]]:
+        """The full entry pages a request resuming from `hit` shares (on the device: after
+        bring_back), per compressed group, in order."""
+        chain, P, B = hit.checkpoint.node.ancestry(), self.pool.page_size, self.block
+        return {
+            g: [
+                chain[(k + 1) * self._page_tokens[g] // B].pages[g]
+                for k in range((hit.position // r) // P)
+            ]
+            for g, r in self._compressed.items()
+        }
+
     def restore(self, req: Request, hit: Hit, plan: CopyPlan) -> None:
-        """`req`'s tables hold its own ring pages, then hit.shared, then pages of its own: plan
-        the copies that give it the checkpoint's state at hit.position."""
-        ck, ring = hit.checkpoint, self.pool.ring_pages
+        """`req`'s tables hold its own ring pages, then its shared pages, then pages of its own:
+        plan the copies that give it the checkpoint's state at hit.position."""
+        ck, ring, P, B = hit.checkpoint, self.pool.ring_pages, self.pool.page_size, self.block
+        chain = ck.node.ancestry()
         src: dict[str, list[int]] = {SLAB: [ck.slab]}
         dst: dict[str, list[int]] = {SLAB: [req.slab_row]}
         for g in self.pool.groups:
             table = req.page_tables[g]
             src[g], dst[g] = list(ck.ring[g]), table[:ring]
-            if g in hit.open:
-                src[g].append(hit.open[g])
-                dst[g].append(table[ring + len(hit.shared[g])])
+            r = self._compressed.get(g)
+            if r and (hit.position // r) % P:  # the page still open at the position: a copy
+                full = (hit.position // r) // P
+                at_ck = full == (ck.position // r) // P
+                node = chain[(full + 1) * self._page_tokens[g] // B] if not at_ck else None
+                src[g].append(ck.open_pages[g] if node is None else node.pages[g])
+                dst[g].append(table[ring + full])
         plan.add(src, dst)
         req.num_computed = hit.position
+        ck.used = self._step
         self._lru.move_to_end(ck)
 
     # ---------------------------------------------------------------- capture
@@ -257,10 +317,7 @@ class PrefixCache:
                 continue
             if not self.make_room(dict.fromkeys(pool.groups, pool.ring_pages), checkpoint_rows=1):
                 break
-            ring = {
-                g: grp.allocator.allocate(pool.ring_pages, cached=True)
-                for g, grp in pool.groups.items()
-            }
+            ring = {g: self._alloc(g, pool.ring_pages) for g in pool.groups}
             slab = pool.checkpoint_slab.allocate(1, cached=True)[0]
             self._register(req, tokens, c, ring, slab)
             now = {g: req.page_tables[g][: pool.ring_pages] for g in pool.groups}
@@ -305,7 +362,7 @@ class PrefixCache:
             alloc = self.pool.groups[g].allocator
             for k in range((c // r) // P):  # every full page before c, on its node
                 holder = chain[(k + 1) * self._page_tokens[g] // B]
-                if g not in holder.pages:
+                if g not in holder.pages and g not in holder.host_groups:
                     holder.pages[g] = table[first + k]
                     alloc.incref([holder.pages[g]], cached=True)
             if (c // r) % P:
@@ -314,6 +371,7 @@ class PrefixCache:
         ck = Checkpoint(c, node, tuple(tokens[node.end : c]), ring, slab, opened, self._step)
         node.checkpoints.append(ck)
         self._lru[ck] = None
+        self._count_device(node, +1)
         return ck
 
     # ---------------------------------------------------------------- eviction
@@ -334,36 +392,132 @@ class PrefixCache:
         return True
 
     def evict_one(self) -> bool:
-        """Drop the least recently used checkpoint that may go; False if none may."""
-        ck = next((c for c in self._lru if not c.pins and c.step < self._step), None)
+        """Move the least recently used checkpoint on the device that may go to the host tier,
+        or drop it; with none on the device, drop the host tier's oldest (its prefix's pages may
+        still be on the device). False if nothing may go."""
+        now = self._step
+        ck = next((c for c in self._lru if not c.pins and c.step < now and c.used < now), None)
+        if ck is not None:
+            if not self._to_host(ck):
+                self._drop(ck)
+            self.stats.evictions += 1
+            return True
+        ck = next((c for c in self._host_lru if not c.pins), None)
         if ck is None:
             return False
         self._drop(ck)
-        self.stats.evictions += 1
         return True
 
     def clear(self) -> None:
-        """Drop every checkpoint that may go (an idle engine's: all of them)."""
-        while self.evict_one():
+        """Drop every checkpoint that may go (an idle engine's: all of them, both tiers)."""
+        while self._lru and self.evict_one():
             pass
+        while self._host_lru:
+            self._drop(next(iter(self._host_lru)))
+        self.begin_step()  # (the host blocks of loads already run)
+
+    def _to_host(self, ck: Checkpoint) -> bool:
+        """Move a device checkpoint to the host tier (making room there by dropping its oldest);
+        False where there is no tier or it cannot hold it."""
+        if self.host is None:
+            return False
+        pages = self._pages(ck)
+        blocks = self._host_blocks(pages)
+        if blocks is None:
+            return False
+        self._save(pages, blocks)
+        self._free_device(ck)
+        ck.host, ck.open_groups = blocks, tuple(ck.open_pages)
+        ck.ring, ck.open_pages = {}, {}
+        del self._lru[ck]
+        self._host_lru[ck] = None
+        self._count_device(ck.node, -1)
+        return True
 
     def _drop(self, ck: Checkpoint) -> None:
+        pool = self.pool
+        if ck.host is None:
+            self._free_device(ck)
+            del self._lru[ck]
+        else:
+            assert self.host is not None
+            self.host.allocator.free(ck.host)
+            del self._host_lru[ck]
+        ck.node.checkpoints.remove(ck)
+        node, parent = ck.node, ck.node.parent
+        while parent is not None and not (node.children or node.checkpoints):
+            for g, page in node.pages.items():
+                pool.groups[g].allocator.free([page], cached=True)
+            if node.host is not None:
+                assert self.host is not None
+                self.host.allocator.free(node.host)
+            node.pages, node.host = {}, None
+            del parent.children[node.hash]
+            if self.events is not None:
+                self.events.append((node.hash, False))
+            node, parent = parent, parent.parent
+        if ck.host is None:  # (counted off along the nodes that stay, and those pruned)
+            self._count_device(ck.node, -1)
+
+    def _count_device(self, node: Node, by: int, offload: bool = True) -> None:
+        """Count a checkpoint onto or off the device at `node`; with `offload`, a node no
+        device checkpoint lies below any more moves its pages to the host tier (if it can)."""
+        at: Node | None = node
+        while at is not None:
+            at.device_below += by
+            if offload and at.device_below == 0 and at.pages and at.parent is not None:
+                pages = {g: [p] for g, p in at.pages.items()}
+                blocks = self._host_blocks(pages, drop_for_room=False)
+                if blocks is not None:
+                    self._save(pages, blocks)
+                    for g, p in at.pages.items():
+                        self.pool.groups[g].allocator.free([p], cached=True)
+                    at.host, at.host_groups, at.pages = blocks, tuple(at.pages), {}
+            at = at.parent
+
+    # ---------------------------------------------------------------- pages and blocks
+
+    def _alloc(self, group: str, n: int) -> list[int]:
+        return self.pool.groups[group].allocator.allocate(n, cached=True)
+
+    def _pages(self, ck: Checkpoint) -> dict[str, list[int]]:
+        """A device checkpoint's own pages, by group (its slab row under "slab")."""
+        out = {
+            g: [*ck.ring[g], *([ck.open_pages[g]] if g in ck.open_pages else [])] for g in ck.ring
+        }
+        return {**out, SLAB: [ck.slab]}
+
+    def _free_device(self, ck: Checkpoint) -> None:
         pool = self.pool
         for g, pages in ck.ring.items():
             pool.groups[g].allocator.free(pages, cached=True)
         for g, page in ck.open_pages.items():
             pool.groups[g].allocator.free([page], cached=True)
         pool.checkpoint_slab.free([ck.slab], cached=True)
-        ck.node.checkpoints.remove(ck)
-        del self._lru[ck]
-        node, parent = ck.node, ck.node.parent
-        while parent is not None and not (node.children or node.checkpoints):
-            for g, page in node.pages.items():
-                pool.groups[g].allocator.free([page], cached=True)
-            del parent.children[node.hash]
-            if self.events is not None:
-                self.events.append((node.hash, False))
-            node, parent = parent, parent.parent
+
+    def _host_blocks(
+        self, pages: dict[str, list[int]], drop_for_room: bool = True
+    ) -> list[int] | None:
+        """Host blocks for these pages' bytes, dropping the host tier's oldest checkpoints for
+        room where allowed; None if the tier cannot hold them."""
+        if self.host is None:
+            return None
+        need = self.host.blocks_for(self.pool.stream_bytes(pages) // self.pool.cell_bytes)
+        while need > self.host.num_free and drop_for_room:
+            oldest = next((c for c in self._host_lru if not c.pins), None)
+            if oldest is None:
+                break
+            self._drop(oldest)
+        if need > self.host.num_free:
+            return None
+        return self.host.allocator.allocate(need)
+
+    def _save(self, pages: dict[str, list[int]], blocks: list[int]) -> None:
+        self._plan.saves.append((pages, blocks))
+
+    def _load(self, blocks: list[int], pages: dict[str, list[int]]) -> None:
+        self._plan.loads.append((blocks, pages))
+        self._loaded.append(blocks)
 
     # ---------------------------------------------------------------- accounting
 
