@@ -20,12 +20,13 @@ checkpoints shows (the demo model on CPU only: two slices may not fit one GPU).
 TTFT here is the engine's: from `add_request` to the step output that carries the first token,
 stepping the engine as a worker does (async scheduling on), one request at a time.
 `--slice` runs bench/engine.py's V4-Flash-width slice (random weights, --experts experts) in
-bf16, as the GPU target asks; with --device cpu, its smoke widths.
+bf16, as the GPU target asks; with --device cpu, its smoke widths in fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -97,7 +98,7 @@ def build(model: str, args: argparse.Namespace, caching: bool) -> LLMEngine:
         model,
         EngineConfig(
             device=args.device,
-            dtype="bfloat16" if cuda or args.slice else "float32",
+            dtype="bfloat16" if cuda else "float32",
             max_num_seqs=4,
             max_model_len=args.prompt_tokens + 2 * args.extend_tokens + 16,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -133,7 +134,7 @@ def main() -> None:
             model = str(write_slice(tmp, args.experts, smoke=not cuda))
         result: dict = {
             "device": torch.cuda.get_device_name(args.device) if cuda else "cpu",
-            "model": "v4-flash-width slice" if args.slice else model,
+            "model": "v4-flash-width slice" if args.slice else os.path.basename(model),
             "prompt_tokens": args.prompt_tokens,
             "extend_tokens": args.extend_tokens,
             "reps": args.reps,

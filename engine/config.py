@@ -99,7 +99,8 @@ class EngineConfig:
     prefix_cache_checkpoint_memory_bytes: int | None = setting(
         None,
         "bytes of the KV budget that hold the prefix cache's checkpoints (default: 1/8 of what "
-        "is left after fixed costs); the shared entry pages come from the pages themselves",
+        "is left after fixed costs; a decode worker's default is 0); the shared entry pages "
+        "come from the pages themselves",
     )
     kv_offloading_size: float | None = setting(
         None,

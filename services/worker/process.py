@@ -101,6 +101,11 @@ class Worker:
         if role == "decode" and engine_config.kv_staging_memory_bytes is None:
             # A decode worker never holds a request for a reader: no staging blocks to keep.
             engine_config = dataclasses.replace(engine_config, kv_staging_memory_bytes=0)
+        if role == "decode" and engine_config.prefix_cache_checkpoint_memory_bytes is None:
+            # Nor does it compute prompts (they arrive computed): no checkpoints to keep.
+            engine_config = dataclasses.replace(
+                engine_config, prefix_cache_checkpoint_memory_bytes=0
+            )
         self.engine = LLMEngine(model_dir, engine_config)
         self.loop = EngineLoop(self.engine)
         cache = self.engine.prefix_cache
