@@ -303,8 +303,10 @@ class LLMEngine:
             )
         plan = self.prefix_cache.begin_step() if self.prefix_cache else None
         reserved = self.scheduler.reserve(req)
-        if plan:  # (evictions to the host tier, before the transfer writes the pages)
+        if plan:  # evictions to the host tier: read before the transfer writes the pages
             self.runner.call("copy_pages", plan)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
         if not reserved:
             return None
         return KVPages(pages=req.kv_pages(), num_tokens=len(prompt_token_ids))

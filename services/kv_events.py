@@ -114,7 +114,28 @@ class CacheEvent:
 Drain = Callable[[bool], Awaitable[tuple[list[bytes] | None, list[tuple[bytes, bool]]]]]
 
 
-class CacheEventPublisher:
+class _RedisTask:
+    """A Redis client and the task that uses it, started and stopped together."""
+
+    def __init__(self, redis: aioredis.Redis, name: str) -> None:
+        self._redis, self._name = redis, name
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=self._name)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._redis.aclose()
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+
+class CacheEventPublisher(_RedisTask):
     """A prefill worker's side: its cache's changes into its stream while it runs."""
 
     def __init__(
@@ -127,21 +148,11 @@ class CacheEventPublisher:
         drain: Drain,
     ) -> None:
         """drain(snapshot): the engine's PrefixCache.take_events, run on its thread."""
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        redis = aioredis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
         self._key = stream_key(worker_id)
+        super().__init__(redis, f"kv-events-{self._key}")
         self._incarnation, self._salt, self._block, self._drain = incarnation, salt, block, drain
         self._seq = 0
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self._key}")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._redis.aclose()
 
     async def _run(self) -> None:
         reset_due = sent = 0.0  # monotonic times: next reset, last entry written
@@ -201,28 +212,16 @@ class _Worker:
         self.hashes.update(event.stored)
 
 
-class CacheIndex:
+class CacheIndex(_RedisTask):
     """The router's side: what each live prefill worker's cache holds, by block hash."""
 
     def __init__(self, redis_url: str, workers: Callable[[], list[str]]) -> None:
         """workers(): the ids of the prefill workers to follow (the registry's live ones)."""
         timeout = READ_BLOCK_MS / 1000 + 2
-        self._redis = aioredis.Redis.from_url(
-            redis_url, socket_timeout=timeout, socket_connect_timeout=2
-        )
+        redis = aioredis.Redis.from_url(redis_url, socket_timeout=timeout, socket_connect_timeout=2)
+        super().__init__(redis, "kv-events-index")
         self._worker_ids = workers
         self._workers: dict[str, _Worker] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="kv-events-index")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._redis.aclose()
 
     # ---------------------------------------------------------------- routing
 
