@@ -188,6 +188,7 @@ def test_bench_serving_reports_the_hit_rate_of_its_cache_workloads(stack, datase
     )
     s = result["summary"]
     assert s["failed"] == 0 and s["completed"] == (9 if dataset == "multi-turn" else 12)
-    # later turns resume the earlier ones; a group's questions after its second resume where
-    # the first two parted (its system prompt)
-    assert s["cache_hit_rate"] > 0.4, s["cache_hit_rate"]
+    # later turns resume the earlier ones (about half of all prompt tokens when every turn
+    # finds its worker; a turn the router spreads to the other worker under load finds
+    # nothing); a group's questions after its second resume where the first two parted
+    assert s["cache_hit_rate"] > 0.3, s["cache_hit_rate"]
