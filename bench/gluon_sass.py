@@ -98,7 +98,8 @@ def compile_sparse_mla(dim: int, splits: int) -> Any:
         q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
         o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         kv.shape[0], num_idx, 0.1, heads // sparse_mla.BLOCK_H, splits,
-        D_ROPE=dim - 512, SPLIT=splits > 1, HAS_LENGTHS=True, HAS_SINKS=True,
+        ROPE=dim > 512, STAGES=sparse_mla.stages_for(dim), SPLIT=splits > 1, HAS_LENGTHS=True,
+        HAS_SINKS=True,
         num_warps=4, maxnreg=168, grid=(1,),
     )
     # fmt: on

@@ -10,6 +10,7 @@ Phases, each in its own process under a time limit (a hung kernel loses one phas
   none, at V4 (64 heads, 512 wide) and V3.2 (128 heads, 576 wide) shapes, odd index counts,
   forced split counts, fp16, and a CUDA graph replayed on new inputs; the same inputs through
   the Triton kernel for its error beside it.
+- ``once`` (not in the default run): one call of each target shape, for a profiler.
 - ``bench``: bench.kernels' decode shapes (V4-Flash B = 1..128, V3.2 B = 1..128, 4096 prefill
   rows): medians of CUDA-graph replays cycling through 4 input sets over a 4M-slot pool (so
   gathered rows come from HBM), plain torch and the Triton kernel in the same run, TFLOP/s and
@@ -214,7 +215,19 @@ def summarize(runs: list[list[dict]]) -> None:
         )
 
 
-PHASES = {"check": (phase_check, 120), "bench": (phase_bench, 300)}
+def phase_once(result: dict) -> None:
+    """One warm-up call, then one call, of V4-Flash B=64 (default splits) and V3.2 B=64
+    (one split): for a profiler (ncu --launch-skip 2 --launch-count 2 -k regex:_sparse_mla)."""
+    for shape in (V4[3], V32[2]):
+        pool = torch.randn(POOL_SLOTS, shape.dim, device=DEV, dtype=torch.bfloat16)
+        args = decode_inputs(shape, pool)[0]
+        for _ in range(2):
+            gluon_decode(None)(*args)
+        torch.cuda.synchronize()
+        del pool
+
+
+PHASES = {"check": (phase_check, 120), "bench": (phase_bench, 300), "once": (phase_once, 120)}
 
 
 def main() -> None:
@@ -232,6 +245,8 @@ def main() -> None:
         return
     result = {"device": torch.cuda.get_device_name(DEV), "torch": torch.__version__}
     for name, (_, limit) in PHASES.items():
+        if name == "once":
+            continue
         print(f"== {name}", flush=True)
         cmd = [sys.executable, "-m", "bench.sparse_mla_hopper", "--only", name, "--out", args.out]
         try:
