@@ -1,8 +1,9 @@
-"""Compile the Gluon FP4 grouped GEMM (kernels.hopper.fp4_gemm) for sm_90a without a GPU and
-print what its SASS holds: registers, shared memory, spills and the instruction mix.
+"""Compile the Gluon kernels of kernels.hopper for sm_90a without a GPU and print what their
+SASS holds: registers, shared memory, spills and the instruction mix.
 
-    python -m bench.gluon_sass                       # every decode at BT=8, 5 stages
+    python -m bench.gluon_sass                       # the FP4 GEMM, every decode at BT=8, 5 stages
     python -m bench.gluon_sass --block-t 64 --stages 2 --decode shift --sass out.sass
+    python -m bench.gluon_sass --kernel sparse_mla   # the sparse-MLA decode, 512 and 576 wide
 
 Needs the Triton the device runs (3.6: Gluon's API moves between releases) and no CUDA: the
 JIT's driver is replaced by one that only answers the target, so ``warmup`` compiles through
@@ -18,6 +19,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -45,8 +47,8 @@ class _TargetOnly(CudaDriver):
         return torch.device("cpu")
 
 
-def compile_gemm(block_t: int, stages: int, decode: str) -> bytes:
-    """The cubin of the grouped GEMM at V4-Flash's gate/up shape (4096 x 4096, two K slices)."""
+def compile_gemm(block_t: int, stages: int, decode: str) -> Any:
+    """The compiled grouped GEMM at V4-Flash's gate/up shape (4096 x 4096, two K slices)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -75,14 +77,43 @@ def compile_gemm(block_t: int, stages: int, decode: str) -> bytes:
         DECODE=fp4_decode.DECODES.index(decode), num_warps=4, maxnreg=168, grid=(1,),
     )
     # fmt: on
-    return compiled.asm["cubin"]
+    return compiled
+
+
+def compile_sparse_mla(dim: int, splits: int) -> Any:
+    """The compiled sparse-MLA decode for rows `dim` wide (512: V4, 576: V3.2)."""
+    from kernels.hopper import sparse_mla
+
+    batch, heads, num_idx = 2, 128, 2048
+    q = torch.empty(batch, heads, dim, dtype=torch.bfloat16)
+    kv = torch.empty(4096, dim, dtype=torch.bfloat16)
+    idx = torch.empty(batch, num_idx, dtype=torch.int32)
+    lengths = torch.empty(batch, dtype=torch.int32)
+    sinks = torch.empty(heads)
+    o = torch.empty(batch, splits, heads, 512, dtype=torch.float32 if splits > 1 else q.dtype)
+    lse = torch.empty(batch, splits, heads)
+    # fmt: off
+    compiled = sparse_mla._sparse_mla_kernel.warmup(
+        q, kv, idx, lengths, sinks, o, lse,
+        q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        kv.shape[0], num_idx, 0.1, heads // sparse_mla.BLOCK_H, splits,
+        ROPE=dim > 512, STAGES=sparse_mla.stages_for(dim), SPLIT=splits > 1, HAS_LENGTHS=True,
+        HAS_SINKS=True,
+        num_warps=4, maxnreg=168, grid=(1,),
+    )
+    # fmt: on
+    return compiled
 
 
 def _tool(name: str) -> str:
     return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
 
 
-def report(cubin: bytes, sass_out: str | None) -> str:
+def report(compiled: Any, sass_out: str | None) -> str:
+    """Registers, spills and dynamic shared memory of a compiled kernel, and its SASS's 16 most
+    frequent instructions."""
+    cubin = compiled.asm["cubin"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -100,22 +131,30 @@ def report(cubin: bytes, sass_out: str | None) -> str:
     )
     resources = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage)
     top = " ".join(f"{op} {count}" for op, count in ops.most_common(16))
-    return f"{resources.group(0) if resources else usage.strip()}\n  {top}"
+    resources_text = resources.group(0) if resources else usage.strip()
+    return f"{resources_text} dynamic shared {compiled.metadata.shared} B\n  {top}"
 
 
 def main() -> None:
     from kernels.hopper.fp4_decode import DECODES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", choices=("fp4_gemm", "sparse_mla"), default="fp4_gemm")
     ap.add_argument("--block-t", type=int, default=8)
     ap.add_argument("--stages", type=int, default=5)
     ap.add_argument("--decode", choices=DECODES, action="append")
     ap.add_argument("--sass", help="write the (last) SASS here")
     args = ap.parse_args()
     driver.set_active(_TargetOnly())
+    if args.kernel == "sparse_mla":
+        for dim in (512, 576):
+            for splits in (1, 2):
+                compiled = compile_sparse_mla(dim, splits)
+                print(f"sparse_mla dim={dim} splits={splits}: {report(compiled, args.sass)}")
+        return
     for decode in args.decode or DECODES:
-        cubin = compile_gemm(args.block_t, args.stages, decode)
-        print(f"{decode} BT={args.block_t} stages={args.stages}: {report(cubin, args.sass)}")
+        compiled = compile_gemm(args.block_t, args.stages, decode)
+        print(f"{decode} BT={args.block_t} stages={args.stages}: {report(compiled, args.sass)}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels import indexer, kv_quant, mhc, reference, rowwise, sparse_mla
-from kernels.backend import forced, swapped, uses_triton
+from kernels.backend import forced, swapped, uses_gluon, uses_triton
 
 
 def sparse_mla_decode(
@@ -40,9 +40,15 @@ def sparse_mla_decode(
     p_j = exp(s_j) / (sum_i exp(s_i) + exp(sinks[h])), s_j = sm_scale * q[b, h] . K_j over the
     valid j, and lse [B, H] fp32 = natural log of sum_j exp(s_j) (sink excluded). A row with no
     valid index gives out = 0 and lse = -inf. Decode (B requests) and prefill (B prompt tokens,
-    each with its own index list) use the same call.
+    each with its own index list) use the same call. On sm_90 the shapes kernels.hopper.sparse_mla
+    takes run its Gluon kernel (kernels.backend.uses_gluon).
     """
     impl = swapped("sparse_mla_decode")
+    if impl is None and uses_gluon(q):
+        from kernels.hopper import sparse_mla as hopper_mla
+
+        if hopper_mla.supports(q, kv, d_v):
+            impl = hopper_mla.sparse_mla_decode
     if impl is None:
         # The reference also where the kernel's tiles do not fit the shape, unless Triton is
         # forced: e.g. the tiny demo model's 4 heads on a GPU; graph-safe too.

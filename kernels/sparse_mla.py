@@ -187,6 +187,29 @@ def _combine_kernel(
     tl.store(lse_ptr + b * stride_lb + heads, lse)
 
 
+def combine_splits(
+    o_buf: torch.Tensor,
+    lse_buf: torch.Tensor,
+    sinks: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Merge the splits' partial results (o_buf fp32 [B, splits, H, d_v], normalised; lse_buf
+    [B, splits, H], base 2) into out [B, H, d_v] and the natural lse [B, H], applying the sinks."""
+    batch, num_splits, heads, d_v = o_buf.shape
+    block_h = 16
+    _combine_kernel[(batch * heads // block_h,)](
+        o_buf, lse_buf,
+        lse if sinks is None else sinks,  # (lse stands in for no sinks; never read)
+        out, lse,
+        o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), lse_buf.stride(0), lse_buf.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        heads // block_h, num_splits,
+        D_V=d_v, BLOCK_H=block_h, HAS_SINKS=sinks is not None,
+        num_warps=4,
+    )  # fmt: skip
+
+
 def supports(heads: int, dim: int, d_v: int) -> bool:
     """Whether the kernel's tiling covers this head count and width (check_decode_args' rules)."""
     d_rope = dim - d_v
@@ -268,15 +291,5 @@ def sparse_mla_decode(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        block_h = 16
-        _combine_kernel[(batch * heads // block_h,)](
-            o_buf, lse_buf,
-            dummy if sinks is None else sinks,
-            out, lse,
-            o_buf.stride(0), o_buf.stride(1), o_buf.stride(2), lse_buf.stride(0), lse_buf.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            heads // block_h, num_splits,
-            D_V=d_v, BLOCK_H=block_h, HAS_SINKS=sinks is not None,
-            num_warps=4,
-        )  # fmt: skip
+        combine_splits(o_buf, lse_buf, sinks, out, lse)
     return out, lse

@@ -4,8 +4,9 @@
 # decode step at TP=1 against TP=2 on the 256-expert V4-Flash-width slice (bench/tp.py).
 #   scripts/gpu_tp.sh [OUT_DIR]    # default bench/results: h200x2-tp.json, h200x2-tp-tests.log
 # Needs the project's runtime dependencies and pytest in $PYTHON (default python3); not NIXL,
-# Redis or HF transformers. --noconftest: these tests use no shared fixture, and tests/conftest.py
-# imports the serving stack's client libraries. NVLink multicast (NVLS) stays off.
+# Redis or HF transformers. --noconftest -p tests.model_fixtures: tests/conftest.py imports the
+# serving stack's client libraries; the tiny checkpoints come from tests/model_fixtures.py.
+# NVLink multicast (NVLS) stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-bench/results}
@@ -14,7 +15,7 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYT
 python=${PYTHON:-python3}
 nvidia-smi -L
 "$python" -c "import torch; assert torch.cuda.device_count() >= 2, 'needs two GPUs'" || exit 1
-"$python" -m pytest -q -rs -m gpu --noconftest -p no:cacheprovider \
+"$python" -m pytest -q -rs -m gpu --noconftest -p tests.model_fixtures -p no:cacheprovider \
   tests/test_tensor_parallel_gpu.py tests/test_engine_gpu.py \
   tests/test_kernels_quant.py::test_cuda_fp4_expert_ranges_add_up_to_all_experts \
   2>&1 | tee "$out/h200x2-tp-tests.log"

@@ -23,6 +23,7 @@ import redis
 # triton (triton reads it once), or every Triton kernel a test launches on CPU fails.
 import kernels  # noqa: F401
 from services import redis_server as redis_launcher
+from tests.model_fixtures import release, tiny  # noqa: F401  (fixtures, shared with GPU runs)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -126,25 +127,6 @@ def redis_url(redis_server: str) -> str:
     finally:
         client.close()
     return redis_server
-
-
-# ---------------------------------------------------------------- tiny checkpoints
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random dense V4 checkpoint (engine.models.deepseek_v4.tiny), one per module."""
-    from engine.models.deepseek_v4.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random V4 checkpoint in the release's FP8/FP4 formats, one per module."""
-    from engine.models.deepseek_v4.tiny import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
 
 
 @pytest.fixture

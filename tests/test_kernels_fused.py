@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from bench.fused_cases import GlueStep, Op, as_tuple, compare, model_config
+from bench.fused_cases import GlueStep, Op, as_tuple, compare, model_config, written
 from tests.kernels_cases import gpu_test
 
 POSITIONS = [0, 3, 7, 15, 18, 47, 63, 100]  # tiny model: CSA rate 4, HCA rate 16, window 16
@@ -185,8 +185,8 @@ def test_fused_glue_replays_in_cuda_graphs():
         torch.cuda.synchronize()
         for a, b in zip(as_tuple(captured), as_tuple(eager), strict=True):
             assert (a is None and b is None) or torch.equal(a, b), op.name
-        for i in op.writes:
-            assert torch.equal(captured_args[i], eager_args[i]), op.name
+        for w in op.writes:
+            assert torch.equal(written(captured_args, w), written(eager_args, w)), op.name
 
 
 # ---------------------------------------------------------------- FP8 pools (--kv-cache-dtype fp8)
