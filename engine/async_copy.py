@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
-def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A device tensor of `values` (a list, or nested lists), copied without waiting."""
-    host = torch.tensor(values, dtype=dtype)
+def to_device(
+    values: Sequence | np.ndarray, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A device tensor of `values` (a list, nested lists or an array), copied without waiting."""
+    host = torch.as_tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -25,3 +25,11 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return raw
+
+
+def model_identity(model_dir: str | os.PathLike) -> str:
+    """What tells this checkpoint's weights from another's without reading them: its config and
+    the names and sizes of its weight files (the prefix cache salts its hashes with it)."""
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    sizes = [(f, os.path.getsize(os.path.join(model_dir, f))) for f in files]
+    return json.dumps([read_config(model_dir), sizes], sort_keys=True)

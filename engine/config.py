@@ -82,6 +82,32 @@ class EngineConfig:
         "work hides behind the device's; a request that stops computes one row more); "
         "--no-async-scheduling waits for every step's tokens before scheduling the next",
     )
+    enable_prefix_caching: bool = setting(
+        True,
+        "resume each prompt from the KV state of an earlier one with the same leading tokens "
+        "(content-hashed blocks; full compressed-entry pages shared, window rows and compressor "
+        "state checkpointed at the end of every prompt and every "
+        "--prefix-cache-checkpoint-interval tokens along it); --no-enable-prefix-caching "
+        "computes every prompt from its first token",
+    )
+    prefix_cache_checkpoint_interval: int = setting(
+        512,
+        "tokens between the prefix cache's checkpoints along a prompt: a prompt that shares L "
+        "tokens with a cached one resumes at least L minus this far in (each checkpoint costs "
+        "a window of rows and the compressor rings of every layer)",
+    )
+    prefix_cache_checkpoint_memory_bytes: int | None = setting(
+        None,
+        "bytes of the KV budget that hold the prefix cache's checkpoints (default: 1/8 of what "
+        "is left after fixed costs; a decode worker's default is 0); the shared entry pages "
+        "come from the pages themselves",
+    )
+    kv_offloading_size: float | None = setting(
+        None,
+        "GiB of pinned host memory per rank for the prefix cache's second tier: what it evicts "
+        "from the device moves there and comes back on a hit, copied while the device computes "
+        "(default: none, evicted state is dropped)",
+    )
     enforce_eager: bool = setting(
         False, "never capture CUDA graphs for decode steps", aliases=("--no-cuda-graphs",)
     )
@@ -120,6 +146,20 @@ class EngineConfig:
                 f"kv_staging_memory_bytes must be >= 0, got {self.kv_staging_memory_bytes}",
             ),
             (self.cpu_threads >= 1, f"cpu_threads must be >= 1, got {self.cpu_threads}"),
+            (
+                (self.prefix_cache_checkpoint_memory_bytes or 0) >= 0,
+                "prefix_cache_checkpoint_memory_bytes must be >= 0, got "
+                f"{self.prefix_cache_checkpoint_memory_bytes}",
+            ),
+            (
+                (self.kv_offloading_size or 0) >= 0,
+                f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}",
+            ),
+            (
+                self.prefix_cache_checkpoint_interval >= 1,
+                "prefix_cache_checkpoint_interval must be >= 1, got "
+                f"{self.prefix_cache_checkpoint_interval}",
+            ),
             (
                 self.tensor_parallel_size >= 1,
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",

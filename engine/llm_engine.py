@@ -34,8 +34,11 @@ import torch
 
 from engine import models
 from engine.async_copy import ToHost
+from engine.checkpoint import model_identity
 from engine.config import EngineConfig
+from engine.kv.block_hash import cache_salt
 from engine.kv.layout import STAGING, check_kv_cache_dtype
+from engine.kv.prefix_cache import PrefixCache
 from engine.load import Load
 from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from engine.parallel.group import SINGLE
@@ -91,7 +94,14 @@ class LLMEngine:
             raise
         self.model, self.pool = self.runner.model, self.runner.pool
         self.max_model_len = self.runner.max_context
-        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens)
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            layout = self.pool.layout_hash()
+            salt = cache_salt(model_identity(model_dir), layout, config.kv_cache_dtype)
+            self.prefix_cache = PrefixCache(
+                self.pool, config.prefix_cache_checkpoint_interval, salt, self.runner.host
+            )
+        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache)
         self._staged: dict[str, list[int]] = {}  # held request -> its staging blocks
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step the device runs
         self.async_scheduling = config.async_scheduling  # may change between steps (a bench)
@@ -199,6 +209,7 @@ class LLMEngine:
             held=sched.num_held,
             free_pages=self.pool.num_free_pages,
             total_pages=self.pool.num_total_pages,
+            cached_pages=self.prefix_cache.num_cached_pages if self.prefix_cache else 0,
         )
 
     def fail_all(self) -> None:
@@ -290,7 +301,13 @@ class LLMEngine:
             raise RequestError(
                 f"request {request_id!r} already finished at its first token ({reason})"
             )
-        if not self.scheduler.reserve(req):
+        plan = self.prefix_cache.begin_step() if self.prefix_cache else None
+        reserved = self.scheduler.reserve(req)
+        if plan:  # evictions to the host tier: read before the transfer writes the pages
+            self.runner.call("copy_pages", plan)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        if not reserved:
             return None
         return KVPages(pages=req.kv_pages(), num_tokens=len(prompt_token_ids))
 
@@ -398,6 +415,7 @@ class LLMEngine:
             prompt_tokens=len(req.prompt_token_ids),
             completion_tokens=len(req.output_token_ids),
             logprobs=logprobs,
+            cached_tokens=req.num_cached_tokens or 0,
         )
 
     # ---------------------------------------------------------------- scoring
@@ -410,8 +428,11 @@ class LLMEngine:
         if self._in_flight is not None:  # (only rows of finished requests can be left in it)
             self.step()
         req = self.new_request("__score__", token_ids, SamplingParams(max_tokens=1))
+        plan = self.prefix_cache.begin_step() if self.prefix_cache else None
         if not self.scheduler.try_allocate(req, len(token_ids)):
             raise RequestError(f"{len(token_ids)} tokens do not fit in the KV pools")
+        if plan:  # (evictions to the host tier)
+            self.runner.call("copy_pages", plan)
         try:
             chunks, step = [], self.config.max_num_batched_tokens
             for start in range(0, len(token_ids), step):

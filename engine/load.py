@@ -15,3 +15,4 @@ class Load:
     held: int = 0  # prefill: requests whose KV waits for a decode worker to read it
     free_pages: int = 0  # over all KV pool groups
     total_pages: int = 0
+    cached_pages: int = 0  # held only by the prefix cache (free + cached = total when idle)

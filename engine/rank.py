@@ -10,6 +10,7 @@ then the warm-up steps of the graph captures, in the same order.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Protocol
 
@@ -18,7 +19,8 @@ import torch.distributed as dist
 
 from engine import models
 from engine.config import EngineConfig
-from engine.kv.layout import KVCacheConfig
+from engine.kv.host_tier import HostTier
+from engine.kv.layout import KVCacheConfig, checkpoint_bytes, default_checkpoint_rows
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
@@ -77,8 +79,19 @@ def build_runner(
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
     )
+    if config.enable_prefix_caching:
+        size = config.prefix_cache_checkpoint_memory_bytes
+        each = checkpoint_bytes(cfg, kv_cfg.page_size, dtype.itemsize, kv_cfg.fp8)
+        rows = (
+            default_checkpoint_rows(cfg, kv_cfg, dtype.itemsize) if size is None else size // each
+        )
+        kv_cfg = dataclasses.replace(kv_cfg, checkpoint_rows=rows)
     pool = KVPool(cfg, kv_cfg, dtype=dtype, device=device, max_context=max_context)
-    runner = ModelRunner(model, pool, device, max_context, channel)
+    host = None
+    if config.enable_prefix_caching and config.kv_offloading_size:
+        size = int(config.kv_offloading_size * 2**30)
+        host = HostTier(size, pool.staging.block_bytes, pool.cell_bytes, pool.cell_rows)
+    runner = ModelRunner(model, pool, device, max_context, channel, host)
     if device.type == "cuda" and not config.enforce_eager and dtype is torch.bfloat16:
         # (torch's grouped GEMM of other dtypes syncs with the host on CUDA: eager there)
         sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]

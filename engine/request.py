@@ -32,6 +32,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache instead of computed
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,13 @@ class Request:
     slab: int | None = None  # the request's slab row (its compressor rings, its page tables)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # Prefix cache: hashes of its known tokens' whole blocks (engine.kv.block_hash), and the prompt
+    # tokens its first admission resumed from the cache (None until then)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    # where its tokens part from a cached prefix that no checkpoint of its marks: its prefill
+    # takes one there too (None: nowhere worth it)
+    branch_point: int | None = None
     lease_deadline: float | None = None  # HELD: time.monotonic() after which the KV is freed
 
     @property

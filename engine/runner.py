@@ -26,6 +26,8 @@ from typing import Any, Protocol, cast
 import torch
 
 from engine.async_copy import to_device
+from engine.kv.checkpoint import CopyPlan, capture_window_rows, run_copies
+from engine.kv.host_tier import HostTier
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Call, Channel
 from engine.parallel.group import TensorParallel
@@ -55,16 +57,18 @@ class ModelRunner:
         device: torch.device,
         max_context: int,
         channel: Channel | None = None,
+        host: HostTier | None = None,
     ) -> None:
         """channel: rank 0's line to the other ranks of its tensor-parallel group (None on a
-        single rank and on the other ranks, which receive the calls)."""
+        single rank and on the other ranks, which receive the calls); host: this rank's host
+        tier of the prefix cache (--kv-offloading-size)."""
         self.model, self.pool, self.device, self.max_context = (
             model,
             pool,
             torch.device(device),
             max_context,
         )
-        self.tp, self.channel = model.tp, channel
+        self.tp, self.channel, self.host = model.tp, channel, host
         if channel is not None:
             pool.table_writes = []  # the other ranks replay them
         self.graphs: dict[int, _DecodeGraph] = {}
@@ -99,9 +103,17 @@ class ModelRunner:
         """
         work = [(req, 1) for req in batch.decode] + batch.prefill
         spans = [
-            RowSpan(req.num_computed, n, req.slab_row, req.tokens(req.num_computed, n))
+            RowSpan(
+                req.num_computed,
+                n,
+                req.slab_row,
+                req.tokens(req.num_computed, n),
+                batch.captures.get(req.request_id, ()),
+            )
             for req, n in work
         ]
+        if batch.copies:  # prefix cache: requests resumed, checkpoints begun, tiers moved
+            self.call("copy_pages", batch.copies)
         samplers, rows, row = [], [], 0
         for req, n in work:
             row += n
@@ -133,7 +145,16 @@ class ModelRunner:
                 if logit_rows is None
                 else to_device(logit_rows, torch.int64, self.device)
             )
-        return self.model(self.pool, inputs, rows)
+        logits = self.model(self.pool, inputs, rows)
+        captures = [(s.row0, s.start, s.captures) for s in inputs.segments if s.captures]
+        if captures:
+            capture_window_rows(self.pool, captures)
+        return logits
+
+    def copy_pages(self, plan: CopyPlan) -> None:
+        """Every rank: the prefix cache's copies before a step (restores, checkpoints, pages to
+        and from the host tier)."""
+        run_copies(self.pool, plan, self.host)
 
     def _sampled_ids(self, spans: list[RowSpan]) -> torch.Tensor | None:
         """Every rank: the ids the spans' sampled_refs stand for ([1 + largest row] int64 on

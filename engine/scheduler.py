@@ -6,6 +6,11 @@ A request is admitted only when the pools can hold all its known tokens, so a pr
 never stalls half way; a decode that needs a new page while the pools are full preempts
 the most recently admitted request (its KV is freed and recomputed later), so the pool
 filling up queues work instead of failing it.
+
+With a prefix cache (engine.kv.prefix_cache) a request is admitted at the deepest checkpoint it
+shares (or waits a step for one the current step computes), its prefill chunks leave
+checkpoints behind, and pages only the cache holds are evicted before anything waits or is
+preempted.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv.allocator import OutOfPages
+from engine.kv.checkpoint import Capture, CopyPlan
 from engine.kv.pool import KVPool
+from engine.kv.prefix_cache import Hit, PrefixCache
 from engine.request import Request, Status
 
 
@@ -22,14 +29,18 @@ from engine.request import Request, Status
 class ScheduledBatch:
     decode: list[Request] = field(default_factory=list)
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, rows this step)
+    copies: CopyPlan = field(default_factory=CopyPlan)  # pages to copy before the step
+    captures: dict[str, tuple[Capture, ...]] = field(default_factory=dict)  # request id ->
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.prefill)
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, max_num_batched_tokens: int) -> None:
-        self.pool = pool
+    def __init__(
+        self, pool: KVPool, max_num_batched_tokens: int, cache: PrefixCache | None = None
+    ) -> None:
+        self.pool, self.cache = pool, cache
         self.token_budget = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -80,6 +91,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch, budget = ScheduledBatch(), self.token_budget
+        if self.cache is not None:
+            batch.copies = self.cache.begin_step()
         for req in [r for r in self.running if _is_decoding(r) and not r.ends_in_flight]:
             if budget == 0:
                 break
@@ -89,22 +102,66 @@ class Scheduler:
                 budget -= 1
         for req in self.running:
             if budget and not _is_decoding(req):
-                n = min(req.num_pending, budget)
-                batch.prefill.append((req, n))
-                budget -= n
-        while budget and self.waiting:
-            req = self.waiting[0]
+                budget -= self._prefill(batch, req, budget)
+        at = 0
+        while budget and at < len(self.waiting):
+            req = self.waiting[at]
             # FIFO: later requests wait too, so a big one is not starved; a preempted request
             # whose newest token is still on the device is recomputed once the token is known
-            if req.num_inflight or not self.try_allocate(req, req.num_tokens):
+            if req.num_inflight:
                 break
-            self.waiting.popleft()
+            hit = self.cache.lookup(req) if self.cache is not None else None
+            if self.cache is not None and self.cache.should_wait(req, hit):
+                at += 1  # this step computes its prefix: it resumes from there next step
+                continue
+            if not self._admit(req, hit, batch.copies):
+                break
+            del self.waiting[at]
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(req.num_pending, budget)
-            batch.prefill.append((req, n))
-            budget -= n
+            budget -= self._prefill(batch, req, budget)
         return batch
+
+    def _prefill(self, batch: ScheduledBatch, req: Request, budget: int) -> int:
+        """Schedule req's next prefill chunk (with its checkpoints); the rows it takes."""
+        n = min(req.num_pending, budget)
+        batch.prefill.append((req, n))
+        if self.cache is not None:
+            captures = self.cache.plan_captures(req, req.num_computed, n, batch.copies)
+            if captures:
+                batch.captures[req.request_id] = captures
+        return n
+
+    def _admit(self, req: Request, hit: Hit | None, copies: CopyPlan) -> bool:
+        """Give a waiting request its pages, resumed from `hit` (the copies it needs planned)."""
+        if hit is None:
+            if not self.try_allocate(req, req.num_tokens):
+                return False
+        elif not self._resume(req, hit, copies):
+            return False
+        if self.cache is not None:
+            shared = self.cache.shared_length(req)
+            worth = shared >= req.num_computed + self.cache.block
+            req.branch_point = shared if worth else None
+        if req.num_cached_tokens is None:  # its first admission
+            req.num_cached_tokens = req.num_computed
+            if self.cache is not None:
+                self.cache.stats.queries += len(req.prompt_token_ids)
+                self.cache.stats.hits += req.num_computed
+        return True
+
+    def _resume(self, req: Request, hit: Hit, copies: CopyPlan) -> bool:
+        cache = self.cache
+        assert cache is not None
+        cache.pin(hit)  # (evictions that make room for it must not take it)
+        try:
+            shared = cache.shared_pages(hit) if cache.bring_back(hit) else None
+            if shared is None or not self.try_allocate(req, req.num_tokens, shared):
+                return False
+            cache.restore(req, hit, copies)
+            return True
+        finally:
+            cache.unpin(hit)
 
     def _grow_or_preempt(self, req: Request) -> bool:
         """Make room for one more token of `req`; False if `req` itself had to be preempted."""
@@ -126,13 +183,27 @@ class Scheduler:
 
     # ---------------------------------------------------------------- KV pages
 
-    def try_allocate(self, req: Request, num_tokens: int) -> bool:
-        """Grow req's page tables (and give it a slab row) to cover `num_tokens` tokens."""
+    def try_allocate(
+        self, req: Request, num_tokens: int, shared: dict[str, list[int]] | None = None
+    ) -> bool:
+        """Grow req's page tables (and give it a slab row) to cover `num_tokens` tokens; a
+        request that holds none yet and resumes from the prefix cache shares the full entry
+        pages `shared` (its tables: its ring pages, the shared pages, then its own). Evicts what
+        only the prefix cache holds when the pools are short."""
         pool = self.pool
+        shared = shared or {}
         need = {
-            g: pool.pages_for(g, num_tokens) - len(req.page_tables.get(g, [])) for g in pool.groups
+            g: pool.pages_for(g, num_tokens)
+            - len(req.page_tables.get(g, []))
+            - len(shared.get(g, []))
+            for g in pool.groups
         }
-        if any(n > pool.groups[g].allocator.num_free for g, n in need.items()):
+        if req.slab is None and not pool.slab.num_free:
+            return False
+        if self.cache is not None:
+            if not self.cache.make_room(need):
+                return False
+        elif any(n > pool.groups[g].allocator.num_free for g, n in need.items()):
             return False
         if req.slab is None:
             try:
@@ -140,8 +211,11 @@ class Scheduler:
             except OutOfPages:
                 return False
         for g, n in need.items():
-            if n > 0:
-                pages = pool.groups[g].allocator.allocate(n)
+            pages = pool.groups[g].allocator.allocate(n) if n > 0 else []
+            if shared.get(g):
+                pool.groups[g].allocator.incref(shared[g])
+                pages = pages[: pool.ring_pages] + shared[g] + pages[pool.ring_pages :]
+            if pages:
                 table = req.page_tables.setdefault(g, [])
                 pool.write_page_table(req.slab, g, len(table), pages)
                 table.extend(pages)
@@ -157,4 +231,6 @@ class Scheduler:
 
 
 def _is_decoding(req: Request) -> bool:
-    return req.num_computed > 0 and req.num_pending == 1
+    """Past its prompt with one token to compute (a prompt resumed one token short of its end
+    still prefills: its chunk may leave a checkpoint)."""
+    return req.num_computed >= len(req.prompt_token_ids) and req.num_pending == 1

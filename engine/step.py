@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 
 from engine.async_copy import to_device
+from engine.kv.checkpoint import Capture
 from engine.kv.pool import KVPool
 from engine.layers.rope import RotaryTable
 
@@ -38,11 +39,12 @@ class RowSpan:
     num_rows: int
     slab: int  # the request's slab row
     token_ids: list[int]  # the tokens at those positions
+    captures: tuple[Capture, ...] = ()  # checkpoints of the prefix cache inside this chunk
 
     def __reduce__(self) -> tuple:
         # Pickled as its fields (half the time of a dataclass's default): rank 0 of a
         # tensor-parallel group sends every step's spans to the other ranks.
-        return RowSpan, (self.start, self.num_rows, self.slab, self.token_ids)
+        return RowSpan, (self.start, self.num_rows, self.slab, self.token_ids, self.captures)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Segment:
     num_rows: int
     slab: int
     req: int  # index of the request in the step
+    captures: tuple[Capture, ...] = ()  # where its compressors also keep their rings (checkpoint)
 
 
 @dataclass
@@ -103,7 +106,7 @@ def build_step_inputs(
         req_row0.append(row)
         slabs.append(slab)
         if b >= num_decode:
-            segments.append(Segment(row0=row, start=start, num_rows=n, slab=slab, req=b))
+            segments.append(Segment(row, start, n, slab, b, span.captures))
         row += n
     hca = pool.groups.get("hca")
     hca_width = max((p + 1) // hca.ratio for p in positions) if hca else 0

@@ -7,6 +7,7 @@ Public API (imports torch and triton only):
     slots = positions_to_slots(positions, page_table, page_size)
     store_kv_fp8(pool, slots, kv); store_index_k_fp8(pool, slots, keys)  # FP8 KV, kernels.kv_quant
     store_rows(pool, slots, rows, page_size)              # a plain or either FP8 pool
+    copy_rows(pool, src_slots, dst_slots, page_size)      # slot to slot, a plain or FP8 pool
     pre, post, comb = hc_weights(mixes, base, scale, n, iters, eps)      # mHC stream mixing
     y = rms_norm(x, weight_or_None, eps); y = apply_rope(x, cos, sin, inverse=False)
     xq, xs = quantize_activations(x)                      # FP8 per 128, ue8m0 scales
@@ -49,6 +50,7 @@ from kernels.backend import swap_kernels, use_backend
 from kernels.compressor_rows import CompressorRows
 from kernels.dispatch import (
     apply_rope,
+    copy_rows,
     hc_weights,
     indexer_topk,
     rms_norm,
@@ -76,6 +78,7 @@ __all__ = [
     "attention_post",
     "attention_pre",
     "compress_decode",
+    "copy_rows",
     "fp4_experts",
     "fp8_linear",
     "hc_merge",

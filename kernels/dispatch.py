@@ -128,6 +128,18 @@ def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, page
         store_index_k_fp8(pool, slots, rows)
 
 
+def copy_rows(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, page_size: int) -> None:
+    """Copy the rows at slots src [N] of a layer's attention pool to slots dst [N], bytes as they
+    are: a plain pool [slots, D], or an FP8 one (kernels.kv_quant: a row's data and scale bytes
+    lie apart in its page). Reads all of src before writing dst."""
+    if pool.dtype != torch.uint8:
+        pool.index_copy_(0, dst, pool.index_select(0, src))
+        return
+    assert pool.shape[1] == page_size * kv_quant.KV_TOKEN_BYTES, "not an FP8 attention pool"
+    for part in kv_quant.kv_views(pool):  # [pages, P, bytes] each
+        part[dst // page_size, dst % page_size] = part[src // page_size, src % page_size]
+
+
 def hc_weights(
     mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

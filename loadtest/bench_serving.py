@@ -12,6 +12,17 @@ each token itself. Definitions follow vLLM/SGLang, so the numbers compare with t
   E2E   request sent -> `data: [DONE]`
 Only successful requests count towards latencies and token throughput.
 
+Workloads (`--dataset-name`):
+  random                   every prompt new (no two share a prefix), --input-len long
+  generated-shared-prefix  SGLang's: --gsp-num-groups groups, each a system prompt of
+                           --gsp-system-prompt-len tokens and --gsp-prompts-per-group questions
+                           of --gsp-question-len, all sent in random order
+  multi-turn               --num-prompts conversations of --multi-turn-turns turns: each turn
+                           sends the conversation so far (its answers included) and a new
+                           question of --input-len tokens, once the last turn has answered
+The report gives the prefix-cache hit rate (usage.prompt_tokens_details.cached_tokens over
+prompt tokens) beside TTFT.
+
 `run_benchmark(BenchConfig(...)) -> dict` is the same run for Python callers (tests, notebooks).
 """
 
@@ -29,7 +40,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +82,13 @@ class BenchConfig:
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     label: str | None = None
     save_details: bool = False
+    dataset: str = "random"  # DATASETS
+    gsp_num_groups: int = 8
+    gsp_prompts_per_group: int = 16
+    gsp_system_prompt_len: int = 2048
+    gsp_question_len: int = 128
+    gsp_output_len: int = 256
+    multi_turn_turns: int = 4
 
     def public(self) -> dict[str, Any]:
         """The config as recorded in results: never the key, and inf as a JSON-safe string."""
@@ -79,6 +97,8 @@ class BenchConfig:
         out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
         return out
 
+
+DATASETS = ("random", "generated-shared-prefix", "multi-turn")
 
 # --- statistics (pure functions over recorded timings) --------------------------------------------
 
@@ -125,6 +145,7 @@ def summarize(
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     input_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    cached_tokens = sum(r.cached_tokens or 0 for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     tpots = [t for t in map(tpot, ok) if t is not None]
     return {
@@ -133,6 +154,9 @@ def summarize(
         "duration_s": duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
+        "total_cached_tokens": cached_tokens,
+        # of the prompt tokens, those the server resumed from its prefix cache
+        "cache_hit_rate": cached_tokens / input_tokens if input_tokens else None,
         "request_throughput": len(ok) / duration_s,
         "input_throughput": input_tokens / duration_s,
         "output_throughput": output_tokens / duration_s,
@@ -175,8 +199,57 @@ def arrival_gaps(n: int, rate: float, rng: random.Random) -> list[float]:
 # --- the run --------------------------------------------------------------------------------------
 
 
+@dataclass
+class Conversation:
+    """Requests sent one after another: `first`, then each of `questions` appended to the
+    conversation so far (the answers included)."""
+
+    first: str | list[dict[str, str]]  # the user's message, or the first request's messages
+    output_len: int
+    questions: list[str] = dataclasses.field(default_factory=list)
+
+
+def conversations(
+    cfg: BenchConfig,
+    rng: random.Random,
+    words: Callable[[int], int],
+    tokenizer: Any = None,
+) -> list[Conversation]:
+    """The run's requests; words(n): the words that make n prompt tokens."""
+    prompt = lambda n: make_prompt(drawn_length(words(n), cfg.range_ratio, rng), rng, tokenizer)
+    output = lambda: drawn_length(cfg.output_len, cfg.range_ratio, rng)
+    if cfg.dataset == "random":
+        return [Conversation(prompt(cfg.input_len), output()) for _ in range(cfg.num_prompts)]
+    if cfg.dataset == "multi-turn":
+        return [
+            Conversation(
+                prompt(cfg.input_len),
+                output(),
+                [prompt(cfg.input_len) for _ in range(cfg.multi_turn_turns - 1)],
+            )
+            for _ in range(cfg.num_prompts)
+        ]
+    if cfg.dataset != "generated-shared-prefix":
+        raise ValueError(f"unknown dataset {cfg.dataset!r}; choose one of {', '.join(DATASETS)}")
+    out = []
+    for _ in range(cfg.gsp_num_groups):
+        system = make_prompt(words(cfg.gsp_system_prompt_len), rng, tokenizer)
+        for _ in range(cfg.gsp_prompts_per_group):
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": prompt(cfg.gsp_question_len)},
+            ]
+            out.append(Conversation(messages, cfg.gsp_output_len))
+    rng.shuffle(out)
+    return out
+
+
 async def send_request(
-    client: httpx.AsyncClient, cfg: BenchConfig, model: str, prompt: str, output_len: int
+    client: httpx.AsyncClient,
+    cfg: BenchConfig,
+    model: str,
+    prompt: str | list[dict[str, str]],
+    output_len: int,
 ) -> StreamRecord:
     payload = chat_payload(model, prompt, output_len, ignore_eos=cfg.ignore_eos)
     record = StreamRecord(start=time.perf_counter())
@@ -206,32 +279,32 @@ async def resolve_model(client: httpx.AsyncClient, cfg: BenchConfig) -> str:
     return resp.json()["data"][0]["id"]
 
 
-async def prompt_words(
+async def prompt_probes(
     client: httpx.AsyncClient, cfg: BenchConfig, model: str, rng: random.Random
-) -> int:
-    """Words per prompt for `input_len` tokens, measured with two 1-token probe requests.
-
-    Falls back to one word per token (with a warning) if the probes fail. The probes also open
-    the first connection, so that cost stays out of the measured run.
-    """
+) -> list[tuple[int, int]] | None:
+    """(words, prompt tokens) of two 1-token probe requests (calibrated_words turns them into
+    words per prompt length); None when calibration is off or the probes fail (a warning: then
+    lengths count words). The probes also open the first connection, so that cost stays out of
+    the measured run."""
+    if not cfg.calibrate:
+        return None
     probes = []
     for words in PROBE_WORDS:
         record = await send_request(client, cfg, model, make_prompt(words, rng), 1)
         if not record.ok or record.prompt_tokens is None:
             print(
                 f"warning: no prompt calibration ({record.error or 'no usage'}); "
-                "--input-len counts words",
+                "lengths count words",
                 file=sys.stderr,
             )
-            return cfg.input_len
+            return None
         probes.append((words, record.prompt_tokens))
-    return calibrated_words(cfg.input_len, probes)
+    return probes
 
 
 async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     rng = random.Random(cfg.seed)
     tokenizer = load_tokenizer(cfg.tokenizer)
-    gaps = arrival_gaps(cfg.num_prompts, cfg.request_rate, rng)
     gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     # httpx pools 100 connections by default, which would silently cap concurrency; proxies from
     # the environment (trust_env) would be measured along with the server.
@@ -243,48 +316,69 @@ async def arun_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         base_url=cfg.base_url, timeout=timeout, limits=limits, trust_env=False
     ) as client:
         model = await resolve_model(client, cfg)
-        words = cfg.input_len
-        if tokenizer is None and cfg.calibrate:
-            words = await prompt_words(client, cfg, model, rng)
-        shapes = [
-            (
-                make_prompt(drawn_length(words, cfg.range_ratio, rng), rng, tokenizer),
-                drawn_length(cfg.output_len, cfg.range_ratio, rng),
-            )
-            for _ in range(cfg.num_prompts)
-        ]
+        probes = await prompt_probes(client, cfg, model, rng) if tokenizer is None else None
+        words = lambda tokens: calibrated_words(tokens, probes) if probes else tokens
+        convs = conversations(cfg, rng, words, tokenizer)
+        gaps = arrival_gaps(len(convs), cfg.request_rate, rng)
 
-        async def one(prompt: str, output_len: int) -> StreamRecord:
+        async def one(prompt: str | list[dict[str, str]], output_len: int) -> StreamRecord:
             if gate is None:
                 return await send_request(client, cfg, model, prompt, output_len)
             async with gate:
                 return await send_request(client, cfg, model, prompt, output_len)
 
+        async def converse(conv: Conversation) -> list[StreamRecord]:
+            messages = conv.first
+            records = [await one(messages, conv.output_len)]
+            for question in conv.questions:
+                if not records[-1].ok:
+                    break
+                if isinstance(messages, str):
+                    messages = [{"role": "user", "content": messages}]
+                answer = {"role": "assistant", "content": "".join(records[-1].text)}
+                messages = [*messages, answer, {"role": "user", "content": question}]
+                records.append(await one(messages, conv.output_len))
+            return records
+
         start = time.perf_counter()
         tasks = []
-        for (prompt, output_len), gap in zip(shapes, gaps, strict=True):
+        for conv, gap in zip(convs, gaps, strict=True):
             if gap:
                 await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(one(prompt, output_len)))
-        records = await asyncio.gather(*tasks)
+            tasks.append(asyncio.create_task(converse(conv)))
+        records = [r for rs in await asyncio.gather(*tasks) for r in rs]
         duration = time.perf_counter() - start
 
     result: dict[str, Any] = {
         "tool": "loadtest/bench_serving.py",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": {**cfg.public(), "model": model, "prompt_words": None if tokenizer else words},
+        "config": {
+            **cfg.public(),
+            "model": model,
+            "prompt_words": None if tokenizer else words(cfg.input_len),
+        },
         "summary": summarize(
             records,
             duration,
             cfg.percentiles,
-            cfg.output_len if cfg.ignore_eos and not cfg.range_ratio else None,
+            cfg.output_len
+            if cfg.ignore_eos and not cfg.range_ratio and cfg.dataset != "generated-shared-prefix"
+            else None,
         ),
     }
     if cfg.save_details:
         result["requests"] = [
             {
                 k: getattr(r, k)
-                for k in ("ttft", "latency", "output_tokens", "prompt_tokens", "itl", "error")
+                for k in (
+                    "ttft",
+                    "latency",
+                    "output_tokens",
+                    "prompt_tokens",
+                    "cached_tokens",
+                    "itl",
+                    "error",
+                )
             }
             for r in records
         ]
@@ -311,6 +405,10 @@ def format_summary(result: dict[str, Any]) -> str:
         ("Benchmark duration (s)", f"{s['duration_s']:.2f}"),
         ("Total input tokens", s["total_input_tokens"]),
         ("Total generated tokens", s["total_output_tokens"]),
+        (
+            "Prefix cache hit rate",
+            "-" if s["cache_hit_rate"] is None else f"{s['cache_hit_rate']:.3f}",
+        ),
         ("Request throughput (req/s)", f"{s['request_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{s['output_throughput']:.2f}"),
         ("Total token throughput (tok/s)", f"{s['total_token_throughput']:.2f}"),
@@ -382,6 +480,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--save-details", action="store_true", help="include per-request timings in the JSON"
     )
+    p.add_argument("--dataset-name", choices=DATASETS, default="random", help="the workload")
+    p.add_argument("--gsp-num-groups", type=int, default=8, help="shared system prompts")
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16, help="questions per prompt")
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048, help="its tokens")
+    p.add_argument("--gsp-question-len", type=int, default=128, help="tokens of a question")
+    p.add_argument("--gsp-output-len", type=int, default=256, help="max_tokens of each answer")
+    p.add_argument("--multi-turn-turns", type=int, default=4, help="turns per conversation")
     return p.parse_args(argv)
 
 
@@ -406,6 +511,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         percentiles=tuple(float(p) for p in a.percentiles.split(",")),
         label=a.label,
         save_details=a.save_details,
+        dataset=a.dataset_name,
+        gsp_num_groups=a.gsp_num_groups,
+        gsp_prompts_per_group=a.gsp_prompts_per_group,
+        gsp_system_prompt_len=a.gsp_system_prompt_len,
+        gsp_question_len=a.gsp_question_len,
+        gsp_output_len=a.gsp_output_len,
+        multi_turn_turns=a.multi_turn_turns,
     )
     result = run_benchmark(cfg)
     print(format_summary(result))

@@ -13,17 +13,19 @@ from typing import Any
 
 
 def chat_payload(
-    model: str, prompt: str, max_tokens: int, *, ignore_eos: bool = True
+    model: str, prompt: str | list[dict[str, str]], max_tokens: int, *, ignore_eos: bool = True
 ) -> dict[str, Any]:
-    """A streaming chat request with a fixed output length.
+    """A streaming chat request with a fixed output length; `prompt`: the user's message, or
+    the whole conversation so far.
 
     `ignore_eos` (a vLLM/SGLang extension dsaserve honours) plus `max_tokens` makes every request
     generate exactly `max_tokens` tokens, so runs compare like with like. `include_usage` asks for
     the server's own token counts in the last chunk, which beat counting chunks.
     """
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     return {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        "messages": messages,
         "max_tokens": max_tokens,
         "ignore_eos": ignore_eos,
         "temperature": 0.0,
@@ -49,6 +51,8 @@ class StreamRecord:
     chunks: int = 0  # chunks that carried content
     output_tokens: int = 0
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # of the prompt, found in the server's prefix cache
+    text: list[str] = field(default_factory=list)  # the content, chunk by chunk
     error: str | None = None
     done: bool = False  # saw `data: [DONE]`
     _usage_tokens: int | None = None
@@ -94,8 +98,15 @@ class StreamRecord:
         if isinstance(usage, dict):
             self._usage_tokens = usage.get("completion_tokens", self._usage_tokens)
             self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
-        if not any(_has_content(choice) for choice in event.get("choices") or ()):
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict):
+                self.cached_tokens = details.get("cached_tokens", self.cached_tokens)
+        choices = [c for c in event.get("choices") or () if _has_content(c)]
+        if not choices:
             return  # the role-only first delta and the usage-only last chunk are not tokens
+        self.text.extend(
+            (c.get("delta") or {}).get("content") or c.get("text") or "" for c in choices
+        )
         if self._last is None:
             self.ttft = now - self.start
         else:

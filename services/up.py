@@ -147,7 +147,10 @@ def engine_flags(config: EngineConfig) -> list[str]:
         value = getattr(config, flag.dest)
         if value == flag.default:
             continue
-        argv += [flag.option] if flag.kind is bool else [flag.option, str(value)]
+        if flag.kind is bool:  # (a switch that defaults on is turned off by its --no- form)
+            argv.append(flag.option if value else "--no-" + flag.option.removeprefix("--"))
+        else:
+            argv += [flag.option, str(value)]
     return argv
 
 

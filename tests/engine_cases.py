@@ -41,12 +41,21 @@ def drain(engine: LLMEngine, limit: int = 10_000) -> dict[str, list[RequestOutpu
 
 
 def assert_all_free(engine: LLMEngine) -> None:
-    """Every page and slab row free, no request left anywhere."""
+    """No request left anywhere, every page and slab row free but those only the prefix cache
+    holds; then, the cache emptied, every page and checkpoint row free."""
     load = engine.load()
-    assert load.free_pages == load.total_pages == engine.pool.num_total_pages
+    assert load.free_pages + load.cached_pages == load.total_pages == engine.pool.num_total_pages
     assert load.running == load.waiting == 0
     assert engine.pool.slab.num_free == engine.config.max_num_seqs
     assert not engine.scheduler.requests
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+        assert engine.prefix_cache.num_checkpoints == 0 and not engine.prefix_cache.root.children
+    assert engine.load().free_pages == load.total_pages and engine.load().cached_pages == 0
+    rows = engine.pool.checkpoint_slab
+    assert rows.num_free == rows.num_pages
+    host = engine.runner.host
+    assert host is None or host.num_free == host.allocator.num_pages
 
 
 def move_staged(

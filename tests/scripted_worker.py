@@ -56,6 +56,7 @@ class ScriptedWorker(grpc_api.PrefillServicer, grpc_api.DecodeServicer):
     prefill_status: grpc.StatusCode | None = None
     decode_error: str | None = None
     hold_decode: asyncio.Event | None = None  # Decode waits on it after its chunks
+    cached_tokens: int = 0  # what Prefill reports resumed from a prefix cache
     prefill_requests: list[pb.PrefillRequest] = field(default_factory=list)
     decode_requests: list[pb.DecodeRequest] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -73,7 +74,11 @@ class ScriptedWorker(grpc_api.PrefillServicer, grpc_api.DecodeServicer):
         self.prefill_requests.append(request)
         if self.prefill_status is not None:
             await context.abort(self.prefill_status, f"scripted {self.prefill_status.name}")
-        usage = pb.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=1)
+        usage = pb.Usage(
+            prompt_tokens=len(request.prompt_token_ids),
+            completion_tokens=1,
+            cached_tokens=min(self.cached_tokens, len(request.prompt_token_ids) - 1),
+        )
         response = pb.PrefillResponse(
             first_token_id=self.first_token_id, text=self.first_text, usage=usage
         )

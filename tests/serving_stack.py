@@ -97,7 +97,8 @@ class Proc:
     def all_kv_free(self) -> bool:
         load = self.load()
         return (
-            load.free_pages == load.total_pages and load.running == load.waiting == load.held == 0
+            load.free_pages + load.cached_pages == load.total_pages
+            and load.running == load.waiting == load.held == 0
         )
 
 

@@ -18,6 +18,7 @@ from bench.compare import rel_err
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.step import RowSpan
+from tests.engine_cases import assert_all_free
 from tests.kernels_cases import gpu_test
 from tests.release_reference import (
     ENGINE,
@@ -60,7 +61,7 @@ def test_graph_replayed_decode_equals_eager_decode_in_bf16(tiny):
     assert rel_err(graphed, eager) < 2e-2
     while engine.has_unfinished():
         engine.step()
-    assert engine.load().free_pages == engine.load().total_pages
+    assert_all_free(engine)
     assert all(len(r.token_ids) == 40 for r in llm.generate(PROMPTS, GREEDY))
 
 
@@ -121,6 +122,5 @@ def test_fp8_kv_cache_on_the_gpu_tracks_the_model_dtype_cache():
             assert llm.engine.runner.graphs, "decode steps must replay CUDA graphs"
             results = llm.generate(starts, GREEDY)
             assert all(len(r.token_ids) == GREEDY.max_tokens for r in results)
-            load = llm.engine.load()
-            assert load.free_pages == load.total_pages
+            assert_all_free(llm.engine)
     assert abs(bpb["fp8"] - bpb["auto"]) / bpb["auto"] < 0.01, bpb

@@ -103,7 +103,8 @@ def test_decode_stopped_past_the_lease_never_answers_from_freed_pages(
 def test_an_abort_cancelled_under_load_still_frees_the_pages(model, redis_server, tmp_path):
     """The router's Abort has a deadline; when the prefill worker's engine is busy the call is
     cancelled before the engine gets to it. The abort must still happen (the lease here is far
-    longer than the test). Steps of 4096 rows keep the engine busy for a second or more each."""
+    longer than the test). Steps of 4096 rows keep the engine busy for a second or more each
+    (prompts that share nothing: the prefix cache would compute one of them only)."""
     s = stack_in_db(model, redis_server, tmp_path, db=4)
     try:
         prefill = s.worker("prefill", "--lease-seconds", "600", "--max-num-batched-tokens", "4096")
@@ -118,7 +119,7 @@ def test_an_abort_cancelled_under_load_still_frees_the_pages(model, redis_server
             busy = [
                 stub.Prefill.future(
                     pb.PrefillRequest(
-                        request_id=f"busy-{i}", prompt_token_ids=[2] * 4000, sampling=sampling
+                        request_id=f"busy-{i}", prompt_token_ids=[2 + i] * 4000, sampling=sampling
                     ),
                     metadata=metadata,
                     timeout=120,

@@ -323,3 +323,43 @@ def test_plot_series_draws_one_line_pair_per_group(tmp_path: Path) -> None:
     png = tmp_path / "ttft.png"
     assert report.plot_series(runs, "ttft_ms", png, by="placement")
     assert imread(png)[..., :3].std() > 0.05
+
+
+# --- prefix-cache workloads ----------------------------------------------------------------------
+
+
+def test_stream_record_keeps_the_answer_and_the_cached_tokens() -> None:
+    r = StreamRecord(start=0.0)
+    for t, line in enumerate([chunk(role=True), chunk("Hel"), chunk("lo")]):
+        r.feed(line, float(t))
+    usage = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12}
+    r.feed(chunk(usage=usage | {"prompt_tokens_details": {"cached_tokens": 8}}), 3.0)
+    r.feed("data: [DONE]", 3.0)
+    r.finish(3.0)
+    assert "".join(r.text) == "Hello" and r.cached_tokens == 8
+    s = bench.summarize([r, recorded(0.0, 0.1, [0.01], prompt=30)], 4.0)
+    assert s["total_cached_tokens"] == 8 and s["cache_hit_rate"] == 8 / 40
+
+
+def test_the_workloads_share_what_they_promise() -> None:
+    rng = random.Random(3)
+    cfg = bench.BenchConfig(
+        dataset="generated-shared-prefix",
+        gsp_num_groups=3,
+        gsp_prompts_per_group=4,
+        gsp_system_prompt_len=50,
+        gsp_question_len=5,
+        gsp_output_len=7,
+    )
+    convs = bench.conversations(cfg, rng, lambda tokens: tokens)
+    systems = [c.first[0]["content"] for c in convs]  # type: ignore[index]
+    assert len(convs) == 12 and len(set(systems)) == 3
+    assert all(systems.count(s) == 4 and len(s.split()) == 50 for s in systems)
+    assert len({c.first[1]["content"] for c in convs}) == 12  # type: ignore[index]
+    assert {c.output_len for c in convs} == {7} and not any(c.questions for c in convs)
+    cfg = bench.BenchConfig(dataset="multi-turn", num_prompts=2, multi_turn_turns=3, input_len=6)
+    convs = bench.conversations(cfg, rng, lambda tokens: tokens)
+    assert [len(c.questions) for c in convs] == [2, 2]
+    assert all(len(q.split()) == 6 for c in convs for q in [c.first, *c.questions])
+    with pytest.raises(ValueError, match="unknown dataset"):
+        bench.conversations(bench.BenchConfig(dataset="sharegpt"), rng, lambda t: t)

@@ -56,7 +56,8 @@ async def wait_until(
 
 def test_record_json_round_trip_ignores_unknown_keys() -> None:
     rec = dataclasses.replace(
-        record("w1"), load=Load(running=3, waiting=1, free_pages=7, total_pages=9, held=2)
+        record("w1"),
+        load=Load(running=3, waiting=1, free_pages=7, total_pages=9, held=2, cached_pages=1),
     )
     data = json.loads(rec.to_json())
     assert data["load"] == {
@@ -65,6 +66,7 @@ def test_record_json_round_trip_ignores_unknown_keys() -> None:
         "free_pages": 7,
         "total_pages": 9,
         "held": 2,
+        "cached_pages": 1,
     }
     data["future_field"] = {"x": 1}
     data["load"]["future_load"] = 5

@@ -824,6 +824,8 @@ async def test_router_binds_loopback_unless_told_and_warns_when_open(
 ROUTER_ENGINE_MODULES = (
     "engine.checkpoint",
     "engine.config",
+    "engine.kv",
+    "engine.kv.block_hash",
     "engine.load",
     "engine.sampling_params",
 )

@@ -39,7 +39,8 @@ async def metric(router: Any, name: str) -> float:
 
 @pytest.mark.asyncio
 async def test_streamed_chat_follows_openai_sse(serve: Serve, make_router: Any) -> None:
-    await serve("prefill", "p1")
+    prefill = await serve("prefill", "p1")
+    prefill.cached_tokens = 2  # the prefill worker's prefix cache held two prompt tokens
     await serve("decode", "d1")
     router = await make_router()
     body = CHAT | {"stream": True, "stream_options": {"include_usage": True}}
@@ -72,7 +73,12 @@ async def test_streamed_chat_follows_openai_sse(serve: Serve, make_router: Any) 
     ]
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == []
-    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert chunks[-1]["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
 
 
 @pytest.mark.asyncio
@@ -93,6 +99,7 @@ async def test_openai_client_plain_and_streamed(serve: Serve, make_router: Any) 
         3,
         8,
     )
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
 
     text = await client.completions.create(model=MODEL, prompt="hi")
     assert text.object == "text_completion" and text.id.startswith("cmpl-")

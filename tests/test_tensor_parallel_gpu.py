@@ -17,7 +17,7 @@ from bench.compare import rel_err
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.step import RowSpan
-from tests.engine_cases import byte_ids
+from tests.engine_cases import assert_all_free, byte_ids
 from tests.release_reference import TOKENS, release_ids
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -62,7 +62,7 @@ def test_two_gpus_match_one_within_bf16s_own_error_and_replay_graphs(tiny):
         assert rel_err(graphed, eager) < 2e-2
         while engine.has_unfinished():
             engine.step()
-        assert engine.load().free_pages == engine.load().total_pages
+        assert_all_free(engine)
 
 
 @pytest.mark.gpu

@@ -61,3 +61,23 @@ def test_one_gpu_is_shared_and_impossible_requests_say_what_to_change():
 def test_on_the_cpu_only_the_sizes_matter():
     s = settings.parse(UpSettings, ["--decode-tp", "2"], "up", {})
     assert place(s, [], lambda n: True) == {"prefill": Placement(1), "decode": Placement(2)}
+
+
+def test_engine_flags_give_a_worker_the_same_engine_config():
+    """What `dsaserve up` passes on parses back to the config it was given, switches that
+    default on turned off by their --no- form."""
+    from engine.config import EngineConfig
+    from services.up import engine_flags
+    from services.worker.settings import WorkerSettings
+
+    given = EngineConfig(
+        enable_prefix_caching=False,
+        async_scheduling=False,
+        enforce_eager=True,
+        kv_offloading_size=0.5,
+        prefix_cache_checkpoint_interval=256,
+    )
+    argv = engine_flags(given)
+    assert "--no-enable-prefix-caching" in argv and "--no-async-scheduling" in argv
+    parsed = settings.parse(WorkerSettings, [*argv, "--cluster-token", "t"], "worker", environ={})
+    assert parsed.engine == given

@@ -21,6 +21,7 @@ from kernels.kv_quant import KV_DIM, KV_ROPE, KV_TOKEN_BYTES, index_token_bytes
 SLAB = "slab"
 STAGING = "staging"
 STAGING_SHARE = 16  # by default staged requests get 1/16 of the budget left after fixed costs
+CHECKPOINT_SHARE = 8  # prefix caching: checkpoints get 1/8 of the budget left after fixed costs
 
 
 class KVBudgetError(ValueError):
@@ -35,6 +36,10 @@ class KVCacheConfig:
     max_num_batched_tokens: int = 8192  # rows one forward step may compute (scratch rows)
     staging_bytes: int | None = None  # for staged requests (None: see STAGING_SHARE)
     kv_cache_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": kernels.kv_quant pages
+    # checkpoints of the prefix cache (engine.kv.prefix_cache): each a slab row past the
+    # requests' (compressor rings at a cached position) and a window ring's pages in every
+    # group, a fixed cost of the budget
+    checkpoint_rows: int = 0
 
     @property
     def fp8(self) -> bool:
@@ -195,6 +200,52 @@ def ring_elems(model: KVModel) -> int:
     return sum(2 * r.rows * r.features for r in model.compressor_rings())
 
 
+def _fixed_and_per_token(
+    model: KVModel, kv_cfg: KVCacheConfig, esize: int
+) -> tuple[float, float, dict[str, tuple[int, int]]]:
+    """(fixed bytes, bytes a token of capacity costs, group -> (base pages, ratio)) of a plan:
+    scratch, slab rows, each sequence's ring pages plus one partial page per compressed group,
+    each checkpoint's ring pages."""
+    P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, kv_cfg.max_num_batched_tokens
+    ring = ring_pages(model, P)
+    kv_row, index_row = row_bytes(model, esize, kv_cfg.fp8)
+    fixed, per_token, pages = 0.0, 0.0, {}
+    for g in model.kv_groups():
+        row = group_row_bytes(model, g, esize, kv_cfg.fp8)
+        page = P * row * len(g.layers)
+        base_pages = S * (ring + (1 if g.ratio else 0)) + kv_cfg.checkpoint_rows * ring
+        pages[g.name] = (base_pages, g.ratio)
+        if kv_cfg.fp8:  # scratch + trash rows in whole pages, the index trash row in a page
+            extra = scratch_pages(P, B) * P * kv_row + (P * index_row if g.indexed else 0)
+        else:
+            extra = (B + 2) * row
+        fixed += base_pages * page + extra * len(g.layers)
+        if g.ratio:
+            per_token += page / (g.ratio * P)
+    fixed += (S + kv_cfg.checkpoint_rows) * ring_elems(model) * esize
+    return fixed, per_token, pages
+
+
+def checkpoint_bytes(model: KVModel, page_size: int, esize: int, fp8: bool = False) -> int:
+    """What one checkpoint of the prefix cache holds of its own: a slab row (every compressor's
+    rings) and the window ring's pages of every group."""
+    ring = ring_pages(model, page_size)
+    pages = sum(
+        page_size * group_row_bytes(model, g, esize, fp8) * len(g.layers) * ring
+        for g in model.kv_groups()
+    )
+    return ring_elems(model) * esize + pages
+
+
+def default_checkpoint_rows(model: KVModel, kv_cfg: KVCacheConfig, esize: int) -> int:
+    """Checkpoints for prefix caching: 1/CHECKPOINT_SHARE of the budget left after the other
+    fixed costs."""
+    fixed, _, _ = _fixed_and_per_token(model, kv_cfg, esize)
+    spare = kv_cfg.memory_bytes - fixed
+    each = checkpoint_bytes(model, kv_cfg.page_size, esize, kv_cfg.fp8)
+    return max(0, int(spare)) // CHECKPOINT_SHARE // max(1, each)
+
+
 def plan_pages(
     model: KVModel, kv_cfg: KVCacheConfig, esize: int, block_bytes: int
 ) -> tuple[dict[str, int], int]:
@@ -206,23 +257,8 @@ def plan_pages(
     1/STAGING_SHARE of it; the ring pulls land in is not part of the budget), and what is left
     buys token capacity C: a compressed group with rate r gets C / r / P more pages.
     """
-    P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, kv_cfg.max_num_batched_tokens
-    ring = ring_pages(model, P)
-    kv_row, index_row = row_bytes(model, esize, kv_cfg.fp8)
-    fixed, per_token, pages = 0.0, 0.0, {}
-    for g in model.kv_groups():
-        row = group_row_bytes(model, g, esize, kv_cfg.fp8)
-        page = P * row * len(g.layers)
-        base_pages = S * (ring + (1 if g.ratio else 0))
-        pages[g.name] = (base_pages, g.ratio)
-        if kv_cfg.fp8:  # scratch + trash rows in whole pages, the index trash row in a page
-            extra = scratch_pages(P, B) * P * kv_row + (P * index_row if g.indexed else 0)
-        else:
-            extra = (B + 2) * row
-        fixed += base_pages * page + extra * len(g.layers)
-        if g.ratio:
-            per_token += page / (g.ratio * P)
-    fixed += S * ring_elems(model) * esize
+    P, S = kv_cfg.page_size, kv_cfg.max_num_seqs
+    fixed, per_token, pages = _fixed_and_per_token(model, kv_cfg, esize)
     spare = kv_cfg.memory_bytes - fixed
     staging = kv_cfg.staging_bytes
     staging = max(0, int(spare)) // STAGING_SHARE if staging is None else staging

@@ -130,6 +130,7 @@ class KVPool:
         pages, outbox = plan_pages(cfg, kv_cfg, esize, block)
 
         seqs = kv_cfg.max_num_seqs + 1
+        rows = seqs + kv_cfg.checkpoint_rows  # the requests' slab rows, then the checkpoints'
         shapes: dict[tuple, tuple[tuple[int, ...], torch.dtype]] = {}
         for lg in layer_groups:
             n = pages[lg.name] + 1  # + one dummy page (below)
@@ -144,7 +145,7 @@ class KVPool:
                     shapes[lg.name, "kv", i] = (n * P + S + 1, cfg.head_dim), dtype
                     if lg.indexed:
                         shapes[lg.name, "index_k", i] = (n * P + 1, cfg.index_head_dim), dtype
-        shapes[SLAB,] = (seqs, round_up(max(ring_elems(cfg), 1), cell // esize)), dtype
+        shapes[SLAB,] = (rows, round_up(max(ring_elems(cfg), 1), cell // esize)), dtype
         self.arena, views = _carve(shapes, cell, self.device)
         self.cell_rows = self.arena.view(-1, cell // self.arena.element_size())  # [cells, words]
 
@@ -162,7 +163,9 @@ class KVPool:
             )
         self.group_of_layer = {i: g.name for g in self.groups.values() for i in g.layers}
         self.slab = PageAllocator(seqs)
-        self.slab_rows = views[SLAB,]  # [seqs, row]: every ring of one request, padded to cells
+        # Rows seqs.. hold checkpoints of the prefix cache: a request's rings at a cached position
+        self.checkpoint_slab = PageAllocator(kv_cfg.checkpoint_rows, first=seqs)
+        self.slab_rows = views[SLAB,]  # [rows, row]: every ring of one request, padded to cells
         # Padding rows of a captured decode batch read and write a dummy page and slab row
         # that no request ever owns.
         self.dummy_pages = {g: grp.allocator.allocate(1)[0] for g, grp in self.groups.items()}
@@ -192,7 +195,7 @@ class KVPool:
             pair = []
             for _ in ("kv", "gate"):
                 size = ring.rows * ring.features
-                pair.append(self.slab_rows[:, at : at + size].view(seqs, ring.rows, ring.features))
+                pair.append(self.slab_rows[:, at : at + size].view(rows, ring.rows, ring.features))
                 at += size
             target = self.index_ring if ring.name == "index" else self.comp_ring
             target[ring.layer] = (pair[0], pair[1])
@@ -297,10 +300,11 @@ class KVPool:
         """The arena cells of a request's KV state in stream order: region by region (in
         `regions()` order), the request's pages in its page-table order. [n] int64.
 
-        pages: group -> page ids, the slab row under "slab" (as `LLMEngine.held_pages`)."""
+        pages: group -> page ids, the slab row under "slab" (as `LLMEngine.held_pages`); a
+        group left out adds nothing."""
         parts = []
         for group, (first, per) in self._page_cells.items():
-            ids = np.asarray(pages[group], dtype=np.int64)
+            ids = np.asarray(pages.get(group, ()), dtype=np.int64)
             # Runs of cells, region-major: run (r, i) starts at first[r] + ids[i] * per[r].
             starts = (first[:, None] + ids[None, :] * per[:, None]).ravel()  # [regions * n]
             lengths = np.repeat(per, ids.size)
@@ -310,7 +314,9 @@ class KVPool:
 
     def stream_bytes(self, pages: Mapping[str, Sequence[int]]) -> int:
         """Bytes of a request's KV state: cells(pages).size * cell_bytes, without the cells."""
-        cells = sum(len(pages[g]) * int(per.sum()) for g, (_, per) in self._page_cells.items())
+        cells = sum(
+            len(pages.get(g, ())) * int(per.sum()) for g, (_, per) in self._page_cells.items()
+        )
         return cells * self.cell_bytes
 
     def stage(self, pages: Mapping[str, Sequence[int]]) -> list[int] | None:

@@ -84,7 +84,9 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             text=out.text,
             finish_reason=FINISH_REASONS[out.finish_reason],
             usage=pb.Usage(
-                prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens
+                prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens,
+                cached_tokens=out.cached_tokens,
             ),
         )
         if out.logprobs:

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CollectorRegistry
 
+from services.kv_events import CacheIndex
 from services.metrics import exposition
 from services.registry import ROLES, RegistryWatcher
 
@@ -67,6 +68,13 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     model = ServedModel.load(s.model_dir, s.served_model_name, s.max_model_len, s.default_thinking)
     metrics = RouterMetrics(CollectorRegistry())
     watcher = RegistryWatcher(s.redis_url, s.registry_ttl_s)
+    cache = (
+        CacheIndex(
+            s.redis_url, lambda: [w.worker_id for w in watcher.workers("prefill", model.name)]
+        )
+        if s.policy == "cache_aware"
+        else None
+    )
     clients = WorkerClients(s.cluster_token, s.tls)
     admission = Admission(s.max_inflight, s.max_queue)
     metrics.track_admission(lambda: admission.waiting, lambda: admission.inflight)
@@ -78,6 +86,8 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         clients.inflight,
         rng,
         on_mark=lambda worker, reason: metrics.marked_unhealthy.labels(worker.role, reason).inc(),
+        cache=cache,
+        balance_bound=s.balance_abs_threshold,
     )
     key_limit = KeyLimit(s.max_inflight_per_key)
     flow = PDFlow(selector, clients, s.stall_timeout_s)
@@ -86,9 +96,13 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await watcher.start()
+        if cache is not None:
+            cache.start()
         try:
             yield
         finally:
+            if cache is not None:
+                await cache.stop()
             await watcher.stop()
             await clients.close()
 

@@ -47,6 +47,7 @@ class Finish:
     reason: str  # "stop" | "length"
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens the prefill worker resumed from its prefix cache
 
 
 Event = Token | Finish
@@ -91,7 +92,9 @@ class PDFlow:
 
     async def generate(self, gen: Generation) -> AsyncGenerator[Event, None]:
         prefill_worker, first = await self._retry_once(
-            "prefill", self._selector.prefill, lambda w: self._prefill(w, gen)
+            "prefill",
+            lambda exclude: self._selector.prefill(exclude, gen.prompt_ids),
+            lambda w: self._prefill(w, gen),
         )
         gen.timer.token()
         finished = False  # once True, nobody holds KV for this request any more
@@ -99,7 +102,7 @@ class PDFlow:
             first_logprobs = (first.first_logprob,) if first.HasField("first_logprob") else ()
             yield Token(first.text, (first.first_token_id,), first_logprobs)
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen)
+                finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen, first)
                 finished = True
                 yield finish
                 return
@@ -111,7 +114,7 @@ class PDFlow:
             try:
                 with self._clients.busy(decode_worker.worker_id):
                     while response is not grpc.aio.EOF:
-                        event = self._event(response, decode_worker, gen)
+                        event = self._event(response, decode_worker, gen, first)
                         if isinstance(event, Finish):
                             finished = True
                             await self._drain(call)  # end the call cleanly, not by cancelling
@@ -131,15 +134,23 @@ class PDFlow:
             if not finished:
                 self._clients.abort_later(prefill_worker, gen.request_id)
 
-    def _event(self, response: pb.DecodeResponse, worker: WorkerRecord, gen: Generation) -> Event:
-        """What one Decode message means for the client."""
+    def _event(
+        self,
+        response: pb.DecodeResponse,
+        worker: WorkerRecord,
+        gen: Generation,
+        first: pb.PrefillResponse,
+    ) -> Event:
+        """What one Decode message means for the client (`first`: what Prefill answered)."""
         kind = response.WhichOneof("kind")
         if kind == "chunk":
             gen.timer.token()
             chunk = response.chunk
             return Token(chunk.text, tuple(chunk.token_ids), tuple(chunk.logprobs))
         if kind == "done":
-            return self._finish(response.done.finish_reason, response.done.usage, worker, gen)
+            return self._finish(
+                response.done.finish_reason, response.done.usage, worker, gen, first
+            )
         if kind == "error":
             cause = response.error.cause or "decode_error"
             # The KV could not be pulled intact: nothing is wrong with the request itself.
@@ -257,7 +268,15 @@ class PDFlow:
             raise from_grpc(e, "decode", worker.address) from None
 
     @staticmethod
-    def _finish(reason: int, usage: pb.Usage, worker: WorkerRecord, gen: Generation) -> Finish:
+    def _finish(
+        reason: int,
+        usage: pb.Usage,
+        worker: WorkerRecord,
+        gen: Generation,
+        first: pb.PrefillResponse,
+    ) -> Finish:
+        """The generation's end; the cached tokens are the prefill worker's (`first`), which
+        computed the prompt."""
         if reason == pb.FINISH_REASON_ABORT:
             raise APIError(
                 503,
@@ -271,4 +290,9 @@ class PDFlow:
                 cause="protocol",
             )
         gen.timer.finish(usage.prompt_tokens, usage.completion_tokens)
-        return Finish(_FINISH_REASONS[reason], usage.prompt_tokens, usage.completion_tokens)
+        return Finish(
+            _FINISH_REASONS[reason],
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            first.usage.cached_tokens,
+        )

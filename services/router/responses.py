@@ -2,7 +2,8 @@
 
 Chat and text completions differ only in object names and in their choices (choices.py); every
 chunk of a stream shares `id`, `created` and `model`. Usage counts the prompt once and the
-completion tokens of every choice.
+completion tokens of every choice, and (OpenAI's prompt_tokens_details.cached_tokens) the prompt
+tokens the prefill worker resumed from its prefix cache.
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ class Reply:
     def _usage(self) -> JSON:
         prompt = next(iter(self._finishes.values())).prompt_tokens
         completion = sum(f.completion_tokens for f in self._finishes.values())
+        # Each choice's prompt was prefilled on its own: the least any of them found cached.
+        cached = min(f.cached_tokens for f in self._finishes.values())
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def _chunk(self, choice: JSON) -> JSON:

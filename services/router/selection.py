@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
+from services.kv_events import CacheIndex
 from services.registry import ROLES, RegistryWatcher, Role, WorkerRecord
 
 from .errors import APIError
-from .policy import make_policy
+from .policy import DEFAULT_BALANCE_BOUND, make_policy
 
 
 class WorkerSelector:
@@ -32,13 +33,18 @@ class WorkerSelector:
         inflight: Mapping[str, int],
         rng: random.Random | None = None,
         on_mark: Callable[[WorkerRecord, str], None] = lambda worker, reason: None,
+        cache: CacheIndex | None = None,
+        balance_bound: int = DEFAULT_BALANCE_BOUND,
     ) -> None:
+        """cache: what the prefill workers' prefix caches hold (for cache_aware)."""
         self._watcher = watcher
         self._model = model
         self._inflight = inflight
         self._on_mark = on_mark
         # One policy state per role: round-robin over prefill workers must not skip decode ones.
-        self._policies = {"prefill": make_policy(policy, rng), "decode": make_policy(policy, rng)}
+        self._policies = {
+            role: make_policy(policy, rng, cache, balance_bound) for role in ("prefill", "decode")
+        }
         self._benched: dict[str, float] = {}  # worker id -> monotonic end of its cool-down
         # A 503 for want of workers lasts until at least the next registry refresh.
         self.retry_after_s = math.ceil(watcher.refresh_interval_s)
@@ -67,10 +73,12 @@ class WorkerSelector:
         self._benched = {w: end for w, end in self._benched.items() if end > now}
         return [w for w in self.live(role) if w.worker_id in self._benched]
 
-    def _choose(self, role: Role, candidates: list[WorkerRecord]) -> WorkerRecord:
+    def _choose(
+        self, role: Role, candidates: list[WorkerRecord], prompt: Sequence[int] = ()
+    ) -> WorkerRecord:
         benched = {w.worker_id for w in self.unhealthy(role)}
         healthy = [w for w in candidates if w.worker_id not in benched]
-        return self._policies[role].choose(healthy or candidates, self._inflight)
+        return self._policies[role].choose(healthy or candidates, self._inflight, prompt)
 
     def unavailable_reason(self) -> str | None:
         """Why no request could be served right now, or None when a pair exists."""
@@ -94,7 +102,8 @@ class WorkerSelector:
             )
         return None
 
-    def prefill(self, exclude: Collection[str] = ()) -> WorkerRecord:
+    def prefill(self, exclude: Collection[str] = (), prompt: Sequence[int] = ()) -> WorkerRecord:
+        """A prefill worker for a request with these token ids (the policy may route by them)."""
         layouts = {w.layout_hash for w in self.live("decode")}
         candidates = [
             w
@@ -103,7 +112,7 @@ class WorkerSelector:
         ]
         if not candidates:
             raise self._unavailable()
-        return self._choose("prefill", candidates)
+        return self._choose("prefill", candidates, prompt)
 
     def decode(self, layout_hash: str, exclude: Collection[str] = ()) -> WorkerRecord:
         candidates = [

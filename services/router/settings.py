@@ -9,7 +9,7 @@ from engine.config import setting
 from services.connections import GrpcTLS
 from services.registry import DEFAULT_TTL_S
 
-from .policy import POLICIES
+from .policy import DEFAULT_BALANCE_BOUND, POLICIES
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,19 @@ class RouterSettings:
     api_keys: tuple[str, ...] = setting(
         (), "accepted Bearer key (repeatable; none = no authentication)", flag="--api-key"
     )
-    policy: str = setting("least_load", "worker balancing policy", choices=sorted(POLICIES))
+    policy: str = setting(
+        "cache_aware",
+        "worker balancing policy: cache_aware sends a prompt to the prefill worker whose prefix "
+        "cache holds the longest start of it (what each worker holds: a Redis stream of its "
+        "cache's changes), within --balance-abs-threshold of the least load; the others balance "
+        "load only",
+        choices=sorted(POLICIES),
+    )
+    balance_abs_threshold: int = setting(
+        DEFAULT_BALANCE_BOUND,
+        "cache_aware: the most a worker's load (running + waiting + this router's calls) may "
+        "exceed the least loaded worker's for a prefix it holds to still go there",
+    )
     max_inflight: int = setting(256, "requests running at once")
     max_queue: int = setting(1024, "requests waiting for a slot before 429s")
     max_inflight_per_key: int = setting(
@@ -65,6 +77,10 @@ class RouterSettings:
         checks = [
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
             (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
+            (
+                self.balance_abs_threshold >= 0,
+                f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}",
+            ),
             (
                 self.max_inflight_per_key >= 0,
                 f"max_inflight_per_key must be >= 0, got {self.max_inflight_per_key}",

@@ -51,12 +51,14 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PageIds(_message.Message):
     __slots__ = ("ids",)
@@ -236,15 +238,17 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running", "waiting", "free_pages", "total_pages", "held")
+    __slots__ = ("running", "waiting", "free_pages", "total_pages", "held", "cached_pages")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     free_pages: int
     total_pages: int
     held: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., held: _Optional[int] = ...) -> None: ...
+    cached_pages: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., held: _Optional[int] = ..., cached_pages: _Optional[int] = ...) -> None: ...

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
+from engine.kv.prefix_cache import CacheStats
 from engine.load import Load
 from services.metrics import E2E_BUCKETS
 
@@ -13,7 +15,11 @@ TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 
 class WorkerMetrics:
-    def __init__(self, role: str, load: Callable[[], Load]) -> None:
+    def __init__(
+        self, role: str, load: Callable[[], Load], cache: Callable[[], CacheStats]
+    ) -> None:
+        """load: the engine's load after its last step; cache: its prefix cache's counts (read
+        on the scraping thread: plain ints the engine thread only adds to)."""
         self.registry = r = CollectorRegistry()
         labels = {"role": role}
         for name, doc, field in (
@@ -22,6 +28,11 @@ class WorkerMetrics:
             ("dsaserve_requests_held", "Prefilled requests whose KV waits for a reader", "held"),
             ("dsaserve_kv_pages_free", "Free KV pages over all pools", "free_pages"),
             ("dsaserve_kv_pages_total", "KV pages over all pools", "total_pages"),
+            (
+                "dsaserve_kv_pages_cached",
+                "KV pages held only by the prefix cache (free + cached = total when idle)",
+                "cached_pages",
+            ),
         ):
             Gauge(name, doc, labels.keys(), registry=r).labels(**labels).set_function(
                 _reader(load, field)
@@ -57,10 +68,42 @@ class WorkerMetrics:
             ["role", "cause"],
             registry=r,
         )
+        r.register(PrefixCacheCollector(role, cache))
         self.role = role
 
     def fail(self, cause: str) -> None:
         self.failures.labels(role=self.role, cause=cause).inc()
+
+
+class PrefixCacheCollector:
+    """The prefix cache's counters, as vLLM counts its own: prompt tokens looked up, of those
+    resumed from the cache, and checkpoints evicted."""
+
+    def __init__(self, role: str, stats: Callable[[], CacheStats]) -> None:
+        self._role, self._stats = role, stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, doc, value in (
+            (
+                "dsaserve_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                stats.queries,
+            ),
+            (
+                "dsaserve_prefix_cache_hits",
+                "Prompt tokens resumed from the prefix cache",
+                stats.hits,
+            ),
+            (
+                "dsaserve_prefix_cache_evictions",
+                "Prefix-cache checkpoints evicted",
+                stats.evictions,
+            ),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["role"])
+            family.add_metric([self._role], value)
+            yield family
 
 
 def _reader(load: Callable[[], Load], field: str) -> Callable[[], float]:

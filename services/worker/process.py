@@ -1,5 +1,6 @@
 """One prefill or decode worker process: the engine thread, the NIXL agent, the registry record,
-the gRPC server with its cluster-token check, and the HTTP probes.
+the gRPC server with its cluster-token check, the HTTP probes, and (prefill) the stream of its
+prefix cache's changes that routers route by.
 
 `dsaserve prefill` / `dsaserve decode` build a `Worker` with the role's service class and serve
 until SIGINT/SIGTERM (services/prefill/main.py, services/decode/main.py).
@@ -25,9 +26,11 @@ import grpc
 
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.engine_loop import EngineLoop
+from engine.kv.prefix_cache import CacheStats
 from engine.llm_engine import LLMEngine
 from services import connections
 from services.auth import ClusterTokenCheck
+from services.kv_events import CacheEventPublisher
 from services.registry import Role, WorkerRecord, WorkerRegistration
 from services.rpc import pb
 from services.transfer import KVTransfer, Region
@@ -98,9 +101,17 @@ class Worker:
         if role == "decode" and engine_config.kv_staging_memory_bytes is None:
             # A decode worker never holds a request for a reader: no staging blocks to keep.
             engine_config = dataclasses.replace(engine_config, kv_staging_memory_bytes=0)
+        if role == "decode" and engine_config.prefix_cache_checkpoint_memory_bytes is None:
+            # Nor does it compute prompts (they arrive computed): no checkpoints to keep.
+            engine_config = dataclasses.replace(
+                engine_config, prefix_cache_checkpoint_memory_bytes=0
+            )
         self.engine = LLMEngine(model_dir, engine_config)
         self.loop = EngineLoop(self.engine)
-        self.metrics = WorkerMetrics(role, self.loop.load)
+        cache = self.engine.prefix_cache
+        self.metrics = WorkerMetrics(
+            role, self.loop.load, lambda: cache.stats if cache is not None else CacheStats()
+        )
         bind_ucx_to(self.advertise_host)
         # NIXL is not thread-safe: one thread makes every call on the agent.
         self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
@@ -154,6 +165,7 @@ class Worker:
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         tasks = [asyncio.create_task(service.background())]
         await registration.start()
+        publisher = self._cache_publisher()
         self.ready.set()
         log.info(
             "%s worker %s serving %s on %s (layout %s)",
@@ -168,6 +180,8 @@ class Worker:
         log.info("%s worker %s stopping", self.role, self.worker_id)
         self.ready.clear()
         await registration.stop()  # leave routing first
+        if publisher is not None:
+            await publisher.stop()
         await server.stop(grace=5)
         for task in tasks:
             task.cancel()
@@ -179,6 +193,22 @@ class Worker:
         self._nixl_thread.shutdown()
         if probes is not None:
             probes.stop()
+
+    def _cache_publisher(self) -> CacheEventPublisher | None:
+        """A prefill worker tells routers what its prefix cache holds (services.kv_events)."""
+        cache = self.engine.prefix_cache
+        if self.role != "prefill" or cache is None:
+            return None
+        publisher = CacheEventPublisher(
+            self.settings.redis_url,
+            self.worker_id,
+            self.transfer.agent_name,  # one per process start
+            cache.salt,
+            cache.block,
+            lambda snapshot: self.loop.run(lambda e: cache.take_events(snapshot)),
+        )
+        publisher.start()
+        return publisher
 
     async def _watch_engine(self, stop: asyncio.Event) -> None:
         """A dead engine thread, or a dead rank of its tensor-parallel group, cannot serve:

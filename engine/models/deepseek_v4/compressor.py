@@ -7,7 +7,8 @@ indexer) produce 2*head_dim features per token: the first half (Ca) feeds the NE
 entry, the second half (Cb) the token's own window, so entry w pools 2*rate slots.
 
 The last tokens' raw projections live in the request's slab ring (`KVPool.comp_ring` /
-`index_ring`), so a window can close in a later step than the one that started it.
+`index_ring`), so a window can close in a later step than the one that started it; a prefix-cache
+checkpoint inside a chunk gets the ring as of its position in a slab row of its own.
 Entries are written straight into the pool at their entry slots.
 """
 
@@ -90,10 +91,12 @@ class Compressor(torch.nn.Module):
                 entries = self._pool(cur, prev, windows * self.rate, step)
                 req = torch.full_like(windows, seg.req)
                 step.pool.write(target, step.entry_slots(group, req, windows), entries)
-            # Keep the newest ring rows for windows that close in later steps.
-            keep = torch.arange(max(s, e - rows), e, device=x.device)
-            ring_kv[seg.slab, keep.remainder(rows)] = kv[chunk][keep - s]
-            ring_gate[seg.slab, keep.remainder(rows)] = gate[chunk][keep - s]
+            # Keep the newest ring rows for windows that close in later steps; a checkpoint
+            # inside the chunk keeps the ring as of its position (engine.kv.checkpoint).
+            for end, row in ((e, seg.slab), *((c.position, c.slab) for c in seg.captures)):
+                keep = torch.arange(max(s, end - rows), end, device=x.device)
+                ring_kv[row, keep.remainder(rows)] = kv[chunk][keep - s]
+                ring_gate[row, keep.remainder(rows)] = gate[chunk][keep - s]
 
     def _pool(
         self,
