@@ -19,7 +19,8 @@ from engine.models.deepseek_v4.config import (
     ModelConfig,
 )
 from engine.models.deepseek_v4.tiny import make_tiny_model, release_tiny_config, tiny_config
-from engine.models.deepseek_v4.weights import WeightsError, build_model, load_weights
+from engine.models.deepseek_v4.weights import build_model, load_weights
+from engine.models.loading import WeightsError
 
 RELEASE_QC = release_tiny_config()["quantization_config"]
 
