@@ -15,11 +15,11 @@ H and I multiples of 128. ``stack_fp4_experts`` builds this layout from per-expe
 tensors (``layers.N.ffn.experts.E.w{1,2,3}.{weight,scale}``); the engine's loader stacks them once.
 
 Arithmetic, as the release (inference/model.py Expert.forward, linear(), kernel.py fp4_gemm;
-reference: kernels.quant.fp4_experts_reference): x is quantized once per 128 values (act_quant:
-the release quantizes before w1 and before w3, identically); gate and up are fp4_gemm outputs
-rounded to bf16; h = silu(min(gate, L)) * clamp(up, -L, L) in fp32, times the routing weight
-(before w2, unlike engine/moe.py's bf16 path), rounded to bf16 and quantized per 128 again; the
-down projection's bf16 outputs are added in fp32. Each fp4 GEMM promotes per 32-value chunk like
+reference: kernels.quant.fp4_experts_reference): x is quantized once per 128 values (act_quant: the
+release quantizes before w1 and before w3, identically); gate and up are fp4_gemm outputs rounded
+to bf16; h = silu(min(gate, L)) * clamp(up, -L, L) in fp32, times the routing weight (before w2,
+unlike engine.layers.experts' bf16 path), rounded to bf16 and quantized per 128 again; the down
+projection's bf16 outputs are added in fp32. Each fp4 GEMM promotes per 32-value chunk like
 fp4_gemm_kernel: a tensor-core dot of the chunk (exact products, fp32 sums) into a fresh tile,
 times w_scale, into an fp32 block sum that is scaled by x_scale (a power of two, so equal to
 scaling each chunk) and added to the fp32 accumulator; only the order of fp32 additions differs
@@ -41,9 +41,9 @@ Kernels:
    routing weight, and quantizes h per 128 right there (it holds the whole 128-wide group).
 3. down: one program per (row block, BLOCK_N output columns); bf16 rows land at the token's
    (token, slot) row; the k rows of a token are then summed in fp32.
-Rows are sorted by expert (stable argsort, as engine/moe.py's RoutedExperts) and each expert's
-rows are cut into BLOCK_M blocks; the grid has ceil(T*k / BLOCK_M) + min(E, T*k) block slots, a
-bound on the blocks any routing can need, and a program finds its expert by counting the
+Rows are sorted by expert (stable argsort, as engine.layers.experts.RoutedExperts) and each
+expert's rows are cut into BLOCK_M blocks; the grid has ceil(T*k / BLOCK_M) + min(E, T*k) block
+slots, a bound on the blocks any routing can need, and a program finds its expert by counting the
 per-expert block ends at or below its slot, so nothing is read back to the host (CUDA-graph
 capturable). Idle slots return at once. Few rows (a decode step of a token or two) leave most
 SMs idle; the GEMMs then split K (MoeConfig.split_k, split_for) and a finishing pass adds the
