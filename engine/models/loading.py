@@ -29,7 +29,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -56,9 +56,7 @@ class LoadableModel(Protocol):
     tp: TensorParallel
     mtp: torch.nn.ModuleList  # the multi-token-prediction layers (dropped when not stored)
 
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
-
-    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def state_dict(self, *, keep_vars: bool) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -174,8 +172,8 @@ class _Loader:
         skip: Callable[[str], bool],
     ) -> None:
         self.tp, self.target, self.skip = model.tp, target, skip
-        state = dict(model.named_parameters()) | dict(model.named_buffers())
-        self.state = {k: v for k, v in state.items() if not k.startswith("rope_tables.")}
+        # parameters and persistent buffers (not the tables a module computes, as RoPE's)
+        self.state: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
         self.keys = keys  # checkpoint name -> the open file holding it
         self.mtp = len(model.mtp) > 0  # (config.json may turn the checkpoint's MTP layers off)
         self.scale_of = {
