@@ -206,7 +206,8 @@ def _rope(raw: dict[str, Any], rope_dim: int, qk_head_dim: int) -> tuple[RopeSpe
     frequencies, cos/sin times the attention factor (1 when mscale == mscale_all_dim, as in the
     release), and the softmax scale times yarn_get_mscale(factor, mscale_all_dim)^2."""
     theta = float(get_field(raw, "rope_theta", 10000.0, (int, float)))
-    params = raw.get("rope_parameters") or raw.get("rope_scaling")
+    # (HF's PreTrainedConfig takes rope_scaling over rope_parameters when both are given)
+    params = raw.get("rope_scaling") or raw.get("rope_parameters")
     if params is None and any(k in raw for k in _RELEASE_ROPE):
         # The release's fields: YaRN (its precompute_freqs_cis), cos/sin unscaled, and the
         # softmax scale times mscale(rope_factor, mscale)^2 (MLA.__init__).
