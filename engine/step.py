@@ -65,7 +65,9 @@ class StepInputs:
     slab: torch.Tensor  # [B] int64, slab row of each request (its page tables' row)
     persist_rows: torch.Tensor  # [M] int64, rows written to the window ring after attention
     token_ids: torch.Tensor  # [N] int64 (hash-routed MoE layers route by token id)
-    hca_width: int  # compressed-entry columns of HCA index lists (>= max count)
+    # >= every row's position, known without reading them back: the data's in an eager step,
+    # the context limit in a decode graph (so shapes sized from it stay valid on replay)
+    max_position: int
     num_decode: int  # rows [0, num_decode) are single-token decode rows
     segments: list[Segment] = field(default_factory=list)
 
@@ -105,8 +107,6 @@ def build_step_inputs(
         if b >= num_decode:
             segments.append(Segment(row0=row, start=start, num_rows=n, slab=slab, req=b))
         row += n
-    hca = pool.groups.get("hca")
-    hca_width = max((p + 1) // hca.ratio for p in positions) if hca else 0
 
     def t(x: list[int]) -> torch.Tensor:
         return to_device(x, torch.int64, device)
@@ -119,7 +119,7 @@ def build_step_inputs(
         slab=t(slabs),
         persist_rows=t(persist),
         token_ids=t(token_ids),
-        hca_width=hca_width,
+        max_position=max(positions, default=0),
         num_decode=num_decode,
         segments=segments,
     )
