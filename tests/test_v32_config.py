@@ -113,7 +113,7 @@ def test_kv_description_names_the_family_and_its_rows():
     assert (group.layers, group.ratio, group.indexed) == ((0, 1, 2), 1, True)
     assert (cfg.head_dim, cfg.rope_dim, cfg.sliding_window) == (64 + 16, 16, 0)
     assert cfg.compressor_rings() == ()
-    assert cfg.kv_layout_fields()["family"] == "deepseek_v32"
+    assert cfg.family == "deepseek_v32"
     full = ModelConfig.from_hf({"model_type": "deepseek_v32"})  # HF's defaults: the release
     assert (full.head_dim, full.index_head_dim, full.index_topk) == (576, 128, 2048)
     assert full.softmax_scale == pytest.approx(192**-0.5)  # no rope_scaling given

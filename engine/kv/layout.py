@@ -5,7 +5,8 @@ what this plans; bench/kv_cache_dtype.py reads capacities straight from here).
 A model family describes its KV state through its config, a `KVModel`: the groups of layers
 that each get a page allocator (`LayerGroup`), the compressor rings a request keeps in its slab
 row (`Ring`), and the widths of its rows. Nothing here names a family; DeepSeek-V4's config is
-one KVModel, V3.2's would be another.
+one KVModel (window rings, compressed entries, compressor rings), DeepSeek-V3.2's another (one
+group whose every token keeps a 576-wide latent row and an index key; no ring, no slab state).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class KVModel(Protocol):
     """What the KV pools ask of a model family (its config implements it)."""
 
     @property
+    def family(self) -> str: ...  # its HF model_type: layouts of two families never pair
+
+    @property
     def head_dim(self) -> int: ...  # width of a KV row (window row or compressed entry)
 
     @property
@@ -75,6 +79,9 @@ class KVModel(Protocol):
 
     @property
     def sliding_window(self) -> int: ...  # window rows a request keeps in its ring pages
+
+    @property
+    def needs_scratch_rows(self) -> bool: ...  # a step's rows wait in scratch rows (see pool)
 
     @property
     def max_position_embeddings(self) -> int: ...
@@ -156,6 +163,13 @@ def bytes_per_token(model: KVModel, esize: int, fp8: bool = False) -> float:
     )
 
 
+def scratch_rows(model: KVModel, kv_cfg: KVCacheConfig) -> int:
+    """Scratch rows behind the pages of every `kv[layer]`: one per row a step may compute, for a
+    family whose rows cannot go to their slots before attention (V4: the window ring still holds
+    rows the step's earlier queries read); none for one whose rows never move (V3.2)."""
+    return kv_cfg.max_num_batched_tokens if model.needs_scratch_rows else 0
+
+
 def scratch_pages(page_size: int, scratch_rows: int) -> int:
     """Pages an FP8 pool spends on its scratch rows and its trash row."""
     return -(-(scratch_rows + 1) // page_size)
@@ -206,7 +220,7 @@ def plan_pages(
     1/STAGING_SHARE of it; the ring pulls land in is not part of the budget), and what is left
     buys token capacity C: a compressed group with rate r gets C / r / P more pages.
     """
-    P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, kv_cfg.max_num_batched_tokens
+    P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, scratch_rows(model, kv_cfg)
     ring = ring_pages(model, P)
     kv_row, index_row = row_bytes(model, esize, kv_cfg.fp8)
     fixed, per_token, pages = 0.0, 0.0, {}

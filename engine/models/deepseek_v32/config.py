@@ -118,6 +118,10 @@ class ModelConfig:
     def sliding_window(self) -> int:
         return 0  # no window ring: every token's row stays in the pages
 
+    @property
+    def needs_scratch_rows(self) -> bool:
+        return False  # a row goes to its own slot before attention and never moves
+
     def kv_groups(self) -> tuple[LayerGroup, ...]:
         """One group: every layer keeps each token's latent row and its indexer key."""
         return (LayerGroup(KV_GROUP, tuple(range(self.num_layers)), ratio=1, indexed=True),)
@@ -125,8 +129,13 @@ class ModelConfig:
     def compressor_rings(self) -> tuple[Ring, ...]:
         return ()
 
+    @property
+    def family(self) -> str:
+        return MODEL_TYPE
+
     def kv_layout_fields(self) -> dict[str, object]:
-        return {"family": MODEL_TYPE, "kv_lora_rank": self.kv_lora_rank}
+        # what the stored index keys are: NeoX RoPE, then the Hadamard rotation (indexer.py)
+        return {"index_keys": "rope_half_split+hadamard"}
 
     def check_tensor_parallel(self, size: int, fp8: bool) -> None:
         """Raise ConfigError unless `size` ranks can split this model: query heads by rank (the

@@ -37,6 +37,7 @@ LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 KV_GROUP = {SLIDING: "swa", CSA: "csa", HCA: "hca"}  # each kind's KV pool group
 HASH_MOE, MOE = "hash_moe", "moe"
+MODEL_TYPE = "deepseek_v4"
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,14 @@ class ModelConfig:
                 rows, features = (2 * rate, 2 * width) if kind == CSA else (rate, width)
                 rings.append(Ring(i, name, rows, features))
         return tuple(rings)
+
+    @property
+    def family(self) -> str:
+        return MODEL_TYPE
+
+    @property
+    def needs_scratch_rows(self) -> bool:
+        return True  # a step's rows attend before they persist to the window ring
 
     def kv_layout_fields(self) -> dict[str, object]:
         return {"layer_types": list(self.layer_types), "compress_rates": self.compress_rates}
@@ -261,7 +270,7 @@ def _rope_spec(p: dict[str, Any], default_theta: float, field: str) -> RopeSpec:
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
-    require(model_type == "deepseek_v4", "model_type", f"must be 'deepseek_v4', got {model_type!r}")
+    require(model_type == MODEL_TYPE, "model_type", f"must be {MODEL_TYPE!r}, got {model_type!r}")
     n = get_field(raw, "num_hidden_layers", 43, int)
     require(n >= 1, "num_hidden_layers", "must be >= 1")
     n_mtp = get_field(raw, "num_nextn_predict_layers", 1, int)
