@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+import kernels
 from kernels import kv_quant, quant
 
 
@@ -154,13 +155,16 @@ def decode_case(
 
 def fp8_decode_case(case: DecodeCase, page_size: int) -> tuple[DecodeCase, DecodeCase]:
     """(case reading an FP8 pool, the same case on the pool's exact dequantization): every slot
-    of case.kv is quantized into pages of page_size slots, so slot ids keep their meaning."""
-    num_slots = case.kv.shape[0]
+    of case.kv is quantized into pages of page_size slots, so slot ids keep their meaning; the
+    format follows the rows' width (512: V4's, 576: V3.2's)."""
+    num_slots, dim = case.kv.shape
     assert num_slots % page_size == 0, "whole pages, so the junk ids stay out of range"
-    pool = kv_quant.kv_pool(num_slots // page_size, page_size, case.kv.device)
+    width = page_size * kv_quant.kv_token_bytes(dim)
+    pool = torch.zeros(num_slots // page_size, width, dtype=torch.uint8, device=case.kv.device)
     slots = torch.arange(num_slots, device=case.kv.device)
-    kv_quant.store_kv_reference(pool, slots, case.kv)
-    return replace(case, kv=pool), replace(case, kv=kv_quant.gather_kv(pool, slots))
+    with kernels.use_backend("reference"):
+        kernels.store_kv_fp8(pool, slots, case.kv)
+    return replace(case, kv=pool), replace(case, kv=kv_quant.gather_kv(pool, slots, dim))
 
 
 @dataclass

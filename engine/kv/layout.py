@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.kv_quant import KV_DIM, KV_ROPE, KV_TOKEN_BYTES, index_token_bytes
+from kernels.kv_quant import KV_DIM, KV_ROPE, V32_DIM, index_token_bytes, kv_token_bytes
 
 SLAB = "slab"
 STAGING = "staging"
@@ -105,10 +105,11 @@ def check_kv_cache_dtype(model: KVModel, kv_cache_dtype: str, page_size: int) ->
         return
     if kv_cache_dtype != "fp8":
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
-    if model.head_dim != KV_DIM or model.rope_dim != KV_ROPE:
+    if model.head_dim not in (KV_DIM, V32_DIM) or model.rope_dim != KV_ROPE:
         raise ValueError(
             f"--kv-cache-dtype fp8 stores DeepSeek-V4's {KV_DIM}-wide KV rows ({KV_DIM - KV_ROPE} "
-            f"e4m3 + {KV_ROPE} bf16 RoPE values); this model has head_dim {model.head_dim} with "
+            f"e4m3 + {KV_ROPE} bf16 RoPE values) and DeepSeek-V3.2's {V32_DIM}-wide ones "
+            f"({V32_DIM - KV_ROPE} + {KV_ROPE}); this model has head_dim {model.head_dim} with "
             f"{model.rope_dim} RoPE dims: use --kv-cache-dtype auto"
         )
     if page_size % 4:
@@ -139,9 +140,9 @@ def ring_pages(model: KVModel, page_size: int) -> int:
 
 def row_bytes(model: KVModel, esize: int, fp8: bool = False) -> tuple[int, int]:
     """Bytes of one cached row: (attention entry or window row, index key); model-dtype rows of
-    esize-byte elements, or kernels.kv_quant's FP8 rows (584, Di + 4)."""
+    esize-byte elements, or kernels.kv_quant's FP8 rows (584 for V4's, 656 for V3.2's; Di + 4)."""
     if fp8:
-        return KV_TOKEN_BYTES, index_token_bytes(model.index_head_dim)
+        return kv_token_bytes(model.head_dim), index_token_bytes(model.index_head_dim)
     return model.head_dim * esize, model.index_head_dim * esize
 
 

@@ -83,7 +83,7 @@ from engine.kv.layout import (
     staging_block_bytes,
 )
 from engine.kv.staging import KVStaging, Unpacker
-from kernels.kv_quant import KV_TOKEN_BYTES, index_token_bytes
+from kernels.kv_quant import index_token_bytes, kv_token_bytes
 
 
 class PoolRegion(NamedTuple):
@@ -102,8 +102,8 @@ class PoolGroup:
     ratio: int  # tokens per compressed entry; 0 = window only
     num_pages: int
     allocator: PageAllocator
-    # layer -> [num_pages * P + scratch + 1, head_dim]; FP8: uint8 [pages, P * 584], the pages
-    # past num_pages holding the scratch and trash rows
+    # layer -> [num_pages * P + scratch + 1, head_dim]; FP8: uint8 [pages, P * 584 (V4) or 656
+    # (V3.2)], the pages past num_pages holding the scratch and trash rows
     kv: dict[int, torch.Tensor]
     # CSA layer -> [num_pages * P + 1, index_head_dim]; FP8: uint8 [num_pages + 1, P * (Di + 4)]
     index_k: dict[int, torch.Tensor]
@@ -141,7 +141,8 @@ class KVPool:
             for i in lg.layers:
                 if fp8:  # scratch + trash rows in whole pages; the index trash row in one more
                     pages_kv = n + scratch_pages(P, S)
-                    shapes[lg.name, "kv", i] = (pages_kv, P * KV_TOKEN_BYTES), torch.uint8
+                    row = kv_token_bytes(cfg.head_dim)
+                    shapes[lg.name, "kv", i] = (pages_kv, P * row), torch.uint8
                     if lg.indexed:
                         width = P * index_token_bytes(cfg.index_head_dim)
                         shapes[lg.name, "index_k", i] = (n + 1, width), torch.uint8
