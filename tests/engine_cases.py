@@ -10,6 +10,7 @@ from engine.kv.pool import KVPool
 from engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
+from kernels import kv_quant
 
 PROMPTS = [
     "The quick brown fox",
@@ -18,6 +19,22 @@ PROMPTS = [
     "Once upon a time, in a land far away,",
     "zz" * 30,
 ]
+
+
+# DeepSeek-V3.2's row widths (512 latent + 64 RoPE: the FP8 format's) on a tiny V3.2 model
+V32_WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64}
+
+
+def fp8_round_trip(rows: torch.Tensor) -> torch.Tensor:
+    """Rows as an FP8 pool returns them: V4's attention entries (512 wide), V3.2's latent rows
+    (576 wide) or index keys (any other width)."""
+    if rows.shape[1] == kv_quant.KV_DIM:
+        back = kv_quant.dequantize_kv(kv_quant.quantize_kv(rows))
+    elif rows.shape[1] == kv_quant.V32_DIM:
+        back = kv_quant.dequantize_kv_v32(kv_quant.quantize_kv_v32(rows))
+    else:
+        back = kv_quant.dequantize_index_k(kv_quant.quantize_index_k(rows))
+    return back.to(rows.dtype)
 
 
 def byte_ids(n: int, seed: int) -> list[int]:

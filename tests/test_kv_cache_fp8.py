@@ -37,7 +37,7 @@ from services import settings
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from services.transfer.layout import Region, describe, first_difference
-from tests.engine_cases import drain, move_staged
+from tests.engine_cases import drain, fp8_round_trip, move_staged
 from tests.serving_stack import TOKEN, Stack, offline_generate, wait_for
 
 MODEL = DEMO_MODEL_DIR
@@ -49,13 +49,6 @@ PROMPT = [BOS, *heldout_windows(1, 512)[0][:170]]
 STEPS = 6
 
 
-def _round_trip(rows: torch.Tensor) -> torch.Tensor:
-    """Rows as an FP8 pool returns them: attention entries (512 wide) or index keys."""
-    if rows.shape[1] == kv_quant.KV_DIM:
-        return kv_quant.dequantize_kv(kv_quant.quantize_kv(rows)).to(rows.dtype)
-    return kv_quant.dequantize_index_k(kv_quant.quantize_index_k(rows)).to(rows.dtype)
-
-
 def _simulate_fp8_writes(mp: pytest.MonkeyPatch) -> None:
     """Make a plain-pool engine store every row as its FP8 round trip, through the three ways
     rows reach a pool (the CPU path's torch references)."""
@@ -63,21 +56,21 @@ def _simulate_fp8_writes(mp: pytest.MonkeyPatch) -> None:
 
     def pre(q, kv, weight, eps, cos, sin, cache, scratch, ring):
         q, kv = attention_pre(q, kv, weight, eps, cos, sin, None, scratch, ring)
-        cache.index_copy_(0, scratch, _round_trip(kv))
-        cache.index_copy_(0, ring, _round_trip(kv[: ring.shape[0]]))
+        cache.index_copy_(0, scratch, fp8_round_trip(kv))
+        cache.index_copy_(0, ring, fp8_round_trip(kv[: ring.shape[0]]))
         return q, kv
 
     def compress(*args):
         *inputs, target, trash = args
         rows, slots = entries(*inputs)
-        target.index_copy_(0, torch.where(slots >= 0, slots, trash), _round_trip(rows))
+        target.index_copy_(0, torch.where(slots >= 0, slots, trash), fp8_round_trip(rows))
 
     mp.setattr(fused_reference, "attention_pre", pre)
     mp.setattr(fused_reference, "compress_decode", compress)
     mp.setattr(
         kernels,
         "store_rows",
-        lambda pool, slots, rows, _: pool.index_copy_(0, slots, _round_trip(rows)),
+        lambda pool, slots, rows, _: pool.index_copy_(0, slots, fp8_round_trip(rows)),
     )
 
 

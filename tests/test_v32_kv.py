@@ -20,18 +20,15 @@ from engine.models.deepseek_v4.tiny import make_tiny_model as make_v4
 from engine.models.deepseek_v32.config import ModelConfig
 from engine.models.deepseek_v32.tiny import make_tiny_model
 from engine.sampling_params import SamplingParams
-from kernels import kv_quant
-from tests.engine_cases import byte_ids, drain, move_staged
+from tests.engine_cases import V32_WIDE, byte_ids, drain, fp8_round_trip, move_staged
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20)
-# The release's row widths (512 latent + 64 RoPE, the FP8 format's), at a tiny hidden size
-WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64}
 PROMPT = byte_ids(150, 5)  # prefilled in three chunks; the indexer picks 8 of up to 150 rows
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("v32_wide"), overrides=WIDE)
+    return make_tiny_model(tmp_path_factory.mktemp("v32_wide"), overrides=V32_WIDE)
 
 
 def test_the_pools_hold_one_latent_row_and_one_index_key_a_token(wide):
@@ -65,13 +62,6 @@ def test_layouts_name_the_family(wide, tmp_path):
     assert "(deepseek_v4," in theirs.layout_description()
 
 
-def _round_trip(rows: torch.Tensor) -> torch.Tensor:
-    """Rows as an FP8 pool returns them: latent rows (576 wide) or index keys."""
-    if rows.shape[1] == kv_quant.V32_DIM:
-        return kv_quant.dequantize_kv_v32(kv_quant.quantize_kv_v32(rows)).to(rows.dtype)
-    return kv_quant.dequantize_index_k(kv_quant.quantize_index_k(rows)).to(rows.dtype)
-
-
 def test_fp8_pages_compute_what_fp8_round_tripped_rows_compute(wide):
     """Every row V3.2 stores (latent rows and index keys, prefill and decode) goes through
     KVPool.write, and every read dequantizes: the FP8 engine computes what the plain engine
@@ -84,7 +74,7 @@ def test_fp8_pages_compute_what_fp8_round_tripped_rows_compute(wide):
         mp.setattr(
             kernels,
             "store_rows",
-            lambda pool, slots, rows, _: pool.index_copy_(0, slots, _round_trip(rows)),
+            lambda pool, slots, rows, _: pool.index_copy_(0, slots, fp8_round_trip(rows)),
         )
         simulated = plain.score(sequence)
     torch.testing.assert_close(fp8, simulated, rtol=0, atol=1e-5)
