@@ -165,7 +165,7 @@ def _act_scale(ptrs, ok):
 
 
 @triton.jit
-def _slot_rows(slot, block_end_ptr, row_end_ptr, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+def slot_rows(slot, block_end_ptr, row_end_ptr, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     """Block slot -> (expert, first sorted row, end of the expert's rows); expert == E when the
     slot is past the last block. block_end/row_end: inclusive cumsums over experts, read whole
     (one round trip to memory; a binary search waits on a chain of dependent loads)."""
@@ -192,7 +192,7 @@ def _moe_up_kernel(
     """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs. Program
     (slot, column tile, K slice); SPLIT: store the slice's fp32 gate and up sums into
     part [slice, sorted row, gate | up] (_moe_up_finish_kernel finishes them), else finish."""
-    e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
+    e, row0, row_end = slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
     if e >= E:
         return
     rows = row0 + tl.arange(0, BLOCK_M)  # sorted rows
@@ -337,7 +337,7 @@ def _moe_down_kernel(
     """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs. Program
     (slot, column tile, K slice); SPLIT: out is fp32 [slice, (token, slot) row, H] and gets
     the slice's sums, else bf16 [(token, slot) row, H] and the whole sum."""
-    e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
+    e, row0, row_end = slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
     if e >= E:
         return
     rows = row0 + tl.arange(0, BLOCK_M)

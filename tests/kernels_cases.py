@@ -64,6 +64,35 @@ def moe_case(
     return x, ids, wts, w13, s13, w2, s2
 
 
+def fp8_moe_case(
+    n_exp: int, hidden: int, inter: int, tokens: int, topk: int, seed: int, device: str = "cpu"
+):
+    """FP8 experts (DeepSeek-V3.2's layout: 128 x 128 block scales) and a routing with distinct
+    experts per token, 3/4 of the tokens on expert 1 (several row blocks), the last expert
+    never used."""
+    x, ids, wts, *_ = moe_case(n_exp, 128, 128, tokens, topk, seed, device=device)
+    g = torch.Generator(device).manual_seed(seed)
+    w13, s13 = zip(
+        *(
+            quant.quantize_fp8_blocks(
+                torch.randn(2 * inter, hidden, generator=g, device=device) * 0.3
+            )
+            for _ in range(n_exp)
+        ),
+        strict=True,
+    )
+    w2, s2 = zip(
+        *(
+            quant.quantize_fp8_blocks(torch.randn(hidden, inter, generator=g, device=device) * 0.05)
+            for _ in range(n_exp)
+        ),
+        strict=True,
+    )
+    x = random_bf16((tokens, hidden), seed=seed, spread=1, device=device)
+    stacked = (torch.stack(t) for t in (w13, s13, w2, s2))
+    return (x, ids, wts, *stacked)
+
+
 @dataclass
 class DecodeCase:
     q: torch.Tensor  # [B, H, D]

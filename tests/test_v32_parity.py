@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bench.compare import rel_err
+from engine.layers.experts import Fp8Experts
 from engine.layers.fp8_linear import Fp8Linear
 from engine.llm import LLM
 from engine.models.deepseek_v32.config import ModelConfig
@@ -116,9 +117,10 @@ def test_release_names_load_as_the_hf_names_do(release, tmp_path):
 
 
 def test_fp8_weights_kept_quantized_hold_the_checkpoints_codes_and_scales(release):
-    """Loaded for quantized compute (bfloat16), every FP8 linear holds the checkpoint's codes and
-    its fp32 weight_scale_inv as ue8m0 scales: dequantized, exactly the fp32 model's weights
-    (what the HF comparison above checked); the absorbed wkv_b is dense in both."""
+    """Loaded for quantized compute (bfloat16), every FP8 linear and every routed expert holds
+    the checkpoint's codes and its fp32 weight_scale_inv as ue8m0 scales: dequantized, exactly
+    the fp32 model's weights (what the HF comparison above checked); the absorbed wkv_b is
+    dense in both."""
     path, _ = release
     cfg = ModelConfig.from_dir(path)
     kept = build_model(cfg, torch.bfloat16, torch.device("cpu"), quantized=True)
@@ -134,3 +136,11 @@ def test_fp8_weights_kept_quantized_hold_the_checkpoints_codes_and_scales(releas
         dequantized = dequantize_fp8_blocks(linear.weight, linear.scale)
         assert torch.equal(dequantized, weights[name + ".weight"]), name
     assert kept.layers[0].attn.wkv_b.dtype == torch.bfloat16
+    experts = {n: m for n, m in kept.named_modules() if isinstance(m, Fp8Experts)}
+    assert len(experts) == 3  # layers 1, 2 and the MTP layer
+    for name, module in experts.items():
+        for codes, scales in (("w13", "s13"), ("w2", "s2")):
+            want = weights[f"{name}.{codes}"]
+            for e in range(want.shape[0]):
+                got = dequantize_fp8_blocks(getattr(module, codes)[e], getattr(module, scales)[e])
+                assert torch.equal(got, want[e]), (name, codes, e)

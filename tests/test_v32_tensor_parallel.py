@@ -75,6 +75,7 @@ def test_each_rank_loads_exactly_its_slice_of_every_weight(release, quantized):
     heads = ["attn.wq_b.weight", "attn.wkv_b", "attn.wo.weight"]
     mlps = [f"ffn.{mlp}w{i}.weight" for mlp in ("", "shared_experts.") for i in (1, 2, 3)]
     scales = [n.replace(".weight", ".scale") for n in heads + mlps if "wkv_b" not in n]
+    scales += ["ffn.experts.s13", "ffn.experts.s2"]  # the FP8 experts' block scales
     assert split == {
         "embed.weight", "head.weight", "ffn.experts.w13", "ffn.experts.w2",
         *heads, *mlps, *(scales if quantized else []),

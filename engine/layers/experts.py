@@ -1,15 +1,18 @@
 """The parts of a DeepSeek MoE every family uses: the SwiGLU (clamped, as DeepSeek-V4 has it, or
 plain), a gated MLP (a shared expert, or a dense layer) and the routed experts as two grouped
-GEMMs. The SwiGLU runs in fp32, as the releases run it, whatever the activation dtype."""
+GEMMs, dense (`RoutedExperts`) or with FP8 weights kept (`Fp8Experts`, DeepSeek-V3.2's). The
+SwiGLU runs in fp32, as the releases run it, whatever the activation dtype."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+import kernels
 from engine.layers.fp8_linear import linear
 from engine.layers.parallel import column_parallel
 from engine.parallel.group import TensorParallel
+from kernels.quant import FP8_BLOCK
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
@@ -89,3 +92,32 @@ class RoutedExperts(torch.nn.Module):
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(
             0, token, out.float()
         )
+
+
+class Fp8Experts(torch.nn.Module):
+    """All experts' FP8 weights in kernels.fp8_moe's layout, the checkpoint's codes and block
+    scales as they are (the loader copies each expert's tensors into its slices):
+
+        w13 [E, 2I, H] e4m3 (rows 0..I-1: w1 = gate, I..2I-1: w3 = up), s13 [E, 2I/128, H/128] e8m0
+        w2  [E, H, I] e4m3, s2 [E, H/128, I/128] e8m0
+
+    Arithmetic: the DeepSeek-V3.2 release's Expert.forward (FP8 activations, bf16 outputs, the
+    routing weight applied to each expert's output, summed in fp32): kernels.fp8_experts."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+
+        def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+        e4m3, e8m0, b = torch.float8_e4m3fn, torch.float8_e8m0fnu, FP8_BLOCK
+        self.w13 = param(num_experts, 2 * inter, hidden, dtype=e4m3)
+        self.s13 = param(num_experts, 2 * inter // b, hidden // b, dtype=e8m0)
+        self.w2 = param(num_experts, hidden, inter, dtype=e4m3)
+        self.s2 = param(num_experts, hidden // b, inter // b, dtype=e8m0)
+
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, hidden], expert_ids/weights [T, k] -> fp32 [T, hidden]."""
+        return kernels.fp8_experts(x, expert_ids, weights, self.w13, self.s13, self.w2, self.s2)

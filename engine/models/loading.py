@@ -67,15 +67,21 @@ class Target:
     index: tuple = ()  # sub-slice of it that this checkpoint tensor fills
     source: str = ""  # the checkpoint name in canonical spelling, as missing-tensor errors show it
 
-    def scale(self) -> Target:
-        """Where the scale of this (quantized) weight goes when the model keeps it quantized."""
+    def scale(self, rows_per_scale: int = 1) -> Target:
+        """Where the scale of this (quantized) weight goes when the model keeps it quantized;
+        rows_per_scale: weight rows one scale row covers (stacked FP8 experts: 128), which cuts
+        the rows of a stacked expert's slice down to its scale rows."""
         for codes, scales in ((".experts.w13", ".experts.s13"), (".experts.w2", ".experts.s2")):
             if self.param.endswith(codes):
                 param = self.param.removesuffix(codes) + scales
                 break
         else:
             param = self.param.removesuffix(".weight") + ".scale"
-        return Target(param, self.index, self.source.removesuffix(".weight") + ".scale")
+        index = self.index
+        if len(index) == 2 and isinstance(index[1], slice):
+            rows = index[1]
+            index = (index[0], slice(rows.start // rows_per_scale, rows.stop // rows_per_scale))
+        return Target(param, index, self.source.removesuffix(".weight") + ".scale")
 
 
 def expert_target(prefix: str, expert: int, proj: str, inter: int) -> Target:
@@ -273,7 +279,11 @@ class _Loader:
                 f"keeps it {want} (turn quantized compute off to dequantize at load)"
             )
             return 0
-        scale_target = target.scale()
+        codes_param = self.state[target.param]
+        scale_param = self.state[target.scale().param]
+        stacked = codes_param.dim() == 3  # stacked experts: scale rows per weight row
+        per = codes_param.shape[1] // scale_param.shape[1] if stacked else 1
+        scale_target = target.scale(per)
         scale_dest = self.state[scale_target.param]
         scale_dest = scale_dest[scale_target.index] if scale_target.index else scale_dest
         self.filled.add(scale_target.source)

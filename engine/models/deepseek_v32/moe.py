@@ -4,8 +4,8 @@ sigmoid scores with a selection bias, grouped top-k (the experts of the best `to
 chosen experts and scaled by `routed_scaling_factor`, plus the shared experts.
 
 The router runs in fp32 as in the release and HF, whatever the activation dtype; the routed
-experts run through engine.layers.experts' grouped GEMMs (an FP8 checkpoint's experts are
-dequantized at load: there is no FP8 grouped-GEMM kernel here yet).
+experts run through engine.layers.experts' grouped GEMMs: dense, or for an FP8 checkpoint
+computed as the release does, FP8 (`Fp8Experts`, kernels.fp8_experts).
 
 Tensor parallel: each rank holds a contiguous range of the routed experts (their fp32 sums
 all-reduced once a layer); the dense MLP and the shared experts split their intermediate dim
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.layers.experts import GatedMLP, RoutedExperts
+from engine.layers.experts import Fp8Experts, GatedMLP, RoutedExperts
 from engine.models.deepseek_v32.config import DENSE, ModelConfig, Quantization
 from engine.parallel.group import SINGLE, TensorParallel, shard_experts
 
@@ -64,8 +64,13 @@ class MoE(torch.nn.Module):
         super().__init__()
         self.gate = Gate(cfg)
         self.tp, (self.first_expert, stop) = tp, tp.span(cfg.num_experts)
-        inter = cfg.moe_intermediate_size
-        self.experts = RoutedExperts(stop - self.first_expert, cfg.hidden_size, inter, None)
+        inter, local = cfg.moe_intermediate_size, stop - self.first_expert
+        experts: Fp8Experts | RoutedExperts
+        if quant is not None:
+            experts = Fp8Experts(local, cfg.hidden_size, inter)
+        else:
+            experts = RoutedExperts(local, cfg.hidden_size, inter, None)
+        self.experts = experts
         for param in self.experts.parameters():
             shard_experts(param, self.first_expert, stop)
         shared = tp.local(inter * cfg.num_shared_experts)
