@@ -40,8 +40,8 @@ The V3.2 slice (`--model-type deepseek_v32`) has V3.2's real widths (hidden 7168
 MLA over a 576-wide latent row, q_lora 1536, indexer 64 x 128 with top-2048, a dense layer of
 18432, grouped routing of 8 experts, vocab 129280, context up to 163840), one dense and three
 MoE layers with fewer experts; every phase but 5 runs for it (the profile's floors know V4's
-parts only), its release weights are FP8 linears (the routed experts stay bf16, as the engine
-keeps a V3.2 checkpoint's), and its "before" indexer scores a buffer padded to 163840 tokens.
+parts only), its release weights are FP8 linears and FP8 routed experts (kernels.fp8_experts),
+and its "before" indexer scores a buffer padded to 163840 tokens.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from bench.harness import write_record
 from bench.v32_widths import V32_WIDTHS
 from engine.kv.layout import KVCacheConfig
 from engine.kv.pool import KVPool
+from engine.layers.experts import Fp8Experts
 from engine.layers.fp8_linear import Fp8Linear
 from engine.models import FAMILIES
 from engine.models.deepseek_v4 import config as v4_config
@@ -86,7 +87,10 @@ from kernels.quant import quantize_fp4, quantize_fp8_blocks
 V4, V32 = v4_config.MODEL_TYPE, v32_config.MODEL_TYPE
 MAX_CONTEXT = 1 << 20  # V4-Flash's max_position_embeddings: the "configured maximum"
 BEFORE = "before (naive kernels, indexer padded to the maximum context)"
-RELEASE = {V4: "release weights (FP8 linears, FP4 experts)", V32: "release weights (FP8 linears)"}
+RELEASE = {
+    V4: "release weights (FP8 linears, FP4 experts)",
+    V32: "release weights (FP8 linears and experts)",
+}
 # Each slice's KV budget: 72 requests of up to 32K tokens fit (V3.2 keeps every token's row)
 KV_BYTES = {V4: 8 << 30, V32: 40 << 30}
 GRAPH_SIZES = [1, 16, 64]
@@ -251,6 +255,15 @@ def release_model(dense: Any) -> Any:
                     codes[e].copy_(q)
                     scales[e].copy_(s)
             module.note_scales()  # as the checkpoint loader does
+        elif isinstance(module, Fp8Experts):
+            for e in range(module.w13.shape[0]):  # (this rank's experts)
+                for codes, scales, weight in (
+                    (module.w13, module.s13, source.w13),
+                    (module.w2, module.s2, source.w2),
+                ):
+                    q, s = quantize_fp8_blocks(weight[e])
+                    codes[e].copy_(q)
+                    scales[e].copy_(s)
         else:
             continue
         done |= {f"{name}.{p}" for p, _ in module.named_parameters()}
