@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -75,3 +76,23 @@ def check_fp8_quantization(qc: Any) -> None:
         "quantization_config.weight_block_size",
         f"must be [{FP8_BLOCK}, {FP8_BLOCK}], got {block!r}",
     )
+
+
+def check_split(
+    size: int, counts: Sequence[tuple[str, int]], fp8_blocks: Sequence[tuple[str, int]] = ()
+) -> None:
+    """Raise ConfigError unless `size` tensor-parallel ranks split every (name, count) of
+    `counts` evenly and, where the split holds, every (name, per-rank count) of `fp8_blocks`
+    (dims of FP8 weights kept quantized) falls on the FP8 block grid."""
+    problems = [f"{what} ({n}) is not divisible by {size}" for what, n in counts if n % size]
+    if not problems:
+        problems = [
+            f"{what} ({n} per rank) is not a multiple of the FP8 block ({FP8_BLOCK}), so ranks "
+            "would share a block scale"
+            for what, n in fp8_blocks
+            if n % FP8_BLOCK
+        ]
+    if problems:
+        raise ConfigError(
+            f"tensor-parallel size {size} cannot split this model: {'; '.join(problems)}"
+        )

@@ -154,6 +154,17 @@ class StepState:
             ("table", group), lambda: self.pool.page_tables[group].index_select(0, self.inp.slab)
         )
 
+    def row_tables(self, tables: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+        """The step's rows in runs that share page-table rows, each run with its tables
+        [rows, pages]: the decode rows (requests 0..D-1 in order) with their own rows of
+        `tables` [B, pages], each prefill chunk with its request's row broadcast (no copy)."""
+        inp = self.inp
+        runs = [(slice(0, inp.num_decode), tables[: inp.num_decode])] if inp.num_decode else []
+        return runs + [
+            (slice(s.row0, s.row0 + s.num_rows), tables[s.req].expand(s.num_rows, -1))
+            for s in inp.segments
+        ]
+
     def entry_slots(self, group: str, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Slot ids of compressed entries `entry` (any shape) of requests `req` (broadcastable)."""
         P, pool = self.pool.page_size, self.pool

@@ -438,6 +438,19 @@ def check_experts(
     return e, hidden, inter
 
 
+def check_routing(
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, hidden: int
+) -> None:
+    """Validate a MoE call's activations and routing (no data read): x [T, hidden],
+    expert_ids and weights [T, k]."""
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x {tuple(x.shape)} vs experts of hidden size {hidden}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} vs x {tuple(x.shape)}")
+    if weights.shape != expert_ids.shape:
+        raise ValueError(f"weights {tuple(weights.shape)} vs expert_ids {tuple(expert_ids.shape)}")
+
+
 def route_rows(
     expert_ids: torch.Tensor, n_exp: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -478,12 +491,7 @@ def fp4_moe(
     """Routed FP4 experts; layout and semantics in the module docstring."""
     w13, w2 = _as_int8(w13), _as_int8(w2)
     n_exp, hidden, inter = check_experts(w13, s13, w2, s2)
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"x {tuple(x.shape)} vs experts of hidden size {hidden}")
-    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} vs x {tuple(x.shape)}")
-    if weights.shape != expert_ids.shape:
-        raise ValueError(f"weights {tuple(weights.shape)} vs expert_ids {tuple(expert_ids.shape)}")
+    check_routing(x, expert_ids, weights, hidden)
     tokens, topk = expert_ids.shape
     rows = tokens * topk
     if rows == 0:

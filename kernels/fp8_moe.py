@@ -40,7 +40,7 @@ import triton.language as tl
 
 from kernels.act_quant import act_quant, e8m0_to_f32, quantize_rows, round_bf16
 from kernels.env import INTERPRET
-from kernels.fp4_moe import route_rows, slot_rows
+from kernels.fp4_moe import check_routing, route_rows, slot_rows
 from kernels.quant import FP8_BLOCK
 
 
@@ -195,12 +195,7 @@ def fp8_moe(
     """Routed FP8 experts; layout and semantics in the module docstring. block_m: sorted rows a
     program takes (default: 16 for decode-sized batches, 32 for prefill)."""
     n_exp, hidden, inter = check_experts(w13, s13, w2, s2)
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"x {tuple(x.shape)} vs experts of hidden size {hidden}")
-    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} vs x {tuple(x.shape)}")
-    if weights.shape != expert_ids.shape:
-        raise ValueError(f"weights {tuple(weights.shape)} vs expert_ids {tuple(expert_ids.shape)}")
+    check_routing(x, expert_ids, weights, hidden)
     tokens, topk = expert_ids.shape
     rows = tokens * topk
     if rows == 0:

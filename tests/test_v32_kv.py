@@ -12,15 +12,19 @@ import torch
 
 import kernels
 from engine.config import EngineConfig
-from engine.kv.layout import SLAB, STAGING, KVCacheConfig, bytes_per_token
+from engine.kv.layout import SLAB, KVCacheConfig, bytes_per_token
 from engine.kv.pool import KVPool
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.tiny import make_tiny_model as make_v4
 from engine.models.deepseek_v32.config import ModelConfig
 from engine.models.deepseek_v32.tiny import make_tiny_model
-from engine.sampling_params import SamplingParams
-from tests.engine_cases import V32_WIDE, byte_ids, drain, fp8_round_trip, move_staged
+from tests.engine_cases import (
+    V32_WIDE,
+    byte_ids,
+    check_moved_request_decodes_as_if_never_moved,
+    fp8_round_trip,
+)
 
 ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20)
 PROMPT = byte_ids(150, 5)  # prefilled in three chunks; the indexer picks 8 of up to 150 rows
@@ -85,29 +89,5 @@ def test_fp8_pages_compute_what_fp8_round_tripped_rows_compute(wide):
 def test_a_prefilled_request_decodes_on_another_engine_as_if_never_moved(wide, via, kv_cache_dtype):
     """The staged pull (blocks through the ring) and the page READ move every byte a V3.2
     request keeps: its latent rows and index keys, in pages numbered differently there."""
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     config = EngineConfig(kv_cache_dtype=kv_cache_dtype, **ENGINE)
-    alone = LLMEngine(wide, config)
-    alone.add_request("r", PROMPT, params)
-    want = [t for o in drain(alone)["r"] for t in o.new_token_ids]
-
-    prefill = LLMEngine(wide, config)
-    prefill.add_request("r", PROMPT, params, hold_for_s=30.0)
-    (first,) = [t for o in drain(prefill)["r"] for t in o.new_token_ids]
-    held = prefill.stage("r") if via == "staging" else prefill.held_pages("r")
-    assert set(held.pages) == ({STAGING} if via == "staging" else {"mla", SLAB})
-
-    decode = LLMEngine(wide, dataclasses.replace(config, max_num_seqs=3))  # other page counts
-    decode.pool.groups["mla"].allocator.allocate(3)  # other pages than the prefill engine's
-    assert decode.pool.layout_hash() == prefill.pool.layout_hash()
-    reserved = decode.reserve("r", PROMPT, first, params)
-    if via == "staging":
-        move_staged(prefill.pool, held.pages[STAGING], decode.pool,
-                    decode.pool.unpacker(reserved.pages))  # fmt: skip
-    else:
-        for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
-            if src.group in held.pages:
-                dst.tensor[reserved.pages[dst.group]] = src.tensor[held.pages[src.group]]
-    decode.join("r")
-    assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
-    assert prefill.release("r")
+    check_moved_request_decodes_as_if_never_moved(wide, config, PROMPT, via, {"mla", SLAB})

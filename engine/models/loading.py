@@ -29,12 +29,13 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine.checkpoint import ConfigError
 from engine.parallel.group import TensorParallel
 from kernels.quant import dequantize_fp4, dequantize_fp8_blocks
 
@@ -123,6 +124,32 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def build(
+    model_cls: Callable[[Any, Any, TensorParallel], M],
+    cfg: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantized: bool,
+    tp: TensorParallel,
+) -> M:
+    """A family's model allocated directly in its run-time dtypes on `device` (weights empty
+    until loaded): model_cls(cfg, the checkpoint's quantization if `quantized` else None, tp),
+    in eval mode without gradients. Raises ConfigError for quantized compute of a dense
+    checkpoint and for a tensor-parallel size the model does not split into."""
+    if quantized and cfg.quantization is None:
+        raise ConfigError(
+            "quantized compute needs a quantized checkpoint; config.json has no "
+            "`quantization_config`"
+        )
+    cfg.check_tensor_parallel(tp.size, fp8=quantized)
+    with torch.device(device), default_dtype(dtype):
+        model = model_cls(cfg, cfg.quantization if quantized else None, tp)
+    return model.requires_grad_(False).eval()
 
 
 def load_checkpoint(

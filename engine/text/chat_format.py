@@ -138,19 +138,7 @@ class V4Chat:
         options: ChatOptions = ChatOptions(),
         add_generation_prompt: bool = True,
     ) -> str:
-        if not add_generation_prompt:
-            raise ChatEncodingError(
-                "add_generation_prompt",
-                f"must be true: {self.name} always ends a chat where the assistant starts to "
-                "answer",
-            )
-        unknown = sorted(set(options.variables) - set(V4_KWARGS))
-        if unknown:
-            raise ChatEncodingError(
-                f"chat_template_kwargs.{unknown[0]}",
-                f"is not an option of {self.name}; it takes {', '.join(V4_KWARGS)} (and the "
-                "request's reasoning_effort)",
-            )
+        _check_release_options(self.name, V4_KWARGS, options, add_generation_prompt)
         drop_thinking = options.variables.get("drop_thinking", True)
         if not isinstance(drop_thinking, bool):
             raise ChatEncodingError("chat_template_kwargs.drop_thinking", "must be a boolean")
@@ -179,19 +167,27 @@ class V32Chat:
         options: ChatOptions = ChatOptions(),
         add_generation_prompt: bool = True,
     ) -> str:
-        if not add_generation_prompt:
-            raise ChatEncodingError(
-                "add_generation_prompt",
-                f"must be true: {self.name} always ends a chat where the assistant starts to "
-                "answer",
-            )
-        unknown = sorted(set(options.variables) - set(V32_KWARGS))
-        if unknown:
-            raise ChatEncodingError(
-                f"chat_template_kwargs.{unknown[0]}",
-                f"is not an option of {self.name}; it takes {', '.join(V32_KWARGS)}",
-            )
+        _check_release_options(self.name, V32_KWARGS, options, add_generation_prompt)
         return encode_messages_dsv32(messages, thinking=options.thinking, tools=tools)
+
+
+def _check_release_options(
+    name: str, kwargs: tuple[str, ...], options: ChatOptions, add_generation_prompt: bool
+) -> None:
+    """What a release's encoder refuses: no generation prompt (it always ends a chat where the
+    assistant starts), and chat_template_kwargs beyond its own `kwargs`."""
+    if not add_generation_prompt:
+        raise ChatEncodingError(
+            "add_generation_prompt",
+            f"must be true: {name} always ends a chat where the assistant starts to answer",
+        )
+    unknown = sorted(set(options.variables) - set(kwargs))
+    if unknown:
+        raise ChatEncodingError(
+            f"chat_template_kwargs.{unknown[0]}",
+            f"is not an option of {name}; it takes {', '.join(kwargs)} (and the request's "
+            "reasoning_effort)",
+        )
 
 
 __all__ = [

@@ -110,17 +110,10 @@ class Attention(torch.nn.Module):
 
 
 def _slots_of(picked: torch.Tensor, step: StepState) -> torch.Tensor:
-    """Token positions [N, K] (-1 = none) of each row's request -> slot ids [N, K] int32. Decode
-    rows gather their own table rows; a prefill chunk indexes its request's one row."""
-    inp, page_size = step.inp, step.pool.page_size
-    tables = step.table(KV_GROUP)  # [B, pages]
-    parts = []
-    if inp.num_decode:
-        rows = slice(0, inp.num_decode)
-        parts.append(kernels.positions_to_slots(picked[rows], tables[rows], page_size))
-    for s in inp.segments:
-        pos = picked[s.row0 : s.row0 + s.num_rows].long()
-        table = tables[s.req].long()  # [pages]
-        slot = table[pos.clamp(min=0) // page_size] * page_size + pos.clamp(min=0) % page_size
-        parts.append(torch.where(pos >= 0, slot, -1).to(torch.int32))
+    """Token positions [N, K] (-1 = none) of each row's request -> slot ids [N, K] int32."""
+    page_size = step.pool.page_size
+    parts = [
+        kernels.positions_to_slots(picked[rows], tables, page_size)
+        for rows, tables in step.row_tables(step.table(KV_GROUP))
+    ]
     return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -21,8 +21,8 @@ from typing import Any
 
 from engine.checkpoint import (
     FP8_BLOCK,
-    ConfigError,
     check_fp8_quantization,
+    check_split,
     get_field,
     read_config,
     require,
@@ -145,32 +145,25 @@ class ModelConfig:
         if size == 1:
             return
         shared = self.moe_intermediate_size * self.num_shared_experts
-        splits = (
-            ("num_attention_heads", self.num_heads),
-            ("n_routed_experts", self.num_experts),
-            ("intermediate_size", self.intermediate_size),
-            ("moe_intermediate_size x n_shared_experts", shared),
-            ("vocab_size", self.vocab_size),
-        )
-        problems = [f"{what} ({n}) is not divisible by {size}" for what, n in splits if n % size]
-        if fp8 and not problems:
-            heads = self.num_heads // size
-            blocked = (
+        heads = self.num_heads // size
+        check_split(
+            size,
+            (
+                ("num_attention_heads", self.num_heads),
+                ("n_routed_experts", self.num_experts),
+                ("intermediate_size", self.intermediate_size),
+                ("moe_intermediate_size x n_shared_experts", shared),
+                ("vocab_size", self.vocab_size),
+            ),
+            (
                 ("q_b_proj's output rows (heads x qk_head_dim)", heads * self.qk_head_dim),
                 ("o_proj's input (heads x v_head_dim)", heads * self.v_head_dim),
                 ("intermediate_size", self.intermediate_size // size),
                 ("the shared experts' intermediate size", shared // size),
             )
-            problems += [
-                f"{what} ({n} per rank) is not a multiple of the FP8 block ({FP8_BLOCK}), so "
-                "ranks would share a block scale"
-                for what, n in blocked
-                if n % FP8_BLOCK
-            ]
-        if problems:
-            raise ConfigError(
-                f"tensor-parallel size {size} cannot split this model: {'; '.join(problems)}"
-            )
+            if fp8
+            else (),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -79,14 +79,6 @@ class Indexer(torch.nn.Module):
         lengths = (inp.positions + 1).to(torch.int32)
         # [pages, P, Di], or FP8 pages [pages, P * (Di + 4)] (indexer_topk dequantizes them)
         k_cache = pool.pages_of(keys, pool.groups[KV_GROUP].num_pages)
-        tables = step.table(KV_GROUP)  # [B, pages]
-        # Decode rows are requests 0..D-1 in order; a prefill chunk's rows share one table,
-        # broadcast without copying.
-        parts = [(slice(0, inp.num_decode), tables[: inp.num_decode])] if inp.num_decode else []
-        parts += [
-            (slice(s.row0, s.row0 + s.num_rows), tables[s.req].expand(s.num_rows, -1))
-            for s in inp.segments
-        ]
         with profiled("indexer_topk"):
             picked = [
                 kernels.indexer_topk(
@@ -98,7 +90,7 @@ class Indexer(torch.nn.Module):
                     self.topk,
                     scale=self.head_dim**-0.5,
                 )
-                for rows, table in parts
+                for rows, table in step.row_tables(step.table(KV_GROUP))
             ]
         return torch.cat(picked) if len(picked) > 1 else picked[0]
 

@@ -30,10 +30,9 @@ import re
 
 import torch
 
-from engine.checkpoint import ConfigError
 from engine.models.deepseek_v32.config import ModelConfig
 from engine.models.deepseek_v32.model import DeepseekV32
-from engine.models.loading import Target, default_dtype, expert_target, load_checkpoint
+from engine.models.loading import Target, build, expert_target, load_checkpoint
 from engine.parallel.group import SINGLE, TensorParallel
 
 _RENAMES = [
@@ -95,15 +94,7 @@ def build_model(
     quantized: keep an FP8 checkpoint's linear weights as they are and compute as the release
     does; otherwise every weight is dense in `dtype`. Modules create their fp32 parameters (norms,
     the gate's bias, the indexer's key norm) explicitly. tp: this rank's shard is built."""
-    if quantized and cfg.quantization is None:
-        raise ConfigError(
-            "quantized compute needs a quantized checkpoint; config.json has no "
-            "`quantization_config`"
-        )
-    cfg.check_tensor_parallel(tp.size, fp8=quantized)
-    with torch.device(device), default_dtype(dtype):
-        model = DeepseekV32(cfg, cfg.quantization if quantized else None, tp)
-    return model.requires_grad_(False).eval()
+    return build(DeepseekV32, cfg, dtype, device, quantized, tp)
 
 
 def load_weights(model: DeepseekV32, model_dir: str | os.PathLike) -> None:

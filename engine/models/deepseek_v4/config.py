@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.checkpoint import (
-    FP8_BLOCK,
-    ConfigError,
     check_fp8_quantization,
+    check_split,
     get_field,
     read_config,
     require,
@@ -147,30 +146,21 @@ class ModelConfig:
         if size == 1:
             return
         heads, groups = self.num_heads // size, self.o_groups // size
-        problems = [
-            f"{what} ({n}) is not divisible by {size}"
-            for what, n in (
+        check_split(
+            size,
+            (
                 ("num_attention_heads", self.num_heads),
                 ("o_groups", self.o_groups),
                 ("n_routed_experts", self.num_experts),
                 ("vocab_size", self.vocab_size),
+            ),
+            (
+                ("wq_b's output rows (heads x head_dim)", heads * self.head_dim),
+                ("wo_b's input (o_groups x o_lora_rank)", groups * self.o_lora_rank),
             )
-            if n % size
-        ]
-        if fp8 and not problems:
-            problems += [
-                f"{what} ({n} per rank) is not a multiple of the FP8 block ({FP8_BLOCK}), so "
-                "ranks would share a block scale"
-                for what, n in (
-                    ("wq_b's output rows (heads x head_dim)", heads * self.head_dim),
-                    ("wo_b's input (o_groups x o_lora_rank)", groups * self.o_lora_rank),
-                )
-                if n % FP8_BLOCK
-            ]
-        if problems:
-            raise ConfigError(
-                f"tensor-parallel size {size} cannot split this model: {'; '.join(problems)}"
-            )
+            if fp8
+            else (),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -46,16 +46,7 @@ class Indexer(torch.nn.Module):
         )  # [N, Hi, Di] with RoPE, [N, Hi] fp32, [N] int32 visible entries
         # [pages, P, Di], or FP8 pages [pages, P * (Di + 4)] (indexer_topk dequantizes them)
         k_cache = pool.pages_of(keys, pool.groups["csa"].num_pages)
-        entry_tables = step.table("csa")[:, pool.ring_pages :]  # [B, pages]
-        # Decode rows are requests 0..D-1 in order; a prefill chunk's rows share one table,
-        # broadcast without copying.
-        parts = (
-            [(slice(0, inp.num_decode), entry_tables[: inp.num_decode])] if inp.num_decode else []
-        )
-        parts += [
-            (slice(s.row0, s.row0 + s.num_rows), entry_tables[s.req].expand(s.num_rows, -1))
-            for s in inp.segments
-        ]
+        parts = step.row_tables(step.table("csa")[:, pool.ring_pages :])  # entry pages
         with profiled("indexer_topk"):
             picked = [
                 kernels.indexer_topk(

@@ -19,11 +19,10 @@ import re
 
 import torch
 
-from engine.checkpoint import ConfigError
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.models.deepseek_v4.moe import Fp4Experts
-from engine.models.loading import Target, default_dtype, expert_target, load_checkpoint
+from engine.models.loading import Target, build, expert_target, load_checkpoint
 from engine.parallel.group import SINGLE, TensorParallel
 
 _RENAMES = [
@@ -65,15 +64,7 @@ def build_model(
     parameters (norms, sinks, mHC, gate biases, compressor slot biases) explicitly.
     tp: the tensor-parallel group; this rank's shard is built.
     """
-    if quantized and cfg.quantization is None:
-        raise ConfigError(
-            "quantized compute needs a quantized checkpoint; config.json has no "
-            "`quantization_config`"
-        )
-    cfg.check_tensor_parallel(tp.size, fp8=quantized)
-    with torch.device(device), default_dtype(dtype):
-        model = DeepseekV4(cfg, cfg.quantization if quantized else None, tp)
-    return model.requires_grad_(False).eval()
+    return build(DeepseekV4, cfg, dtype, device, quantized, tp)
 
 
 def load_weights(model: DeepseekV4, model_dir: str | os.PathLike) -> None:
