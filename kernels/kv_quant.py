@@ -84,6 +84,8 @@ Where each fact was read (never inferred):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -419,31 +421,26 @@ def _check_store(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, di
 
 
 def store_kv(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
-    """Triton quantize-on-write; semantics in kernels.dispatch.store_kv_fp8."""
-    page = kv_page_size(pool)
-    _check_store(pool, slots, kv, KV_DIM)
-    kv = kv if kv.stride(1) == 1 else kv.contiguous()
-    n = kv.shape[0]
-    block_m = 16 if n <= 16 else 32
-    if n > 0:
-        _store_kv_kernel[(triton.cdiv(n, block_m), KV_GROUPS + 1)](
-            pool, slots, kv, n,
-            kv.stride(0), pool.stride(0),
-            pool.shape[0] * page,
-            PAGE=page, BLOCK_M=block_m, INTERP=INTERPRET,
-            num_warps=4,
-        )  # fmt: skip
+    """Triton quantize-on-write of V4's rows; semantics in kernels.dispatch.store_kv_fp8."""
+    _store_rows(_store_kv_kernel, KV_GROUPS + 1, pool, slots, kv, KV_DIM)
 
 
 def store_kv_v32(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
     """Triton quantize-on-write of V3.2 rows; semantics in kernels.dispatch.store_kv_fp8."""
-    page = kv_page_size(pool, V32_DIM)
-    _check_store(pool, slots, kv, V32_DIM)
+    _store_rows(_store_kv_v32_kernel, V32_GROUPS + 1, pool, slots, kv, V32_DIM)
+
+
+def _store_rows(
+    kernel: Any, parts: int, pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, dim: int
+) -> None:
+    """Launch an attention-row store kernel: one program per 16-32 rows and part of a row."""
+    page = kv_page_size(pool, dim)
+    _check_store(pool, slots, kv, dim)
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
     n = kv.shape[0]
     block_m = 16 if n <= 16 else 32
     if n > 0:
-        _store_kv_v32_kernel[(triton.cdiv(n, block_m), V32_GROUPS + 1)](
+        kernel[(triton.cdiv(n, block_m), parts)](
             pool, slots, kv, n,
             kv.stride(0), pool.stride(0),
             pool.shape[0] * page,
