@@ -21,10 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kernels
 from engine.layers.fp8_linear import linear
+from engine.layers.indexer_topk import step_topk
 from engine.models.deepseek_v32.config import KV_GROUP, ModelConfig, Quantization
-from engine.profiling import profiled
 from engine.step import StepState
 
 
@@ -79,20 +78,8 @@ class Indexer(torch.nn.Module):
         lengths = (inp.positions + 1).to(torch.int32)
         # [pages, P, Di], or FP8 pages [pages, P * (Di + 4)] (indexer_topk dequantizes them)
         k_cache = pool.pages_of(keys, pool.groups[KV_GROUP].num_pages)
-        with profiled("indexer_topk"):
-            picked = [
-                kernels.indexer_topk(
-                    q[rows],
-                    weights[rows],
-                    k_cache,
-                    table,
-                    lengths[rows],
-                    self.topk,
-                    scale=self.head_dim**-0.5,
-                )
-                for rows, table in step.row_tables(step.table(KV_GROUP))
-            ]
-        return torch.cat(picked) if len(picked) > 1 else picked[0]
+        tables, scale = step.table(KV_GROUP), self.head_dim**-0.5
+        return step_topk(step, tables, q, weights, k_cache, lengths, self.topk, scale)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x @ rotation in fp32 (as the release's hadamard_transform), back in x's dtype."""

@@ -11,9 +11,9 @@ import torch
 
 import kernels
 from engine.layers.fp8_linear import linear
+from engine.layers.indexer_topk import step_topk
 from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
-from engine.profiling import profiled
 from engine.step import StepState
 
 
@@ -46,18 +46,6 @@ class Indexer(torch.nn.Module):
         )  # [N, Hi, Di] with RoPE, [N, Hi] fp32, [N] int32 visible entries
         # [pages, P, Di], or FP8 pages [pages, P * (Di + 4)] (indexer_topk dequantizes them)
         k_cache = pool.pages_of(keys, pool.groups["csa"].num_pages)
-        parts = step.row_tables(step.table("csa")[:, pool.ring_pages :])  # entry pages
-        with profiled("indexer_topk"):
-            picked = [
-                kernels.indexer_topk(
-                    q[rows],
-                    weights[rows],
-                    k_cache,
-                    table,
-                    lengths[rows],
-                    self.topk,
-                    scale=self.head_dim**-0.5,
-                )
-                for rows, table in parts
-            ]
-            return torch.cat(picked) if len(picked) > 1 else picked[0]
+        entry_tables = step.table("csa")[:, pool.ring_pages :]  # [B, pages]
+        scale = self.head_dim**-0.5
+        return step_topk(step, entry_tables, q, weights, k_cache, lengths, self.topk, scale)
