@@ -1,10 +1,12 @@
-"""H200 benchmark of the engine's decode step on a V4-Flash-width model slice.
+"""H200 benchmark of the engine's decode step on a V4-Flash-width model slice (or a
+DeepSeek-V3.2-width one: --model-type deepseek_v32).
 
     python -m bench.engine --out bench/results/h200-engine.json
     python -m bench.engine --experts 256 --out bench/results/h200-engine-256.json
     python -m bench.engine --smoke              # CPU: tiny widths through the same code
     python -m bench.engine --experts 256 --only classes release   # profiles at c=64 and c=1
     python -m bench.engine --write-slice DIR    # the slice as a checkpoint (bench/gpu_profile.sh)
+    python -m bench.engine --model-type deepseek_v32 --out bench/results/h200-engine-v32.json
 
 The slice has V4-Flash's real widths (hidden 4096, 64 heads x 512, q_lora 1024, 8 output
 groups, indexer 64 x 128 with top-512, window 128, CSA rate 4, HCA rate 128, mHC x4, vocab
@@ -33,15 +35,25 @@ One run:
 
 `--write-slice DIR` writes the slice as a checkpoint instead (`--slice-format release`: the
 release's formats) for `dsaserve profile --model DIR` (bench/gpu_profile.sh).
+
+The V3.2 slice (`--model-type deepseek_v32`) has V3.2's real widths (hidden 7168, 128 heads of
+MLA over a 576-wide latent row, q_lora 1536, indexer 64 x 128 with top-2048, a dense layer of
+18432, grouped routing of 8 experts, vocab 129280, context up to 163840), one dense and three
+MoE layers with fewer experts; every phase but 5 runs for it (the profile's floors know V4's
+parts only), its release weights are FP8 linears and FP8 routed experts (kernels.fp8_experts),
+and its "before" indexer scores a buffer padded to 163840 tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import statistics
 import time
 import traceback
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,13 +61,15 @@ import kernels
 from bench import naive
 from bench.flash_widths import FLASH_WIDTHS
 from bench.harness import write_record
+from bench.v32_widths import V32_WIDTHS
 from engine.kv.layout import KVCacheConfig
 from engine.kv.pool import KVPool
+from engine.layers.experts import Fp8Experts
 from engine.layers.fp8_linear import Fp8Linear
-from engine.models.deepseek_v4.config import ModelConfig, Quantization
-from engine.models.deepseek_v4.model import DeepseekV4
+from engine.models import FAMILIES
+from engine.models.deepseek_v4 import config as v4_config
 from engine.models.deepseek_v4.moe import Fp4Experts
-from engine.models.deepseek_v4.weights import build_model
+from engine.models.deepseek_v32 import config as v32_config
 from engine.parallel.channel import Channel
 from engine.parallel.group import SINGLE, TensorParallel
 from engine.profile import hardware
@@ -63,16 +77,22 @@ from engine.profile.decode import profile_decode
 from engine.profile.report import format_table
 from engine.profiling import profiled
 from engine.request import Request, Status
-from engine.runner import ModelRunner
+from engine.runner import Model, ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.step import RowSpan, build_step_inputs
 from kernels.quant import quantize_fp4, quantize_fp8_blocks
 
+V4, V32 = v4_config.MODEL_TYPE, v32_config.MODEL_TYPE
 MAX_CONTEXT = 1 << 20  # V4-Flash's max_position_embeddings: the "configured maximum"
-BEFORE = "before (naive kernels, indexer padded to 1M tokens)"
-RELEASE = "release weights (FP8 linears, FP4 experts)"
+BEFORE = "before (naive kernels, indexer padded to the maximum context)"
+RELEASE = {
+    V4: "release weights (FP8 linears, FP4 experts)",
+    V32: "release weights (FP8 linears and experts)",
+}
+# Each slice's KV budget: 72 requests of up to 32K tokens fit (V3.2 keeps every token's row)
+KV_BYTES = {V4: 8 << 30, V32: 40 << 30}
 GRAPH_SIZES = [1, 16, 64]
 # --smoke: the slice at widths a CPU runs in seconds (multiples of the FP8 block where needed)
 SMOKE_WIDTHS = {
@@ -90,6 +110,26 @@ SMOKE_WIDTHS = {
     "index_topk": 16,
     "max_position_embeddings": 4096,
 }
+# The V3.2 slice at widths a CPU runs in seconds (multiples of the FP8 block where needed)
+V32_SMOKE_WIDTHS = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_group": 4,
+    "topk_group": 2,
+    "num_experts_per_tok": 2,
+    "index_n_heads": 16,
+    "index_head_dim": 64,
+    "index_topk": 16,
+    "max_position_embeddings": 4096,
+}
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0, ignore_eos=True)
 LAYERS = [
     "sliding_attention",
@@ -101,12 +141,37 @@ LAYERS = [
 ]
 
 
-def slice_config(num_experts: int, smoke: bool = False) -> ModelConfig:
-    return ModelConfig.from_hf(slice_hf_config(num_experts, smoke))
+V32_LAYERS = ["dense", "sparse", "sparse", "sparse"]  # (mlp_layer_types)
 
 
-def slice_hf_config(num_experts: int, smoke: bool = False) -> dict:
+def family(model_type: str) -> Any:
+    """The engine.models package of a family (engine.models.FAMILIES)."""
+    return importlib.import_module(FAMILIES[model_type])
+
+
+def slice_config(num_experts: int, smoke: bool = False, model_type: str = V4) -> Any:
+    """The slice's ModelConfig, of the family's type."""
+    return family(model_type).ModelConfig.from_hf(slice_hf_config(num_experts, smoke, model_type))
+
+
+def layer_labels(cfg: Any) -> list[str]:
+    """A label per layer of a slice (the per-layer errors)."""
+    return list(cfg.layer_types if cfg.family == V4 else cfg.mlp_layer_types)
+
+
+def slice_hf_config(num_experts: int, smoke: bool = False, model_type: str = V4) -> dict:
     """The slice's config.json fields."""
+    if model_type == V32:
+        return {
+            "model_type": V32,
+            "vocab_size": 129280,
+            **V32_WIDTHS,
+            "num_hidden_layers": len(V32_LAYERS),
+            "mlp_layer_types": V32_LAYERS,
+            "n_routed_experts": num_experts,
+            "num_nextn_predict_layers": 0,  # the MTP layer does not run in a decode step
+            **(V32_SMOKE_WIDTHS if smoke else {}),
+        }
     return {
         "model_type": "deepseek_v4",
         "vocab_size": 129280,
@@ -126,19 +191,21 @@ def slice_hf_config(num_experts: int, smoke: bool = False) -> dict:
     }
 
 
-def write_slice(out: str, num_experts: int, fmt: str = "dense", smoke: bool = False):
-    """The slice as a checkpoint in `out` (engine.models.deepseek_v4.tiny: random weights, the
-    byte tokenizer; the vocabulary stays 129280 rows wide, the tokenizer's 258 tokens are the
-    ones sampled); returns its path."""
-    from engine.models.deepseek_v4.tiny import make_tiny_model
+def write_slice(
+    out: str, num_experts: int, fmt: str = "dense", smoke: bool = False, model_type: str = V4
+) -> Path:
+    """The slice as a checkpoint in `out` (the family's tiny writer: random weights, the byte
+    tokenizer; the vocabulary stays 129280 rows wide, the tokenizer's tokens are the ones
+    sampled); returns its path."""
+    tiny = importlib.import_module(f"{FAMILIES[model_type]}.tiny")
+    config = slice_hf_config(num_experts, smoke, model_type)
+    overrides = {k: v for k, v in config.items() if k != "model_type"}
+    return tiny.make_tiny_model(out, fmt=fmt, overrides=overrides)
 
-    overrides = {k: v for k, v in slice_hf_config(num_experts, smoke).items() if k != "model_type"}
-    return make_tiny_model(out, fmt=fmt, overrides=overrides)
 
-
-def random_model(cfg: ModelConfig, dev: torch.device, tp: TensorParallel = SINGLE) -> DeepseekV4:
+def random_model(cfg: Any, dev: torch.device, tp: TensorParallel = SINGLE) -> Model:
     """Random bf16 weights (this rank's shard under tensor parallelism)."""
-    model = build_model(cfg, torch.bfloat16, dev, tp=tp)
+    model = family(cfg.family).build_model(cfg, torch.bfloat16, dev, tp=tp)
     gen = torch.Generator(dev).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -147,21 +214,29 @@ def random_model(cfg: ModelConfig, dev: torch.device, tp: TensorParallel = SINGL
             elif not name.endswith("scale") and "norm" not in name:
                 p.normal_(0, 0.1, generator=gen)
         for layer in model.layers:
-            gate = layer.ffn.gate
-            if gate.hashed:
+            gate = getattr(layer.ffn, "gate", None)  # (V3.2's dense layers have none)
+            if getattr(gate, "hashed", False):  # V4's token-id hash: a table, not weights
                 gate.tid2eid.copy_(
                     torch.randint(0, cfg.num_experts, gate.tid2eid.shape, device=dev, generator=gen)
                 )
     return model
 
 
+# The formats each family's release stores: V4's FP8 linears and FP4 experts, V3.2's FP8 linears
+RELEASE_QUANTIZATION = {
+    V4: v4_config.Quantization(expert_dtype="fp4"),
+    V32: v32_config.Quantization(),
+}
+
+
 @torch.no_grad()
-def release_model(dense: DeepseekV4) -> DeepseekV4:
+def release_model(dense: Any) -> Any:
     """The model with the release checkpoint's formats, quantized from `dense`'s weights as the
     checkpoint's producer would (kernels.quant: power-of-two scales, round to nearest even),
     one tensor (one expert) at a time; dense parameters are copied."""
-    cfg = dataclasses.replace(dense.cfg, quantization=Quantization(expert_dtype="fp4"))
-    model = build_model(cfg, torch.bfloat16, dense.embed.weight.device, quantized=True, tp=dense.tp)
+    cfg = dataclasses.replace(dense.cfg, quantization=RELEASE_QUANTIZATION[dense.cfg.family])
+    device = dense.embed.weight.device
+    model = family(cfg.family).build_model(cfg, torch.bfloat16, device, quantized=True, tp=dense.tp)
     done = set()
     for name, module in model.named_modules():
         source = dense.get_submodule(name)
@@ -180,6 +255,15 @@ def release_model(dense: DeepseekV4) -> DeepseekV4:
                     codes[e].copy_(q)
                     scales[e].copy_(s)
             module.note_scales()  # as the checkpoint loader does
+        elif isinstance(module, Fp8Experts):
+            for e in range(module.w13.shape[0]):  # (this rank's experts)
+                for codes, scales, weight in (
+                    (module.w13, module.s13, source.w13),
+                    (module.w2, module.s2, source.w2),
+                ):
+                    q, s = quantize_fp8_blocks(weight[e])
+                    codes[e].copy_(q)
+                    scales[e].copy_(s)
         else:
             continue
         done |= {f"{name}.{p}" for p, _ in module.named_parameters()}
@@ -202,7 +286,7 @@ def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 class Bench:
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: Any,
         max_seqs: int,
         kv_bytes: int,
         dev: torch.device,
@@ -231,7 +315,7 @@ class Bench:
         self.scheduler = Scheduler(self.pool, 8192)
         self.use(random_model(cfg, dev, tp))
 
-    def use(self, model: DeepseekV4) -> None:
+    def use(self, model: Any) -> None:
         """Run `model` from now on, on the same pool (its layout does not depend on the weights),
         with decode graphs captured for it on the GPU."""
         self.model = model
@@ -326,7 +410,7 @@ def check_against_reference(bench: Bench, context: int, prefill: int) -> dict:
     # rounding amplified through the random model.
     out[f"prefill_{prefill}_per_layer_rel_err"] = [
         f"{kind}: {_rel_err(a, b):.4f}"
-        for kind, a, b in zip(LAYERS, got_layers, ref_layers, strict=True)
+        for kind, a, b in zip(layer_labels(bench.cfg), got_layers, ref_layers, strict=True)
     ]
     bench.release([r])
     return out
@@ -362,7 +446,7 @@ def prefill_tokens_per_s(bench: Bench, length: int) -> float:
     return length / dt
 
 
-def _weight_gb(model: DeepseekV4) -> float:
+def _weight_gb(model: torch.nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
 
 
@@ -389,6 +473,12 @@ def main() -> None:
         help="with --write-slice: fp32 weights, or the release's FP8 linears and FP4 experts",
     )
     parser.add_argument(
+        "--model-type",
+        choices=(V4, V32),
+        default=V4,
+        help="the slice's family: V4-Flash's widths, or DeepSeek-V3.2's",
+    )
+    parser.add_argument(
         "--only",
         nargs="+",
         choices=("correctness", "decode", "release", "classes", "prefill", "before"),
@@ -397,20 +487,24 @@ def main() -> None:
     args = parser.parse_args()
     smoke = args.smoke
     if args.write_slice:
-        print(write_slice(args.write_slice, args.experts, args.slice_format, smoke))
+        print(
+            write_slice(args.write_slice, args.experts, args.slice_format, smoke, args.model_type)
+        )
         return
     dev = torch.device("cpu" if smoke else "cuda")
     contexts, concurrency = ((64, 256), (1, 4)) if smoke else ((4096, 32768), (1, 16, 64))
     check_context, check_prefill = (200, 200) if smoke else (3000, 2048)
     steps = 2 if smoke else args.steps
     hw = None if smoke else hardware.measure(dev)  # in this run, as every bench here
-    cfg = slice_config(args.experts, smoke)
-    bench = Bench(cfg, max_seqs=72, kv_bytes=(64 << 20) if smoke else 8 << 30, dev=dev)
+    cfg = slice_config(args.experts, smoke, args.model_type)
+    kv_bytes = (64 << 20) if smoke else KV_BYTES[args.model_type]
+    bench = Bench(cfg, max_seqs=72, kv_bytes=kv_bytes, dev=dev)
     bf16 = bench.model
     result: dict = {
         "hardware": hw.as_dict() if hw else {},
         "config": {
-            "layers": LAYERS,
+            "model_type": args.model_type,
+            "layers": layer_labels(cfg),
             "experts": args.experts,
             "params_B": sum(p.numel() for p in bf16.parameters()) / 1e9,
             "weights_GB": {"bf16": _weight_gb(bf16)},
@@ -491,9 +585,10 @@ def main() -> None:
             bench.release(reqs)
             print("release vs bf16:", result["release_vs_bf16_decode_logits_rel_err"], flush=True)
             phase("release correctness", lambda: correctness("release_correctness"))
-            phase("release decode", lambda: decode(RELEASE, concurrency, steps))
+            phase("release decode", lambda: decode(RELEASE[args.model_type], concurrency, steps))
             phase("release prefill", lambda: prefill("release_prefill_tok_s"))
-            phase("release classes", lambda: classes("release_"))
+            if "classes" in phases:
+                phase("release classes", lambda: classes("release_"))
         finally:
             bench.release([r for r in reqs if r.request_id in bench.scheduler.requests])
             bench.model, bench.runner = bf16, bf16_runner
@@ -518,6 +613,8 @@ def main() -> None:
     }
     if smoke:  # the naive kernels' graphs need the GPU
         del phases["before"]
+    if args.model_type != V4:  # engine.profile's floors know V4's parts only
+        del phases["classes"]
     for name, fn in phases.items():
         if not args.only or name in args.only:
             phase(name, fn)
@@ -546,7 +643,7 @@ def summarize(result: dict) -> None:
     ratios = {}
     for r in result["decode"]:
         base = tok_s("dsaserve", r["concurrency"], r["context"])
-        if r["config"] == RELEASE and base:
+        if r["config"] in RELEASE.values() and base:
             ratios[f"c{r['concurrency']}_ctx{r['context']}"] = r["tok_s"] / base
     if ratios:
         result["release_vs_bf16_tok_s"] = ratios

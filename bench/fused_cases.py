@@ -22,6 +22,7 @@ from engine.kv.layout import KVCacheConfig
 from engine.kv.pool import KVPool
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import RotaryTable
+from engine.models.deepseek_v4.attention import hca_width
 from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
 from engine.models.deepseek_v4.mhc import HyperConnection
@@ -122,7 +123,7 @@ class GlueStep:
         prefill: tuple[tuple[int, int], ...] = (),
         kv_bytes: int = 16 << 20,
         page_size: int = 4,
-        hca_width: int | None = None,
+        max_position: int | None = None,
         seed: int = 0,
         kv_cache_dtype: str = "auto",
     ) -> None:
@@ -159,8 +160,8 @@ class GlueStep:
             for t in ring:
                 t.copy_(self.randn(*t.shape))
         self.inp = build_step_inputs(pool, spans, len(positions), self.dev)
-        if hca_width is not None:  # a CUDA graph's width (max_context // 128 + 1), not the data's
-            self.inp = dataclasses.replace(self.inp, hca_width=hca_width)
+        if max_position is not None:  # a CUDA graph's bound (the context limit), not the data's
+            self.inp = dataclasses.replace(self.inp, max_position=max_position)
         self.rope = {
             "main": RotaryTable(cfg.rope_main, cfg.rope_dim).to(self.dev),
             "compress": RotaryTable(cfg.rope_compress, cfg.rope_dim).to(self.dev),
@@ -287,8 +288,9 @@ class GlueStep:
             kwargs["picked"] = picked.to(torch.int32)
             extra = cfg.index_topk
         elif kind == HCA:
-            kwargs.update(hca_ratio=pool.groups["hca"].ratio, hca_width=inp.hca_width)
-            extra = inp.hca_width
+            ratio = pool.groups["hca"].ratio
+            extra = hca_width(inp.max_position, ratio)
+            kwargs.update(hca_ratio=ratio, hca_width=extra)
 
         return Op(
             f"sparse_indices_{group}",

@@ -88,7 +88,7 @@ def steps(phase: str, smoke: bool) -> Iterator[tuple[str, GlueStep]]:
                 dtype=torch.bfloat16,
                 kv_bytes=2 << 30,
                 page_size=64,
-                hca_width=MAX_CONTEXT // 128 + 1,
+                max_position=MAX_CONTEXT,
                 seed=len(positions),
             ),
         )

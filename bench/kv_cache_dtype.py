@@ -6,8 +6,8 @@ what the FP8 pages do to the demo model's logits.
 
 Capacity is exact arithmetic on the pool plans (engine.kv.pool.plan_pages, nothing allocated):
 bytes one more token of context costs (every layer past its window: bytes_per_token), and the
-compressed tokens the pools hold at a budget, for the built-in demo model and V4-Flash (HF's
-defaults), FP8 against bf16 (and against fp32, the CPU's default --dtype).
+tokens of context the pools hold at a budget, for the built-in demo model, V4-Flash and
+DeepSeek-V3.2 (HF's defaults), FP8 against bf16 (and against fp32, the CPU's default --dtype).
 
 Numerics run the demo model (engine/assets/dsaserve-demo-v4; trained, so its logits mean
 something) with the two caches, everything else equal (on the CPU also bf16 against fp32
@@ -31,34 +31,49 @@ import torch
 from bench.harness import write_record
 from bench.numerics import BOS, bits_per_byte, greedy_agreement, heldout_windows
 from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv.layout import KVCacheConfig, bytes_per_token, plan_pages, staging_block_bytes
+from engine.kv.layout import (
+    KVCacheConfig,
+    KVModel,
+    bytes_per_token,
+    plan_pages,
+    staging_block_bytes,
+)
 from engine.llm import LLM
-from engine.models.deepseek_v4.config import CSA, HCA, ModelConfig
+from engine.models.deepseek_v4.config import ModelConfig
+from engine.models.deepseek_v32.config import ModelConfig as V32Config
 from engine.sampling_params import SamplingParams
 
 V4_FLASH = ModelConfig.from_hf({"model_type": "deepseek_v4"})  # HF's defaults: V4-Flash
+V32 = V32Config.from_hf({"model_type": "deepseek_v32"})  # HF's defaults: the release's 61 layers
 DEMO = ModelConfig.from_dir(DEMO_MODEL_DIR)
-# (model, budget, max_num_seqs, max_num_batched_tokens): the e2e tests' demo workers, and a
-# V4-Flash worker with most of an H200 left after the weights
-BUDGETS = [("demo", DEMO, 64 << 20, 32, 1024), ("v4-flash", V4_FLASH, 60 << 30, 256, 8192)]
+MODELS = (("demo", DEMO), ("v4-flash", V4_FLASH), ("v3.2", V32))
+# (model, budget, max_num_seqs, max_num_batched_tokens): the e2e tests' demo workers, a
+# V4-Flash worker with most of an H200 left after the weights, and a rank of a V3.2 worker on 8
+# H200s (86 GB of FP8 weights each; the latent rows whole on every rank)
+BUDGETS = [
+    ("demo", DEMO, 64 << 20, 32, 1024),
+    ("v4-flash", V4_FLASH, 60 << 30, 256, 8192),
+    ("v3.2", V32, 40 << 30, 256, 8192),
+]
 PAGE = 64
 
 
-def compressed_tokens(cfg: ModelConfig, kv: KVCacheConfig, esize: int) -> int:
+def context_tokens(cfg: KVModel, kv: KVCacheConfig, esize: int) -> int:
     """Tokens of context (past every request's fixed window) the planned pages hold, counted in
-    the CSA group (HCA where there is none); staging left out (staging_bytes=0)."""
+    the first group with index keys (V4: CSA; V3.2: its one group), else the first compressed
+    one (HCA); staging left out (staging_bytes=0)."""
     fp8 = kv.kv_cache_dtype == "fp8"
     pages, _ = plan_pages(cfg, kv, esize, staging_block_bytes(cfg, kv.page_size, esize, fp8))
-    kind = CSA if cfg.layers_of(CSA) else HCA
-    group = {CSA: "csa", HCA: "hca"}[kind]
+    groups = cfg.kv_groups()
+    group = next((g for g in groups if g.indexed), None) or next(g for g in groups if g.ratio)
     ring_pages = math.ceil(cfg.sliding_window / kv.page_size)
     base = kv.max_num_seqs * (ring_pages + 1)
-    return (pages[group] - base) * kv.page_size * cfg.compress_rate(cfg.layers_of(kind)[0])
+    return (pages[group.name] - base) * kv.page_size * group.ratio
 
 
 def capacity() -> dict:
     out = {}
-    for name, cfg in (("demo", DEMO), ("v4-flash", V4_FLASH)):
+    for name, cfg in MODELS:
         bf16, fp32, fp8 = (
             bytes_per_token(cfg, e, f) for e, f in ((2, False), (4, False), (2, True))
         )
@@ -73,16 +88,16 @@ def capacity() -> dict:
             for d in ("auto", "fp8")
         }
         tokens = {
-            "bfloat16": compressed_tokens(cfg, kv["auto"], 2),
-            "float32": compressed_tokens(cfg, kv["auto"], 4),
-            "fp8": compressed_tokens(cfg, kv["fp8"], 2),
+            "bfloat16": context_tokens(cfg, kv["auto"], 2),
+            "float32": context_tokens(cfg, kv["auto"], 4),
+            "fp8": context_tokens(cfg, kv["fp8"], 2),
         }
         out[name]["at_budget"] = {
             "budget_bytes": budget,
             "max_num_seqs": seqs,
             "max_num_batched_tokens": batched,
             "page_size": PAGE,
-            "compressed_tokens": tokens,
+            "context_tokens": tokens,
             "ratio_vs_bfloat16": tokens["fp8"] / tokens["bfloat16"],
             "ratio_vs_float32": tokens["fp8"] / tokens["float32"],
         }

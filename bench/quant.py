@@ -17,7 +17,7 @@ writes its part of the JSON as soon as it has it):
   measured copy bandwidth; M=4096 with _scaled_mm. Then other tile/split configs.
 - ``moe``: one V4-Flash MoE layer (256 experts, hidden 4096, moe_intermediate 2048, top-6):
   correctness of fp4_moe against the release's expert arithmetic (kernels.quant) first, then 1
-  and 64 decode rows (and 4096 prefill tokens unless --quick): fp4_moe vs engine/moe.py's
+  and 64 decode rows (and 4096 prefill tokens unless --quick): fp4_moe vs engine.layers.experts'
   RoutedExperts (bf16 weights, torch._grouped_mm) on the same (dequantized) weights; few rows
   cycle through routings so that the weights come from HBM.
 
@@ -435,8 +435,8 @@ def moe_layer(env: Env, spec: dict) -> MoeLayer:
 
 
 def bf16_experts(env: Env, spec: dict, w13, s13, w2, s2) -> torch.nn.Module:
-    """engine/moe.py's RoutedExperts (torch._grouped_mm) holding the dequantized weights."""
-    from engine.models.deepseek_v4.moe import RoutedExperts
+    """engine.layers.experts.RoutedExperts (torch._grouped_mm) holding the dequantized weights."""
+    from engine.layers.experts import RoutedExperts
 
     with torch.device("meta"):
         mod = RoutedExperts(spec["experts"], spec["hidden"], spec["inter"], spec["limit"])

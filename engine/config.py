@@ -43,11 +43,13 @@ class EngineConfig:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "KV cache storage: auto (the --dtype) or fp8 (DeepSeek-V4's FP8 pages, vLLM's "
-        "fp8_ds_mla: window rows and compressed entries as 448 e4m3 + 64 bf16 RoPE values with "
-        "ue8m0 scales, 584 bytes instead of 1024 in bf16; indexer keys as e4m3 with one fp32 "
-        "scale; more tokens in the same --kv-cache-memory-bytes: engine.kv.layout.bytes_per_token "
-        "computes how many, bench/README.md 'FP8 KV cache' records it per model)",
+        "KV cache storage: auto (the --dtype) or fp8 (vLLM's fp8_ds_mla pages: DeepSeek-V4's "
+        "window rows and compressed entries as 448 e4m3 + 64 bf16 RoPE values with ue8m0 "
+        "scales, 584 bytes instead of 1024 in bf16; DeepSeek-V3.2's latent rows as 512 e4m3 "
+        "with 4 fp32 scales + 64 bf16 RoPE values, 656 bytes instead of 1152; indexer keys as "
+        "e4m3 with one fp32 scale; more tokens in the same --kv-cache-memory-bytes: "
+        "engine.kv.layout.bytes_per_token computes how many, bench/README.md 'FP8 KV cache' "
+        "records it per model)",
         choices=KV_CACHE_DTYPES,
     )
     kv_staging_memory_bytes: int | None = setting(

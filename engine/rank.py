@@ -82,9 +82,10 @@ def build_runner(
     if config.enable_prefix_caching:
         size = config.prefix_cache_checkpoint_memory_bytes
         each = checkpoint_bytes(cfg, kv_cfg.page_size, dtype.itemsize, kv_cfg.fp8)
-        rows = (
-            default_checkpoint_rows(cfg, kv_cfg, dtype.itemsize) if size is None else size // each
-        )
+        if size is None:
+            rows = default_checkpoint_rows(cfg, kv_cfg, dtype.itemsize)
+        else:  # a family without per-position state needs no checkpoint (each == 0)
+            rows = size // each if each else 0
         kv_cfg = dataclasses.replace(kv_cfg, checkpoint_rows=rows)
     pool = KVPool(cfg, kv_cfg, dtype=dtype, device=device, max_context=max_context)
     host = None

@@ -206,7 +206,6 @@ class _DecodeGraph:
         pool, dev = runner.pool, runner.device
         self.pool, self.bs = pool, bs
         arange = torch.arange(bs, device=dev)
-        hca = pool.groups.get("hca")
         self.inputs = StepInputs(
             positions=torch.zeros(bs, dtype=torch.int64, device=dev),
             row_req=arange,
@@ -215,7 +214,7 @@ class _DecodeGraph:
             slab=torch.full((bs,), pool.dummy_slab, dtype=torch.int64, device=dev),
             persist_rows=arange,
             token_ids=torch.zeros_like(arange),
-            hca_width=runner.max_context // hca.ratio + 1 if hca else 0,
+            max_position=runner.max_context,
             num_decode=bs,
         )
         forward = lambda: runner.model(pool, self.inputs, arange)

@@ -68,7 +68,9 @@ class StepInputs:
     slab: torch.Tensor  # [B] int64, slab row of each request (its page tables' row)
     persist_rows: torch.Tensor  # [M] int64, rows written to the window ring after attention
     token_ids: torch.Tensor  # [N] int64 (hash-routed MoE layers route by token id)
-    hca_width: int  # compressed-entry columns of HCA index lists (>= max count)
+    # >= every row's position, known without reading them back: the data's in an eager step,
+    # the context limit in a decode graph (so shapes sized from it stay valid on replay)
+    max_position: int
     num_decode: int  # rows [0, num_decode) are single-token decode rows
     segments: list[Segment] = field(default_factory=list)
 
@@ -108,8 +110,6 @@ def build_step_inputs(
         if b >= num_decode:
             segments.append(Segment(row, start, n, slab, b, span.captures))
         row += n
-    hca = pool.groups.get("hca")
-    hca_width = max((p + 1) // hca.ratio for p in positions) if hca else 0
 
     def t(x: list[int]) -> torch.Tensor:
         return to_device(x, torch.int64, device)
@@ -122,7 +122,7 @@ def build_step_inputs(
         slab=t(slabs),
         persist_rows=t(persist),
         token_ids=t(token_ids),
-        hca_width=hca_width,
+        max_position=max(positions, default=0),
         num_decode=num_decode,
         segments=segments,
     )
@@ -156,6 +156,17 @@ class StepState:
         return self._cached(
             ("table", group), lambda: self.pool.page_tables[group].index_select(0, self.inp.slab)
         )
+
+    def row_tables(self, tables: torch.Tensor) -> list[tuple[slice, torch.Tensor]]:
+        """The step's rows in runs that share page-table rows, each run with its tables
+        [rows, pages]: the decode rows (requests 0..D-1 in order) with their own rows of
+        `tables` [B, pages], each prefill chunk with its request's row broadcast (no copy)."""
+        inp = self.inp
+        runs = [(slice(0, inp.num_decode), tables[: inp.num_decode])] if inp.num_decode else []
+        return runs + [
+            (slice(s.row0, s.row0 + s.num_rows), tables[s.req].expand(s.num_rows, -1))
+            for s in inp.segments
+        ]
 
     def entry_slots(self, group: str, req: torch.Tensor, entry: torch.Tensor) -> torch.Tensor:
         """Slot ids of compressed entries `entry` (any shape) of requests `req` (broadcastable)."""

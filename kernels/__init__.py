@@ -13,6 +13,7 @@ Public API (imports torch and triton only):
     xq, xs = quantize_activations(x)                      # FP8 per 128, ue8m0 scales
     y = fp8_linear(x, weight_fp8, scale_e8m0)             # the V4 release's FP8 linear()
     y = fp4_experts(x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit)  # FP4 experts
+    y = fp8_experts(x, expert_ids, weights, w13, s13, w2, s2)  # FP8 experts (V3.2)
 
 Fused decode glue (kernels.fused_dispatch; one or two launches each where the engine runs 5-25):
 
@@ -70,7 +71,8 @@ from kernels.fused_dispatch import (
     sparse_indices,
 )
 from kernels.paging import positions_to_slots
-from kernels.quant_dispatch import fp4_experts, fp8_linear, quantize_activations
+from kernels.fp8_moe import stack_fp8_experts
+from kernels.quant_dispatch import fp4_experts, fp8_experts, fp8_linear, quantize_activations
 
 __all__ = [
     "CompressorRows",
@@ -80,6 +82,7 @@ __all__ = [
     "compress_decode",
     "copy_rows",
     "fp4_experts",
+    "fp8_experts",
     "fp8_linear",
     "hc_merge",
     "hc_pre",
@@ -95,6 +98,7 @@ __all__ = [
     "sparse_indices",
     "sparse_mla_decode",
     "stack_fp4_experts",
+    "stack_fp8_experts",
     "store_index_k_fp8",
     "store_kv_fp8",
     "store_rows",

@@ -26,11 +26,12 @@ def sparse_mla_decode(
     q        [B, H, D] bf16 (fp16/fp32/float64 accepted; float64 on the reference only); H a
              multiple of 16, D = d_v + rope width (512 or 576 with d_v = 512).
     kv       [S, D], q's dtype: one row per slot of a layer's pool, one KV head shared by all
-             query heads; K = the whole row, V = its first d_v columns. Or an FP8 pool, uint8
-             [num_pages, P * 584] (kernels.kv_quant: 448 e4m3 + 64 bf16 values and 7 ue8m0
-             scales a row, S = num_pages * P slots, slot s at page s // P, row s % P); then
-             D = d_v = 512, q is bf16/fp16/fp32, and every row is read as its exact
-             dequantization (K = V = the whole row).
+             query heads; K = the whole row, V = its first d_v columns. Or an FP8 pool
+             (kernels.kv_quant, S = num_pages * P slots, slot s at page s // P, row s % P),
+             every row read as its exact dequantization, q bf16/fp16/fp32: uint8
+             [num_pages, P * 584] (V4: 448 e4m3 + 64 bf16 values and 7 ue8m0 scales a row;
+             D = d_v = 512, K = V = the whole row) or [num_pages, P * 656] (V3.2: 512 e4m3 with
+             4 fp32 scales + 64 bf16 values a row; D = 576, d_v = 512).
     indices  [B, K] int32 slot ids; -1 (or any id outside [0, S)) is skipped, anywhere.
     sm_scale softmax scale applied to q . K.
     sinks    [H] fp32 or None: per-head sink logit added to the softmax denominator.
@@ -91,14 +92,18 @@ def indexer_topk(
 
 
 def store_kv_fp8(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
-    """Quantize-on-write of attention entries: kv [N, 512] (bf16; fp16/fp32 accepted) into
-    slots [N] (int32/int64) of an FP8 pool uint8 [num_pages, P * 584], in place.
+    """Quantize-on-write of attention rows: kv [N, 512] (V4's entries) or [N, 576] (V3.2's
+    latent rows), bf16 (fp16/fp32 accepted), into slots [N] (int32/int64) of an FP8 pool uint8
+    [num_pages, P * 584] or [num_pages, P * 656], in place.
 
     Row i goes to slot slots[i] (page slots[i] // P, row slots[i] % P) in kernels.kv_quant's
-    layout; slots outside [0, num_pages * P) are skipped; a slot named twice gets one of its
-    rows. The CUDA path (one program per 16-32 rows and 64-value group) reads nothing back to the
-    host, so it runs inside captured decode graphs."""
-    impl = kv_quant.store_kv if uses_triton(kv) else kv_quant.store_kv_reference
+    layout of that width; slots outside [0, num_pages * P) are skipped; a slot named twice gets
+    one of its rows. The CUDA path (one program per 16-32 rows and value group) reads nothing
+    back to the host, so it runs inside captured decode graphs."""
+    if kv.shape[-1] == kv_quant.V32_DIM:
+        impl = kv_quant.store_kv_v32 if uses_triton(kv) else kv_quant.store_kv_v32_reference
+    else:
+        impl = kv_quant.store_kv if uses_triton(kv) else kv_quant.store_kv_reference
     impl(pool, slots, kv)
 
 
@@ -113,12 +118,13 @@ def store_index_k_fp8(pool: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
 def store_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, page_size: int) -> None:
     """Write rows [N, D] into slots [N] of a layer's pool, whichever its format: a plain pool
     [slots, D] (rows' dtype; index_copy_, every slot valid), or an FP8 pool with page_size slots
-    a page, told apart by its page width: P * 584 bytes holds attention entries (D = 512,
-    store_kv_fp8), P * (D + 4) index keys (store_index_k_fp8); there slots outside the pool are
-    skipped."""
+    a page, told apart by its page width: P * 584 bytes holds V4's attention entries (D = 512)
+    and P * 656 V3.2's latent rows (D = 576, store_kv_fp8), P * (D + 4) index keys
+    (store_index_k_fp8); there slots outside the pool are skipped."""
+    attention = rows.shape[1] in (kv_quant.KV_DIM, kv_quant.V32_DIM)
     if pool.dtype != torch.uint8:
         pool.index_copy_(0, slots, rows)
-    elif rows.shape[1] == kv_quant.KV_DIM and pool.shape[1] == page_size * kv_quant.KV_TOKEN_BYTES:
+    elif attention and pool.shape[1] == page_size * kv_quant.kv_token_bytes(rows.shape[1]):
         store_kv_fp8(pool, slots, rows)
     else:
         assert pool.shape[1] == page_size * kv_quant.index_token_bytes(rows.shape[1]), (

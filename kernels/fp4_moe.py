@@ -15,11 +15,11 @@ H and I multiples of 128. ``stack_fp4_experts`` builds this layout from per-expe
 tensors (``layers.N.ffn.experts.E.w{1,2,3}.{weight,scale}``); the engine's loader stacks them once.
 
 Arithmetic, as the release (inference/model.py Expert.forward, linear(), kernel.py fp4_gemm;
-reference: kernels.quant.fp4_experts_reference): x is quantized once per 128 values (act_quant:
-the release quantizes before w1 and before w3, identically); gate and up are fp4_gemm outputs
-rounded to bf16; h = silu(min(gate, L)) * clamp(up, -L, L) in fp32, times the routing weight
-(before w2, unlike engine/moe.py's bf16 path), rounded to bf16 and quantized per 128 again; the
-down projection's bf16 outputs are added in fp32. Each fp4 GEMM promotes per 32-value chunk like
+reference: kernels.quant.fp4_experts_reference): x is quantized once per 128 values (act_quant: the
+release quantizes before w1 and before w3, identically); gate and up are fp4_gemm outputs rounded
+to bf16; h = silu(min(gate, L)) * clamp(up, -L, L) in fp32, times the routing weight (before w2,
+unlike engine.layers.experts' bf16 path), rounded to bf16 and quantized per 128 again; the down
+projection's bf16 outputs are added in fp32. Each fp4 GEMM promotes per 32-value chunk like
 fp4_gemm_kernel: a tensor-core dot of the chunk (exact products, fp32 sums) into a fresh tile,
 times w_scale, into an fp32 block sum that is scaled by x_scale (a power of two, so equal to
 scaling each chunk) and added to the fp32 accumulator; only the order of fp32 additions differs
@@ -41,9 +41,9 @@ Kernels:
    routing weight, and quantizes h per 128 right there (it holds the whole 128-wide group).
 3. down: one program per (row block, BLOCK_N output columns); bf16 rows land at the token's
    (token, slot) row; the k rows of a token are then summed in fp32.
-Rows are sorted by expert (stable argsort, as engine/moe.py's RoutedExperts) and each expert's
-rows are cut into BLOCK_M blocks; the grid has ceil(T*k / BLOCK_M) + min(E, T*k) block slots, a
-bound on the blocks any routing can need, and a program finds its expert by counting the
+Rows are sorted by expert (stable argsort, as engine.layers.experts.RoutedExperts) and each
+expert's rows are cut into BLOCK_M blocks; the grid has ceil(T*k / BLOCK_M) + min(E, T*k) block
+slots, a bound on the blocks any routing can need, and a program finds its expert by counting the
 per-expert block ends at or below its slot, so nothing is read back to the host (CUDA-graph
 capturable). Idle slots return at once. Few rows (a decode step of a token or two) leave most
 SMs idle; the GEMMs then split K (MoeConfig.split_k, split_for) and a finishing pass adds the
@@ -165,7 +165,7 @@ def _act_scale(ptrs, ok):
 
 
 @triton.jit
-def _slot_rows(slot, block_end_ptr, row_end_ptr, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+def slot_rows(slot, block_end_ptr, row_end_ptr, E, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
     """Block slot -> (expert, first sorted row, end of the expert's rows); expert == E when the
     slot is past the last block. block_end/row_end: inclusive cumsums over experts, read whole
     (one round trip to memory; a binary search waits on a chain of dependent loads)."""
@@ -192,7 +192,7 @@ def _moe_up_kernel(
     """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs. Program
     (slot, column tile, K slice); SPLIT: store the slice's fp32 gate and up sums into
     part [slice, sorted row, gate | up] (_moe_up_finish_kernel finishes them), else finish."""
-    e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
+    e, row0, row_end = slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
     if e >= E:
         return
     rows = row0 + tl.arange(0, BLOCK_M)  # sorted rows
@@ -337,7 +337,7 @@ def _moe_down_kernel(
     """ws_ptr: the ue8m0 scales viewed as int32, one word per row and 128 inputs. Program
     (slot, column tile, K slice); SPLIT: out is fp32 [slice, (token, slot) row, H] and gets
     the slice's sums, else bf16 [(token, slot) row, H] and the whole sum."""
-    e, row0, row_end = _slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
+    e, row0, row_end = slot_rows(tl.program_id(0), block_end_ptr, row_end_ptr, E, E_POW2, BLOCK_M)
     if e >= E:
         return
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -438,6 +438,19 @@ def check_experts(
     return e, hidden, inter
 
 
+def check_routing(
+    x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, hidden: int
+) -> None:
+    """Validate a MoE call's activations and routing (no data read): x [T, hidden],
+    expert_ids and weights [T, k]."""
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x {tuple(x.shape)} vs experts of hidden size {hidden}")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} vs x {tuple(x.shape)}")
+    if weights.shape != expert_ids.shape:
+        raise ValueError(f"weights {tuple(weights.shape)} vs expert_ids {tuple(expert_ids.shape)}")
+
+
 def route_rows(
     expert_ids: torch.Tensor, n_exp: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -478,12 +491,7 @@ def fp4_moe(
     """Routed FP4 experts; layout and semantics in the module docstring."""
     w13, w2 = _as_int8(w13), _as_int8(w2)
     n_exp, hidden, inter = check_experts(w13, s13, w2, s2)
-    if x.dim() != 2 or x.shape[1] != hidden:
-        raise ValueError(f"x {tuple(x.shape)} vs experts of hidden size {hidden}")
-    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(f"expert_ids {tuple(expert_ids.shape)} vs x {tuple(x.shape)}")
-    if weights.shape != expert_ids.shape:
-        raise ValueError(f"weights {tuple(weights.shape)} vs expert_ids {tuple(expert_ids.shape)}")
+    check_routing(x, expert_ids, weights, hidden)
     tokens, topk = expert_ids.shape
     rows = tokens * topk
     if rows == 0:

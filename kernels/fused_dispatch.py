@@ -112,8 +112,8 @@ def sparse_indices(
     window      sliding window W (cfg.sliding_window).
     picked      CSA: [N, K] int32 entry positions from kernels.indexer_topk (-1 = none).
     hca_ratio, hca_width
-                HCA: the compress rate and the entry columns (StepInputs.hca_width, >= every
-                row's entry count).
+                HCA: the compress rate and the entry columns (>= every row's entry count; the
+                engine sizes them from StepInputs.max_position).
 
     Returns int32 indices [N, W + K] (CSA), [N, W + hca_width] (HCA) or [N, W], and lengths
     [N] int32 (HCA: W + (pos + 1) // hca_ratio, else None). Column j < W: the slot of key

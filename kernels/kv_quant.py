@@ -1,6 +1,8 @@
-"""FP8 KV cache of DeepSeek-V4 (``--kv-cache-dtype fp8``): the two paged byte formats, their
-exact torch definition, the Triton quantize-on-write kernels, and the jitted tile loaders the
-decode and indexer kernels dequantize with.
+"""FP8 KV cache (``--kv-cache-dtype fp8``): the paged byte formats of DeepSeek-V4's attention
+entries, DeepSeek-V3.2's latent rows and both models' index keys, their exact torch definition,
+the Triton quantize-on-write kernels, and the jitted tile loaders the decode and indexer kernels
+dequantize with. Which attention format a pool holds follows from its rows' width: 512 values
+(448 NoPE + 64 RoPE) are V4's, 576 (512 latent + 64 RoPE) V3.2's.
 
 Attention entries (FlashMLA's "MODEL1" layout, vLLM's ``fp8_ds_mla`` for V4), 584 bytes a token.
 A pool is uint8 [num_pages, >= P * 584]; page p holds the slots p*P .. p*P+P-1:
@@ -19,8 +21,23 @@ read off the fp32 bits; code = e4m3(clamp(x / scale, +-448)), nearest even. The 
 is exactly what the model was trained on: the release runs every KV row through this FP8
 round trip (in bf16) before attention, so FP8 attention = bf16 attention on dequantize(pool).
 
-Index keys of CSA layers (vLLM's V4 FP8 indexer cache; DeepGEMM's paged-logits layout), Di + 4
-bytes a token (132 for Di = 128). A pool is uint8 [num_pages, >= P * (Di + 4)]:
+DeepSeek-V3.2's latent rows (FlashMLA's V3.2 layout, vLLM's ``fp8_ds_mla`` for V3.2), 656 bytes
+a token, each token's bytes contiguous (a pool is uint8 [num_pages, P * 656], token t of a page
+at t*656):
+
+    bytes [0, 512)         512 e4m3 codes of the latent (values 0..511)
+    bytes [512, 528)       4 fp32 scales, scale i for values 128i .. 128i+127 (little-endian)
+    bytes [528, 656)       the 64 RoPE values 512..575 as bf16
+
+    value[c] = e4m3(code[c]) * scale[c // 128]    (c < 512; scale a power of two, stored fp32)
+
+with the same act_quant rounding over 128-value groups (amax floored at 1e-4, scale =
+2^ceil(log2(amax * fp32(1/448))), codes nearest even). K = the whole dequantized row, V = its
+first 512 values.
+
+Index keys (CSA layers of V4, every V3.2 layer; vLLM's FP8 indexer cache, DeepGEMM's
+paged-logits layout), Di + 4 bytes a token (132 for Di = 128). A pool is uint8
+[num_pages, >= P * (Di + 4)]:
 
     bytes [0, P*Di)        token t at t*Di: Di e4m3 codes
     bytes [P*Di, P*(Di+4)) token t at P*Di + 4t: its fp32 scale, little-endian
@@ -52,6 +69,11 @@ Where each fact was read (never inferred):
   down when amax/448 lies within an ulp or two above a power of two. FlashMLA's tests/quant.py
   floors amax/448 (not amax) at 1e-4: a test helper, not the trained numerics; it only differs
   for groups with amax < 0.0448.
+- V3.2 rows: FlashMLA csrc/api/sparse_decode.h (656 bytes a token for d_qk 576) and its
+  tests/quant.py (V3.2 branch: [512 fp8 | 4 fp32 scales | 64 bf16], one 128-value tile a scale,
+  scales rounded up to powers of two); a PyTorch transcription of FlashMLA's packing kernel
+  ("[0:512] FP8 E4M3FN latent, [512:528] float32 scales, [528:656] BF16 rope", pow2_ceil(amax /
+  448), amax clamped at 1e-4); vLLM's ``fp8_ds_mla`` cache shape (num_blocks, block_size, 656).
 - Index keys: vLLM fused_compress_quant_cache.py ``_fused_kv_compress_norm_rope_insert_indexer_
   attn`` (layout "[0, bs*128): FP8 data; [bs*128, +bs*4): float32 scales", one 128-value block,
   scale exp2(ceil(log2(max(amax, 1e-4) / 448))) stored as fp32); DeepGEMM tests
@@ -61,6 +83,8 @@ Where each fact was read (never inferred):
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -79,6 +103,13 @@ KV_DATA_BYTES = KV_NOPE + 2 * KV_ROPE  # 576 per token, first part of a page
 KV_SCALE_BYTES = KV_GROUPS + 1  # 8 per token (7 scales + pad), second part of a page
 KV_TOKEN_BYTES = KV_DATA_BYTES + KV_SCALE_BYTES  # 584
 INDEX_SCALE_BYTES = 4  # one fp32 per token
+V32_DIM = 576  # values per V3.2 latent row: 512 e4m3 + 64 bf16 RoPE
+V32_NOPE = 512
+V32_GROUP = 128  # values per fp32 scale
+V32_GROUPS = V32_NOPE // V32_GROUP  # 4
+V32_SCALES_AT = V32_NOPE  # byte offsets inside a token's 656 bytes
+V32_ROPE_AT = V32_SCALES_AT + 4 * V32_GROUPS  # 528
+V32_TOKEN_BYTES = V32_ROPE_AT + 2 * KV_ROPE  # 656
 # the read tile is [BLOCK_N, 8, 64]: 7 NoPE groups, then the RoPE values as the 8th group
 assert KV_ROPE == KV_GROUP
 
@@ -88,10 +119,25 @@ _GROUP = tl.constexpr(KV_GROUP)
 _GROUPS = tl.constexpr(KV_GROUPS)
 _DATA = tl.constexpr(KV_DATA_BYTES)
 _SCALES = tl.constexpr(KV_SCALE_BYTES)
+_V32_NOPE = tl.constexpr(V32_NOPE)
+_V32_GROUP = tl.constexpr(V32_GROUP)
+_V32_GROUPS = tl.constexpr(V32_GROUPS)
+_V32_SCALES_AT = tl.constexpr(V32_SCALES_AT)
+_V32_ROPE_AT = tl.constexpr(V32_ROPE_AT)
+_V32_TOKEN = tl.constexpr(V32_TOKEN_BYTES)
+_ROPE = tl.constexpr(KV_ROPE)
 
 
 def index_token_bytes(head_dim: int) -> int:
     return head_dim + INDEX_SCALE_BYTES
+
+
+def kv_token_bytes(dim: int) -> int:
+    """Bytes an FP8 attention row of `dim` values takes: 584 (V4's 512) or 656 (V3.2's 576)."""
+    formats = {KV_DIM: KV_TOKEN_BYTES, V32_DIM: V32_TOKEN_BYTES}
+    if dim not in formats:
+        raise ValueError(f"no FP8 format for {dim}-wide KV rows (only {sorted(formats)})")
+    return formats[dim]
 
 
 # ---- pools ---------------------------------------------------------------------------------
@@ -122,9 +168,9 @@ def _page_size(pool: torch.Tensor, token_bytes: int) -> int:
     return pool.shape[1] // token_bytes
 
 
-def kv_page_size(pool: torch.Tensor) -> int:
-    """Tokens a page of an attention pool holds (its width / 584)."""
-    return _page_size(pool, KV_TOKEN_BYTES)
+def kv_page_size(pool: torch.Tensor, dim: int = KV_DIM) -> int:
+    """Tokens a page of an attention pool of `dim`-wide rows holds (its width / 584 or 656)."""
+    return _page_size(pool, kv_token_bytes(dim))
 
 
 def index_page_size(pool: torch.Tensor, head_dim: int) -> int:
@@ -143,6 +189,12 @@ def kv_views(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     data = pool[:, : p * KV_DATA_BYTES].unflatten(1, (p, KV_DATA_BYTES))
     scales = pool[:, p * KV_DATA_BYTES : p * KV_TOKEN_BYTES].unflatten(1, (p, KV_SCALE_BYTES))
     return data, scales
+
+
+def v32_views(pool: torch.Tensor) -> torch.Tensor:
+    """A V3.2 attention pool's tokens, uint8 [pages, P, 656]."""
+    p = kv_page_size(pool, V32_DIM)
+    return pool[:, : p * V32_TOKEN_BYTES].unflatten(1, (p, V32_TOKEN_BYTES))
 
 
 def index_views(pool: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +228,27 @@ def dequantize_kv(records: torch.Tensor) -> torch.Tensor:
     scales = ue8m0_to_float(records[..., KV_DATA_BYTES : KV_DATA_BYTES + KV_GROUPS].contiguous())
     nope = (codes.unflatten(-1, (KV_GROUPS, KV_GROUP)) * scales[..., None]).flatten(-2)
     rope = records[..., KV_NOPE:KV_DATA_BYTES].contiguous().view(torch.bfloat16).float()
+    return torch.cat((nope, rope), dim=-1)
+
+
+def quantize_kv_v32(kv: torch.Tensor) -> torch.Tensor:
+    """V3.2 rows kv [N, 576] (bf16; fp32 accepted) -> their 656 bytes, uint8 [N, 656]: 512 e4m3
+    codes, 4 fp32 power-of-two scales (one per 128 values), 64 bf16 RoPE values."""
+    assert kv.dim() == 2 and kv.shape[1] == V32_DIM, tuple(kv.shape)
+    codes, scales = act_quant_reference(kv[:, :V32_NOPE], block=V32_GROUP)  # [N, 512], [N, 4]
+    out = torch.empty(kv.shape[0], V32_TOKEN_BYTES, dtype=torch.uint8, device=kv.device)
+    out[:, :V32_NOPE] = codes.view(torch.uint8)
+    out[:, V32_SCALES_AT:V32_ROPE_AT] = ue8m0_to_float(scales).view(torch.uint8)
+    out[:, V32_ROPE_AT:] = kv[:, V32_NOPE:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    return out
+
+
+def dequantize_kv_v32(records: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 656] (quantize_kv_v32's bytes) -> fp32 [..., 576], exact."""
+    codes = records[..., :V32_NOPE].contiguous().view(torch.float8_e4m3fn).float()
+    scales = records[..., V32_SCALES_AT:V32_ROPE_AT].contiguous().view(torch.float32)
+    nope = (codes.unflatten(-1, (V32_GROUPS, V32_GROUP)) * scales[..., None]).flatten(-2)
+    rope = records[..., V32_ROPE_AT:].contiguous().view(torch.bfloat16).float()
     return torch.cat((nope, rope), dim=-1)
 
 
@@ -216,6 +289,14 @@ def store_kv_reference(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor
     scales[page[ok], off[ok]] = records[:, KV_DATA_BYTES:]
 
 
+def store_kv_v32_reference(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Quantize V3.2 rows kv [N, 576] into the slots [N] of a V3.2 attention pool; slots outside
+    [0, pages * P) are skipped. Semantics of kernels.dispatch.store_kv_fp8; synchronises."""
+    tokens = v32_views(pool)
+    ok, page, off = _split_slots(slots, tokens.shape[1], tokens.shape[0])
+    tokens[page[ok], off[ok]] = quantize_kv_v32(kv[ok])
+
+
 def store_index_k_reference(pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
     """Quantize keys k [N, Di] into the slots [N] of an index-key pool (others skipped)."""
     head_dim = k.shape[1]
@@ -226,9 +307,14 @@ def store_index_k_reference(pool: torch.Tensor, slots: torch.Tensor, k: torch.Te
     scales[page[ok], off[ok]] = records[:, head_dim:].contiguous().view(torch.float32)[:, 0]
 
 
-def gather_kv(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Dequantized rows of an attention pool at slots (any shape, each in [0, pages * P)):
-    fp32 [*slots.shape, 512]."""
+def gather_kv(pool: torch.Tensor, slots: torch.Tensor, dim: int = KV_DIM) -> torch.Tensor:
+    """Dequantized rows of an attention pool of `dim`-wide rows at slots (any shape, each in
+    [0, pages * P)): fp32 [*slots.shape, dim]."""
+    if dim == V32_DIM:
+        tokens = v32_views(pool)
+        return dequantize_kv_v32(
+            tokens[slots.long() // tokens.shape[1], slots.long() % tokens.shape[1]]
+        )
     data, scales = kv_views(pool)
     page, off = slots.long() // data.shape[1], slots.long() % data.shape[1]
     return dequantize_kv(torch.cat((data[page, off], scales[page, off]), dim=-1))
@@ -296,6 +382,36 @@ def _store_index_k_kernel(
     tl.store(scale_at, scale, mask=ok)
 
 
+@triton.jit
+def _store_kv_v32_kernel(
+    pool_ptr, slot_ptr, x_ptr,
+    n_rows, stride_x, stride_page, num_slots,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, INTERP: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    group = tl.program_id(1)  # 0..3: one 128-value latent group; 4: the RoPE values
+    slot = tl.load(slot_ptr + rows, mask=rows < n_rows, other=-1).to(tl.int64)
+    ok = (rows < n_rows) & (slot >= 0) & (slot < num_slots)
+    token = pool_ptr + (slot // PAGE) * stride_page + (slot % PAGE) * _V32_TOKEN  # [BLOCK_M]
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    if group < _V32_GROUPS:
+        offs = tl.arange(0, _V32_GROUP)
+        x = tl.load(x_rows + group * _V32_GROUP + offs[None, :], mask=ok[:, None], other=0.0)
+        _, bits, scale, _ = quantize_rows(x.to(tl.float32), INTERP)
+        tl.store(token[:, None] + group * _V32_GROUP + offs[None, :], bits, mask=ok[:, None])
+        scale_at = (token + _V32_SCALES_AT + 4 * group).to(tl.pointer_type(tl.float32))
+        tl.store(scale_at, scale, mask=ok)
+    else:
+        offs = tl.arange(0, _ROPE)
+        x = tl.load(x_rows + _V32_NOPE + offs[None, :], mask=ok[:, None], other=0.0)
+        rope = (token + _V32_ROPE_AT).to(tl.pointer_type(tl.bfloat16))
+        tl.store(
+            rope[:, None] + offs[None, :],
+            round_bf16(x.to(tl.float32), INTERP).to(tl.bfloat16),
+            mask=ok[:, None],
+        )
+
+
 def _check_store(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, dim: int) -> None:
     assert rows.dim() == 2 and rows.shape[1] == dim, f"rows {tuple(rows.shape)}, want [N, {dim}]"
     assert rows.dtype in (torch.bfloat16, torch.float16, torch.float32), rows.dtype
@@ -305,14 +421,26 @@ def _check_store(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, di
 
 
 def store_kv(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
-    """Triton quantize-on-write; semantics in kernels.dispatch.store_kv_fp8."""
-    page = kv_page_size(pool)
-    _check_store(pool, slots, kv, KV_DIM)
+    """Triton quantize-on-write of V4's rows; semantics in kernels.dispatch.store_kv_fp8."""
+    _store_rows(_store_kv_kernel, KV_GROUPS + 1, pool, slots, kv, KV_DIM)
+
+
+def store_kv_v32(pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """Triton quantize-on-write of V3.2 rows; semantics in kernels.dispatch.store_kv_fp8."""
+    _store_rows(_store_kv_v32_kernel, V32_GROUPS + 1, pool, slots, kv, V32_DIM)
+
+
+def _store_rows(
+    kernel: Any, parts: int, pool: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor, dim: int
+) -> None:
+    """Launch an attention-row store kernel: one program per 16-32 rows and part of a row."""
+    page = kv_page_size(pool, dim)
+    _check_store(pool, slots, kv, dim)
     kv = kv if kv.stride(1) == 1 else kv.contiguous()
     n = kv.shape[0]
     block_m = 16 if n <= 16 else 32
     if n > 0:
-        _store_kv_kernel[(triton.cdiv(n, block_m), KV_GROUPS + 1)](
+        kernel[(triton.cdiv(n, block_m), parts)](
             pool, slots, kv, n,
             kv.stride(0), pool.stride(0),
             pool.shape[0] * page,
@@ -374,6 +502,32 @@ def load_kv_fp8(pool_ptr, slot, valid, stride_page, PAGE: tl.constexpr, OUT: tl.
     x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
     x = tl.where((g == _GROUPS)[None, :, None], rope.to(tl.float32)[:, None, :], x).to(OUT)
     return tl.reshape(x, (slot.shape[0], (_GROUPS + 1) * _GROUP))  # cast first: half the bytes
+
+
+@triton.jit
+def load_kv_v32_fp8(
+    pool_ptr, slot, valid, stride_page, PAGE: tl.constexpr, OUT: tl.constexpr, ROPE: tl.constexpr
+):  # fmt: skip
+    """V3.2 rows at slot [BLOCK_N] (int32 slot ids) of an FP8 pool, dequantized to OUT (exact for
+    bf16/fp16/fp32), 0 where `valid` is false: the latent part [BLOCK_N, 512] (loaded as
+    [BLOCK_N, 4, 128] so each group meets its scale; a token's 4 fp32 scales are one 16-byte
+    load), or with ROPE the RoPE part [BLOCK_N, 64]."""
+    token = pool_ptr + (slot // PAGE).to(tl.int64) * stride_page + (slot % PAGE) * _V32_TOKEN
+    if ROPE:
+        c = tl.arange(0, _ROPE)
+        rope = (token + _V32_ROPE_AT).to(tl.pointer_type(tl.bfloat16))
+        return tl.load(rope[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(OUT)
+    g = tl.arange(0, _V32_GROUPS)
+    c = tl.arange(0, _V32_GROUP)
+    cols = g[:, None] * _V32_GROUP + c[None, :]  # [4, 128]
+    codes = tl.load(token[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0)
+    scales = tl.load(
+        (token + _V32_SCALES_AT).to(tl.pointer_type(tl.float32))[:, None] + g[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )  # [BLOCK_N, 4]
+    x = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scales[:, :, None]).to(OUT)
+    return tl.reshape(x, (slot.shape[0], _V32_NOPE))
 
 
 @triton.jit

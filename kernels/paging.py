@@ -15,6 +15,7 @@ def positions_to_slots(
     ops (no host sync), so it runs inside CUDA graphs. Returns int32 [B, K].
     """
     pos = positions.long().clamp(min=0)  # [B, K]
-    page = torch.gather(page_table.long(), 1, pos // page_size)  # [B, K]
+    # (gathered as stored: a broadcast table [B, pages] with stride 0 is never materialised)
+    page = torch.gather(page_table, 1, pos // page_size).long()  # [B, K]
     slots = page * page_size + pos % page_size
     return torch.where(positions >= 0, slots, -1).to(torch.int32)

@@ -325,3 +325,35 @@ def fp4_experts_reference(
         h = weights[tok, slot, None].float() * (torch.nn.functional.silu(gate) * up)
         y[tok] += fp4_linear_reference(h.to(x.dtype), w2[e], s2[e]).float()
     return y
+
+
+def fp8_experts_reference(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's routed experts (MoE.forward's expert loop, Expert.forward) -> fp32 [T, H].
+
+    x [T, H] bf16; expert_ids [T, k]; weights [T, k] fp32; w13 [E, 2I, H] e4m3 (rows 0..I-1
+    are w1 = gate, I..2I-1 are w3 = up), s13 [E, 2I/128, H/128] e8m0; w2 [E, H, I], s2
+    [E, H/128, I/128]. Per expert e and its rows: gate, up = bf16(fp8 linear) each; h =
+    silu(gate) * up in fp32, cast to bf16 (the release's dtype); out = bf16(fp8 linear(h, w2));
+    y (fp32) += out * routing weight, experts in ascending id order. Ids outside [0, E) add
+    nothing (experts held by other ranks under expert parallelism)."""
+    inter, blocks = w13.shape[1] // 2, w13.shape[1] // 2 // FP8_BLOCK
+    y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(expert_ids).tolist():
+        if not 0 <= e < w13.shape[0]:
+            continue
+        tok, slot = torch.where(expert_ids == e)
+        xe = x[tok]
+        gate = fp8_linear_reference(xe, w13[e, :inter], s13[e, :blocks]).float()
+        up = fp8_linear_reference(xe, w13[e, inter:], s13[e, blocks:]).float()
+        h = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
+        out = fp8_linear_reference(h, w2[e], s2[e]).float()
+        y[tok] += out * weights[tok, slot, None].float()
+    return y

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import act_quant, fp4_moe, fp8_gemm, quant
+from kernels import act_quant, fp4_moe, fp8_gemm, fp8_moe, quant
 from kernels.backend import uses_gluon, uses_triton
 
 
@@ -34,6 +34,23 @@ def fp8_linear(
     if uses_triton(x):
         return fp8_gemm.fp8_linear(x, weight, scale, out_dtype=out_dtype)
     return quant.fp8_linear_reference(x, weight, scale, out_dtype)
+
+
+def fp8_experts(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+) -> torch.Tensor:
+    """Routed FP8 experts (DeepSeek-V3.2's) -> fp32 [T, H]; layout and semantics in
+    kernels.fp8_moe. Expert ids outside [0, E) add nothing (under expert parallelism: the
+    experts of other ranks)."""
+    if uses_triton(x):
+        return fp8_moe.fp8_moe(x, expert_ids, weights, w13, s13, w2, s2)
+    return quant.fp8_experts_reference(x, expert_ids, weights, w13, s13, w2, s2)
 
 
 def fp4_experts(

@@ -35,13 +35,14 @@ def sparse_mla_decode(
     compute_dtype overrides the arithmetic type (benchmarks time a bf16 variant)."""
     dtype = compute_dtype or _compute_dtype(q.dtype)
     fp8 = kv.dtype == torch.uint8  # an FP8 pool: rows are dequantized as they are gathered
-    num_slots = kv.shape[0] * (kv_quant.kv_page_size(kv) if fp8 else 1)
+    dim = q.shape[-1]  # an FP8 pool's format follows from it (kernels.kv_quant)
+    num_slots = kv.shape[0] * (kv_quant.kv_page_size(kv, dim) if fp8 else 1)
     num_idx = indices.shape[1]
     valid = (indices >= 0) & (indices < num_slots)  # [B, K]
     if lengths is not None:
         valid &= torch.arange(num_idx, device=indices.device) < lengths[:, None]
     slots = indices.long().clamp(0, num_slots - 1)
-    rows = (kv_quant.gather_kv(kv, slots) if fp8 else kv[slots]).to(dtype)  # [B, K, D]
+    rows = (kv_quant.gather_kv(kv, slots, dim) if fp8 else kv[slots]).to(dtype)  # [B, K, D]
     scores = torch.einsum("bhd,bkd->bhk", q.to(dtype), rows) * sm_scale  # [B, H, K]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H]; -inf for a row without valid entries

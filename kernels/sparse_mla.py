@@ -12,9 +12,10 @@ whole tiles. The grid and every buffer follow the input shapes only, and the wra
 synchronisation, so a call can be captured in a CUDA graph. The same kernel serves prefill (one
 row per prompt token, B in the thousands, no split).
 
-The pool is plain ([S, D], q's dtype) or FP8 (uint8 pages, kernels.kv_quant): the one tile loop
-reads either through ``_load_rows``, a constexpr switch; the FP8 loader dequantizes each gathered
-tile to q's dtype (exactly: an e4m3 code times a power of two fits bf16) before the same dots.
+The pool is plain ([S, D], q's dtype) or FP8 (uint8 pages, kernels.kv_quant: V4's 584-byte rows
+or V3.2's 656-byte ones): the one tile loop reads any of them through ``_load_rows``, a constexpr
+switch; the FP8 loaders dequantize each gathered tile to q's dtype (exactly: an e4m3 code times a
+power of two fits bf16) before the same dots.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ import triton
 import triton.language as tl
 
 from kernels.env import INTERPRET, dot_precision, num_sms
-from kernels.kv_quant import KV_DIM, kv_page_size, load_kv_fp8
+from kernels.kv_quant import KV_DIM, V32_DIM, kv_page_size, load_kv_fp8, load_kv_v32_fp8
 from kernels.softmax import LOG2E, finalize, normalize, softmax_step
 
 # Most slot ids one program loads (once, into registers): longer index lists get more splits.
 IDX_CHUNK_MAX = 2048
+# What a pool's rows are (the kernels' KV_FP8 switch): plain rows, V4's FP8, V3.2's FP8.
+PLAIN, FP8_V4, FP8_V32 = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -61,12 +64,15 @@ def _load_rows(
     slot, valid,
     stride_kv,
     cols,
-    KV_FP8: tl.constexpr, PAGE: tl.constexpr, DTYPE: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGE: tl.constexpr, DTYPE: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
     """Columns `cols` of the KV rows at slot [BLOCK_N] as DTYPE, 0 where not valid: a plain pool
     is [S, D] with row stride stride_kv; an FP8 pool follows kernels.kv_quant (page stride
-    stride_kv, P = PAGE) and cols must then be all 512 columns."""
-    if KV_FP8:
+    stride_kv, P = PAGE) and cols must then be all 512 columns (FP8_V4), or the 512 latent
+    columns or (ROPE) the 64 RoPE ones (FP8_V32)."""
+    if KV_FP8 == 2:  # (FP8_V32)
+        return load_kv_v32_fp8(kv_ptr, slot, valid, stride_kv, PAGE, DTYPE, ROPE)
+    elif KV_FP8 == 1:  # (FP8_V4)
         return load_kv_fp8(kv_ptr, slot, valid, stride_kv, PAGE, DTYPE)
     else:
         rows = kv_ptr + slot.to(tl.int64)[:, None] * stride_kv
@@ -123,10 +129,14 @@ def _sparse_mla_kernel(
         slot = tl.gather(chunk, tl.minimum(t0 + tl.arange(0, BLOCK_N), IDX_CHUNK - 1), 0)
         valid = (slot >= 0) & (slot < num_slots)
         # K and V, in q's dtype (fp32 under the interpreter)
-        kv_nope = _load_rows(kv_ptr, slot, valid, stride_kv, offs_v, KV_FP8, PAGE, q_nope.dtype)
+        kv_nope = _load_rows(
+            kv_ptr, slot, valid, stride_kv, offs_v, KV_FP8, PAGE, q_nope.dtype, False
+        )
         s = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PRECISION)
         if D_ROPE > 0:
-            k_rope = _load_rows(kv_ptr, slot, valid, stride_kv, offs_r, KV_FP8, PAGE, q_rope.dtype)
+            k_rope = _load_rows(
+                kv_ptr, slot, valid, stride_kv, offs_r, KV_FP8, PAGE, q_rope.dtype, True
+            )
             s = tl.dot(q_rope, tl.trans(k_rope), acc=s, input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         p, alpha, m, l = softmax_step(s, m, l)
@@ -224,9 +234,12 @@ def supports(heads: int, dim: int, d_v: int) -> bool:
 def check_decode_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> int:
     """Validate shapes (no data read); return the rope width D - d_v."""
     batch, heads, dim = q.shape
-    if kv.dtype == torch.uint8:  # FP8 pool: K = V = the whole dequantized 512-wide row
-        kv_page_size(kv)
-        assert dim == d_v == KV_DIM, f"an FP8 pool holds {KV_DIM}-wide rows: q {dim}, d_v {d_v}"
+    if kv.dtype == torch.uint8:  # FP8 pool: V4's (K = V = the whole 512-wide row) or V3.2's
+        assert (dim, d_v) in ((KV_DIM, KV_DIM), (V32_DIM, KV_DIM)), (
+            f"an FP8 pool holds {KV_DIM}-wide rows (d_v {KV_DIM}) or {V32_DIM}-wide ones "
+            f"(d_v {KV_DIM}): q {dim}, d_v {d_v}"
+        )
+        kv_page_size(kv, dim)
         assert q.dtype in (torch.bfloat16, torch.float16, torch.float32), q.dtype
     else:
         assert kv.dim() == 2 and kv.shape[1] == dim, f"kv {tuple(kv.shape)} vs q {tuple(q.shape)}"
@@ -254,9 +267,9 @@ def sparse_mla_decode(
     d_rope = check_decode_args(q, kv, indices, d_v)
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
-    kv_fp8 = kv.dtype == torch.uint8
-    page = kv_page_size(kv) if kv_fp8 else 1  # slots per row of kv
-    batch, heads, _ = q.shape
+    batch, heads, dim = q.shape
+    kv_fp8 = PLAIN if kv.dtype != torch.uint8 else FP8_V32 if dim == V32_DIM else FP8_V4
+    page = kv_page_size(kv, dim) if kv_fp8 else 1  # slots per row of kv
     num_idx = indices.shape[1]
     cfg = config or default_config(batch, heads, num_idx, q.device, q.dtype)
     # every program's share of the index list must fit its one load of slot ids

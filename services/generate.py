@@ -60,12 +60,11 @@ def _generate(llm: LLM, s: GenerateSettings) -> None:
 
     reasoning = False
     prompts: list[str | list[int]]
+    fmt = chat_format(llm.engine.model_dir, llm.tokenizer)
     if s.chat is not None:
-        # The router's choice of chat format: the template, or the V4 release's encoder.
+        # The router's choice of chat format: the template, or the release's encoder.
         try:
-            text = chat_format(llm.engine.model_dir, llm.tokenizer).render(
-                json.loads(s.chat), options=ChatOptions(thinking=s.thinking)
-            )
+            text = fmt.render(json.loads(s.chat), options=ChatOptions(thinking=s.thinking))
         except ValueError as e:  # bad JSON, or a chat the format cannot render
             sys.exit(f"--chat: {e}")
         reasoning = opens_reasoning(text)
@@ -96,7 +95,7 @@ def _generate(llm: LLM, s: GenerateSettings) -> None:
             }
             if s.chat is not None:
                 # The reply as the router's chat API reads it (reasoning, content, tool calls).
-                message = parse_completion(result.text, reasoning)
+                message = parse_completion(result.text, reasoning, dialect=fmt.dialect)
                 answer["message"] = {
                     "reasoning_content": message.reasoning_content,
                     "content": message.content,

@@ -1,13 +1,16 @@
-"""`dsaserve make-tiny-model DIR`: write a tiny random DeepSeek-V4 checkpoint (every layer kind)."""
+"""`dsaserve make-tiny-model DIR`: write a tiny random checkpoint of a served family (every layer
+kind of DeepSeek-V4 by default; `--model-type deepseek_v32` for DeepSeek-V3.2)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from dataclasses import dataclass
 
 from engine.config import setting
+from engine.models import FAMILIES
 
-FORMATS = ("dense", "release")  # engine.models.deepseek_v4.tiny.FORMATS, without importing torch
+FORMATS = ("dense", "release")  # each family's tiny.FORMATS, without importing torch
 
 
 @dataclass(frozen=True)
@@ -15,11 +18,17 @@ class MakeTinyModelSettings:
     """Tiny checkpoint"""
 
     dir: str = setting(dataclasses.MISSING, "output directory", positional=True)
+    model_type: str = setting(
+        "deepseek_v4",
+        "the family (HF model_type) of the checkpoint",
+        choices=tuple(sorted(FAMILIES)),
+    )
     seed: int = setting(0, "seed of the random weights")
     format: str = setting(
         "dense",
-        "dense: fp32 weights in one file; release: the DeepSeek-V4 release's layout (FP8 "
-        "linears, FP4 experts, ue8m0 scales, sharded, an MTP layer, a padded vocabulary)",
+        "dense: fp32 weights in one file; release: the family's published layout (V4: FP8 "
+        "linears, FP4 experts, ue8m0 scales; V3.2: FP8 weights with fp32 weight_scale_inv), "
+        "sharded, an MTP layer, a padded vocabulary",
         choices=FORMATS,
     )
 
@@ -28,6 +37,5 @@ Settings = MakeTinyModelSettings
 
 
 def run(s: MakeTinyModelSettings) -> None:
-    from engine.models.deepseek_v4.tiny import make_tiny_model
-
-    print(make_tiny_model(s.dir, seed=s.seed, fmt=s.format))
+    tiny = importlib.import_module(f"{FAMILIES[s.model_type]}.tiny")
+    print(tiny.make_tiny_model(s.dir, seed=s.seed, fmt=s.format))

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
 
+from engine.config import EngineConfig
+from engine.kv.layout import STAGING
 from engine.kv.pool import KVPool
 from engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS
 from engine.llm_engine import LLMEngine
 from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+from kernels import kv_quant
 
 PROMPTS = [
     "The quick brown fox",
@@ -18,6 +24,22 @@ PROMPTS = [
     "Once upon a time, in a land far away,",
     "zz" * 30,
 ]
+
+
+# DeepSeek-V3.2's row widths (512 latent + 64 RoPE: the FP8 format's) on a tiny V3.2 model
+V32_WIDE = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64}
+
+
+def fp8_round_trip(rows: torch.Tensor) -> torch.Tensor:
+    """Rows as an FP8 pool returns them: V4's attention entries (512 wide), V3.2's latent rows
+    (576 wide) or index keys (any other width)."""
+    if rows.shape[1] == kv_quant.KV_DIM:
+        back = kv_quant.dequantize_kv(kv_quant.quantize_kv(rows))
+    elif rows.shape[1] == kv_quant.V32_DIM:
+        back = kv_quant.dequantize_kv_v32(kv_quant.quantize_kv_v32(rows))
+    else:
+        back = kv_quant.dequantize_index_k(kv_quant.quantize_index_k(rows))
+    return back.to(rows.dtype)
 
 
 def byte_ids(n: int, seed: int) -> list[int]:
@@ -67,3 +89,38 @@ def move_staged(
         slot = dst.staging.ring[(j // CHUNK_BLOCKS) % RING_SLOTS]
         dst.staging.blocks[slot[: len(chunk)]] = src.staging.blocks[chunk]
         unpack(j // CHUNK_BLOCKS, (j // CHUNK_BLOCKS) % RING_SLOTS)
+
+
+def check_moved_request_decodes_as_if_never_moved(
+    model: str | os.PathLike, config: EngineConfig, prompt: list[int], via: str, groups: set[str]
+) -> None:
+    """A request prefilled and held by one engine, its KV moved to another engine with other
+    page numbers (`via` "staging": the staged blocks through the ring, as a pull moves them;
+    "pages": the held pages, as one READ copies them), decodes the tokens it decodes alone.
+    groups: the pool groups (and "slab") a held request's pages are in."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    alone = LLMEngine(model, config)
+    alone.add_request("r", prompt, params)
+    want = [t for o in drain(alone)["r"] for t in o.new_token_ids]
+
+    prefill = LLMEngine(model, config)
+    prefill.add_request("r", prompt, params, hold_for_s=30.0)
+    (first,) = [t for o in drain(prefill)["r"] for t in o.new_token_ids]
+    held = prefill.stage("r") if via == "staging" else prefill.held_pages("r")
+    assert set(held.pages) == ({STAGING} if via == "staging" else groups)
+
+    decode = LLMEngine(model, dataclasses.replace(config, max_num_seqs=3))  # other page counts
+    for group in decode.pool.groups.values():  # other pages than the prefill engine's
+        group.allocator.allocate(3)
+    assert decode.pool.layout_hash() == prefill.pool.layout_hash()
+    reserved = decode.reserve("r", prompt, first, params)
+    if via == "staging":
+        unpack = decode.pool.unpacker(reserved.pages)
+        move_staged(prefill.pool, held.pages[STAGING], decode.pool, unpack)
+    else:
+        for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
+            if src.group in held.pages:
+                dst.tensor[reserved.pages[dst.group]] = src.tensor[held.pages[src.group]]
+    decode.join("r")
+    assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
+    assert prefill.release("r")

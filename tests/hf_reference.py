@@ -1,4 +1,5 @@
-"""HF transformers' DeepseekV4ForCausalLM as the numerical reference (test-only dependency).
+"""HF transformers' DeepseekV4ForCausalLM as the numerical reference (test-only dependency); the
+logits and greedy loops serve any HF causal LM (tests/hf_reference_v32.py: DeepSeek-V3.2).
 
 Builds small random checkpoints the way a user would get them (`save_pretrained`), with
 weights scaled so activations stay O(1) and greedy choices have real margins, plus the
@@ -10,7 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedModel
 
 from engine.text.byte_tokenizer import write_byte_tokenizer
 
@@ -89,13 +90,13 @@ def make_hf_checkpoint(
 
 
 @torch.no_grad()
-def hf_logits(model: DeepseekV4ForCausalLM, token_ids: list[int]) -> torch.Tensor:
+def hf_logits(model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([token_ids])).logits[0].float()
 
 
 @torch.no_grad()
 def hf_greedy(
-    model: DeepseekV4ForCausalLM, prompt: list[int], n: int, vocab: int | None = None
+    model: PreTrainedModel, prompt: list[int], n: int, vocab: int | None = None
 ) -> list[int]:
     """n greedy tokens through HF's own cache (its compressor, indexer and window caches),
     among the first `vocab` ids (the tokenizer's, when the embedding is padded past it).

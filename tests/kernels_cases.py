@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+import kernels
 from kernels import kv_quant, quant
 
 
@@ -61,6 +62,35 @@ def moe_case(
     ids = torch.stack(rows)
     wts = torch.rand(tokens, topk, generator=g, device=device) + 0.5
     return x, ids, wts, w13, s13, w2, s2
+
+
+def fp8_moe_case(
+    n_exp: int, hidden: int, inter: int, tokens: int, topk: int, seed: int, device: str = "cpu"
+):
+    """FP8 experts (DeepSeek-V3.2's layout: 128 x 128 block scales) and a routing with distinct
+    experts per token, 3/4 of the tokens on expert 1 (several row blocks), the last expert
+    never used."""
+    x, ids, wts, *_ = moe_case(n_exp, 128, 128, tokens, topk, seed, device=device)
+    g = torch.Generator(device).manual_seed(seed)
+    w13, s13 = zip(
+        *(
+            quant.quantize_fp8_blocks(
+                torch.randn(2 * inter, hidden, generator=g, device=device) * 0.3
+            )
+            for _ in range(n_exp)
+        ),
+        strict=True,
+    )
+    w2, s2 = zip(
+        *(
+            quant.quantize_fp8_blocks(torch.randn(hidden, inter, generator=g, device=device) * 0.05)
+            for _ in range(n_exp)
+        ),
+        strict=True,
+    )
+    x = random_bf16((tokens, hidden), seed=seed, spread=1, device=device)
+    stacked = (torch.stack(t) for t in (w13, s13, w2, s2))
+    return (x, ids, wts, *stacked)
 
 
 @dataclass
@@ -154,13 +184,16 @@ def decode_case(
 
 def fp8_decode_case(case: DecodeCase, page_size: int) -> tuple[DecodeCase, DecodeCase]:
     """(case reading an FP8 pool, the same case on the pool's exact dequantization): every slot
-    of case.kv is quantized into pages of page_size slots, so slot ids keep their meaning."""
-    num_slots = case.kv.shape[0]
+    of case.kv is quantized into pages of page_size slots, so slot ids keep their meaning; the
+    format follows the rows' width (512: V4's, 576: V3.2's)."""
+    num_slots, dim = case.kv.shape
     assert num_slots % page_size == 0, "whole pages, so the junk ids stay out of range"
-    pool = kv_quant.kv_pool(num_slots // page_size, page_size, case.kv.device)
+    width = page_size * kv_quant.kv_token_bytes(dim)
+    pool = torch.zeros(num_slots // page_size, width, dtype=torch.uint8, device=case.kv.device)
     slots = torch.arange(num_slots, device=case.kv.device)
-    kv_quant.store_kv_reference(pool, slots, case.kv)
-    return replace(case, kv=pool), replace(case, kv=kv_quant.gather_kv(pool, slots))
+    with kernels.use_backend("reference"):
+        kernels.store_kv_fp8(pool, slots, case.kv)
+    return replace(case, kv=pool), replace(case, kv=kv_quant.gather_kv(pool, slots, dim))
 
 
 @dataclass

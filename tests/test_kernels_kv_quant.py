@@ -212,6 +212,71 @@ def test_kv_pool_shape_checks():
     assert kv_quant.kv_page_size(kv_quant.kv_pool(3, 64, "cpu")) == 64
 
 
+# ---- V3.2 latent rows -----------------------------------------------------------------------
+
+
+def expected_v32_pool(num_pages: int, page: int, slots: list[int], rows: torch.Tensor) -> bytes:
+    """The pool bytes after writing bf16 rows [N, 576] to slots (others untouched), laid out as
+    FlashMLA's V3.2 pages: token t at t*656: 512 e4m3 codes, 4 fp32 scales, 64 bf16 values."""
+    width = page * 656
+    out = bytearray([SENTINEL]) * (num_pages * width)
+    for slot, row in zip(slots, rows.float().tolist(), strict=True):
+        if not 0 <= slot < num_pages * page:
+            continue
+        codes, scales = bytearray(), bytearray()
+        for g in range(4):
+            group = row[128 * g : 128 * g + 128]
+            scale = pow2_scale(group)
+            codes += codes_of(group, scale)
+            scales += struct.pack("<f", scale)
+        rope = b"".join(struct.pack("<f", v)[2:] for v in row[512:])
+        at = (slot // page) * width + (slot % page) * 656
+        out[at : at + 656] = codes + scales + rope
+    return bytes(out)
+
+
+def v32_rows() -> torch.Tensor:
+    rows = torch.randn(6, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    rows[:4, :512] = special_rows()  # the edge groups, as halves of 128-value groups
+    rows[1, :128] = 0.0  # a whole group at the amax floor
+    return rows
+
+
+@pytest.mark.parametrize(
+    "store", [kv_quant.store_kv_v32_reference, kv_quant.store_kv_v32], ids=["reference", "triton"]
+)
+def test_v32_pages_hold_the_flashmla_v32_bytes(store):
+    rows = v32_rows()
+    pool = sentinel_pool(3, 4 * 656)
+    store(pool, torch.tensor(KV_SLOTS, dtype=torch.int32), rows)
+    want = expected_v32_pool(3, 4, KV_SLOTS, rows)
+    got = bytes(pool.flatten().tolist())
+    diff = [i for i in range(len(want)) if want[i] != got[i]]
+    assert not diff, f"{len(diff)} bytes differ, first at {diff[:8]}"
+
+
+def test_v32_round_trip_gather_and_dispatch():
+    g = torch.Generator().manual_seed(5)
+    spread = torch.exp(4 * torch.randn(16, 4, 1, generator=g))
+    x = torch.randn(16, 576, generator=g)
+    x[:, :512] = (x[:, :512].view(16, 4, 128) * spread).reshape(16, 512)
+    x = x.to(torch.bfloat16)
+    records = kv_quant.quantize_kv_v32(x)
+    back, xf = kv_quant.dequantize_kv_v32(records), x.float()
+    assert torch.equal(back[:, 512:], xf[:, 512:])  # RoPE values pass untouched
+    scale = records[:, 512:528].contiguous().view(torch.float32).repeat_interleave(128, 1)
+    err = (back[:, :512] - xf[:, :512]).abs()
+    assert bool((err <= torch.maximum(xf[:, :512].abs() * 2.0**-4, scale * 2.0**-10)).all())
+    # store_rows tells the formats apart by width: 656-byte pages of 576-wide rows
+    pool = torch.zeros(4, 4 * 656, dtype=torch.uint8)
+    slots = torch.randperm(16, generator=g)
+    kernels.store_rows(pool, slots, x, page_size=4)
+    assert torch.equal(kv_quant.gather_kv(pool, slots, 576), back)
+    assert kv_quant.kv_token_bytes(576) == 656 and kv_quant.kv_page_size(pool, 576) == 4
+    with pytest.raises(ValueError, match="no FP8 format for 192-wide"):
+        kv_quant.kv_token_bytes(192)
+
+
 # ---- index keys --------------------------------------------------------------------------------
 
 
@@ -254,23 +319,27 @@ def test_index_round_trip_and_gather():
 
 
 @gpu_test
-def test_cuda_store_kv_matches_reference_and_captures():
+@pytest.mark.parametrize("dim", [512, 576], ids=["v4", "v32"])
+def test_cuda_store_kv_matches_reference_and_captures(dim):
     """4096 rows into a 1M-slot pool (P = 64): bytes equal to the reference, also when replayed
     from a CUDA graph with new rows."""
     dev = "cuda"
     slots = torch.randperm(1 << 20, device=dev)[:4096]
     slots[::97] = -1
-    rows = (torch.randn(4096, 512, device=dev) * 4).to(torch.bfloat16)
-    want, pool = kv_quant.kv_pool(1 << 14, 64, dev), kv_quant.kv_pool(1 << 14, 64, dev)
-    kv_quant.store_kv_reference(want, slots, rows)
+    rows = (torch.randn(4096, dim, device=dev) * 4).to(torch.bfloat16)
+    width = 64 * kv_quant.kv_token_bytes(dim)
+    want, pool = (torch.zeros(1 << 14, width, dtype=torch.uint8, device=dev) for _ in range(2))
+    with kernels.use_backend("reference"):
+        kernels.store_kv_fp8(want, slots, rows)
     kernels.store_kv_fp8(pool, slots, rows)  # compiles outside the capture
     assert torch.equal(pool, want)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         kernels.store_kv_fp8(pool, slots, rows)
-    rows.copy_(torch.randn(4096, 512, device=dev).to(torch.bfloat16))
+    rows.copy_(torch.randn(4096, dim, device=dev).to(torch.bfloat16))
     graph.replay()
-    kv_quant.store_kv_reference(want, slots, rows)
+    with kernels.use_backend("reference"):
+        kernels.store_kv_fp8(want, slots, rows)
     assert torch.equal(pool, want)
 
 

@@ -56,11 +56,13 @@ def test_triton_without_lengths_bf16(sinks):
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["single-pass", "split-k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_fp8_pool_matches_float64_on_dequantized_rows(dtype, num_splits):
+@pytest.mark.parametrize("dim, token_bytes", [(512, 584), (576, 656)], ids=["v4", "v32"])
+def test_triton_fp8_pool_matches_float64_on_dequantized_rows(dtype, num_splits, dim, token_bytes):
     """The FP8 pool (4-slot pages, holes and out-of-range ids included) must give exactly the
-    attention over its dequantized rows: the float64 yardstick reads those rows."""
-    fp8, dequantized = fp8_decode_case(decode_case(4, 16, 512, 37, dtype=dtype, seed=5), 4)
-    assert fp8.kv.dtype == torch.uint8 and fp8.kv.shape == (75, 4 * 584)
+    attention over its dequantized rows: the float64 yardstick reads those rows. V4's rows are
+    K = V = 512 values; V3.2's 576, V their first 512."""
+    fp8, dequantized = fp8_decode_case(decode_case(4, 16, dim, 37, dtype=dtype, seed=5), 4)
+    assert fp8.kv.dtype == torch.uint8 and fp8.kv.shape == (75, 4 * token_bytes)
     cfg = DecodeConfig(16, 16, num_splits, 4, 1)
     out, lse = fp8.run(lambda *a, **k: sparse_mla.sparse_mla_decode(*a, **k, config=cfg))
     check(dequantized, out, lse, dtype)
@@ -76,8 +78,9 @@ def test_fp8_rows_are_not_the_bf16_rows():
     assert torch.equal(dequantized.kv[:, 448:], case.kv[:, 448:].float())
 
 
-def test_reference_and_dispatch_read_fp8_pools():
-    fp8, dequantized = fp8_decode_case(decode_case(3, 16, 512, 21, seed=2), 4)
+@pytest.mark.parametrize("dim", [512, 576], ids=["v4", "v32"])
+def test_reference_and_dispatch_read_fp8_pools(dim):
+    fp8, dequantized = fp8_decode_case(decode_case(3, 16, dim, 21, seed=2), 4)
     out, lse = fp8.run(kernels.sparse_mla_decode)  # CPU: the reference
     check(dequantized, out, lse)
     with kernels.use_backend("triton"):
@@ -92,6 +95,9 @@ def test_fp8_pool_shape_checks():
         sparse_mla.sparse_mla_decode(fp8.q[..., :256], fp8.kv, fp8.indices, 0.1, d_v=256)
     with pytest.raises(AssertionError, match="a token"):
         sparse_mla.sparse_mla_decode(fp8.q, fp8.kv[:, :-8], fp8.indices, 0.1)
+    v32, _ = fp8_decode_case(decode_case(2, 16, 576, 9), 4)
+    with pytest.raises(AssertionError, match="2624 bytes a page, 584 a token"):  # V4 q, V3.2 pages
+        sparse_mla.sparse_mla_decode(v32.q[..., :512], v32.kv, v32.indices, 0.1)
 
 
 def test_naive_matches_float64():
@@ -155,8 +161,13 @@ def test_cuda_real_shapes(batch, heads, dim, num_idx, dtype):
 
 @gpu_test
 @pytest.mark.parametrize("batch", [1, 64, 2048], ids=["b1", "b64", "prefill-rows"])
-def test_cuda_fp8_pool_real_shapes(batch):
-    case = decode_case(batch, 64, 512, 640, slots=1 << 20, dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("shape", [(64, 512, 640), (128, 576, 2048)], ids=["v4", "v32"])
+def test_cuda_fp8_pool_real_shapes(batch, shape):
+    """(heads, row width, index list): V4-Flash's 584-byte rows, V3.2's 656-byte ones."""
+    heads, dim, num_idx = shape
+    case = decode_case(
+        batch, heads, dim, num_idx, slots=1 << 20, dtype=torch.bfloat16, device="cuda"
+    )
     fp8, dequantized = fp8_decode_case(case, 64)
     check(dequantized, *fp8.run(kernels.sparse_mla_decode), torch.bfloat16)
 

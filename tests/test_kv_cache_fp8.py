@@ -13,8 +13,6 @@ bits per byte +0.02%; about what bf16 arithmetic alone does to the fp32 engine (
 
 from __future__ import annotations
 
-import dataclasses
-
 import grpc
 import httpx
 import pytest
@@ -25,19 +23,18 @@ from bench.kv_cache_dtype import step_logits
 from bench.numerics import BOS, heldout_windows
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv.layout import SLAB, STAGING, KVCacheConfig, bytes_per_token
+from engine.kv.layout import SLAB, KVCacheConfig, bytes_per_token
 from engine.kv.pool import KVPool
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model
-from engine.sampling_params import SamplingParams
 from kernels import fused_reference, kv_quant
 from services import settings
 from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from services.transfer.layout import Region, describe, first_difference
-from tests.engine_cases import drain, move_staged
+from tests.engine_cases import check_moved_request_decodes_as_if_never_moved, fp8_round_trip
 from tests.serving_stack import TOKEN, Stack, offline_generate, wait_for
 
 MODEL = DEMO_MODEL_DIR
@@ -49,13 +46,6 @@ PROMPT = [BOS, *heldout_windows(1, 512)[0][:170]]
 STEPS = 6
 
 
-def _round_trip(rows: torch.Tensor) -> torch.Tensor:
-    """Rows as an FP8 pool returns them: attention entries (512 wide) or index keys."""
-    if rows.shape[1] == kv_quant.KV_DIM:
-        return kv_quant.dequantize_kv(kv_quant.quantize_kv(rows)).to(rows.dtype)
-    return kv_quant.dequantize_index_k(kv_quant.quantize_index_k(rows)).to(rows.dtype)
-
-
 def _simulate_fp8_writes(mp: pytest.MonkeyPatch) -> None:
     """Make a plain-pool engine store every row as its FP8 round trip, through the three ways
     rows reach a pool (the CPU path's torch references)."""
@@ -63,21 +53,21 @@ def _simulate_fp8_writes(mp: pytest.MonkeyPatch) -> None:
 
     def pre(q, kv, weight, eps, cos, sin, cache, scratch, ring):
         q, kv = attention_pre(q, kv, weight, eps, cos, sin, None, scratch, ring)
-        cache.index_copy_(0, scratch, _round_trip(kv))
-        cache.index_copy_(0, ring, _round_trip(kv[: ring.shape[0]]))
+        cache.index_copy_(0, scratch, fp8_round_trip(kv))
+        cache.index_copy_(0, ring, fp8_round_trip(kv[: ring.shape[0]]))
         return q, kv
 
     def compress(*args):
         *inputs, target, trash = args
         rows, slots = entries(*inputs)
-        target.index_copy_(0, torch.where(slots >= 0, slots, trash), _round_trip(rows))
+        target.index_copy_(0, torch.where(slots >= 0, slots, trash), fp8_round_trip(rows))
 
     mp.setattr(fused_reference, "attention_pre", pre)
     mp.setattr(fused_reference, "compress_decode", compress)
     mp.setattr(
         kernels,
         "store_rows",
-        lambda pool, slots, rows, _: pool.index_copy_(0, slots, _round_trip(rows)),
+        lambda pool, slots, rows, _: pool.index_copy_(0, slots, fp8_round_trip(rows)),
     )
 
 
@@ -193,34 +183,9 @@ def test_the_same_budget_holds_more_tokens():
 def test_a_request_prefilled_by_one_fp8_engine_decodes_on_another_as_if_never_moved(via):
     """tests/test_kv_staging.py's move with FP8 pools: the bytes travel as they are (staged
     blocks through the ring, or the pages as one READ would copy them)."""
-    prompt = PROMPT[:150]
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     config = EngineConfig(kv_cache_dtype="fp8", **ENGINE)
-    alone = LLMEngine(MODEL, config)
-    alone.add_request("r", prompt, params)
-    want = [t for o in drain(alone)["r"] for t in o.new_token_ids]
-
-    prefill = LLMEngine(MODEL, config)
-    prefill.add_request("r", prompt, params, hold_for_s=30.0)
-    (first,) = [t for o in drain(prefill)["r"] for t in o.new_token_ids]
-    held = prefill.stage("r") if via == "staging" else prefill.held_pages("r")
-    assert set(held.pages) == ({STAGING} if via == "staging" else {"swa", "csa", "hca", SLAB})
-
-    decode = LLMEngine(MODEL, dataclasses.replace(config, max_num_seqs=3))  # other page counts
-    for group in decode.pool.groups.values():  # other pages than the prefill engine's
-        group.allocator.allocate(3)
-    assert decode.pool.layout_hash() == prefill.pool.layout_hash()
-    reserved = decode.reserve("r", prompt, first, params)
-    if via == "staging":
-        unpack = decode.pool.unpacker(reserved.pages)
-        move_staged(prefill.pool, held.pages[STAGING], decode.pool, unpack)
-    else:
-        for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
-            if src.group in held.pages:
-                dst.tensor[reserved.pages[dst.group]] = src.tensor[held.pages[src.group]]
-    decode.join("r")
-    assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
-    assert prefill.release("r")
+    groups = {"swa", "csa", "hca", SLAB}
+    check_moved_request_decodes_as_if_never_moved(MODEL, config, PROMPT[:150], via, groups)
 
 
 def test_pools_of_different_kv_cache_dtypes_do_not_pair(auto, fp8):

@@ -157,6 +157,18 @@ def test_a_missing_model_directory_exits_with_an_error(tmp_path):
     assert f"--model {tmp_path / 'nowhere'}: no such directory" in run.stderr
 
 
+def test_a_family_the_profile_does_not_know_is_refused(tmp_path, capsys):
+    """Its floors and parts are DeepSeek-V4's: a V3.2 checkpoint is refused before loading."""
+    from engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
+
+    model = make_v32(tmp_path / "v32")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["profile", "--model", str(model)])
+    assert "profiles DeepSeek-V4 checkpoints only" in str(e.value) and "deepseek_v32" in str(
+        e.value
+    )
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

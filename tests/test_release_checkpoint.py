@@ -14,7 +14,8 @@ import kernels
 from engine.checkpoint import ConfigError
 from engine.models.deepseek_v4.config import CSA, MOE, SLIDING, ModelConfig
 from engine.models.deepseek_v4.tiny import FORMATS, make_tiny_model, tiny_config
-from engine.models.deepseek_v4.weights import WeightsError, build_model, load_weights
+from engine.models.deepseek_v4.weights import build_model, load_weights
+from engine.models.loading import WeightsError
 from services import cli
 from services import make_tiny_model as make_tiny_model_command
 from tests.release_reference import dequantize, read_checkpoint

@@ -9,17 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.deepseek_v4.config import (
-    CSA,
-    HASH_MOE,
-    HCA,
-    MOE,
-    SLIDING,
-    ConfigError,
-    ModelConfig,
-)
+from engine.checkpoint import ConfigError
+from engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model, release_tiny_config, tiny_config
-from engine.models.deepseek_v4.weights import WeightsError, build_model, load_weights
+from engine.models.deepseek_v4.weights import build_model, load_weights
+from engine.models.loading import WeightsError
 
 RELEASE_QC = release_tiny_config()["quantization_config"]
 

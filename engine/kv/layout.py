@@ -5,7 +5,8 @@ what this plans; bench/kv_cache_dtype.py reads capacities straight from here).
 A model family describes its KV state through its config, a `KVModel`: the groups of layers
 that each get a page allocator (`LayerGroup`), the compressor rings a request keeps in its slab
 row (`Ring`), and the widths of its rows. Nothing here names a family; DeepSeek-V4's config is
-one KVModel, V3.2's would be another.
+one KVModel (window rings, compressed entries, compressor rings), DeepSeek-V3.2's another (one
+group whose every token keeps a 576-wide latent row and an index key; no ring, no slab state).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.kv_quant import KV_DIM, KV_ROPE, KV_TOKEN_BYTES, index_token_bytes
+from kernels.kv_quant import KV_DIM, KV_ROPE, V32_DIM, index_token_bytes, kv_token_bytes
 
 SLAB = "slab"
 STAGING = "staging"
@@ -70,6 +71,9 @@ class KVModel(Protocol):
     """What the KV pools ask of a model family (its config implements it)."""
 
     @property
+    def family(self) -> str: ...  # its HF model_type: layouts of two families never pair
+
+    @property
     def head_dim(self) -> int: ...  # width of a KV row (window row or compressed entry)
 
     @property
@@ -80,6 +84,9 @@ class KVModel(Protocol):
 
     @property
     def sliding_window(self) -> int: ...  # window rows a request keeps in its ring pages
+
+    @property
+    def needs_scratch_rows(self) -> bool: ...  # a step's rows wait in scratch rows (see pool)
 
     @property
     def max_position_embeddings(self) -> int: ...
@@ -103,10 +110,11 @@ def check_kv_cache_dtype(model: KVModel, kv_cache_dtype: str, page_size: int) ->
         return
     if kv_cache_dtype != "fp8":
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
-    if model.head_dim != KV_DIM or model.rope_dim != KV_ROPE:
+    if model.head_dim not in (KV_DIM, V32_DIM) or model.rope_dim != KV_ROPE:
         raise ValueError(
             f"--kv-cache-dtype fp8 stores DeepSeek-V4's {KV_DIM}-wide KV rows ({KV_DIM - KV_ROPE} "
-            f"e4m3 + {KV_ROPE} bf16 RoPE values); this model has head_dim {model.head_dim} with "
+            f"e4m3 + {KV_ROPE} bf16 RoPE values) and DeepSeek-V3.2's {V32_DIM}-wide ones "
+            f"({V32_DIM - KV_ROPE} + {KV_ROPE}); this model has head_dim {model.head_dim} with "
             f"{model.rope_dim} RoPE dims: use --kv-cache-dtype auto"
         )
     if page_size % 4:
@@ -137,9 +145,9 @@ def ring_pages(model: KVModel, page_size: int) -> int:
 
 def row_bytes(model: KVModel, esize: int, fp8: bool = False) -> tuple[int, int]:
     """Bytes of one cached row: (attention entry or window row, index key); model-dtype rows of
-    esize-byte elements, or kernels.kv_quant's FP8 rows (584, Di + 4)."""
+    esize-byte elements, or kernels.kv_quant's FP8 rows (584 for V4's, 656 for V3.2's; Di + 4)."""
     if fp8:
-        return KV_TOKEN_BYTES, index_token_bytes(model.index_head_dim)
+        return kv_token_bytes(model.head_dim), index_token_bytes(model.index_head_dim)
     return model.head_dim * esize, model.index_head_dim * esize
 
 
@@ -159,6 +167,13 @@ def bytes_per_token(model: KVModel, esize: int, fp8: bool = False) -> float:
         for _, g in sorted(group_of.items())
         if g.ratio
     )
+
+
+def scratch_rows(model: KVModel, kv_cfg: KVCacheConfig) -> int:
+    """Scratch rows behind the pages of every `kv[layer]`: one per row a step may compute, for a
+    family whose rows cannot go to their slots before attention (V4: the window ring still holds
+    rows the step's earlier queries read); none for one whose rows never move (V3.2)."""
+    return kv_cfg.max_num_batched_tokens if model.needs_scratch_rows else 0
 
 
 def scratch_pages(page_size: int, scratch_rows: int) -> int:
@@ -206,7 +221,7 @@ def _fixed_and_per_token(
     """(fixed bytes, bytes a token of capacity costs, group -> (base pages, ratio)) of a plan:
     scratch, slab rows, each sequence's ring pages plus one partial page per compressed group,
     each checkpoint's ring pages."""
-    P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, kv_cfg.max_num_batched_tokens
+    P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, scratch_rows(model, kv_cfg)
     ring = ring_pages(model, P)
     kv_row, index_row = row_bytes(model, esize, kv_cfg.fp8)
     fixed, per_token, pages = 0.0, 0.0, {}
@@ -239,11 +254,14 @@ def checkpoint_bytes(model: KVModel, page_size: int, esize: int, fp8: bool = Fal
 
 def default_checkpoint_rows(model: KVModel, kv_cfg: KVCacheConfig, esize: int) -> int:
     """Checkpoints for prefix caching: 1/CHECKPOINT_SHARE of the budget left after the other
-    fixed costs."""
+    fixed costs; none for a family that keeps no per-position state (a checkpoint of it would
+    hold nothing)."""
+    each = checkpoint_bytes(model, kv_cfg.page_size, esize, kv_cfg.fp8)
+    if each == 0:
+        return 0
     fixed, _, _ = _fixed_and_per_token(model, kv_cfg, esize)
     spare = kv_cfg.memory_bytes - fixed
-    each = checkpoint_bytes(model, kv_cfg.page_size, esize, kv_cfg.fp8)
-    return max(0, int(spare)) // CHECKPOINT_SHARE // max(1, each)
+    return max(0, int(spare)) // CHECKPOINT_SHARE // each
 
 
 def plan_pages(

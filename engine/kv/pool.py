@@ -1,4 +1,7 @@
-"""Preallocated, paged KV state of DeepSeek-V4, sized up front from a memory budget.
+"""Preallocated, paged KV state of a model family, sized up front from a memory budget. The
+family's config (engine.kv.layout.KVModel) says what it is; DeepSeek-V4's, described here, uses
+every feature. DeepSeek-V3.2's is one group "mla" of rate 1 and no ring: a token's 576-wide
+latent row and its index key sit at entry slot = its position, in the request's pages.
 
 Per layer there is ONE slot space `kv[layer]` [slots, head_dim] holding both the sliding
 window rows and the compressed entries, so one index list per query row feeds
@@ -13,8 +16,9 @@ group, shared by all layers of that group:
 CSA layers also keep the indexer's compressed keys `index_k[layer]` [slots, index_head_dim],
 addressed by the same entry slots. Behind the pages of every `kv[layer]` sit scratch rows
 that hold the rows computed in the current step (so a query can attend to tokens of its own
-chunk before they are persisted to the ring) and one trash row that absorbs writes which
-must not land anywhere (keeps the decode step free of data-dependent shapes).
+chunk before they are persisted to the ring; only for families that need them,
+KVModel.needs_scratch_rows) and one trash row that absorbs writes which must not land anywhere
+(keeps the decode step free of data-dependent shapes).
 
 Small per-request state (each compressor's ring of recent raw projections) lives in the slab:
 one row per running request, each layer's rings a view into it.
@@ -75,10 +79,11 @@ from engine.kv.layout import (
     ring_pages,
     round_up,
     scratch_pages,
+    scratch_rows,
     staging_block_bytes,
 )
 from engine.kv.staging import KVStaging, Unpacker
-from kernels.kv_quant import KV_TOKEN_BYTES, index_token_bytes
+from kernels.kv_quant import index_token_bytes, kv_token_bytes
 
 
 class PoolRegion(NamedTuple):
@@ -97,8 +102,8 @@ class PoolGroup:
     ratio: int  # tokens per compressed entry; 0 = window only
     num_pages: int
     allocator: PageAllocator
-    # layer -> [num_pages * P + scratch + 1, head_dim]; FP8: uint8 [pages, P * 584], the pages
-    # past num_pages holding the scratch and trash rows
+    # layer -> [num_pages * P + scratch + 1, head_dim]; FP8: uint8 [pages, P * 584 (V4) or 656
+    # (V3.2)], the pages past num_pages holding the scratch and trash rows
     kv: dict[int, torch.Tensor]
     # CSA layer -> [num_pages * P + 1, index_head_dim]; FP8: uint8 [num_pages + 1, P * (Di + 4)]
     index_k: dict[int, torch.Tensor]
@@ -118,7 +123,7 @@ class KVPool:
         self.page_size = P = kv_cfg.page_size
         self.ring_pages = ring_pages(cfg, P)
         self.ring_len = self.ring_pages * P
-        self.scratch_rows = S = kv_cfg.max_num_batched_tokens
+        self.scratch_rows = S = scratch_rows(cfg, kv_cfg)
         check_kv_cache_dtype(cfg, kv_cfg.kv_cache_dtype, P)
         self.fp8 = fp8 = kv_cfg.fp8
         # what a cached row is stored as (the layout names it): "fp8" or the model dtype
@@ -137,7 +142,8 @@ class KVPool:
             for i in lg.layers:
                 if fp8:  # scratch + trash rows in whole pages; the index trash row in one more
                     pages_kv = n + scratch_pages(P, S)
-                    shapes[lg.name, "kv", i] = (pages_kv, P * KV_TOKEN_BYTES), torch.uint8
+                    row = kv_token_bytes(cfg.head_dim)
+                    shapes[lg.name, "kv", i] = (pages_kv, P * row), torch.uint8
                     if lg.indexed:
                         width = P * index_token_bytes(cfg.index_head_dim)
                         shapes[lg.name, "index_k", i] = (n + 1, width), torch.uint8
@@ -333,6 +339,7 @@ class KVPool:
         """What must agree between two workers for their pages to be interchangeable."""
         return {
             "version": 2,  # 2: one slab region, the staging blocks, the stream order of `cells`
+            "family": self.cfg.family,
             "dtype": str(self.dtype).removeprefix("torch."),
             # how rows are stored: a bf16 and an FP8 worker must never pair (their region
             # shapes differ too; this names why)
@@ -351,8 +358,8 @@ class KVPool:
     def layout_description(self) -> str:
         counts = ", ".join(f"{g.name}: {len(g.layers)} layers" for g in self.groups.values())
         return (
-            f"{self.layout_hash()} (dtype={self.layout()['dtype']}, kv_cache_dtype="
-            f"{self.kv_cache_dtype}, page_size={self.page_size}, "
+            f"{self.layout_hash()} ({self.cfg.family}, dtype={self.layout()['dtype']}, "
+            f"kv_cache_dtype={self.kv_cache_dtype}, page_size={self.page_size}, "
             f"ring={self.ring_len}, head_dim={self.cfg.head_dim}, {counts}, staging block "
             f"{self.staging.block_bytes / 2**20:.2f} MiB)"
         )

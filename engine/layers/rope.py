@@ -5,6 +5,7 @@ The rotation itself is `kernels.apply_rope`.
 DeepSeek-V4 rotates consecutive channel pairs (x0, x1) of the last `rope_dim` dims of each
 head; the leading "nope" channels are untouched. Sliding-only layers use the plain "main"
 table; CSA/HCA layers, their compressors and the indexer use the YaRN "compress" table.
+DeepSeek-V3.2 has one YaRN table, whose cos/sin may carry YaRN's attention factor.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class RopeSpec:
     original_max_position: int | None = None
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    attention_factor: float = 1.0  # cos and sin are scaled by it (YaRN's mscale ratio)
 
 
 def inverse_frequencies(spec: RopeSpec, rope_dim: int) -> torch.Tensor:
@@ -60,7 +62,7 @@ class RotaryTable(torch.nn.Module):
 
     def __init__(self, spec: RopeSpec, rope_dim: int) -> None:
         super().__init__()
-        self.rope_dim = rope_dim
+        self.rope_dim, self.attention_factor = rope_dim, spec.attention_factor
         self.register_buffer("inv_freq", inverse_frequencies(spec, rope_dim), persistent=False)
 
     def forward(
@@ -69,4 +71,7 @@ class RotaryTable(torch.nn.Module):
         """positions [N] -> (cos, sin), each [N, rope_dim // 2] in `dtype` (rounded as the
         reference rounds them)."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:  # in fp32 before the rounding, as HF scales them
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)

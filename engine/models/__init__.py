@@ -13,7 +13,6 @@ name:
     load_weights(model, dir)           fill it from the checkpoint's safetensors
 
 Families are imported on first use, so this module stays torch-free.
-DeepSeek-V3.2 (`deepseek_v32`) comes next.
 """
 
 from __future__ import annotations
@@ -24,7 +23,10 @@ from types import ModuleType
 
 from engine.checkpoint import ConfigError, read_config
 
-FAMILIES = {"deepseek_v4": "engine.models.deepseek_v4"}
+FAMILIES = {
+    "deepseek_v4": "engine.models.deepseek_v4",
+    "deepseek_v32": "engine.models.deepseek_v32",
+}
 
 
 def family(model_dir: str | os.PathLike) -> ModuleType:

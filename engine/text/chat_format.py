@@ -1,10 +1,12 @@
 """How a checkpoint turns an OpenAI chat into prompt text, without torch.
 
 A checkpoint with a chat template (`chat_template.jinja`, or `chat_template` in
-tokenizer_config.json) renders it, as transformers and vLLM do. The DeepSeek-V4 release ships
-none: its `encoding/encoding_dsv4.py` is the format, so a V4 checkpoint (config.json
-`model_type: deepseek_v4`) without a template uses `engine.text.chat.encode_messages`. Anything else
-has no chat format, and says so when asked to render one.
+tokenizer_config.json) renders it, as transformers and vLLM do. The DeepSeek-V4 and V3.2 releases
+ship none: their `encoding/encoding_dsv4.py` and `encoding_dsv32.py` are the formats, so a V4
+checkpoint (config.json `model_type: deepseek_v4`) without a template uses
+`engine.text.chat.encode_messages`, a V3.2 one (`deepseek_v32`) `encode_messages_dsv32`. Anything
+else has no chat format, and says so when asked to render one. Each format also says how its
+model writes tool calls (`dialect`: the DSML block's name, which the reply parser reads).
 
 The router (tokenizing requests) and `dsaserve generate --chat` both call `chat_format`, so
 a chat becomes the same prompt wherever it is rendered.
@@ -19,14 +21,20 @@ from typing import Any, Protocol
 
 from engine.checkpoint import read_config
 from engine.text.chat import ChatEncodingError, encode_messages
+from engine.text.chat.dsml import V4_DSML, V32_DSML, Dialect
+from engine.text.chat.encoding_dsv32 import encode_messages_dsv32
 from engine.text.chat.tokens import THINK_START
 from engine.text.template import ChatTemplateError
 from engine.text.tokenizer import Tokenizer
 
 V4_MODEL_TYPE = "deepseek_v4"
+V32_MODEL_TYPE = "deepseek_v32"
 # The V4 encoder's own arguments that a request may set through `chat_template_kwargs`
 # (besides the thinking switch, which `ChatOptions.thinking` carries).
 V4_KWARGS = ("thinking", "enable_thinking", "drop_thinking")
+V32_KWARGS = ("thinking", "enable_thinking")  # (V3.2's only drops reasoning it never renders)
+# How each family writes tool calls, also under a template of the checkpoint's own.
+DIALECTS = {V4_MODEL_TYPE: V4_DSML, V32_MODEL_TYPE: V32_DSML}
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class ChatOptions:
 
 class ChatFormat(Protocol):
     name: str  # for messages: "the chat template", "the DeepSeek-V4 encoder"
+    dialect: Dialect  # how the model writes tool calls (the reply parser's grammar)
 
     @property
     def renders_tools(self) -> bool:
@@ -64,13 +73,16 @@ class ChatFormat(Protocol):
 
 
 def chat_format(model_dir: str | os.PathLike, tokenizer: Tokenizer) -> ChatFormat:
-    """The checkpoint's chat format: its template if it has one, else the V4 encoder for a V4
-    checkpoint, else one that refuses every chat."""
+    """The checkpoint's chat format: its template if it has one, else the release's encoder for
+    a V4 or V3.2 checkpoint, else one that refuses every chat."""
+    model_type = str(read_config(model_dir).get("model_type"))
     if tokenizer.has_chat_template:
-        return TemplateChat(tokenizer)
-    if read_config(model_dir).get("model_type") == V4_MODEL_TYPE:
+        return TemplateChat(tokenizer, DIALECTS.get(model_type, V4_DSML))
+    if model_type == V4_MODEL_TYPE:
         return V4Chat()
-    return TemplateChat(tokenizer)  # no template: says so on every render
+    if model_type == V32_MODEL_TYPE:
+        return V32Chat()
+    return TemplateChat(tokenizer, V4_DSML)  # no template: says so on every render
 
 
 def opens_reasoning(prompt: str) -> bool:
@@ -82,8 +94,8 @@ def opens_reasoning(prompt: str) -> bool:
 class TemplateChat:
     name = "the chat template"
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, dialect: Dialect) -> None:
+        self._tokenizer, self.dialect = tokenizer, dialect
 
     @property
     def renders_tools(self) -> bool:
@@ -116,6 +128,7 @@ class TemplateChat:
 class V4Chat:
     name = "the DeepSeek-V4 encoder"
     renders_tools = True
+    dialect = V4_DSML
 
     def render(
         self,
@@ -125,19 +138,7 @@ class V4Chat:
         options: ChatOptions = ChatOptions(),
         add_generation_prompt: bool = True,
     ) -> str:
-        if not add_generation_prompt:
-            raise ChatEncodingError(
-                "add_generation_prompt",
-                "must be true: the DeepSeek-V4 encoder always ends a chat where the assistant "
-                "starts to answer",
-            )
-        unknown = sorted(set(options.variables) - set(V4_KWARGS))
-        if unknown:
-            raise ChatEncodingError(
-                f"chat_template_kwargs.{unknown[0]}",
-                f"is not an option of {self.name}; it takes {', '.join(V4_KWARGS)} (and the "
-                "request's reasoning_effort)",
-            )
+        _check_release_options(self.name, V4_KWARGS, options, add_generation_prompt)
         drop_thinking = options.variables.get("drop_thinking", True)
         if not isinstance(drop_thinking, bool):
             raise ChatEncodingError("chat_template_kwargs.drop_thinking", "must be a boolean")
@@ -147,6 +148,45 @@ class V4Chat:
             reasoning_effort=options.reasoning_effort if options.thinking else None,
             tools=tools,
             drop_thinking=drop_thinking,
+        )
+
+
+class V32Chat:
+    """DeepSeek-V3.2's encoder. It has one thinking level: a reasoning effort only turns
+    thinking on (the router's mapping), and the encoder adds nothing for it."""
+
+    name = "the DeepSeek-V3.2 encoder"
+    renders_tools = True
+    dialect = V32_DSML
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: ChatOptions = ChatOptions(),
+        add_generation_prompt: bool = True,
+    ) -> str:
+        _check_release_options(self.name, V32_KWARGS, options, add_generation_prompt)
+        return encode_messages_dsv32(messages, thinking=options.thinking, tools=tools)
+
+
+def _check_release_options(
+    name: str, kwargs: tuple[str, ...], options: ChatOptions, add_generation_prompt: bool
+) -> None:
+    """What a release's encoder refuses: no generation prompt (it always ends a chat where the
+    assistant starts), and chat_template_kwargs beyond its own `kwargs`."""
+    if not add_generation_prompt:
+        raise ChatEncodingError(
+            "add_generation_prompt",
+            f"must be true: {name} always ends a chat where the assistant starts to answer",
+        )
+    unknown = sorted(set(options.variables) - set(kwargs))
+    if unknown:
+        raise ChatEncodingError(
+            f"chat_template_kwargs.{unknown[0]}",
+            f"is not an option of {name}; it takes {', '.join(kwargs)} (and the request's "
+            "reasoning_effort)",
         )
 
 

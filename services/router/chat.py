@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.text.chat.dsml import tool_call_prefix
+from engine.text.chat.dsml import Dialect, tool_call_prefix
 from engine.text.chat_format import ChatFormat, ChatOptions, opens_reasoning
 
 from .errors import APIError
@@ -56,6 +56,7 @@ _SWITCHES = ("thinking", "enable_thinking")
 class ChatPrompt:
     text: str  # what is tokenized: the rendered chat, then `reply_prefix`
     opens_reasoning: bool  # the reply starts inside the reasoning
+    dialect: Dialect  # how the model writes tool calls (the format's)
     reply_prefix: str  # the start of the reply, written into the prompt (a forced tool call)
     max_tool_calls: int | None  # 1 when parallel_tool_calls is false
 
@@ -96,11 +97,12 @@ def chat_prompt(
     prefix = ""
     if forced:
         prefix = tool_call_prefix(
-            choice.function.name if isinstance(choice, NamedToolChoice) else None
+            choice.function.name if isinstance(choice, NamedToolChoice) else None, fmt.dialect
         )
     return ChatPrompt(
         text=text + prefix,
         opens_reasoning=opens_reasoning(text),
+        dialect=fmt.dialect,
         reply_prefix=prefix,
         max_tool_calls=1 if request.parallel_tool_calls is False else None,
     )

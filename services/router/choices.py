@@ -36,7 +36,7 @@ class ChatChoice:
         self.index = index
         self._prompt = prompt
         self._texts = texts  # None: no logprobs
-        self._parser = StreamParser(prompt.opens_reasoning)
+        self._parser = StreamParser(prompt.opens_reasoning, dialect=prompt.dialect)
         # The reply's start that the prompt wrote (a forced call): its events open the reply.
         self._pending = self._parser.feed(prompt.reply_prefix)
         self._logprobs: list[JSON] = []

@@ -116,7 +116,8 @@ class Attention(torch.nn.Module):
                 with profiled("indexer"):
                     picked = self.indexer(x, q_residual, step)  # [N, topk] entry positions
             else:
-                hca = {"hca_ratio": pool.groups[group].ratio, "hca_width": inp.hca_width}
+                ratio = pool.groups[group].ratio
+                hca = {"hca_ratio": ratio, "hca_width": hca_width(inp.max_position, ratio)}
         indices, lengths = kernels.sparse_indices(
             inp.positions,
             inp.row_req,
@@ -150,3 +151,8 @@ class Attention(torch.nn.Module):
         grouped = out.reshape(n, self.groups, -1).transpose(0, 1)  # [G, N, H*D/G]
         w = self.wo_a.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)  # [G, H*D/G, R]
         return self.wo_b(torch.bmm(grouped, w).transpose(0, 1).reshape(n, -1))
+
+
+def hca_width(max_position: int, ratio: int) -> int:
+    """Entry columns of an HCA layer's index lists: >= every row's visible entries."""
+    return (max_position + 1) // ratio

@@ -17,7 +17,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.checkpoint import ConfigError, read_config
+from engine.checkpoint import (
+    check_fp8_quantization,
+    check_split,
+    get_field,
+    read_config,
+    require,
+)
 from engine.kv.layout import LayerGroup, Ring
 from engine.layers.rope import RopeSpec
 
@@ -30,7 +36,7 @@ LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 KV_GROUP = {SLIDING: "swa", CSA: "csa", HCA: "hca"}  # each kind's KV pool group
 HASH_MOE, MOE = "hash_moe", "moe"
-FP8_BLOCK = 128  # the release's FP8 weight block (128 x 128) and activation group
+MODEL_TYPE = "deepseek_v4"
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,14 @@ class ModelConfig:
                 rings.append(Ring(i, name, rows, features))
         return tuple(rings)
 
+    @property
+    def family(self) -> str:
+        return MODEL_TYPE
+
+    @property
+    def needs_scratch_rows(self) -> bool:
+        return True  # a step's rows attend before they persist to the window ring
+
     def kv_layout_fields(self) -> dict[str, object]:
         return {"layer_types": list(self.layer_types), "compress_rates": self.compress_rates}
 
@@ -132,30 +146,21 @@ class ModelConfig:
         if size == 1:
             return
         heads, groups = self.num_heads // size, self.o_groups // size
-        problems = [
-            f"{what} ({n}) is not divisible by {size}"
-            for what, n in (
+        check_split(
+            size,
+            (
                 ("num_attention_heads", self.num_heads),
                 ("o_groups", self.o_groups),
                 ("n_routed_experts", self.num_experts),
                 ("vocab_size", self.vocab_size),
+            ),
+            (
+                ("wq_b's output rows (heads x head_dim)", heads * self.head_dim),
+                ("wo_b's input (o_groups x o_lora_rank)", groups * self.o_lora_rank),
             )
-            if n % size
-        ]
-        if fp8 and not problems:
-            problems += [
-                f"{what} ({n} per rank) is not a multiple of the FP8 block ({FP8_BLOCK}), so "
-                "ranks would share a block scale"
-                for what, n in (
-                    ("wq_b's output rows (heads x head_dim)", heads * self.head_dim),
-                    ("wo_b's input (o_groups x o_lora_rank)", groups * self.o_lora_rank),
-                )
-                if n % FP8_BLOCK
-            ]
-        if problems:
-            raise ConfigError(
-                f"tensor-parallel size {size} cannot split this model: {'; '.join(problems)}"
-            )
+            if fp8
+            else (),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -169,27 +174,6 @@ class ModelConfig:
         return _parse(dict(raw))
 
 
-def _require(cond: bool, field: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"config.json field `{field}`: {message}")
-
-
-def _get(
-    raw: dict[str, Any],
-    field: str,
-    default: Any = None,
-    kind: type | tuple[type, ...] | None = None,
-) -> Any:
-    value = raw.get(field, default)
-    if value is None and default is None:
-        raise ConfigError(f"config.json field `{field}` is required")
-    if kind is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-        raise ConfigError(
-            f"config.json field `{field}` must be {getattr(kind, '__name__', kind)}, got {value!r}"
-        )
-    return value
-
-
 def _layer_types(
     raw: dict[str, Any], n: int, n_mtp: int
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -201,27 +185,27 @@ def _layer_types(
     elif raw.get("compress_ratios") is not None:
         ratios = list(raw["compress_ratios"])
         bad = [r for r in ratios if r not in _RATIO_TO_LAYER_TYPE]
-        _require(not bad, "compress_ratios", f"entries must be 0, 4 or 128, got {bad}")
+        require(not bad, "compress_ratios", f"entries must be 0, 4 or 128, got {bad}")
         types, field = [_RATIO_TO_LAYER_TYPE[r] for r in ratios], "compress_ratios"
     else:  # HF's default schedule: two HCA layers, then CSA/HCA interleaved
         types = [HCA] * min(n, 2) + [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
         field = "layer_types"
-    _require(len(types) >= n, field, f"has {len(types)} entries for {n} layers")
+    require(len(types) >= n, field, f"has {len(types)} entries for {n} layers")
     types = types[: n + n_mtp] + [SLIDING] * max(0, n + n_mtp - len(types))
     bad = [t for t in types if t not in LAYER_TYPES]
-    _require(not bad, field, f"entries must be one of {LAYER_TYPES}, got {bad}")
+    require(not bad, field, f"entries must be one of {LAYER_TYPES}, got {bad}")
     return tuple(types[:n]), tuple(types[n:])
 
 
 def _mlp_layer_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
     if raw.get("mlp_layer_types") is not None:
         types = list(raw["mlp_layer_types"])
-        _require(len(types) >= n, "mlp_layer_types", f"has {len(types)} entries for {n} layers")
+        require(len(types) >= n, "mlp_layer_types", f"has {len(types)} entries for {n} layers")
         bad = [t for t in types[:n] if t not in (HASH_MOE, MOE)]
-        _require(not bad, "mlp_layer_types", f"entries must be 'hash_moe' or 'moe', got {bad}")
+        require(not bad, "mlp_layer_types", f"entries must be 'hash_moe' or 'moe', got {bad}")
         return tuple(types[:n])
     n_hash = raw.get("num_hash_layers", 3)
-    _require(
+    require(
         isinstance(n_hash, int) and n_hash >= 0,
         "num_hash_layers",
         f"must be an int >= 0, got {n_hash!r}",
@@ -230,10 +214,10 @@ def _mlp_layer_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
 
 
 def _rope_specs(raw: dict[str, Any]) -> tuple[RopeSpec, RopeSpec]:
-    theta = float(_get(raw, "rope_theta", 10000.0, (int, float)))
-    compress_theta = float(_get(raw, "compress_rope_theta", 160000.0, (int, float)))
+    theta = float(get_field(raw, "rope_theta", 10000.0, (int, float)))
+    compress_theta = float(get_field(raw, "compress_rope_theta", 160000.0, (int, float)))
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    _require(isinstance(params, dict), "rope_parameters", "must be an object")
+    require(isinstance(params, dict), "rope_parameters", "must be an object")
     if isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
         main, compress = params["main"], params["compress"]
     else:  # flat form: the scaling applies to the compressed layers only (as in HF)
@@ -250,17 +234,17 @@ def _rope_spec(p: dict[str, Any], default_theta: float, field: str) -> RopeSpec:
     theta = float(p.get("rope_theta", default_theta))
     if kind == "default":
         return RopeSpec(theta=theta)
-    _require(
+    require(
         kind == "yarn",
         f"{field}.rope_type",
         f"only 'default' and 'yarn' are supported, got {kind!r}",
     )
     # The V4 reference never scales cos/sin by YaRN's mscale (HF forces attention_factor=1).
     attention_factor = p.get("attention_factor", 1.0)
-    _require(
+    require(
         attention_factor in (None, 1.0), f"{field}.attention_factor", "must be 1.0 for DeepSeek-V4"
     )
-    _require(
+    require(
         "factor" in p and "original_max_position_embeddings" in p,
         field,
         "yarn needs `factor` and `original_max_position_embeddings`",
@@ -276,19 +260,17 @@ def _rope_spec(p: dict[str, Any], default_theta: float, field: str) -> RopeSpec:
 
 def _parse(raw: dict[str, Any]) -> ModelConfig:
     model_type = raw.get("model_type")
-    _require(
-        model_type == "deepseek_v4", "model_type", f"must be 'deepseek_v4', got {model_type!r}"
-    )
-    n = _get(raw, "num_hidden_layers", 43, int)
-    _require(n >= 1, "num_hidden_layers", "must be >= 1")
-    n_mtp = _get(raw, "num_nextn_predict_layers", 1, int)
-    _require(n_mtp >= 0, "num_nextn_predict_layers", "must be >= 0")
+    require(model_type == MODEL_TYPE, "model_type", f"must be {MODEL_TYPE!r}, got {model_type!r}")
+    n = get_field(raw, "num_hidden_layers", 43, int)
+    require(n >= 1, "num_hidden_layers", "must be >= 1")
+    n_mtp = get_field(raw, "num_nextn_predict_layers", 1, int)
+    require(n_mtp >= 0, "num_nextn_predict_layers", "must be >= 0")
     layer_types, mtp_layer_types = _layer_types(raw, n, n_mtp)
-    hidden = _get(raw, "hidden_size", 4096, int)
-    heads = _get(raw, "num_attention_heads", 64, int)
-    head_dim = _get(raw, "head_dim", 512, int)
-    _require(
-        _get(raw, "num_key_value_heads", 1, int) == 1,
+    hidden = get_field(raw, "hidden_size", 4096, int)
+    heads = get_field(raw, "num_attention_heads", 64, int)
+    head_dim = get_field(raw, "head_dim", 512, int)
+    require(
+        get_field(raw, "num_key_value_heads", 1, int) == 1,
         "num_key_value_heads",
         "DeepSeek-V4 attention shares one K=V head; must be 1",
     )
@@ -296,7 +278,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         rope_dim = int(raw["qk_rope_head_dim"])
     else:
         rope_dim = int(head_dim * float(raw.get("partial_rotary_factor") or 64 / 512))
-    _require(
+    require(
         0 < rope_dim <= head_dim and rope_dim % 2 == 0,
         "partial_rotary_factor",
         f"gives a rope dim of {rope_dim}; it must be even and within head_dim {head_dim}",
@@ -308,76 +290,76 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     if raw.get("compress_rate_hca") is not None:
         compress_rates[HCA] = int(raw["compress_rate_hca"])
     for kind in (CSA, HCA):
-        _require(
+        require(
             isinstance(compress_rates.get(kind), int) and compress_rates[kind] >= 1,
             "compress_rates",
             f"needs a positive int for {kind!r}",
         )
 
-    o_groups = _get(raw, "o_groups", 8, int)
-    _require(heads % o_groups == 0, "o_groups", f"must divide num_attention_heads ({heads})")
-    moe_inter = _get(raw, "moe_intermediate_size", 2048, int)
+    o_groups = get_field(raw, "o_groups", 8, int)
+    require(heads % o_groups == 0, "o_groups", f"must divide num_attention_heads ({heads})")
+    moe_inter = get_field(raw, "moe_intermediate_size", 2048, int)
     # Grouped GEMMs need 16-byte aligned rows for every dtype we run.
     for field, value in (("hidden_size", hidden), ("moe_intermediate_size", moe_inter)):
-        _require(value % 8 == 0, field, f"must be a multiple of 8, got {value}")
-    num_experts = _get(raw, "n_routed_experts", 256, int)
-    top_k = _get(raw, "num_experts_per_tok", 6, int)
-    _require(
+        require(value % 8 == 0, field, f"must be a multiple of 8, got {value}")
+    num_experts = get_field(raw, "n_routed_experts", 256, int)
+    top_k = get_field(raw, "num_experts_per_tok", 6, int)
+    require(
         1 <= top_k <= num_experts,
         "num_experts_per_tok",
         f"must be in [1, n_routed_experts={num_experts}]",
     )
-    _require(
+    require(
         raw.get("n_shared_experts", 1) == 1,
         "n_shared_experts",
         "DeepSeek-V4 has exactly one shared expert",
     )
     scoring = raw.get("scoring_func", "sqrtsoftplus")
-    _require(
+    require(
         scoring in ("sqrtsoftplus", "sigmoid"),
         "scoring_func",
         f"must be 'sqrtsoftplus' or 'sigmoid', got {scoring!r}",
     )
-    _require(
+    require(
         raw.get("norm_topk_prob", True) is True,
         "norm_topk_prob",
         "only normalized top-k weights are supported",
     )
-    _require(raw.get("hidden_act", "silu") == "silu", "hidden_act", "only 'silu' is supported")
+    require(raw.get("hidden_act", "silu") == "silu", "hidden_act", "only 'silu' is supported")
     for field in ("attention_bias", "mlp_bias"):
-        _require(not raw.get(field, False), field, "biases are not part of DeepSeek-V4")
+        require(not raw.get(field, False), field, "biases are not part of DeepSeek-V4")
 
     eos = raw.get("eos_token_id", 1)
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     rope_main, rope_compress = _rope_specs(raw)
     return ModelConfig(
-        vocab_size=_get(raw, "vocab_size", 129280, int),
+        vocab_size=get_field(raw, "vocab_size", 129280, int),
         hidden_size=hidden,
         num_layers=n,
         num_heads=heads,
         head_dim=head_dim,
         rope_dim=rope_dim,
-        q_lora_rank=_get(raw, "q_lora_rank", 1024, int),
+        q_lora_rank=get_field(raw, "q_lora_rank", 1024, int),
         o_groups=o_groups,
-        o_lora_rank=_get(raw, "o_lora_rank", 1024, int),
-        sliding_window=_get(raw, "sliding_window", 128, int),
+        o_lora_rank=get_field(raw, "o_lora_rank", 1024, int),
+        sliding_window=get_field(raw, "sliding_window", 128, int),
         layer_types=layer_types,
         compress_rates=compress_rates,
         mlp_layer_types=_mlp_layer_types(raw, n),
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=moe_inter,
-        routed_scaling_factor=float(_get(raw, "routed_scaling_factor", 1.5, (int, float))),
+        routed_scaling_factor=float(get_field(raw, "routed_scaling_factor", 1.5, (int, float))),
         scoring_func=scoring,
-        swiglu_limit=float(_get(raw, "swiglu_limit", 10.0, (int, float))),
-        hc_mult=_get(raw, "hc_mult", 4, int),
-        hc_sinkhorn_iters=_get(raw, "hc_sinkhorn_iters", 20, int),
-        hc_eps=float(_get(raw, "hc_eps", 1e-6, (int, float))),
-        index_n_heads=_get(raw, "index_n_heads", 64, int),
-        index_head_dim=_get(raw, "index_head_dim", 128, int),
-        index_topk=_get(raw, "index_topk", 512, int),
-        rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6, (int, float))),
-        max_position_embeddings=_get(raw, "max_position_embeddings", 1048576, int),
+        swiglu_limit=float(get_field(raw, "swiglu_limit", 10.0, (int, float))),
+        hc_mult=get_field(raw, "hc_mult", 4, int),
+        hc_sinkhorn_iters=get_field(raw, "hc_sinkhorn_iters", 20, int),
+        hc_eps=float(get_field(raw, "hc_eps", 1e-6, (int, float))),
+        index_n_heads=get_field(raw, "index_n_heads", 64, int),
+        index_head_dim=get_field(raw, "index_head_dim", 128, int),
+        index_topk=get_field(raw, "index_topk", 512, int),
+        rms_norm_eps=float(get_field(raw, "rms_norm_eps", 1e-6, (int, float))),
+        max_position_embeddings=get_field(raw, "max_position_embeddings", 1048576, int),
         rope_main=rope_main,
         rope_compress=rope_compress,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -392,31 +374,14 @@ def _quantization(raw: dict[str, Any]) -> Quantization | None:
     qc = raw.get("quantization_config")
     expert_dtype = raw.get("expert_dtype")
     if qc is None:
-        _require(
+        require(
             expert_dtype is None,
             "expert_dtype",
             "quantized experts need the FP8 `quantization_config` of the release",
         )
         return None
-    _require(isinstance(qc, dict), "quantization_config", "must be an object")
-    # The one format the kernels implement; fields a checkpoint leaves out take its values.
-    release = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-    for key, want in release.items():
-        got = qc.get(key, want)
-        _require(got == want, f"quantization_config.{key}", f"must be {want!r}, got {got!r}")
-    # Scales stored as fp32 (DeepSeek-V3's format) are not read: the release's are ue8m0.
-    _require(
-        qc.get("scale_fmt") == "ue8m0",
-        "quantization_config.scale_fmt",
-        f"must be 'ue8m0' (power-of-two scales), got {qc.get('scale_fmt')!r}",
-    )
-    block = qc.get("weight_block_size")
-    _require(
-        block is not None and list(block) == [FP8_BLOCK, FP8_BLOCK],
-        "quantization_config.weight_block_size",
-        f"must be [{FP8_BLOCK}, {FP8_BLOCK}], got {block!r}",
-    )
+    check_fp8_quantization(qc)
     # V4 writes expert_dtype at the top level, V4.1 inside quantization_config (as HF moves it).
     experts = qc.get("expert_dtype", expert_dtype) or "fp8"
-    _require(experts in ("fp4", "fp8"), "expert_dtype", f"must be 'fp4' or 'fp8', got {experts!r}")
+    require(experts in ("fp4", "fp8"), "expert_dtype", f"must be 'fp4' or 'fp8', got {experts!r}")
     return Quantization(expert_dtype=experts)

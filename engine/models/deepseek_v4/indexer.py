@@ -11,9 +11,9 @@ import torch
 
 import kernels
 from engine.layers.fp8_linear import linear
+from engine.layers.indexer_topk import step_topk
 from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import ModelConfig, Quantization
-from engine.profiling import profiled
 from engine.step import StepState
 
 
@@ -47,26 +47,5 @@ class Indexer(torch.nn.Module):
         # [pages, P, Di], or FP8 pages [pages, P * (Di + 4)] (indexer_topk dequantizes them)
         k_cache = pool.pages_of(keys, pool.groups["csa"].num_pages)
         entry_tables = step.table("csa")[:, pool.ring_pages :]  # [B, pages]
-        # Decode rows are requests 0..D-1 in order; a prefill chunk's rows share one table,
-        # broadcast without copying.
-        parts = (
-            [(slice(0, inp.num_decode), entry_tables[: inp.num_decode])] if inp.num_decode else []
-        )
-        parts += [
-            (slice(s.row0, s.row0 + s.num_rows), entry_tables[s.req].expand(s.num_rows, -1))
-            for s in inp.segments
-        ]
-        with profiled("indexer_topk"):
-            picked = [
-                kernels.indexer_topk(
-                    q[rows],
-                    weights[rows],
-                    k_cache,
-                    table,
-                    lengths[rows],
-                    self.topk,
-                    scale=self.head_dim**-0.5,
-                )
-                for rows, table in parts
-            ]
-            return torch.cat(picked) if len(picked) > 1 else picked[0]
+        scale = self.head_dim**-0.5
+        return step_topk(step, entry_tables, q, weights, k_cache, lengths, self.topk, scale)

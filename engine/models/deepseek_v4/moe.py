@@ -1,9 +1,9 @@
 """DeepSeek-V4 MoE: sqrt-softplus router (or a frozen token-id hash for the first layers),
 routed experts through grouped GEMMs, plus one shared expert.
 
-Routed experts come dense (`RoutedExperts`, torch grouped GEMMs) or, for the release's FP4
-checkpoint computed natively, as `Fp4Experts` (kernels.fp4_experts). The router and the SwiGLU
-run in fp32 as in the release, whatever the activation dtype.
+Routed experts come dense (engine.layers.experts' `RoutedExperts`, torch grouped GEMMs) or,
+for the release's FP4 checkpoint computed natively, as `Fp4Experts` (kernels.fp4_experts). The
+router and the SwiGLU run in fp32 as in the release, whatever the activation dtype.
 
 Expert parallel, as the release splits it: each rank of a tensor-parallel group holds a
 contiguous range of the routed experts and runs only the (token, expert) pairs that land there;
@@ -17,69 +17,10 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from engine.layers.fp8_linear import linear
+from engine.layers.experts import GatedMLP, RoutedExperts
 from engine.models.deepseek_v4.config import HASH_MOE, ModelConfig, Quantization
 from engine.parallel.group import SINGLE, TensorParallel, shard_experts
 from kernels.quant import FP4_BLOCK, narrow_fp4_scales
-
-_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    # The gate is clipped from above only, the up projection on both sides.
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
-class SharedExpert(torch.nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float, fp8: bool) -> None:
-        super().__init__()
-        self.w1 = linear(hidden, inter, fp8)  # gate
-        self.w2 = linear(inter, hidden, fp8)  # down
-        self.w3 = linear(hidden, inter, fp8)  # up
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = clamped_swiglu(self.w1(x).float(), self.w3(x).float(), self.limit)
-        return self.w2(h.to(x.dtype))
-
-
-class RoutedExperts(torch.nn.Module):
-    """All experts' weights stacked, run as two grouped GEMMs over tokens sorted by expert.
-
-    Shapes are fixed by the token count alone (no host sync), so decode steps stay
-    capturable in CUDA graphs. Expert ids outside [0, E) (another rank's experts) sort past
-    every group: the GEMMs never reach their rows, and they add nothing.
-    """
-
-    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float) -> None:
-        super().__init__()
-        self.w13 = torch.nn.Parameter(
-            torch.zeros(num_experts, 2 * inter, hidden)
-        )  # [E, gate|up, hidden]
-        self.w2 = torch.nn.Parameter(torch.zeros(num_experts, hidden, inter))  # [E, hidden, inter]
-        self.inter, self.limit = inter, limit
-
-    def forward(
-        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """x [T, hidden], expert_ids/weights [T, k] -> fp32 [T, hidden]."""
-        k, num_experts = expert_ids.shape[1], self.w13.shape[0]
-        flat = expert_ids.reshape(-1)
-        mine = (flat >= 0) & (flat < num_experts)
-        flat = torch.where(mine, flat, num_experts)
-        order = torch.argsort(flat, stable=True)  # [T*k] grouped by expert, others last
-        token = torch.div(order, k, rounding_mode="floor")
-        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        offsets = counts[:num_experts].cumsum(0).to(torch.int32)  # [E] end row of each group
-        gate_up = _grouped_mm(x[token], self.w13.transpose(1, 2), offs=offsets)  # [T*k, 2*inter]
-        hidden = clamped_swiglu(gate_up[:, : self.inter], gate_up[:, self.inter :], self.limit)
-        out = _grouped_mm(hidden, self.w2.transpose(1, 2), offs=offsets)  # [T*k, hidden]
-        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)  # (fp32 router)
-        out = torch.where(mine[order].unsqueeze(-1), out, 0)  # rows no GEMM wrote
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(
-            0, token, out.float()
-        )
 
 
 class Fp4Experts(torch.nn.Module):
@@ -185,7 +126,7 @@ class MoE(torch.nn.Module):
         for param in experts.parameters():
             shard_experts(param, self.first_expert, stop)
         self.experts = experts
-        self.shared_experts = SharedExpert(cfg.hidden_size, inter, limit, fp8=quant is not None)
+        self.shared_experts = GatedMLP(cfg.hidden_size, inter, fp8=quant is not None, limit=limit)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, token_ids)

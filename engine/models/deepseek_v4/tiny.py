@@ -32,12 +32,19 @@ from safetensors.torch import save_file
 
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.weights import build_model
+from engine.models.tiny_weights import (
+    PAD_HEAD_GAIN,
+    first_half_of_layers,
+    quantize_fp8,
+    random_value,
+    save_shards,
+    split_experts,
+)
 from engine.text.byte_tokenizer import write_byte_tokenizer
-from kernels.quant import quantize_fp4, quantize_fp8_blocks
+from kernels.quant import quantize_fp4
 
 FORMATS = ("dense", "release")
 RELEASE_VOCAB = 384  # model rows; the release-format tokenizer has 264 tokens
-PAD_HEAD_GAIN = 4.0  # padded rows of the head: their logits dwarf the real ones
 
 # Stored FP8 in the release (the table in shared/reference/v4-release.md), wo_a included.
 _FP8_STORED = re.compile(
@@ -180,10 +187,13 @@ def make_tiny_model(
         if name.startswith("rope_tables."):
             continue
         tensors[_release_name(name)] = _init(name, t, gen, raw)
-    tensors = _split_experts(tensors, raw["moe_intermediate_size"])
+    tensors = split_experts(tensors, raw["moe_intermediate_size"])
     if release:
         tensors["head.weight"][tokens:] *= PAD_HEAD_GAIN
-        _save_shards(_release_formats(tensors), out, raw["num_hidden_layers"])
+        in_first = first_half_of_layers(
+            raw["num_hidden_layers"], re.compile(r"layers\.(\d+)\."), "embed."
+        )
+        save_shards(_release_formats(tensors), out, in_first)
     else:
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
@@ -195,12 +205,7 @@ def _init(name: str, t: torch.Tensor, gen: torch.Generator, raw: dict) -> torch.
         vocab, k = t.shape
         draws = torch.rand(vocab, raw["n_routed_experts"], generator=gen)
         return draws.argsort(dim=1)[:, :k].contiguous()
-    if name.endswith(("norm.weight", ".scale")):
-        return 1 + 0.1 * torch.randn(t.shape, generator=gen)
-    if t.dim() == 1:  # sinks, gate biases, mHC biases
-        return 0.5 * torch.randn(t.shape, generator=gen)
-    fan_in = t.shape[-1]
-    return torch.randn(t.shape, generator=gen) * (1.0 if name == "embed.weight" else fan_in**-0.5)
+    return random_value(name, t, gen)
 
 
 def _release_name(name: str) -> str:
@@ -214,55 +219,16 @@ def _release_name(name: str) -> str:
     return name + ".weight" if name.endswith(".attn.wo_a") else name
 
 
-def _split_experts(tensors: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Tensor]:
-    """Stacked expert weights -> per-expert w1/w2/w3, as checkpoints store them."""
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(".experts.w13"):
-            prefix = name.removesuffix(".w13")
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.w1.weight"] = t[e, :inter].contiguous()
-                out[f"{prefix}.{e}.w3.weight"] = t[e, inter:].contiguous()
-        elif name.endswith(".experts.w2"):
-            for e in range(t.shape[0]):
-                out[f"{name.removesuffix('.w2')}.{e}.w2.weight"] = t[e].contiguous()
-        else:
-            out[name] = t.contiguous()
-    return out
-
-
 def _release_formats(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """fp32 tensors -> the release's storage formats (quantized ones with `<name>.scale`)."""
     out = {}
     for name, t in tensors.items():
-        quantize = (
-            quantize_fp4
-            if _FP4_STORED.search(name)
-            else quantize_fp8_blocks
-            if _FP8_STORED.search(name)
-            else None
-        )
-        if quantize is not None:
-            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize(t)
+        if _FP4_STORED.search(name):
+            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp4(t)
+        elif _FP8_STORED.search(name):
+            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp8(t, False)
         elif t.dtype == torch.int64 or _FP32_STORED.search(name):
             out[name] = t
         else:
             out[name] = t.to(torch.bfloat16)
     return out
-
-
-def _save_shards(tensors: dict[str, torch.Tensor], out: Path, num_layers: int) -> None:
-    """Two shards as the release splits them (whole layers per file) and their index."""
-
-    def shard(name: str) -> int:
-        m = re.match(r"layers\.(\d+)\.", name)
-        return 0 if name.startswith("embed.") or (m and int(m.group(1)) < num_layers // 2) else 1
-
-    files = [f"model-0000{i + 1}-of-00002.safetensors" for i in range(2)]
-    weight_map = {name: files[shard(name)] for name in sorted(tensors)}
-    for file in files:
-        part = {k: v for k, v in tensors.items() if weight_map[k] == file}
-        save_file(part, out / file, metadata={"format": "pt"})
-    size = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": size}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

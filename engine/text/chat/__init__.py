@@ -1,14 +1,18 @@
-"""DeepSeek-V4's chat format, without torch: prompts from OpenAI messages, and the model's output
+"""DeepSeek's chat formats, without torch: prompts from OpenAI messages, and the model's output
 (reasoning, content, DSML tool calls) back into OpenAI fields, whole or streamed.
 
-`encoding_dsv4` writes prompts the way the release's `encoding/encoding_dsv4.py` does; `dsml`
-reads completions; `tokens` names the special-token strings both use.
+`encoding_dsv4` and `encoding_dsv32` write prompts the way the V4 and V3.2 releases'
+`encoding/encoding_dsv*.py` do, from the turns `messages` reads; `dsml` writes and reads tool
+calls (a `Dialect` a family) and reads completions; `tokens` names the special-token strings.
 """
 
 from __future__ import annotations
 
 from engine.text.chat.dsml import (
+    V4_DSML,
+    V32_DSML,
     ContentDelta,
+    Dialect,
     Event,
     ParsedMessage,
     ReasoningDelta,
@@ -18,11 +22,16 @@ from engine.text.chat.dsml import (
     ToolCallStart,
     parse_completion,
 )
-from engine.text.chat.encoding_dsv4 import ChatEncodingError, encode_messages
+from engine.text.chat.encoding_dsv4 import encode_messages
+from engine.text.chat.encoding_dsv32 import encode_messages_dsv32
+from engine.text.chat.messages import ChatEncodingError
 
 __all__ = [
     "ChatEncodingError",
+    "V4_DSML",
+    "V32_DSML",
     "ContentDelta",
+    "Dialect",
     "Event",
     "ParsedMessage",
     "ReasoningDelta",
@@ -31,5 +40,6 @@ __all__ = [
     "ToolCallArguments",
     "ToolCallStart",
     "encode_messages",
+    "encode_messages_dsv32",
     "parse_completion",
 ]

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 completions into OpenAI fields (reasoning, content, tool calls), whole or streamed.
+"""DeepSeek's DSML tool calls, written into prompts (`tool_calls_block`) and read back with the
+rest of a completion into OpenAI fields (reasoning, content, tool calls), whole or streamed.
 
 What the model writes after a V4 prompt (see encoding_dsv4), and how the release's
 `parse_message_from_completion_text` reads it:
@@ -11,10 +12,13 @@ What the model writes after a V4 prompt (see encoding_dsv4), and how the release
     ...
     </｜DSML｜tool_calls>]<｜end▁of▁sentence｜>
 
-The reasoning part exists in thinking mode only (the prompt already ends with `<think>`). The
-blank line before the block belongs to neither content nor calls. A call's `arguments` are the
-JSON text `{"KEY": VALUE, ...}` with the release's separators: a string="true" value becomes a
-JSON string, a string="false" value is inserted as the JSON it already is.
+DeepSeek-V3.2 writes the same grammar with `function_calls` for the block's name (its release's
+`encoding_dsv32.py`); a `Dialect` names the block, and everything here takes one (V4's by
+default). The reasoning part exists in thinking mode only (the prompt already ends with
+`<think>`). The blank line before the block belongs to neither content nor calls. A call's
+`arguments` are the JSON text `{"KEY": VALUE, ...}` with the release's separators: a
+string="true" value becomes a JSON string, a string="false" value is inserted as the JSON it
+already is.
 
 The release raises on anything else; a server cannot, so `StreamParser` reads the same grammar
 but recovers, and says so instead of raising:
@@ -39,8 +43,10 @@ import enum
 import json
 import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
 
 from engine.text.chat.tokens import (
     DSML,
@@ -51,9 +57,48 @@ from engine.text.chat.tokens import (
     PARAMETER_OPEN,
     THINK_END,
     THINK_START,
-    TOOL_CALLS_CLOSE,
-    TOOL_CALLS_OPEN,
 )
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """The name of a family's tool-call block: `<｜DSML｜{block}>` ... `</｜DSML｜{block}>`."""
+
+    block: str
+
+    @property
+    def open(self) -> str:
+        return f"<{DSML}{self.block}>"
+
+    @property
+    def close(self) -> str:
+        return f"</{DSML}{self.block}>"
+
+
+V4_DSML = Dialect("tool_calls")
+V32_DSML = Dialect("function_calls")
+
+
+def tool_calls_block(calls: Sequence[tuple[str, Mapping[str, Any]]], dialect: Dialect) -> str:
+    """The block an assistant turn's calls (name, arguments) are written as, blank line first, as
+    the releases' encoders write it: string values as they are with string="true", anything
+    else as JSON (non-ASCII kept) with string="false"; "" for no calls."""
+    if not calls:
+        return ""
+    invokes = []
+    for name, arguments in calls:
+        parameters = []
+        for key, value in arguments.items():
+            is_string = isinstance(value, str)
+            text = value if is_string else json.dumps(value, ensure_ascii=False)
+            flag = "true" if is_string else "false"
+            parameters.append(
+                f'{PARAMETER_OPEN} name="{key}" string="{flag}">{text}{PARAMETER_CLOSE}'
+            )
+        invokes.append(
+            f'{INVOKE_OPEN} name="{name}">\n' + "\n".join(parameters) + f"\n{INVOKE_CLOSE}"
+        )
+    return f"\n\n{dialect.open}\n" + "\n".join(invokes) + f"\n{dialect.close}"
 
 
 @dataclass(frozen=True)
@@ -113,19 +158,23 @@ def new_tool_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def tool_call_prefix(name: str | None) -> str:
+def tool_call_prefix(name: str | None, dialect: Dialect = V4_DSML) -> str:
     """The start of a chat-mode reply that is a tool call, up to the function's name (`name`
     None) or through its invoke tag: written after a prompt, it leaves the model only the call
     to finish. `name` must be a plain function name (no quotes or markup)."""
-    opening = f'\n\n{TOOL_CALLS_OPEN}\n{INVOKE_OPEN} name="'
+    opening = f'\n\n{dialect.open}\n{INVOKE_OPEN} name="'
     return opening if name is None else f'{opening}{name}">\n'
 
 
 def parse_completion(
-    text: str, thinking: bool, *, new_id: Callable[[], str] = new_tool_call_id
+    text: str,
+    thinking: bool,
+    *,
+    dialect: Dialect = V4_DSML,
+    new_id: Callable[[], str] = new_tool_call_id,
 ) -> ParsedMessage:
     """The whole output of one generation (EOS text optional) as one assistant message."""
-    parser = StreamParser(thinking, new_id=new_id)
+    parser = StreamParser(thinking, dialect=dialect, new_id=new_id)
     parser.feed(text)
     parser.finish()
     return parser.message()
@@ -145,17 +194,25 @@ class _State(enum.Enum):
 
 # Markers each state watches for. The one that starts first in the text wins.
 _TOOL_START = f"<{DSML}"
-_MARKERS = {
-    _State.REASONING: (THINK_END, "\n\n" + TOOL_CALLS_OPEN, TOOL_CALLS_OPEN, THINK_START, EOS),
-    _State.CONTENT: ("\n\n" + _TOOL_START, _TOOL_START, THINK_END, THINK_START, EOS),
-    _State.BLOCK: (TOOL_CALLS_OPEN, INVOKE_OPEN, TOOL_CALLS_CLOSE, EOS),
-    _State.INVOKE_HEAD: (">", "<"),
-    _State.INVOKE_BODY: (PARAMETER_OPEN, INVOKE_CLOSE, INVOKE_OPEN, TOOL_CALLS_CLOSE, EOS),
-    _State.PARAM_HEAD: (">", "<"),
-    _State.PARAM_VALUE: (PARAMETER_CLOSE, PARAMETER_OPEN, INVOKE_CLOSE, TOOL_CALLS_CLOSE, EOS),
-    _State.DONE: (),
-}
-_MARKERS[_State.AFTER_BLOCK] = _MARKERS[_State.CONTENT]
+
+
+@cache
+def _markers(dialect: Dialect) -> dict[_State, tuple[str, ...]]:
+    opening, closing = dialect.open, dialect.close
+    markers = {
+        _State.REASONING: (THINK_END, "\n\n" + opening, opening, THINK_START, EOS),
+        _State.CONTENT: ("\n\n" + _TOOL_START, _TOOL_START, THINK_END, THINK_START, EOS),
+        _State.BLOCK: (opening, INVOKE_OPEN, closing, EOS),
+        _State.INVOKE_HEAD: (">", "<"),
+        _State.INVOKE_BODY: (PARAMETER_OPEN, INVOKE_CLOSE, INVOKE_OPEN, closing, EOS),
+        _State.PARAM_HEAD: (">", "<"),
+        _State.PARAM_VALUE: (PARAMETER_CLOSE, PARAMETER_OPEN, INVOKE_CLOSE, closing, EOS),
+        _State.DONE: (),
+    }
+    markers[_State.AFTER_BLOCK] = markers[_State.CONTENT]
+    return markers
+
+
 _BLOCK_STATES = frozenset(
     {_State.BLOCK, _State.INVOKE_HEAD, _State.INVOKE_BODY, _State.PARAM_HEAD, _State.PARAM_VALUE}
 )
@@ -181,8 +238,15 @@ class StreamParser:
     whole result and its flags.
     """
 
-    def __init__(self, thinking: bool, *, new_id: Callable[[], str] = new_tool_call_id) -> None:
+    def __init__(
+        self,
+        thinking: bool,
+        *,
+        dialect: Dialect = V4_DSML,
+        new_id: Callable[[], str] = new_tool_call_id,
+    ) -> None:
         self._state = _State.REASONING if thinking else _State.CONTENT
+        self._dialect, self._markers = dialect, _markers(dialect)
         self._new_id = new_id
         self._buf = ""  # text not yet consumed: at most a possible marker's beginning
         self._head = ""  # an invoke or parameter tag's attributes, until its ">"
@@ -236,7 +300,7 @@ class StreamParser:
     # -- scanning
     def _step(self) -> bool:
         """Consume up to and including the first marker; False once only a held tail is left."""
-        markers = _MARKERS[self._state]
+        markers = self._markers[self._state]
         found = _first_marker(self._buf, markers)
         if found is None:
             keep = _held_length(self._buf, markers)
@@ -298,7 +362,7 @@ class StreamParser:
                 self._start_call(head)
             else:
                 self._start_param(head)
-        elif marker == TOOL_CALLS_OPEN:
+        elif marker == self._dialect.open:
             pass  # the block's opening tag (or a repeated one): nothing to do
         elif marker == INVOKE_OPEN:
             if state is not _State.BLOCK:
@@ -318,7 +382,7 @@ class StreamParser:
                 self._malformed = True
             self._end_call()
             self._state = _State.BLOCK
-        elif marker == TOOL_CALLS_CLOSE:
+        elif marker == self._dialect.close:
             if state is not _State.BLOCK:
                 self._malformed = True
             self._end_call()

@@ -18,7 +18,7 @@ conversation (thinking_mode "thinking"/"chat" <-> `thinking`). What the release 
   parts separated by a blank line.
 - Tool schemas go in a "## Tools" section after the system text: only each tool's `function`
   object, `json.dumps` with default separators, non-ASCII kept, key order kept, one per line.
-- Assistant tool calls render as a blank line and a DSML block (see `_tool_calls_block`).
+- Assistant tool calls render as a blank line and a DSML block (dsml.tool_calls_block).
   Arguments are parsed from their JSON string; string values go in as is with string="true",
   anything else as JSON with string="false".
 - reasoning_effort "max" (thinking mode only) puts a fixed paragraph right after BOS; "high" and
@@ -45,9 +45,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from engine.text.chat.dsml import V4_DSML, tool_calls_block
+from engine.text.chat.messages import (
+    Assistant,
+    ChatEncodingError,
+    System,
+    ToolResult,
+    Turn,
+    User,
+    read_messages,
+    read_tools,
+)
 from engine.text.chat.tokens import (
     ASSISTANT,
     BOS,
@@ -98,50 +108,6 @@ _TOOLS_SECTION = (
     "calls.\n"
 )
 
-_OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ChatEncodingError(ValueError):
-    """A request the V4 chat format cannot express; `param` names the offending field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
-@dataclass
-class _System:
-    text: str
-    tools: list[Mapping[str, Any]] = field(default_factory=list)  # each tool's `function`
-
-
-@dataclass
-class _ToolResult:
-    call_id: str
-    text: str
-
-
-@dataclass
-class _User:
-    parts: list[str | _ToolResult]
-
-
-@dataclass
-class _ToolCall:
-    call_id: str
-    name: str
-    arguments: Mapping[str, Any]
-
-
-@dataclass
-class _Assistant:
-    content: str
-    reasoning: str
-    tool_calls: list[_ToolCall]
-
-
-_Turn = _System | _User | _Assistant
-
 
 def encode_messages(
     messages: Sequence[Mapping[str, Any]],
@@ -164,14 +130,14 @@ def encode_messages(
             "reasoning_effort",
             f"must be one of 'high', 'max' or null for this model, got {reasoning_effort!r}",
         )
-    turns = _merge_tool_results(_read_messages(messages))
-    functions = _read_tools(tools)
+    turns = _merge_tool_results(read_messages(messages))
+    functions = read_tools(tools)
     if functions:
-        if isinstance(turns[0], _System):
+        if isinstance(turns[0], System):
             turns[0].tools = functions
         else:
-            turns.insert(0, _System("", functions))
-    if not isinstance(turns[-1], _User):
+            turns.insert(0, System("", functions))
+    if not isinstance(turns[-1], User):
         raise ChatEncodingError(
             f"messages[{len(messages) - 1}]",
             "the conversation must end with a user or tool message; this model is only asked "
@@ -180,19 +146,19 @@ def encode_messages(
     _sort_tool_results(turns)
     # With tools the release keeps every turn's reasoning: tool loops need it.
     drop = drop_thinking and not functions
-    last_user = max(i for i, turn in enumerate(turns) if isinstance(turn, _User))
+    last_user = max(i for i, turn in enumerate(turns) if isinstance(turn, User))
     prompt = [BOS] if add_default_bos_token else []
     if thinking and reasoning_effort == "max":
         prompt.append(REASONING_EFFORT_MAX)
     for i, turn in enumerate(turns):
-        if isinstance(turn, _System):
+        if isinstance(turn, System):
             prompt.append(turn.text)
             if turn.tools:
                 prompt.append("\n\n" + _tools_section(turn.tools))
-        elif isinstance(turn, _User):
+        elif isinstance(turn, User):
             prompt.append(USER + "\n\n".join(map(_user_part, turn.parts)))
             # As the release: only a user turn that the assistant answers opens its reply.
-            if i + 1 == len(turns) or isinstance(turns[i + 1], _Assistant):
+            if i + 1 == len(turns) or isinstance(turns[i + 1], Assistant):
                 opens_thinking = thinking and (not drop or i >= last_user)
                 prompt.append(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
         else:
@@ -200,12 +166,13 @@ def encode_messages(
             # already closed thinking.
             keeps_reasoning = thinking and (not drop or i > last_user)
             reasoning = turn.reasoning + THINK_END if keeps_reasoning else ""
-            prompt.append(reasoning + turn.content + _tool_calls_block(turn.tool_calls) + EOS)
+            calls = tool_calls_block([(c.name, c.arguments) for c in turn.tool_calls], V4_DSML)
+            prompt.append(reasoning + turn.content + calls + EOS)
     return "".join(prompt)
 
 
-def _user_part(part: str | _ToolResult) -> str:
-    if isinstance(part, _ToolResult):
+def _user_part(part: str | ToolResult) -> str:
+    if isinstance(part, ToolResult):
         return TOOL_RESULT_OPEN + part.text + TOOL_RESULT_CLOSE
     return part
 
@@ -215,41 +182,22 @@ def _tools_section(functions: list[Mapping[str, Any]]) -> str:
     return _TOOLS_SECTION.replace("{schemas}", schemas)
 
 
-def _tool_calls_block(calls: list[_ToolCall]) -> str:
-    if not calls:
-        return ""
-    invokes = []
-    for call in calls:
-        parameters = []
-        for key, value in call.arguments.items():
-            is_string = isinstance(value, str)
-            text = value if is_string else json.dumps(value, ensure_ascii=False)
-            flag = "true" if is_string else "false"
-            parameters.append(
-                f'<{DSML}parameter name="{key}" string="{flag}">{text}</{DSML}parameter>'
-            )
-        invokes.append(
-            f'<{DSML}invoke name="{call.name}">\n' + "\n".join(parameters) + f"\n</{DSML}invoke>"
-        )
-    return f"\n\n<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n</{DSML}tool_calls>"
-
-
-def _merge_tool_results(turns: list[_Turn | _ToolResult]) -> list[_Turn]:
+def _merge_tool_results(turns: list[Turn | ToolResult]) -> list[Turn]:
     """Fold tool results and consecutive user messages into single user turns, as the release."""
-    merged: list[_Turn] = []
+    merged: list[Turn] = []
     for turn in turns:
-        if isinstance(turn, _User | _ToolResult):
-            parts = turn.parts if isinstance(turn, _User) else [turn]
-            if merged and isinstance(merged[-1], _User):
+        if isinstance(turn, User | ToolResult):
+            parts = turn.parts if isinstance(turn, User) else [turn]
+            if merged and isinstance(merged[-1], User):
                 merged[-1].parts.extend(parts)
             else:
-                merged.append(_User(list(parts)))
+                merged.append(User(list(parts)))
         else:
             merged.append(turn)
     return merged
 
 
-def _sort_tool_results(turns: list[_Turn]) -> None:
+def _sort_tool_results(turns: list[Turn]) -> None:
     """Put each turn's tool results in the order of the latest assistant's tool calls.
 
     As the release: results whose id no call has sort as if answering the first call (a stable
@@ -257,119 +205,11 @@ def _sort_tool_results(turns: list[_Turn]) -> None:
     """
     order: dict[str, int] = {}
     for turn in turns:
-        if isinstance(turn, _Assistant) and turn.tool_calls:
+        if isinstance(turn, Assistant) and turn.tool_calls:
             order = {call.call_id: i for i, call in enumerate(turn.tool_calls) if call.call_id}
-        elif isinstance(turn, _User) and order:
-            slots = [i for i, part in enumerate(turn.parts) if isinstance(part, _ToolResult)]
-            results = [part for part in turn.parts if isinstance(part, _ToolResult)]
+        elif isinstance(turn, User) and order:
+            slots = [i for i, part in enumerate(turn.parts) if isinstance(part, ToolResult)]
+            results = [part for part in turn.parts if isinstance(part, ToolResult)]
             results.sort(key=lambda result: order.get(result.call_id, 0))
             for slot, result in zip(slots, results, strict=True):
                 turn.parts[slot] = result
-
-
-def _read_messages(messages: Sequence[Mapping[str, Any]]) -> list[_Turn | _ToolResult]:
-    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence) or not messages:
-        raise ChatEncodingError("messages", "must be a non-empty list of messages")
-    return [_read_message(f"messages[{i}]", message) for i, message in enumerate(messages)]
-
-
-def _read_message(where: str, message: Mapping[str, Any]) -> _Turn | _ToolResult:
-    if not isinstance(message, Mapping):
-        raise ChatEncodingError(where, f"must be an object, got {type(message).__name__}")
-    role = message.get("role")
-    if role not in _OPENAI_ROLES:
-        raise ChatEncodingError(
-            f"{where}.role", f"must be one of {', '.join(_OPENAI_ROLES)}; got {role!r}"
-        )
-    content = message.get("content")
-    if role in ("system", "developer"):
-        return _System(_text(f"{where}.content", content, "\n"))
-    if role == "user":
-        return _User([_text(f"{where}.content", content, "\n")])
-    if role == "tool":
-        call_id = message.get("tool_call_id") or ""
-        if not isinstance(call_id, str):
-            raise ChatEncodingError(f"{where}.tool_call_id", "must be a string")
-        # The release joins a tool result's text parts with a blank line.
-        return _ToolResult(call_id, _text(f"{where}.content", content, "\n\n"))
-    reasoning = message.get("reasoning_content")
-    if reasoning is None:
-        reasoning = message.get("reasoning")  # vLLM's name for the same field
-    calls = message.get("tool_calls") or []
-    if not isinstance(calls, Sequence) or isinstance(calls, str):
-        raise ChatEncodingError(f"{where}.tool_calls", "must be a list")
-    return _Assistant(
-        content=_text(f"{where}.content", content, "\n"),
-        reasoning=_text(f"{where}.reasoning_content", reasoning, "\n"),
-        tool_calls=[_read_tool_call(f"{where}.tool_calls[{j}]", c) for j, c in enumerate(calls)],
-    )
-
-
-def _text(where: str, content: Any, joiner: str) -> str:
-    """A message's text: a string, null (empty), or a list of {"type": "text"} parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ChatEncodingError(
-            where, f"must be a string or a list of text parts, not {content!r:.60}"
-        )
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, Mapping) or part.get("type") != "text":
-            raise ChatEncodingError(
-                f"{where}[{j}]", f"only text parts are supported, got {part!r:.60}"
-            )
-        if not isinstance(part.get("text"), str):
-            raise ChatEncodingError(f"{where}[{j}].text", "must be a string")
-        texts.append(part["text"])
-    return joiner.join(texts)
-
-
-def _read_tool_call(where: str, call: Any) -> _ToolCall:
-    if not isinstance(call, Mapping):
-        raise ChatEncodingError(where, "must be an object")
-    if call.get("type", "function") != "function":
-        raise ChatEncodingError(f"{where}.type", f"must be 'function', got {call.get('type')!r}")
-    function = call.get("function")
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        raise ChatEncodingError(f"{where}.function", "must be an object with a string 'name'")
-    call_id = call.get("id") or ""
-    if not isinstance(call_id, str):
-        raise ChatEncodingError(f"{where}.id", "must be a string")
-    raw = function.get("arguments")
-    if isinstance(raw, str):
-        try:
-            arguments = json.loads(raw)
-        except json.JSONDecodeError:
-            # The release's own fallback: unparsable arguments become one string parameter.
-            arguments = {"arguments": raw}
-    else:
-        arguments = raw  # vLLM also takes an already-parsed object
-    if not isinstance(arguments, Mapping):
-        raise ChatEncodingError(
-            f"{where}.function.arguments", "must be a JSON object (each key becomes a parameter)"
-        )
-    return _ToolCall(call_id, function["name"], arguments)
-
-
-def _read_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[Mapping[str, Any]]:
-    """Each tool's `function` object, the only part the release renders."""
-    if tools is None:
-        return []
-    if isinstance(tools, str) or not isinstance(tools, Sequence):
-        raise ChatEncodingError("tools", "must be a list of tools")
-    functions = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            raise ChatEncodingError(
-                f"tools[{i}]", 'must be {"type": "function", "function": {...}}'
-            )
-        function = tool.get("function")
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise ChatEncodingError(
-                f"tools[{i}].function", "must be an object with a string 'name'"
-            )
-        functions.append(function)
-    return functions

@@ -39,9 +39,8 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
 
-# DSML tags as the model writes them.
-TOOL_CALLS_OPEN = f"<{DSML}tool_calls>"
-TOOL_CALLS_CLOSE = f"</{DSML}tool_calls>"
+# DSML tags as the model writes them (a tool-call block's name is the family's: engine.text.chat
+# .dsml.Dialect; V4's `tool_calls`, V3.2's `function_calls`).
 INVOKE_OPEN = f"<{DSML}invoke"  # followed by ' name="...">'
 INVOKE_CLOSE = f"</{DSML}invoke>"
 PARAMETER_OPEN = f"<{DSML}parameter"  # followed by ' name="..." string="true|false">'
@@ -49,3 +48,9 @@ PARAMETER_CLOSE = f"</{DSML}parameter>"
 
 TOOL_RESULT_OPEN = "<tool_result>"
 TOOL_RESULT_CLOSE = "</tool_result>"
+
+# DeepSeek-V3.2's tool results: after the assistant's turn, one <result> a call in a block.
+FUNCTION_RESULTS_OPEN = "<function_results>"
+FUNCTION_RESULTS_CLOSE = "</function_results>"
+RESULT_OPEN = "<result>"
+RESULT_CLOSE = "</result>"

@@ -1,0 +1,158 @@
+"""DeepSeek-V3.2 through the whole stack, as real processes: `dsaserve up` serving a tiny V3.2
+checkpoint (the release's chat encoder: thinking into reasoning_content, DSML function_calls into
+tool_calls, /tokenize), and a V3.2 prefill worker that a V4 decode worker refuses to pair with."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import grpc
+import httpx
+import pytest
+
+from engine.models.deepseek_v4.tiny import make_tiny_model as make_v4
+from engine.models.deepseek_v32.tiny import make_tiny_model
+from services.auth import token_metadata
+from services.rpc import grpc_api, pb
+from tests.conftest import free_port
+from tests.serving_stack import (
+    START_TIMEOUT_S,
+    TOKEN,
+    Stack,
+    http_status,
+    offline_generate,
+    openai_client,
+    wait_for,
+)
+
+pytestmark = pytest.mark.e2e  # the stack's processes
+
+MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("v32") / "tiny", fmt="release")
+
+
+def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
+    """`dsaserve up --model <V3.2>`: its own Redis, a prefill and a decode worker, the router;
+    chat answers are `dsaserve generate --chat`'s, through the prefill/decode path."""
+    offline = offline_generate(model, MESSAGES, 16)
+    thinking = offline_generate(model, MESSAGES, 16, "--thinking")
+    port = free_port()
+    log = tmp_path / "up.log"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(port),
+         "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "256"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            assert up.poll() is None, log.read_text()[-3000:]
+            return http_status(url + "/health") == 200
+
+        wait_for(healthy, START_TIMEOUT_S, "dsaserve up to report healthy")
+        with openai_client(url) as c:
+            res = c.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=16, temperature=0
+            )
+            assert res.choices[0].message.content == offline["message"]["content"]
+            assert res.usage.completion_tokens == len(offline["token_ids"])
+            # thinking: the prompt opens <think>, the reply's reasoning goes to its own field
+            stream = c.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=16, temperature=0, stream=True,
+                extra_body={"chat_template_kwargs": {"thinking": True}},
+            )  # fmt: skip
+            reasoning = "".join(
+                getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+                for chunk in stream
+                if chunk.choices
+            )
+            assert reasoning == thinking["message"]["reasoning_content"] != ""
+            # a forced call: the reply starts inside V3.2's function_calls block
+            res = c.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            )  # fmt: skip
+            (call,) = res.choices[0].message.tool_calls
+            assert call.function.name == "get_weather"
+        rendered = httpx.post(url + "/tokenize", json={"model": "tiny", "messages": MESSAGES})
+        assert rendered.status_code == 200, rendered.text
+        ids = rendered.json()["tokens"]
+        text = httpx.post(url + "/detokenize", json={"model": "tiny", "tokens": ids}).json()
+        assert text["prompt"].endswith(
+            "<｜User｜>What is the weather in Oslo?<｜Assistant｜></think>"
+        )
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+    assert up.returncode == 0, log.read_text()[-3000:]
+
+
+def test_a_v32_prefill_worker_and_a_v4_decode_worker_refuse_to_pair(model, redis_url, tmp_path):
+    """Both serve a model named `tiny`: the router finds no decode worker that shares the V3.2
+    prefill worker's KV layout and says so; handed the V3.2 worker's KV, the V4 decode worker
+    refuses it, naming both families; nothing is left held."""
+    v4 = make_v4(tmp_path / "v4" / "tiny")
+    s = Stack(model, redis_url, tmp_path)
+    try:
+        prefill = s.worker("prefill")
+        decode = s.worker("decode", "--model", str(v4))
+        router = s.router()
+        s.wait_ready(prefill, decode)
+
+        def seen_both() -> bool:  # the router's watcher has both records
+            for p in s.procs:
+                p.check_alive()
+            r = httpx.get(f"http://127.0.0.1:{router.port}/health", timeout=5)
+            return r.json().get("workers") == {"prefill": 1, "decode": 1}
+
+        wait_for(seen_both, START_TIMEOUT_S, "the router to see both workers")
+        health = httpx.get(f"http://127.0.0.1:{router.port}/health", timeout=5)
+        assert health.status_code == 503, health.text
+        assert "No decode worker shares a KV layout" in health.json()["message"], health.text
+        body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
+        r = httpx.post(f"http://127.0.0.1:{router.port}/v1/chat/completions", json=body)
+        assert r.status_code == 503 and "KV layout" in r.json()["error"]["message"], r.text
+
+        sampling = pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        metadata = token_metadata(TOKEN)
+        prompt = list(range(3, 40))
+        with grpc.insecure_channel(prefill.address) as channel:
+            stub = grpc_api.PrefillStub(channel)
+            request = pb.PrefillRequest(request_id="x", prompt_token_ids=prompt, sampling=sampling)
+            held = stub.Prefill(request, metadata=metadata, timeout=60)
+            with grpc.insecure_channel(decode.address) as to_decode:
+                call = grpc_api.DecodeStub(to_decode).Decode(
+                    pb.DecodeRequest(request_id="x", prompt_token_ids=prompt,
+                                     first_token_id=held.first_token_id, sampling=sampling,
+                                     kv=held.kv),
+                    metadata=metadata, timeout=60,
+                )  # fmt: skip
+                with pytest.raises(grpc.RpcError) as err:
+                    list(call)
+            stub.Release(pb.ReleaseRequest(request_id="x"), metadata=metadata, timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = err.value.details()
+        assert "KV layout mismatch" in details, details
+        assert "(deepseek_v32," in details and "(deepseek_v4," in details, details
+        for worker in (prefill, decode):
+            wait_for(worker.all_kv_free, 30, f"{worker.name} to free every page and block")
+    finally:
+        s.stop()
