@@ -24,7 +24,7 @@ from engine.kv.layout import KVCacheConfig, checkpoint_bytes, default_checkpoint
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
-from engine.parallel.launch import join_follower
+from engine.parallel.launch import World, join_follower
 from engine.runner import ModelRunner
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
@@ -40,11 +40,23 @@ class Quantized(Protocol):
 
 
 def device_of(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r of a tensor-parallel group on GPUs uses the r-th visible GPU."""
+    """Global rank r of a group on GPUs uses its node's (r - first rank there)-th visible GPU."""
     device = torch.device(config.device)
-    if device.type == "cuda" and config.tensor_parallel_size > 1:
-        return torch.device("cuda", rank)
+    if device.type == "cuda" and config.tensor_parallel_size * config.data_parallel_size > 1:
+        return torch.device("cuda", config.local_index(rank))
     return device
+
+
+def world_of(config: EngineConfig) -> World:
+    """Where the engine of `config` sits among every rank of its data-parallel group."""
+    return World(
+        config.tensor_parallel_size,
+        config.data_parallel_size,
+        config.data_parallel_rank,
+        config.enable_expert_parallel,
+        config.master_addr,
+        config.master_port,
+    )
 
 
 def keeps_quantized(config: EngineConfig, model_config: Quantized) -> bool:
@@ -93,8 +105,9 @@ def build_runner(
         size = int(config.kv_offloading_size * 2**30)
         host = HostTier(size, pool.staging.block_bytes, pool.cell_bytes, pool.cell_rows)
     runner = ModelRunner(model, pool, device, max_context, channel, host)
-    if device.type == "cuda" and not config.enforce_eager and dtype is torch.bfloat16:
-        # (torch's grouped GEMM of other dtypes syncs with the host on CUDA: eager there)
+    if device.type == "cuda" and not config.enforce_eager and dtype is torch.bfloat16 and not tp.ep:
+        # (torch's grouped GEMM of other dtypes syncs with the host on CUDA, and so do the
+        # expert-parallel all-to-alls' sizes: eager there)
         sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]
         runner.capture_decode_graphs(sizes)
     return runner
@@ -110,11 +123,11 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
     return max(0, int(free - total * (1 - config.gpu_memory_utilization) - (2 << 30)))
 
 
-def follower_main(model_dir: str, config: EngineConfig, rank: int, size: int, port: int) -> None:
+def follower_main(model_dir: str, config: EngineConfig, rank: int, world: World) -> None:
     """A follower rank's process (multiprocessing's spawn target): build its shard exactly as
-    rank 0 builds its own (collectives in lockstep), then serve rank 0's calls until it closes
-    the group."""
-    tp, channel = join_follower(rank, size, port, device_of(config, rank))
+    its leader builds its own (collectives in lockstep), then serve the leader's calls until it
+    closes the group."""
+    tp, channel = join_follower(rank, world, device_of(config, rank))
     serve(build_runner(model_dir, config, tp), channel)
     dist.destroy_process_group()
 
