@@ -32,6 +32,7 @@ the group (a data-parallel group is one failure domain, as a tensor-parallel one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -154,7 +155,8 @@ class LLMEngine:
         """Stop the other ranks of a tensor-parallel group (nothing to do on one rank), and
         tell the other engines of a data-parallel group to stop."""
         if self.lockstep is not None:
-            self.lockstep.agree(False, stop=True)
+            with contextlib.suppress(RuntimeError):  # (a peer that died already closed it)
+                self.lockstep.agree(False, stop=True)
             self.lockstep = None
         if self.followers is not None:
             self.followers.close()
