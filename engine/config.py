@@ -153,6 +153,14 @@ class EngineConfig:
         "--nnodes above 1)",
     )
 
+    simulate: str | None = setting(
+        None,
+        "run no model: each step sleeps for the time a cost model fitted to this measured "
+        "profile (a bench record such as bench/results/h200-engine-256.json) gives it, and "
+        "every request runs to max_tokens; the rest of the engine is real (page accounting, "
+        "prefix cache, leases, transfers): the control plane at cluster size on a CPU",
+    )
+
     def __post_init__(self) -> None:
         checks = [
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
@@ -219,6 +227,10 @@ class EngineConfig:
                 self.data_parallel_size % self.nnodes == 0,
                 f"the {self.data_parallel_size} data-parallel ranks do not split over "
                 f"{self.nnodes} nodes (each holds whole tensor-parallel groups)",
+            ),
+            (
+                self.simulate is None or self.tensor_parallel_size * self.data_parallel_size == 1,
+                "a simulated engine (--simulate) runs as one rank",
             ),
             (
                 self.nnodes == 1 or self.master_port > 0,

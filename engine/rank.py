@@ -25,7 +25,9 @@ from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
 from engine.parallel.launch import World, join_follower
-from engine.runner import ModelRunner
+from engine.runner import Model, ModelRunner
+from engine.simulate import CostModel, SimulatedModel
+from engine.text.tokenizer import Tokenizer
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -80,8 +82,13 @@ def build_runner(
     family = models.family(model_dir)
     cfg = family.ModelConfig.from_dir(model_dir)
     dtype = DTYPES[config.dtype]
-    model = family.build_model(cfg, dtype, device, keeps_quantized(config, cfg), tp)
-    family.load_weights(model, model_dir)
+    model: Model
+    if config.simulate is not None:  # no weights: steps take the profile's time
+        token = Tokenizer.from_pretrained(model_dir).encode("x")[-1]
+        model = SimulatedModel(CostModel.from_profile(config.simulate), cfg.vocab_size, token)
+    else:
+        model = family.build_model(cfg, dtype, device, keeps_quantized(config, cfg), tp)
+        family.load_weights(model, model_dir)
     max_context = config.max_model_len or cfg.max_position_embeddings
     kv_cfg = KVCacheConfig(
         memory_bytes=tp.agree(_kv_budget(config, device), device),
