@@ -46,7 +46,7 @@ class DataParallelEngines:
                         self._outbox,
                     ),
                     name=f"dsaserve-dp-rank{rank}",
-                    daemon=True,
+                    daemon=False,  # (it starts its tensor-parallel ranks; dies with this one)
                 )
             )
         for p in self._processes:
