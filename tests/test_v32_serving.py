@@ -1,6 +1,7 @@
 """DeepSeek-V3.2 through the whole stack, as real processes: `dsaserve up` serving a tiny V3.2
 checkpoint (the release's chat encoder: thinking into reasoning_content, DSML function_calls into
-tool_calls, /tokenize), and a V3.2 prefill worker that a V4 decode worker refuses to pair with."""
+tool_calls, /tokenize; a prompt sent again resumed from the prefix cache), and a V3.2 prefill
+worker that a V4 decode worker refuses to pair with."""
 
 from __future__ import annotations
 
@@ -74,6 +75,13 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
             )
             assert res.choices[0].message.content == offline["message"]["content"]
             assert res.usage.completion_tokens == len(offline["token_ids"])
+            # sent again: the prefill worker resumes from its prefix cache, the answer the same
+            again = c.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=16, temperature=0
+            )
+            assert again.choices[0].message.content == offline["message"]["content"]
+            cached = again.usage.prompt_tokens_details.cached_tokens
+            assert cached == again.usage.prompt_tokens - 1 > 0
             # thinking: the prompt opens <think>, the reply's reasoning goes to its own field
             stream = c.chat.completions.create(
                 model="tiny", messages=MESSAGES, max_tokens=16, temperature=0, stream=True,
