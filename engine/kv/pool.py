@@ -65,6 +65,7 @@ import torch
 
 import kernels
 from engine.async_copy import to_device
+from engine.kv import memory
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import (
     SLAB,
@@ -379,7 +380,7 @@ def _carve(
         for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
         if align % element_size(w) == 0
     )
-    arena = torch.zeros(size // element_size(word), dtype=word, device=device)
+    arena = memory.zeros(size // element_size(word), word, device)
     raw = arena.view(torch.uint8)
     views = {
         key: raw[offsets[key] : offsets[key] + math.prod(shape) * element_size(dtype)]
