@@ -26,6 +26,7 @@ from engine.text.tokenizer import Tokenizer
 from services.registry import WorkerRecord, WorkerRegistration
 from services.router.settings import RouterSettings
 from tests.conftest import free_port
+from tests.scripted_worker import TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-router-model"
@@ -36,7 +37,9 @@ StartRouter = Callable[[RouterSettings], Awaitable[Any]]
 
 @pytest_asyncio.fixture
 async def router(start_router: StartRouter, router_model_dir: Path, redis_url: str) -> Any:
-    return await start_router(RouterSettings(model_dir=str(router_model_dir), redis_url=redis_url))
+    return await start_router(
+        RouterSettings(model_dir=str(router_model_dir), redis_url=redis_url, cluster_token=TOKEN)
+    )
 
 
 @pytest_asyncio.fixture
@@ -52,7 +55,7 @@ async def registered(redis_url: str) -> AsyncIterator[Callable[..., Awaitable[No
 
     async def register(worker_id: str, role: str, layout: str = "L1") -> None:
         rec = WorkerRecord(worker_id, role, "127.0.0.1:9", MODEL, layout, f"agent-{worker_id}")  # type: ignore[arg-type]
-        reg = WorkerRegistration(redis_url, rec, Load)
+        reg = WorkerRegistration(redis_url, rec, Load, TOKEN)
         await reg.start()
         regs.append(reg)
 
@@ -294,7 +297,9 @@ async def test_body_over_max_request_bytes_is_413(
 ) -> None:
     exact = json.dumps(CHAT).encode()
     router = await start_router(
-        RouterSettings(str(router_model_dir), redis_url, max_request_bytes=len(exact))
+        RouterSettings(
+            str(router_model_dir), redis_url, cluster_token=TOKEN, max_request_bytes=len(exact)
+        )
     )
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
         json_headers = {"content-type": "application/json"}
@@ -370,7 +375,9 @@ async def v4_http(
     start_router: StartRouter, v4_router_model_dir: Path, redis_url: str
 ) -> AsyncIterator[httpx.AsyncClient]:
     """A router whose checkpoint has no template: chats use the V4 release's encoder."""
-    router = await start_router(RouterSettings(str(v4_router_model_dir), redis_url))
+    router = await start_router(
+        RouterSettings(str(v4_router_model_dir), redis_url, cluster_token=TOKEN)
+    )
     async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
         yield client
 
@@ -583,7 +590,7 @@ async def test_tokenize_with_the_v4_encoder(v4_http: httpx.AsyncClient) -> None:
 @pytest.mark.asyncio
 async def test_api_keys(start_router: StartRouter, router_model_dir: Path, redis_url: str) -> None:
     router = await start_router(
-        RouterSettings(str(router_model_dir), redis_url, api_keys=("k1", "k2"))
+        RouterSettings(str(router_model_dir), redis_url, cluster_token=TOKEN, api_keys=("k1", "k2"))
     )
     async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
         assert_openai_error(await http.post("/v1/chat/completions", json=CHAT), 401, says="API key")
@@ -700,9 +707,12 @@ async def test_models_lists_the_served_model(
     models = (await client.models.list()).data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 64
+    assert str(router_model_dir) not in models[0].model_dump_json()  # no path of the server's
 
     renamed = await start_router(
-        RouterSettings(str(router_model_dir), redis_url, served_model_name="deepseek-v4")
+        RouterSettings(
+            str(router_model_dir), redis_url, cluster_token=TOKEN, served_model_name="deepseek-v4"
+        )
     )
     async with httpx.AsyncClient(base_url=renamed.url) as http:
         assert (await http.get("/v1/models")).json()["data"][0]["id"] == "deepseek-v4"
@@ -784,7 +794,7 @@ async def _startup_log(argv: list[str]) -> str:
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "DSASERVE_CLUSTER_TOKEN": TOKEN},
     )
     lines: list[str] = []
     try:

@@ -8,8 +8,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -20,7 +22,7 @@ import redis
 
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.auth import token_metadata
-from services.registry import WorkerRecord, worker_key
+from services.registry import unseal, worker_key
 from services.rpc import grpc_api, pb
 from tests.serving_stack import (
     TOKEN,
@@ -134,6 +136,45 @@ def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, model
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
+def test_clients_that_hang_up_mid_prefill_are_aborted_on_both_workers(stack, model):
+    """16 clients send long prompts and hang up once the prefill worker has started on them:
+    the router notices (nothing reads the connection while a request waits for its prefill),
+    aborts them, and the prefill worker stops computing their prompts."""
+    completed_before = stack.prefill.counter(
+        "dsaserve_worker_requests_total", role="prefill", outcome="ok"
+    )
+    sockets = []
+    for i in range(16):  # distinct prompts: no prefix cache hits
+        prompt = " ".join(f"{i}-{j}" for j in range(600))
+        body = json.dumps({"model": model.name, "prompt": prompt, "max_tokens": 4}).encode()
+        request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        sock = socket.create_connection(("127.0.0.1", int(stack.url.rsplit(":", 1)[1])), 10)
+        sock.sendall(request + body)
+        sockets.append(sock)
+    wait_for(lambda: stack.prefill.load().running, 60, "the prefill worker to start on them")
+    for sock in sockets:
+        sock.close()
+    wait_for(
+        lambda: router_gauge(stack.url, "dsaserve_router_inflight_requests") == 0,
+        30,
+        "the router's in-flight requests to return to 0",
+    )
+    wait_all_kv_free(stack.prefill, stack.decode)
+    completed = (
+        stack.prefill.counter("dsaserve_worker_requests_total", role="prefill", outcome="ok")
+        - completed_before
+    )
+    assert completed < 16  # (all 16 were computed to the end before)
+
+
+def router_gauge(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 @pytest.mark.parametrize(
     "body, status, fragment",
     [
@@ -201,7 +242,8 @@ def test_describe_needs_the_cluster_token_and_names_the_registered_agent(stack):
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         described = describe(pb.DescribeRequest(), metadata=token_metadata(TOKEN), timeout=10)
     with redis.Redis.from_url(stack.redis_url, socket_timeout=5) as registry:
-        record = WorkerRecord.from_json(registry.get(worker_key(stack.prefill.name)))
+        key = worker_key(stack.prefill.name)
+        record = unseal(key, registry.get(key), TOKEN, time.time(), stack.ttl)
     assert described.agent_name == record.nixl_agent
     assert json.loads(described.descriptor)["agent"] == record.nixl_agent
 

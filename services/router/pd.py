@@ -23,7 +23,7 @@ from services.registry import WorkerRecord
 from services.rpc import pb
 
 from .clients import WorkerClients
-from .errors import APIError, from_grpc, timeout_error
+from .errors import APIError, from_grpc, timeout_error, worker_failure
 from .metrics import RequestTimer
 from .selection import WorkerSelector
 
@@ -122,11 +122,13 @@ class PDFlow:
                             return
                         yield event
                         response = await self._read(call, decode_worker, gen)
-                raise APIError(
+                raise worker_failure(
                     500,
-                    f"decode worker {decode_worker.address} ended the stream "
-                    "without a finish reason",
+                    "The decode worker ended the stream without a finish reason.",
                     cause="protocol",
+                    role="decode",
+                    address=decode_worker.address,
+                    detail="stream ended without a finish reason",
                 )
             finally:
                 call.cancel()  # no-op once the call is complete
@@ -154,11 +156,27 @@ class PDFlow:
         if kind == "error":
             cause = response.error.cause or "decode_error"
             # The KV could not be pulled intact: nothing is wrong with the request itself.
-            status = 503 if cause in _RETRYABLE_CAUSES else 500
-            message = f"decode worker {worker.address}: {response.error.message}"
-            raise APIError(status, message, cause=cause)
-        raise APIError(
-            500, f"decode worker {worker.address} sent an empty message", cause="protocol"
+            retry = cause in _RETRYABLE_CAUSES
+            message = (
+                "The prompt's KV state could not be moved to a decode worker; retry the request."
+                if retry
+                else f"The decode worker failed the request ({cause})."
+            )
+            raise worker_failure(
+                503 if retry else 500,
+                message,
+                cause=cause,
+                role="decode",
+                address=worker.address,
+                detail=response.error.message,
+            )
+        raise worker_failure(
+            500,
+            "The decode worker sent an empty message.",
+            cause="protocol",
+            role="decode",
+            address=worker.address,
+            detail="empty message",
         )
 
     async def _retry_once(
@@ -256,11 +274,14 @@ class PDFlow:
             if stall < self._stall_timeout_s:  # the request's own deadline came first
                 raise timeout_error(gen.timeout_s, "while decoding") from None
             self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "stalled")
-            raise APIError(
+            raise worker_failure(
                 503,
-                f"decode worker {worker.address} sent nothing for {stall:g} s and was abandoned; "
-                "retry the request.",
+                f"The decode worker sent nothing for {stall:g} s and was abandoned; retry the "
+                "request.",
                 cause="stalled",
+                role="decode",
+                address=worker.address,
+                detail=f"stalled {stall:g} s",
             ) from None
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -278,16 +299,22 @@ class PDFlow:
         """The generation's end; the cached tokens are the prefill worker's (`first`), which
         computed the prompt."""
         if reason == pb.FINISH_REASON_ABORT:
-            raise APIError(
+            raise worker_failure(
                 503,
-                f"{worker.role} worker {worker.address} aborted the request; retry it.",
+                f"The {worker.role} worker aborted the request; retry it.",
                 cause="worker_abort",
+                role=worker.role,
+                address=worker.address,
+                detail="finish reason abort",
             )
         if reason not in _FINISH_REASONS:
-            raise APIError(
+            raise worker_failure(
                 500,
-                f"{worker.role} worker {worker.address} sent unknown finish reason {reason}",
+                f"The {worker.role} worker sent unknown finish reason {reason}.",
                 cause="protocol",
+                role=worker.role,
+                address=worker.address,
+                detail=f"finish reason {reason}",
             )
         gen.timer.finish(usage.prompt_tokens, usage.completion_tokens)
         return Finish(

@@ -134,7 +134,14 @@ class Worker:
         self.ready = threading.Event()
 
     async def in_nixl_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-        return await asyncio.wrap_future(self._nixl_thread.submit(fn, *args, **kwargs))
+        return await asyncio.wrap_future(self.nixl_submit(fn, *args, **kwargs))
+
+    def nixl_submit(
+        self, fn: Callable[..., T], *args: object, **kwargs: object
+    ) -> concurrent.futures.Future[T]:
+        """Run fn on the NIXL thread; the future outlives a cancelled awaiter (a READ in flight
+        cannot be stopped)."""
+        return self._nixl_thread.submit(fn, *args, **kwargs)
 
     async def serve(self, service: RoleService) -> None:
         s = self.settings
@@ -154,7 +161,9 @@ class Worker:
             layout_hash=self.layout_hash,
             nixl_agent=self.transfer.agent_name,
         )
-        registration = WorkerRegistration(s.redis_url, record, self.loop.load, s.registry_ttl_s)
+        registration = WorkerRegistration(
+            s.redis_url, record, self.loop.load, s.cluster_token, s.registry_ttl_s
+        )
         probes = None
         if s.metrics_port:
             ready = lambda: self.ready.is_set() and self.loop.alive
