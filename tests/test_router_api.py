@@ -7,6 +7,7 @@ workers do it (WorkerRegistration), pointing at addresses nothing needs to answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -861,3 +862,63 @@ def test_router_imports_without_torch() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- slow and idle connections
+
+
+@pytest.mark.asyncio
+async def test_stalled_connections_are_closed_while_other_clients_are_served(
+    start_router: StartRouter, router_model_dir: Path, redis_url: str
+) -> None:
+    cap = 6
+    router = await start_router(
+        RouterSettings(
+            str(router_model_dir),
+            redis_url,
+            cluster_token=TOKEN,
+            header_read_timeout_s=0.5,
+            body_read_timeout_s=0.5,
+            max_connections=cap,
+        )
+    )
+    port = int(router.url.rsplit(":", 1)[1])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    stalls = (b"", head, head + b"Content-Length: 100\r\n\r\n" + b'{"model"')  # idle, half, body
+    stalled = []
+    for payload in stalls:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(payload)
+        stalled.append((reader, writer))
+    trickler_reader, trickler = await asyncio.open_connection("127.0.0.1", port)
+
+    async def trickle() -> None:  # a byte of a head every 0.1 s: never complete, never idle
+        for byte in head * 100:
+            trickler.write(bytes([byte]))
+            await asyncio.sleep(0.1)
+
+    trickling = asyncio.ensure_future(trickle())
+    try:
+        async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
+            for _ in range(3):  # served meanwhile
+                assert (await http.get("/v1/models")).status_code == 200
+        for reader, _ in [*stalled, (trickler_reader, trickler)]:
+            with contextlib.suppress(ConnectionResetError):  # (closed while we wrote: a RST)
+                assert await asyncio.wait_for(reader.read(), timeout=20) == b""  # closed by it
+    finally:
+        trickling.cancel()
+        for _, writer in [*stalled, (trickler_reader, trickler)]:
+            writer.close()
+
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(cap)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # one over the cap
+        refused = await asyncio.wait_for(reader.read(), timeout=20)
+        writer.close()
+        assert refused.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in refused
+        assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
+            "too_many_connections"
+        )
+    finally:
+        for _, writer in idle:
+            writer.close()

@@ -123,16 +123,20 @@ def check_no_secret_on_a_command_line(up_pid: int) -> None:
         with contextlib.suppress(OSError):
             if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == up_pid:
                 children.append(stat.parent)
-    env = {}
+    env: dict[str, str] = {}
+    argvs = []
     for child in children:
         argv = (child / "cmdline").read_bytes().split(b"\0")
-        assert b"unused" not in argv and not any(b"@" in a or b"token" in a for a in argv), argv
+        argvs.append(argv)
         with contextlib.suppress(OSError):
-            env.update(
-                e.split("=", 1) for e in (child / "environ").read_text().split("\0") if "=" in e
-            )
+            pairs = (e.split("=", 1) for e in (child / "environ").read_text().split("\0"))
+            env.update(pair for pair in pairs if len(pair) == 2)
         if b"redis-server" in argv[0]:  # its title: "redis-server 127.0.0.1:PORT"
             redis_port = int(argv[0].rsplit(b":", 1)[1])
+    password = env["DSASERVE_REDIS_URL"].split("@")[0].rsplit(":", 1)[1]
+    secrets = {"unused", env["DSASERVE_CLUSTER_TOKEN"], password}
+    assert all(len(secret) >= 6 for secret in secrets)
+    assert not [a for argv in argvs for a in argv for secret in secrets if secret.encode() in a]
     assert len(children) == 4  # redis, prefill, decode, router
     with redis.Redis(port=redis_port, socket_timeout=5) as anonymous:
         with pytest.raises(redis.AuthenticationError):

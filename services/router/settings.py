@@ -49,6 +49,22 @@ class RouterSettings:
         "--max-inflight, so one key never also holds the queue others wait in; 0 = no limit)",
     )
     max_request_bytes: int = setting(8 << 20, "largest request body accepted; 413 above")
+    header_read_timeout_s: float = setting(
+        10.0,
+        "seconds a connection has to send a complete request head (from its opening or its "
+        "previous response); closed after (slow or idle clients)",
+        flag="--header-read-timeout",
+    )
+    body_read_timeout_s: float = setting(
+        30.0,
+        "seconds a client may send nothing in the middle of a request body; closed after",
+        flag="--body-read-timeout",
+    )
+    max_connections: int | None = setting(
+        None,
+        "open HTTP connections at most; a new one above gets a 503 before it is read (default: "
+        "--max-inflight + --max-queue + 256; 0 = no limit)",
+    )
     max_model_len: int | None = setting(
         None, "longest prompt + output (default: the model's max_position_embeddings)"
     )
@@ -101,6 +117,14 @@ class RouterSettings:
                 "max_inflight_per_key limits each --api-key; give the router API keys",
             ),
             (
+                self.header_read_timeout_s > 0 and self.body_read_timeout_s > 0,
+                "--header-read-timeout and --body-read-timeout must be positive",
+            ),
+            (
+                (self.max_connections or 0) >= 0,
+                f"max_connections must be >= 0, got {self.max_connections}",
+            ),
+            (
                 self.max_request_bytes >= 1,
                 f"max_request_bytes must be >= 1, got {self.max_request_bytes}",
             ),
@@ -120,6 +144,14 @@ class RouterSettings:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def connection_limit(self) -> int:
+        """Open HTTP connections at most (0: no limit): room for every running and queued
+        request, and some for probes and clients between requests."""
+        if self.max_connections is None:
+            return self.max_inflight + self.max_queue + 256
+        return self.max_connections
 
     @property
     def key_limit(self) -> int:
