@@ -4,6 +4,7 @@ and HTTP, each service its own process, and the official OpenAI client."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
@@ -168,6 +169,29 @@ def test_clients_that_hang_up_mid_prefill_are_aborted_on_both_workers(stack, mod
         - completed_before
     )
     assert completed < 16  # (all 16 were computed to the end before)
+
+
+def test_an_idle_worker_costs_almost_no_cpu(stack):
+    """No thread of an idle worker spins: NIXL's UCX progress thread waits for events instead of
+    polling with a zero timeout (it took a whole core of an idle machine)."""
+    wait_all_kv_free(stack.prefill, stack.decode)
+    for worker in (stack.prefill, stack.decode):
+        before, start = thread_cpu_seconds(worker.proc.pid), time.monotonic()
+        time.sleep(2.0)  # the span measured, not a synchronisation
+        after, span = thread_cpu_seconds(worker.proc.pid), time.monotonic() - start
+        busiest = max(after[t] - before.get(t, 0.0) for t in after) / span
+        assert busiest < 0.05, f"{worker.name}: a thread used {busiest:.0%} of a core while idle"
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process `pid`, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[task.name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def router_gauge(url: str, name: str) -> float:
