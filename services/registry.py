@@ -26,6 +26,7 @@ import hmac
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,6 +38,8 @@ from engine.load import Load
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "dsaserve:worker:"
+MARKER_PREFIX = "dsaserve:watcher:"  # + a watcher's id: its marker (RegistryWatcher._read)
+MARKER_TTLS = 10  # a marker outlives its watcher by this many TTLs
 DEFAULT_TTL_S = 6.0
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
@@ -216,8 +219,8 @@ class RegistryWatcher:
     absence in the first TTL after Redis comes back: live workers may not have beaten since
     (a restarted Redis starts empty, a paused one expires every key when it resumes), so the
     snapshot keeps what it had until each of them had a TTL to write its record again. The same
-    holds when a refresh finds every worker gone at once (a FLUSHALL, a Redis restarted between
-    two refreshes): the workers write their records again within TTL/3.
+    holds after Redis lost its keys between two refreshes (a FLUSHALL, a restart): the watcher
+    knows by a marker key of its own that is gone, and the workers write again within TTL/3.
 
     Only records that `unseal` under `token` enter the snapshot; `untrusted` counts the others
     of the last refresh (a router given another --cluster-token than its workers sees only those).
@@ -237,7 +240,7 @@ class RegistryWatcher:
         self._up = False  # did the last refresh reach Redis?
         self._refreshed_at = 0.0  # monotonic time of the last successful refresh
         self._keep_until = 0.0  # monotonic time until which absent workers are kept
-        self._emptied = False  # did the last refresh find no worker?
+        self._marker = MARKER_PREFIX + uuid.uuid4().hex  # this watcher's own key (see _read)
 
     @property
     def refresh_interval_s(self) -> float:
@@ -280,19 +283,15 @@ class RegistryWatcher:
     async def refresh(self) -> None:
         """Update the snapshot from what Redis holds now; on failure keep it and raise."""
         try:
-            records = await self._read()
+            records, lost = await self._read()
         except BaseException:
             self._up = False
             raise
         now = time.monotonic()
         fresh = {w.worker_id: w for w in records}
         back = not self._up and self._refreshed_at
-        # Every worker gone at once is a flushed or restarted Redis far more often than a
-        # cluster that died in one beat: keep them as after an outage while they re-register.
-        emptied = not fresh and self._snapshot and not self._emptied
-        if back or emptied:
+        if back or (lost and self._refreshed_at):  # keep them while they write their records
             self._keep_until = now + self._ttl_s
-        self._emptied = not fresh
         self._up = True
         if now < self._keep_until:
             for worker in self._snapshot:  # may not have beaten since Redis came back: keep it
@@ -300,8 +299,12 @@ class RegistryWatcher:
         self._snapshot = sorted(fresh.values(), key=lambda w: w.worker_id)
         self._refreshed_at = now
 
-    async def _read(self) -> list[WorkerRecord]:
+    async def _read(self) -> tuple[list[WorkerRecord], bool]:
+        """The trusted records, and whether Redis lost its keys since the last read: the
+        watcher's marker key, rewritten at every read, is gone (a FLUSHALL, a restart)."""
         assert self._redis is not None, "start() the watcher first"
+        ttl_ms = max(1, round(MARKER_TTLS * self._ttl_s * 1000))
+        lost = await self._redis.set(self._marker, b"1", px=ttl_ms, get=True) is None
         keys = [key async for key in self._redis.scan_iter(match=KEY_PREFIX + "*", count=1000)]
         values = await self._redis.mget(keys) if keys else []
         records, untrusted, now = [], set(), time.time()
@@ -315,7 +318,7 @@ class RegistryWatcher:
                 if key not in self._untrusted_keys:
                     log.warning("ignoring registry entry %r: %s", key, e)
         self.untrusted, self._untrusted_keys = len(untrusted), untrusted
-        return records
+        return records, lost
 
     async def _watch(self) -> None:
         while True:

@@ -100,11 +100,11 @@ def test_decode_stopped_past_the_lease_never_answers_from_freed_pages(
         s.stop()
 
 
-def test_an_abort_cancelled_under_load_still_frees_the_pages(model, redis_server, tmp_path):
-    """The router's Abort has a deadline; when the prefill worker's engine is busy the call is
-    cancelled before the engine gets to it. The abort must still happen (the lease here is far
-    longer than the test). Steps of 4096 rows keep the engine busy for a second or more each
-    (prompts that share nothing: the prefix cache would compute one of them only)."""
+def test_an_abort_under_load_is_answered_at_once_and_frees_the_pages(model, redis_server, tmp_path):
+    """The router's Abort has a short deadline; the prefill worker answers it from its lease
+    table while its engine is busy, and the engine frees the pages at its next drain (the lease
+    here is far longer than the test). Steps of 4096 rows keep the engine busy for a second or
+    more each (prompts that share nothing: the prefix cache would compute one of them only)."""
     s = stack_in_db(model, redis_server, tmp_path, db=4)
     try:
         prefill = s.worker("prefill", "--lease-seconds", "600", "--max-num-batched-tokens", "4096")
@@ -127,9 +127,8 @@ def test_an_abort_cancelled_under_load_still_frees_the_pages(model, redis_server
                 for i in range(3)
             ]
             wait_for(lambda: prefill.load().running > 0, 60, "the long prefills to start")
-            with pytest.raises(grpc.RpcError) as cancelled:
-                stub.Abort(pb.AbortRequest(request_id="held"), metadata=metadata, timeout=0.2)
-            assert cancelled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            aborted = stub.Abort(pb.AbortRequest(request_id="held"), metadata=metadata, timeout=0.2)
+            assert aborted.found
             for future in busy:
                 future.result()
             for i in range(3):  # nobody reads these: free them

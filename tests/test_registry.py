@@ -299,6 +299,10 @@ async def test_a_flushed_registry_keeps_the_workers_until_they_write_their_recor
         await client.flushall()
         await watcher.refresh()  # finds nobody
         assert [w.worker_id for w in watcher.workers("prefill")] == ["p1", "p2"]
+        await client.flushall()
+        await client.set(worker_key("p1"), seal(regs[0].record, TOKEN, time.time()))  # p1's beat
+        await watcher.refresh()  # finds p1 only: p2 has not beaten since
+        assert [w.worker_id for w in watcher.workers("prefill")] == ["p1", "p2"]
         deadline = time.monotonic() + 10
         while await client.exists(worker_key("p1"), worker_key("p2")) < 2:  # their next beats
             assert time.monotonic() < deadline, "the workers never wrote their records again"

@@ -307,7 +307,7 @@ async def test_decode_error_after_streaming_began(serve: Serve, make_router: Any
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
     # A failed KV pull is retryable: the error says so with its type (503s are)
-    assert "retry" in error["message"] and "NIXL read failed" not in error["message"]
+    assert "retried" in error["message"] and "NIXL read failed" not in error["message"]
     assert error["type"] == "service_unavailable_error"
     assert [e["choices"][0]["delta"].get("content") for e in events[1:-2]] == [
         "He",

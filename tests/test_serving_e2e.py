@@ -3,6 +3,7 @@ and HTTP, each service its own process, and the official OpenAI client."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import json
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -169,6 +171,62 @@ def test_clients_that_hang_up_mid_prefill_are_aborted_on_both_workers(stack, mod
         - completed_before
     )
     assert completed < 16  # (all 16 were computed to the end before)
+
+
+def test_a_flushed_registry_under_load_answers_every_request(stack, model):
+    """FLUSHALL (a Redis restarted, or flushed by hand) while requests run: the workers are
+    alive, so the router keeps them until they write their records again; nothing gets a 503."""
+    body = {"model": model.name, "prompt": "The river", "max_tokens": 4}
+    stop = threading.Event()
+
+    def client() -> list[int]:
+        statuses = []
+        while not stop.is_set():
+            response = httpx.post(stack.url + "/v1/completions", json=body, timeout=60)
+            statuses.append(response.status_code)
+        return statuses
+
+    with (
+        concurrent.futures.ThreadPoolExecutor(4) as pool,
+        redis.Redis.from_url(stack.redis_url, socket_timeout=5) as registry,
+    ):
+        clients = [pool.submit(client) for _ in range(4)]
+        try:
+            for _ in range(3):
+                flush_between_a_refresh_and_a_beat(stack, registry)
+                # the router's next refresh finds nobody: it keeps them while they write again
+                age = router_health(stack.url)["registry"]["last_refresh_age_s"]
+                wait_for(lambda age=age: refresh_age(stack) < age, 30, "the router's next refresh")
+                assert router_health(stack.url)["workers"] == {"prefill": 1, "decode": 1}
+        finally:
+            stop.set()
+        statuses = [status for c in clients for status in c.result()]
+    assert statuses and set(statuses) == {200}, collections.Counter(statuses)
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+def flush_between_a_refresh_and_a_beat(stack: Stack, registry: redis.Redis) -> None:
+    """FLUSHALL at a moment the router's next refresh (every TTL/2) comes before the prefill
+    worker's next heartbeat (every TTL/3), so that refresh finds an empty registry."""
+    key = worker_key(stack.prefill.name)
+
+    def flushed() -> bool:
+        next_refresh = stack.ttl / 2 - refresh_age(stack)
+        since_beat = stack.ttl - registry.pttl(key) / 1000
+        if next_refresh + 0.3 < stack.ttl / 3 - since_beat:
+            registry.flushall()
+            return True
+        return False
+
+    wait_for(flushed, 30, "a refresh due well before the next heartbeat")
+
+
+def refresh_age(stack: Stack) -> float:
+    return router_health(stack.url)["registry"]["last_refresh_age_s"]
+
+
+def router_health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=10).json()
 
 
 def test_an_idle_worker_costs_almost_no_cpu(stack):

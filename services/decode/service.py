@@ -90,6 +90,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finished = False
+        self.active.add(rid)
         try:
             outputs = OutputQueue()
             held = await self._reserve(request, params, outputs, context)
@@ -128,6 +129,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                         )
                     )
         finally:
+            self.active.discard(rid)
             if not finished:  # error, abort or a cancelled stream: free whatever we reserved
                 read = self.reads.pop(rid, None)
                 if read is None:

@@ -61,8 +61,18 @@ _REFUSED = {
     grpc.StatusCode.UNAUTHENTICATED,
 }
 UNHEALTHY_FOR_S = 30.0  # a worker that failed or stalled is skipped this long by new requests
-# Decode errors (DecodeError.cause) after which the same request may well succeed.
-_RETRYABLE_CAUSES = {"lease_expired", "transfer", "prefill_unreachable", "peer_unknown"}
+# Decode errors (DecodeError.cause) after which the same request may well succeed, as clients
+# are told them (the decode worker's own message names workers: it goes to the log).
+_RETRYABLE = {
+    "lease_expired": "The prefill worker freed the prompt's KV state before the decode worker "
+    "read it (its lease ran out); the request must be retried.",
+    "transfer": "Moving the prompt's KV state to the decode worker failed; the request must be "
+    "retried.",
+    "prefill_unreachable": "The decode worker could not reach the prefill worker for the "
+    "prompt's KV state; the request must be retried.",
+    "peer_unknown": "The prefill worker restarted before the decode worker read the prompt's KV "
+    "state; the request must be retried.",
+}
 _FINISH_REASONS: dict[int, str] = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
@@ -156,15 +166,10 @@ class PDFlow:
         if kind == "error":
             cause = response.error.cause or "decode_error"
             # The KV could not be pulled intact: nothing is wrong with the request itself.
-            retry = cause in _RETRYABLE_CAUSES
-            message = (
-                "The prompt's KV state could not be moved to a decode worker; retry the request."
-                if retry
-                else f"The decode worker failed the request ({cause})."
-            )
+            retry = cause in _RETRYABLE
             raise worker_failure(
                 503 if retry else 500,
-                message,
+                _RETRYABLE.get(cause, f"The decode worker failed the request ({cause})."),
                 cause=cause,
                 role="decode",
                 address=worker.address,
@@ -222,7 +227,7 @@ class PDFlow:
         timeout = gen.remaining("before prefill")
         with self._clients.busy(worker.worker_id):
             try:
-                return await self._clients.prefill(worker.address).Prefill(
+                return await self._clients.prefill(worker).Prefill(
                     request, timeout=timeout, metadata=self._clients.metadata
                 )
             except grpc.aio.AioRpcError as e:
@@ -244,7 +249,7 @@ class PDFlow:
             sampling=gen.sampling,
             kv=first.kv,
         )
-        call = self._clients.decode(worker.address).Decode(
+        call = self._clients.decode(worker).Decode(
             request, timeout=gen.remaining("before decode"), metadata=self._clients.metadata
         )
         try:
