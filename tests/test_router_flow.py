@@ -404,6 +404,31 @@ async def test_full_admission_queue_is_429(serve: Serve, make_router: Any) -> No
         assert third.status_code == 200
 
 
+@pytest.mark.asyncio
+async def test_a_request_waits_for_admission_at_most_the_queue_delay(
+    serve: Serve, make_router: Any
+) -> None:
+    hold = asyncio.Event()
+    await serve("prefill", "p1")
+    await serve("decode", "d1", hold_decode=hold)
+    router = await make_router(max_inflight=1, max_queue=4, max_queue_delay_s=0.5)
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        try:
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=CHAT | {"stream": True}
+            ) as first:
+                assert first.status_code == 200  # it holds the only slot
+                waited = await http.post("/v1/chat/completions", json=CHAT)
+                assert waited.status_code == 503, waited.text  # refused, not left to hang
+                assert waited.json()["error"]["code"] == "queue_timeout"
+                assert waited.headers["retry-after"] == "1"
+                hold.set()
+                assert (await sse_events(first))[-1] == "[DONE]"
+        finally:
+            hold.set()
+    assert await metric(router, "dsaserve_router_queue_depth") == 0
+
+
 async def wait_metric_zero(router: Any, name: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while await metric(router, name) != 0:

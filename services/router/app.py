@@ -76,7 +76,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         else None
     )
     clients = WorkerClients(s.cluster_token, s.tls)
-    admission = Admission(s.max_inflight, s.max_queue)
+    admission = Admission(s.max_inflight, s.max_queue, s.max_queue_delay_s)
     metrics.track_admission(lambda: admission.waiting, lambda: admission.inflight)
     metrics.track_registry(lambda: watcher.up, watcher.last_refresh_age_s)
     selector = WorkerSelector(

@@ -43,6 +43,12 @@ class RouterSettings:
     )
     max_inflight: int = setting(256, "requests running at once")
     max_queue: int = setting(1024, "requests waiting for a slot before 429s")
+    max_queue_delay_s: float = setting(
+        30.0,
+        "seconds a request may wait for a slot (503 + Retry-After after); while the oldest "
+        "waiter has waited half that long, new requests get a 429 at once",
+        flag="--max-queue-delay",
+    )
     max_inflight_per_key: int | None = setting(
         None,
         "requests one API key may have running or queued at once; 429 above (default: "
@@ -104,6 +110,7 @@ class RouterSettings:
             ),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
             (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
+            (self.max_queue_delay_s > 0, "--max-queue-delay must be positive"),
             (
                 self.balance_abs_threshold >= 0,
                 f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}",
