@@ -43,6 +43,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         assert isinstance(worker.settings, PrefillSettings)
         self.lease_s = worker.settings.lease_seconds
         self.leases = LeaseTable()
+        self.aborted: set[str] = set()  # aborted while their Prefill call ran: never held
 
     def register(self, server: grpc.aio.Server) -> None:
         grpc_api.add_PrefillServicer_to_server(self, server)
@@ -70,6 +71,8 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             held = None
             if out.finish_reason is None:  # packed for the reader's pull, if there is room
                 held = await w.loop.run(lambda e: e.stage(rid))
+                if rid in self.aborted:  # (the engine drops it at the abort's turn)
+                    await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
                 self.leases.hold(rid, time.monotonic() + self.lease_s)
         except RequestError as e:
             w.metrics.fail("invalid_request")
@@ -80,6 +83,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             raise
         finally:
             self.active.discard(rid)
+            self.aborted.discard(rid)
         if out.finish_reason == "abort":
             w.metrics.fail("aborted")
             await context.abort(
@@ -144,6 +148,8 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
     def let_go(self, request_id: str) -> bool:
         held = request_id in self.leases
         self.leases.drop(request_id, time.monotonic())
+        if request_id in self.active:
+            self.aborted.add(request_id)
         return held or request_id in self.active
 
     async def Describe(
