@@ -7,6 +7,7 @@ workers do it (WorkerRegistration), pointing at addresses nothing needs to answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ from engine.text.tokenizer import Tokenizer
 from services.registry import WorkerRecord, WorkerRegistration
 from services.router.settings import RouterSettings
 from tests.conftest import free_port
+from tests.scripted_worker import TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-router-model"
@@ -36,7 +38,9 @@ StartRouter = Callable[[RouterSettings], Awaitable[Any]]
 
 @pytest_asyncio.fixture
 async def router(start_router: StartRouter, router_model_dir: Path, redis_url: str) -> Any:
-    return await start_router(RouterSettings(model_dir=str(router_model_dir), redis_url=redis_url))
+    return await start_router(
+        RouterSettings(model_dir=str(router_model_dir), redis_url=redis_url, cluster_token=TOKEN)
+    )
 
 
 @pytest_asyncio.fixture
@@ -52,7 +56,7 @@ async def registered(redis_url: str) -> AsyncIterator[Callable[..., Awaitable[No
 
     async def register(worker_id: str, role: str, layout: str = "L1") -> None:
         rec = WorkerRecord(worker_id, role, "127.0.0.1:9", MODEL, layout, f"agent-{worker_id}")  # type: ignore[arg-type]
-        reg = WorkerRegistration(redis_url, rec, Load)
+        reg = WorkerRegistration(redis_url, rec, Load, TOKEN)
         await reg.start()
         regs.append(reg)
 
@@ -294,7 +298,9 @@ async def test_body_over_max_request_bytes_is_413(
 ) -> None:
     exact = json.dumps(CHAT).encode()
     router = await start_router(
-        RouterSettings(str(router_model_dir), redis_url, max_request_bytes=len(exact))
+        RouterSettings(
+            str(router_model_dir), redis_url, cluster_token=TOKEN, max_request_bytes=len(exact)
+        )
     )
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
         json_headers = {"content-type": "application/json"}
@@ -370,7 +376,9 @@ async def v4_http(
     start_router: StartRouter, v4_router_model_dir: Path, redis_url: str
 ) -> AsyncIterator[httpx.AsyncClient]:
     """A router whose checkpoint has no template: chats use the V4 release's encoder."""
-    router = await start_router(RouterSettings(str(v4_router_model_dir), redis_url))
+    router = await start_router(
+        RouterSettings(str(v4_router_model_dir), redis_url, cluster_token=TOKEN)
+    )
     async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
         yield client
 
@@ -585,7 +593,7 @@ async def test_tokenize_with_the_v4_encoder(v4_http: httpx.AsyncClient) -> None:
 @pytest.mark.asyncio
 async def test_api_keys(start_router: StartRouter, router_model_dir: Path, redis_url: str) -> None:
     router = await start_router(
-        RouterSettings(str(router_model_dir), redis_url, api_keys=("k1", "k2"))
+        RouterSettings(str(router_model_dir), redis_url, cluster_token=TOKEN, api_keys=("k1", "k2"))
     )
     async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
         assert_openai_error(await http.post("/v1/chat/completions", json=CHAT), 401, says="API key")
@@ -702,9 +710,12 @@ async def test_models_lists_the_served_model(
     models = (await client.models.list()).data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 64
+    assert str(router_model_dir) not in models[0].model_dump_json()  # no path of the server's
 
     renamed = await start_router(
-        RouterSettings(str(router_model_dir), redis_url, served_model_name="deepseek-v4")
+        RouterSettings(
+            str(router_model_dir), redis_url, cluster_token=TOKEN, served_model_name="deepseek-v4"
+        )
     )
     async with httpx.AsyncClient(base_url=renamed.url) as http:
         assert (await http.get("/v1/models")).json()["data"][0]["id"] == "deepseek-v4"
@@ -786,7 +797,7 @@ async def _startup_log(argv: list[str]) -> str:
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "DSASERVE_CLUSTER_TOKEN": TOKEN},
     )
     lines: list[str] = []
     try:
@@ -853,3 +864,63 @@ def test_router_imports_without_torch() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- slow and idle connections
+
+
+@pytest.mark.asyncio
+async def test_stalled_connections_are_closed_while_other_clients_are_served(
+    start_router: StartRouter, router_model_dir: Path, redis_url: str
+) -> None:
+    cap = 6
+    router = await start_router(
+        RouterSettings(
+            str(router_model_dir),
+            redis_url,
+            cluster_token=TOKEN,
+            header_read_timeout_s=0.5,
+            body_read_timeout_s=0.5,
+            max_connections=cap,
+        )
+    )
+    port = int(router.url.rsplit(":", 1)[1])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    stalls = (b"", head, head + b"Content-Length: 100\r\n\r\n" + b'{"model"')  # idle, half, body
+    stalled = []
+    for payload in stalls:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(payload)
+        stalled.append((reader, writer))
+    trickler_reader, trickler = await asyncio.open_connection("127.0.0.1", port)
+
+    async def trickle() -> None:  # a byte of a head every 0.1 s: never complete, never idle
+        for byte in head * 100:
+            trickler.write(bytes([byte]))
+            await asyncio.sleep(0.1)
+
+    trickling = asyncio.ensure_future(trickle())
+    try:
+        async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
+            for _ in range(3):  # served meanwhile
+                assert (await http.get("/v1/models")).status_code == 200
+        for reader, _ in [*stalled, (trickler_reader, trickler)]:
+            with contextlib.suppress(ConnectionResetError):  # (closed while we wrote: a RST)
+                assert await asyncio.wait_for(reader.read(), timeout=20) == b""  # closed by it
+    finally:
+        trickling.cancel()
+        for _, writer in [*stalled, (trickler_reader, trickler)]:
+            writer.close()
+
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(cap)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # one over the cap
+        refused = await asyncio.wait_for(reader.read(), timeout=20)
+        writer.close()
+        assert refused.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in refused
+        assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
+            "too_many_connections"
+        )
+    finally:
+        for _, writer in idle:
+            writer.close()

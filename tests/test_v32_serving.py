@@ -5,14 +5,17 @@ worker that a V4 decode worker refuses to pair with."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+import redis
 
 from engine.models.deepseek_v4.tiny import make_tiny_model as make_v4
 from engine.models.deepseek_v32.tiny import make_tiny_model
@@ -58,7 +61,7 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
     up = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(port),
          "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8",
-         "--max-num-batched-tokens", "256"],
+         "--max-num-batched-tokens", "256", "--api-key", "unused"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -69,6 +72,7 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
             return http_status(url + "/health") == 200
 
         wait_for(healthy, START_TIMEOUT_S, "dsaserve up to report healthy")
+        check_no_secret_on_a_command_line(up.pid)
         with openai_client(url) as c:
             res = c.chat.completions.create(
                 model="tiny", messages=MESSAGES, max_tokens=16, temperature=0
@@ -100,10 +104,15 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
             )  # fmt: skip
             (call,) = res.choices[0].message.tool_calls
             assert call.function.name == "get_weather"
-        rendered = httpx.post(url + "/tokenize", json={"model": "tiny", "messages": MESSAGES})
+        auth = {"Authorization": "Bearer unused"}
+        rendered = httpx.post(
+            url + "/tokenize", json={"model": "tiny", "messages": MESSAGES}, headers=auth
+        )
         assert rendered.status_code == 200, rendered.text
         ids = rendered.json()["tokens"]
-        text = httpx.post(url + "/detokenize", json={"model": "tiny", "tokens": ids}).json()
+        text = httpx.post(
+            url + "/detokenize", json={"model": "tiny", "tokens": ids}, headers=auth
+        ).json()
         assert text["prompt"].endswith(
             "<｜User｜>What is the weather in Oslo?<｜Assistant｜></think>"
         )
@@ -111,6 +120,37 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)
     assert up.returncode == 0, log.read_text()[-3000:]
+
+
+def check_no_secret_on_a_command_line(up_pid: int) -> None:
+    """The children of `dsaserve up` (pid) get the API key, the cluster token and the Redis
+    password from their environment: no command line shows them, and the Redis it started
+    refuses a client without the password."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == up_pid:
+                children.append(stat.parent)
+    env: dict[str, str] = {}
+    argvs = []
+    for child in children:
+        argv = (child / "cmdline").read_bytes().split(b"\0")
+        argvs.append(argv)
+        with contextlib.suppress(OSError):
+            pairs = (e.split("=", 1) for e in (child / "environ").read_text().split("\0"))
+            env.update(pair for pair in pairs if len(pair) == 2)
+        if b"redis-server" in argv[0]:  # its title: "redis-server 127.0.0.1:PORT"
+            redis_port = int(argv[0].rsplit(b":", 1)[1])
+    password = env["DSASERVE_REDIS_URL"].split("@")[0].rsplit(":", 1)[1]
+    secrets = {"unused", env["DSASERVE_CLUSTER_TOKEN"], password}
+    assert all(len(secret) >= 6 for secret in secrets)
+    assert not [a for argv in argvs for a in argv for secret in secrets if secret.encode() in a]
+    assert len(children) == 4  # redis, prefill, decode, router
+    with redis.Redis(port=redis_port, socket_timeout=5) as anonymous:
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.keys("*")
+    with redis.Redis.from_url(env["DSASERVE_REDIS_URL"], socket_timeout=5) as registry:
+        assert registry.keys("dsaserve:worker:*")
 
 
 def test_a_v32_prefill_worker_and_a_v4_decode_worker_refuse_to_pair(model, redis_url, tmp_path):

@@ -13,7 +13,7 @@ import hmac
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +31,7 @@ from .body import LimitedRoute
 from .choices import ChatChoice, Choice, TextChoice
 from .clients import WorkerClients
 from .errors import APIError, error_responses, install_handlers
-from .fanout import fan_in
+from .fanout import Indexed, fan_in
 from .logprobs import TokenTexts
 from .metrics import RequestCounter, RequestTimer, RouterMetrics
 from .model import ServedModel
@@ -46,7 +46,7 @@ from .schemas import (
 )
 from .selection import WorkerSelector
 from .settings import RouterSettings
-from .streaming import EventStream, answer
+from .streaming import EventStream, answer, cancelled_on_disconnect
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     s = settings
     model = ServedModel.load(s.model_dir, s.served_model_name, s.max_model_len, s.default_thinking)
     metrics = RouterMetrics(CollectorRegistry())
-    watcher = RegistryWatcher(s.redis_url, s.registry_ttl_s)
+    watcher = RegistryWatcher(s.redis_url, s.cluster_token, s.registry_ttl_s)
     cache = (
         CacheIndex(
             s.redis_url, lambda: [w.worker_id for w in watcher.workers("prefill", model.name)]
@@ -76,7 +76,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         else None
     )
     clients = WorkerClients(s.cluster_token, s.tls)
-    admission = Admission(s.max_inflight, s.max_queue)
+    admission = Admission(s.max_inflight, s.max_queue, s.max_queue_delay_s)
     metrics.track_admission(lambda: admission.waiting, lambda: admission.inflight)
     metrics.track_registry(lambda: watcher.up, watcher.last_refresh_age_s)
     selector = WorkerSelector(
@@ -89,7 +89,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         cache=cache,
         balance_bound=s.balance_abs_threshold,
     )
-    key_limit = KeyLimit(s.max_inflight_per_key)
+    key_limit = KeyLimit(s.key_limit)
     flow = PDFlow(selector, clients, s.stall_timeout_s)
     state = RouterState(s, model, metrics, watcher, clients, admission, key_limit, selector, flow)
 
@@ -188,35 +188,11 @@ async def _generate(
         key = request.state.api_key
         st.key_limit.acquire(key)  # before tokenizing: a key over its limit costs nothing
         slots.callback(st.key_limit.release, key)
-        texts = TokenTexts(st.model.tokenizer) if body.logprobs_count() is not None else None
-        choices: list[Choice]
-        if isinstance(body, ChatCompletionRequest):
-            prompt, prompt_ids = await st.model.chat_ids(body)
-            choices = [ChatChoice(i, prompt, texts) for i in range(body.n)]
-        else:
-            prompt_ids = await st.model.completion_ids(body)
-            choices = [TextChoice(i, texts) for i in range(body.n)]
-        requested = body.requested_max_tokens()
-        max_tokens = st.model.max_tokens(len(prompt_ids), requested, prompt_param)
-        timeout_s = st.settings.request_timeout_s
-        # One admission slot per request, whatever its n.
-        await st.admission.acquire(arrival + timeout_s - time.monotonic())
-        slots.callback(st.admission.release)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        generations = [
-            Generation(
-                # Workers key requests by id: each choice is a request of its own there.
-                request_id=request_id if body.n == 1 else f"{request_id}-{i}",
-                prompt_ids=prompt_ids,
-                sampling=body.sampling(max_tokens, choice=i),
-                deadline=arrival + timeout_s,
-                timeout_s=timeout_s,
-                timer=RequestTimer(st.metrics, arrival),
+        # Until the answer starts, a client that hangs up is noticed only this way.
+        async with cancelled_on_disconnect(request):
+            request_id, choices, events = await _start(
+                st, body, arrival, id_prefix, prompt_param, slots
             )
-            for i in range(body.n)
-        ]
-        # Every prefill happens here, so their errors keep their HTTP status.
-        events = await fan_in([st.flow.generate(gen) for gen in generations])
         reply = Reply(request_id, st.model.name, body.include_usage, choices)
         if body.stream:
             # From here the stream owns the slots and the generations.
@@ -225,6 +201,47 @@ async def _generate(
             return await answer(events, reply, request)
         finally:
             await events.aclose()
+
+
+async def _start(
+    st: RouterState,
+    body: ChatCompletionRequest | CompletionRequest,
+    arrival: float,
+    id_prefix: str,
+    prompt_param: str,
+    slots: contextlib.ExitStack,
+) -> tuple[str, list[Choice], AsyncGenerator[Indexed, None]]:
+    """Tokenize, take an admission slot (released by `slots`), prefill every choice: the
+    request id, the choices and their merged events."""
+    texts = TokenTexts(st.model.tokenizer) if body.logprobs_count() is not None else None
+    choices: list[Choice]
+    if isinstance(body, ChatCompletionRequest):
+        prompt, prompt_ids = await st.model.chat_ids(body)
+        choices = [ChatChoice(i, prompt, texts) for i in range(body.n)]
+    else:
+        prompt_ids = await st.model.completion_ids(body)
+        choices = [TextChoice(i, texts) for i in range(body.n)]
+    requested = body.requested_max_tokens()
+    max_tokens = st.model.max_tokens(len(prompt_ids), requested, prompt_param)
+    timeout_s = st.settings.request_timeout_s
+    # One admission slot per request, whatever its n.
+    await st.admission.acquire(arrival + timeout_s - time.monotonic())
+    slots.callback(st.admission.release)
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    generations = [
+        Generation(
+            # Workers key requests by id: each choice is a request of its own there.
+            request_id=request_id if body.n == 1 else f"{request_id}-{i}",
+            prompt_ids=prompt_ids,
+            sampling=body.sampling(max_tokens, choice=i),
+            deadline=arrival + timeout_s,
+            timeout_s=timeout_s,
+            timer=RequestTimer(st.metrics, arrival),
+        )
+        for i in range(body.n)
+    ]
+    # Every prefill happens here, so their errors keep their HTTP status.
+    return request_id, choices, await fan_in([st.flow.generate(gen) for gen in generations])
 
 
 @_tokens.post("/tokenize")
@@ -263,7 +280,7 @@ async def models(request: Request) -> dict[str, Any]:
         "object": "model",
         "created": model.created,
         "owned_by": "dsaserve",
-        "root": model.path,
+        "root": model.name,  # (vLLM puts the model's path here; a client has no use for ours)
         "max_model_len": model.context_length,
     }
     return {"object": "list", "data": [card]}

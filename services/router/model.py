@@ -27,7 +27,6 @@ from .schemas import ChatPromptFields, CompletionRequest
 @dataclass(frozen=True)
 class ServedModel:
     name: str
-    path: str
     context_length: int  # prompt + completion tokens: --max-model-len, or max_position_embeddings
     tokenizer: Tokenizer
     chat_format: ChatFormat
@@ -61,7 +60,6 @@ class ServedModel:
         tokenizer = Tokenizer.from_pretrained(model_dir)
         return cls(
             name,
-            model_dir,
             limit,
             tokenizer,
             chat_format(model_dir, tokenizer),

@@ -8,6 +8,7 @@ Decode call and aborts the prefill (see pd.py). Errors after the 200 went out ar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -115,6 +116,37 @@ async def _collect(events: AsyncGenerator[Indexed, None], reply: Reply) -> None:
     # The same calls as a stream makes, so both parse the reply the same way.
     async for index, event in events:
         reply.chunks(index, event)
+
+
+@contextlib.asynccontextmanager
+async def cancelled_on_disconnect(request: Request) -> AsyncIterator[None]:
+    """Cancel what runs inside when the client disconnects, as `client_closed()`.
+
+    For the work before an answer starts (tokenizing, waiting for admission, prefill): nothing
+    reads from the connection then, so without this a client that left stays queued, or keeps
+    its prompt computing, to the end. The request's body must have been read."""
+    task = asyncio.current_task()
+    assert task is not None
+    inside, gone = True, False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _disconnected(request)
+        if inside:
+            gone = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()  # this cancellation was ours, and ends here
+        raise client_closed() from None
+    finally:
+        inside = False
+        watcher.cancel()
 
 
 async def _disconnected(request: Request) -> None:
