@@ -15,6 +15,7 @@ from engine.kv.layout import SLAB
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step import sampled_ref
+from engine.structured import GrammarState
 from engine.text.text_stream import TextStream
 
 
@@ -86,6 +87,7 @@ class Request:
     # takes one there too (None: nowhere worth it)
     branch_point: int | None = None
     lease_deadline: float | None = None  # HELD: time.monotonic() after which the KV is freed
+    grammar: GrammarState | None = None  # structured output: where the output is in its grammar
 
     @property
     def slab_row(self) -> int:

@@ -24,6 +24,9 @@ class SamplingParams:
     # None: no logprobs; k >= 0: each sampled token's logprob and the k likeliest alternatives
     # (vLLM's convention), from the model's raw distribution (engine.logprobs).
     logprobs: int | None = None
+    # Structured output: an llguidance grammar (Lark-like text) the whole output must follow;
+    # EOS only once it is complete (engine.structured, engine.text.chat.constraint).
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -181,7 +181,6 @@ async def test_numbers_outside_their_wire_range_are_400(
         ("chat", {"logit_bias": {"50256": -100}}, "logit_bias", "{} or null"),
         ("chat", {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
         ("chat", {"functions": [{"name": "f"}]}, "functions", "not supported"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format", "text"),
         ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, None, "name"),
         (
             "chat",
@@ -376,6 +375,15 @@ async def v4_http(
 
 
 V4_CHAT = {"model": "tiny-v4-router-model", "messages": [{"role": "user", "content": "hi"}]}
+# A strict schema's keyword the grammar library does not implement, and a strict tool's
+# parameters that are no plain object of named properties.
+IF_SCHEMA = {"type": "object", "if": {"required": ["a"]}, "then": {}}
+STRICT_IF = {"name": "conditional", "strict": True, "schema": IF_SCHEMA}
+STRICT_PATTERN_TOOL = {
+    "name": "lookup",
+    "strict": True,
+    "parameters": {"type": "object", "patternProperties": {"^x": {"type": "string"}}},
+}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
@@ -398,16 +406,16 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
             "'g', which is not in tools",
         ),
         (
-            {"tools": [WEATHER], "tool_choice": "required", "reasoning_effort": "high"},
-            "tool_choice",
-            "no room for reasoning",
+            {"response_format": {"type": "json_schema", "json_schema": STRICT_IF}},
+            "response_format.json_schema.schema",
+            'Unimplemented keys: ["if", "then"]',
         ),
         (
-            {"tool_choice": "required", "tools": [WEATHER]}
-            | {"chat_template_kwargs": {"thinking": True}},
-            "tool_choice",
-            "turn thinking off",
+            {"tools": [{"type": "function", "function": STRICT_PATTERN_TOOL}]},
+            "tools[0].function.parameters",
+            "'patternProperties' is not supported",
         ),
+        ({"response_format": {"type": "json"}}, "response_format", ""),
         ({"reasoning_effort": "extreme"}, "reasoning_effort", "'max'"),
         (
             {"reasoning_effort": "none", "chat_template_kwargs": {"thinking": True}},
@@ -472,6 +480,10 @@ async def test_invalid_tools_thinking_and_logprobs_are_400(
             "tool_choice": {"type": "function", "function": {"name": WEATHER["function"]["name"]}},
         },
         {"tools": [WEATHER], "tool_choice": "none", "reasoning_effort": "max"},
+        {"tools": [WEATHER], "tool_choice": "required", "reasoning_effort": "high"},
+        {"response_format": {"type": "json_object"}, "reasoning_effort": "high"},
+        # not strict: what the grammar library does not implement is left out
+        {"response_format": {"type": "json_schema", "json_schema": STRICT_IF | {"strict": False}}},
         {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": True}},
         {"chat_template_kwargs": {"drop_thinking": False}, "logprobs": True, "top_logprobs": 20},
         {

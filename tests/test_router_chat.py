@@ -234,30 +234,46 @@ async def test_replies_that_never_close_their_reasoning_or_tool_block(v4: V4) ->
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("named", [False, True], ids=["required", "named"])
-async def test_forced_tool_choice_starts_the_reply_with_the_call(v4: V4, named: bool) -> None:
-    # Thinking is on by default here, yet a forced call renders in chat mode.
+async def test_forced_tool_choice_constrains_the_reply_after_its_reasoning(
+    v4: V4, named: bool
+) -> None:
+    # Thinking is on by default here, and stays on: the constraint starts after the reasoning.
     router = await v4.router(default_thinking=True)
-    rest = f'<{D}parameter name="city" string="true">Lima</{D}parameter>\n</{D}invoke>\n'
-    rest += f"</{D}tool_calls>"
+    call = f'{BLOCK[: BLOCK.index(INVOKE_WEATHER)]}<{D}invoke name="get_weather">\n'
+    call += f'<{D}parameter name="city" string="true">Lima</{D}parameter>\n</{D}invoke>\n'
+    call += f"</{D}tool_calls>"
+    v4.script(["Look it up.", "</think>" + call[:9], call[9:]])
     if named:
         tool_choice: Any = {"type": "function", "function": {"name": "get_weather"}}
-        v4.script([rest[:5], rest[5:]])
     else:
         tool_choice = "required"
-        v4.script(["get_w", 'eather">\n' + rest])
     chunks = await stream(router, CHAT | {"tools": [WEATHER, NOW], "tool_choice": tool_choice})
     got = assembled(chunks)
     assert calls_of(got) == [("get_weather", '{"city": "Lima"}')]
-    assert (got["reasoning_content"], got["content"], got["finish"]) == ("", "", "tool_calls")
+    assert (got["reasoning_content"], got["content"], got["finish"]) == (
+        "Look it up.",
+        "",
+        "tool_calls",
+    )
     prompt = (await post(router, "/detokenize", {"tokens": v4.last_prompt()}))["prompt"]
-    opening = f'<｜Assistant｜></think>\n\n<{D}tool_calls>\n<{D}invoke name="'
-    assert prompt.endswith(opening + ('get_weather">\n' if named else ""))
-    # Only the named tool is shown to the model.
+    assert prompt.endswith("<｜Assistant｜><think>")
+    # Only the named tool is shown to the model, and only it can be called.
     assert ('{"name": "now"}' in prompt) is not named
-    if named:  # the call's name is known before the model writes: it opens the reply
-        assert (
-            chunks[1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
-        )
+    grammar = v4.prefill.prefill_requests[-1].sampling.grammar
+    assert grammar == v4.decode.decode_requests[-1].sampling.grammar
+    assert 'name=\\"get_weather\\"' in grammar and ('name=\\"now\\"' in grammar) is not named
+
+
+@pytest.mark.asyncio
+async def test_a_call_cut_by_eos_is_no_tool_call(v4: V4) -> None:
+    router = await v4.router()
+    cut = f'{BLOCK[: BLOCK.index(INVOKE_WEATHER)]}<{D}invoke name="get_weather">\n'
+    v4.script([CONTENT, cut])
+    got = assembled(await stream(router, CHAT | {"tools": [WEATHER]}))
+    assert got["finish"] == "stop"
+    whole = await post(router, "/v1/chat/completions", CHAT | {"tools": [WEATHER]})
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
 
 
 @pytest.mark.asyncio

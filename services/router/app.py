@@ -47,6 +47,7 @@ from .schemas import (
 from .selection import WorkerSelector
 from .settings import RouterSettings
 from .streaming import EventStream, answer
+from .structured import reply_grammar_of
 
 
 @dataclass(frozen=True)
@@ -193,9 +194,11 @@ async def _generate(
         if isinstance(body, ChatCompletionRequest):
             prompt, prompt_ids = await st.model.chat_ids(body)
             choices = [ChatChoice(i, prompt, texts) for i in range(body.n)]
+            grammar = await reply_grammar_of(body.response_format, prompt, st.model)
         else:
             prompt_ids = await st.model.completion_ids(body)
             choices = [TextChoice(i, texts) for i in range(body.n)]
+            grammar = await reply_grammar_of(body.response_format, None, st.model)
         requested = body.requested_max_tokens()
         max_tokens = st.model.max_tokens(len(prompt_ids), requested, prompt_param)
         timeout_s = st.settings.request_timeout_s
@@ -208,7 +211,7 @@ async def _generate(
                 # Workers key requests by id: each choice is a request of its own there.
                 request_id=request_id if body.n == 1 else f"{request_id}-{i}",
                 prompt_ids=prompt_ids,
-                sampling=body.sampling(max_tokens, choice=i),
+                sampling=body.sampling(max_tokens, choice=i, grammar=grammar),
                 deadline=arrival + timeout_s,
                 timeout_s=timeout_s,
                 timer=RequestTimer(st.metrics, arrival),

@@ -8,7 +8,9 @@ rest into `content`, and no markup anywhere.
 
 Finish reasons: "length" when the reply was cut by max_tokens or the context (whatever was
 open stays open: reasoning, or a call with partial arguments); "tool_calls" when a reply that
-ended by itself holds a tool call; else "stop".
+ended by itself holds tool calls, all complete; else "stop". A call that EOS cut short is no
+call: the whole answer leaves it out, and its reply finishes with "stop" (a client that trusts
+"tool_calls" never meets arguments that are not JSON).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ class ChatChoice:
         self.index = index
         self._prompt = prompt
         self._texts = texts  # None: no logprobs
-        self._parser = StreamParser(prompt.opens_reasoning, dialect=prompt.dialect)
-        # The reply's start that the prompt wrote (a forced call): its events open the reply.
-        self._pending = self._parser.feed(prompt.reply_prefix)
+        self._parser = StreamParser(
+            prompt.opens_reasoning, dialect=prompt.dialect if prompt.offers_tools else None
+        )
         self._logprobs: list[JSON] = []
         self._finish_reason: str | None = None
 
@@ -46,7 +48,7 @@ class ChatChoice:
         return self._choice({"role": "assistant", "content": ""}, None)
 
     def chunk(self, token: Token) -> JSON | None:
-        events, self._pending = self._pending + self._parser.feed(token.text), []
+        events = self._parser.feed(token.text)
         entries = self._entries(token)
         delta = self._delta(events)
         if not delta and not entries:
@@ -54,9 +56,11 @@ class ChatChoice:
         return self._choice(delta, {"content": entries, "refusal": None} if entries else None)
 
     def finish(self, finish: Finish) -> JSON:
-        delta = self._delta(self._pending + self._parser.finish())
+        delta = self._delta(self._parser.finish())
         calls = self._calls()
-        self._finish_reason = "tool_calls" if finish.reason == "stop" and calls else finish.reason
+        self._finish_reason = finish.reason
+        if finish.reason == "stop" and calls and all(call.complete for call in calls):
+            self._finish_reason = "tool_calls"
         return self._choice(delta, None, self._finish_reason)
 
     def answer(self) -> JSON:
@@ -86,6 +90,8 @@ class ChatChoice:
 
     def _calls(self) -> tuple:
         calls = self._parser.message().tool_calls
+        if self._finish_reason == "stop":
+            calls = tuple(call for call in calls if call.complete)
         return (
             calls if self._prompt.max_tool_calls is None else calls[: self._prompt.max_tool_calls]
         )

@@ -43,7 +43,6 @@ GENERATION: Mapping[str, NoOp] = {
     "frequency_penalty": ZERO,
     "presence_penalty": ZERO,
     "logit_bias": EMPTY_OBJECT,
-    "response_format": NoOp(({"type": "text"},)),
     "store": FALSE,
     "metadata": EMPTY_OBJECT,  # only used with store
     "service_tier": NoOp(("auto", "default")),

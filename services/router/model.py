@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import ContextLengthError, resolve_max_tokens
 from engine.text.chat_format import ChatEncodingError, ChatFormat, chat_format
+from engine.text.grammar import GrammarCompiler
 from engine.text.token_bound import min_tokens
 from engine.text.tokenizer import Tokenizer
 
@@ -33,6 +34,7 @@ class ServedModel:
     chat_format: ChatFormat
     # Bounds a prompt's token count from its length (None: this tokenizer allows no bound).
     max_chars_per_token: int | None
+    grammars: GrammarCompiler  # structured outputs' grammars, checked before they are sent
     default_thinking: bool = False  # a chat that does not say renders in thinking mode
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -66,6 +68,7 @@ class ServedModel:
             tokenizer,
             chat_format(model_dir, tokenizer),
             tokenizer.max_chars_per_token(),
+            GrammarCompiler(tokenizer),
             default_thinking,
         )
 

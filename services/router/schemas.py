@@ -72,6 +72,36 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    """OpenAI's JSON mode: the content is a JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Body):
+    name: Text = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any object
+    # exactly the schema, or a 400 naming what cannot be; else unknown keywords are ignored
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    """Structured outputs: the content is JSON of the schema."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+
 class _GenerationRequest(_Body):
     """Fields shared by chat and text completions."""
 
@@ -88,6 +118,8 @@ class _GenerationRequest(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # the content's format, constrained while it is written (services.router.structured)
+    response_format: ResponseFormat | None = None
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
 
     @field_validator("stop", mode="before")
@@ -123,11 +155,13 @@ class _GenerationRequest(_Body):
         """Alternatives per token the worker should list (None: no logprobs)."""
         raise NotImplementedError
 
-    def sampling(self, max_tokens: int, choice: int = 0) -> pb.SamplingParams:
-        """The wire sampling params of choice `choice`; unset fields stay unset so the worker
-        applies its defaults."""
+    def sampling(
+        self, max_tokens: int, choice: int = 0, grammar: str | None = None
+    ) -> pb.SamplingParams:
+        """The wire sampling params of choice `choice` (`grammar`: the structured output's);
+        unset fields stay unset so the worker applies its defaults."""
         params = pb.SamplingParams(
-            max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos
+            max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos, grammar=grammar
         )
         if (logprobs := self.logprobs_count()) is not None:
             params.logprobs = logprobs
@@ -158,7 +192,7 @@ class FunctionDefinition(_Body):
     name: FunctionName
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema object
-    strict: bool | None = None  # no constrained decoding here: the schema is only shown
+    strict: bool | None = None  # a call's arguments are constrained to exactly `parameters`
 
 
 class Tool(_Body):
