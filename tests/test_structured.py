@@ -1,12 +1,11 @@
 """Structured outputs: the reply grammars (engine.text.chat.constraint) read back by the reply
-parser, and the engine sampling under them (engine.structured): the same tokens with and
-without async scheduling, and a request whose prefill and decode ran on two engines."""
+parser, and the engine sampling under them (engine.structured), the same with and without
+async scheduling. Through the router and disaggregated workers: test_serving_chat_e2e.py."""
 
 from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import llguidance.torch
 import numpy as np
@@ -14,10 +13,11 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.kv.layout import SLAB
+from engine.demo_model import DEMO_MODEL_DIR
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.structured import Bitmask, apply_bitmask
+from engine.text.byte_tokenizer import write_byte_tokenizer
 from engine.text.chat import V4_DSML, parse_completion
 from engine.text.chat.constraint import (
     JsonContent,
@@ -28,7 +28,7 @@ from engine.text.chat.constraint import (
 from engine.text.chat.tokens import EOS, PARAMETER_CLOSE, THINK_END
 from engine.text.grammar import GrammarCompiler, GrammarError
 from engine.text.tokenizer import Tokenizer
-from tests.engine_cases import assert_all_free, check_moved_request_decodes_as_if_never_moved, drain
+from tests.engine_cases import assert_all_free, drain
 
 ANSWER = {  # what pydantic writes for a model of a Literal, a bounded int and a bool
     "type": "object",
@@ -62,8 +62,16 @@ CONSTRAINTS = {
 
 
 @pytest.fixture(scope="module")
-def compiler(release: Path) -> GrammarCompiler:
-    return GrammarCompiler(Tokenizer.from_pretrained(release))
+def release_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """The release-format tiny model's tokenizer (every V4 marker one token)."""
+    out = tmp_path_factory.mktemp("release-tokenizer")
+    write_byte_tokenizer(out, release=True)
+    return Tokenizer.from_pretrained(out)
+
+
+@pytest.fixture(scope="module")
+def compiler(release_tokenizer: Tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(release_tokenizer)
 
 
 def _allowed(compiler: GrammarCompiler, matcher: object) -> np.ndarray:
@@ -77,13 +85,13 @@ def _allowed(compiler: GrammarCompiler, matcher: object) -> np.ndarray:
 @pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])
 @pytest.mark.parametrize("name", list(CONSTRAINTS))
 def test_every_reply_the_grammar_allows_parses_into_what_was_asked(
-    compiler: GrammarCompiler, release: Path, name: str, thinking: bool
+    compiler: GrammarCompiler, release_tokenizer: Tokenizer, name: str, thinking: bool
 ) -> None:
     """Random walks through the grammar (short ASCII pieces favoured, a string parameter's
     close tag and EOS taken when allowed): whatever the walk writes, the reply parser reads
     valid JSON, or calls whose arguments follow the strict tool's schema; EOS comes only where
     the constrained part is complete."""
-    tokenizer = Tokenizer.from_pretrained(release)
+    tokenizer = release_tokenizer
     (eos,) = tokenizer.eos_token_ids
     close = tokenizer.encode(PARAMETER_CLOSE)
     constraint = CONSTRAINTS[name]
@@ -124,9 +132,9 @@ def test_every_reply_the_grammar_allows_parses_into_what_was_asked(
 
 
 def test_reasoning_is_free_and_the_constraint_starts_where_it_ends(
-    compiler: GrammarCompiler, release: Path
+    compiler: GrammarCompiler, release_tokenizer: Tokenizer
 ) -> None:
-    tokenizer = Tokenizer.from_pretrained(release)
+    tokenizer = release_tokenizer
     (eos,) = tokenizer.eos_token_ids
     (think_end,) = tokenizer.encode(THINK_END)
     grammar = reply_grammar(CONSTRAINTS["json_schema"], compiler, V4_DSML, True)
@@ -172,64 +180,34 @@ def test_the_bitmask_forbids_what_it_clears_in_its_rows_only() -> None:
     assert allowed == [5, 35] and masked[1, 5] == logits[1, 5]
 
 
-JSON_PARAMS = dict(max_tokens=120, temperature=0)
-
-
-def _json_grammar(compiler: GrammarCompiler, thinking: bool) -> str:
-    grammar = reply_grammar(CONSTRAINTS["json_schema"], compiler, V4_DSML, thinking)
-    assert grammar is not None
-    return grammar
-
-
-def test_the_engine_samples_under_the_grammar_with_and_without_async_scheduling(
-    release: Path, compiler: GrammarCompiler
-) -> None:
-    """Constrained requests beside an unconstrained one: each greedy reply is the same with
-    async scheduling on and off, and one that ends is the schema's JSON (random weights: the
-    constraint alone makes it so)."""
-    prompts = {
-        "chat": "<｜User｜>Is it?<｜Assistant｜></think>",
-        "thinking": "<｜User｜>Is it?<｜Assistant｜><think>",
-        "free": "<｜User｜>Is it?<｜Assistant｜></think>",
+def test_the_engine_samples_under_the_grammar_with_and_without_async_scheduling() -> None:
+    """The demo model: constrained requests beside an unconstrained one, each greedy reply the
+    same with async scheduling on and off (a constrained row's previous token is then waited
+    for while the step's forward runs), and each constrained one the schema's JSON."""
+    tokenizer = Tokenizer.from_pretrained(DEMO_MODEL_DIR)
+    compiler = GrammarCompiler(tokenizer)
+    grammars = {
+        rid: reply_grammar(CONSTRAINTS[rid], compiler, V4_DSML, False)
+        for rid in ("json_schema", "json_object")
     }
+    prompt = tokenizer.encode("ROMEO:\nIs it so?\n\nJULIET:\n", add_special_tokens=True)
     replies = []
     for async_scheduling in (True, False):
-        engine = LLMEngine(release, EngineConfig(async_scheduling=async_scheduling))
-        for rid, prompt in prompts.items():
-            grammar = None if rid == "free" else _json_grammar(compiler, rid == "thinking")
-            params = SamplingParams(**JSON_PARAMS, grammar=grammar)
-            engine.add_request(rid, engine.tokenizer.encode(prompt), params)
+        engine = LLMEngine(DEMO_MODEL_DIR, EngineConfig(async_scheduling=async_scheduling))
+        for rid, grammar in [*grammars.items(), ("free", None)]:
+            params = SamplingParams(max_tokens=64, temperature=0, grammar=grammar)
+            engine.add_request(rid, prompt, params)
         outputs = drain(engine)
         assert_all_free(engine)
         replies.append(
             {
-                rid: ([t for o in outs for t in o.new_token_ids], outs[-1].finish_reason)
+                rid: ("".join(o.text for o in outs), outs[-1].finish_reason)
                 for rid, outs in outputs.items()
             }
         )
     assert replies[0] == replies[1]
-    tokenizer = Tokenizer.from_pretrained(release)
-    tokens, reason = replies[0]["chat"]
-    assert reason == "stop"  # (this checkpoint's greedy reply ends within the budget)
-    value = json.loads(parse_completion(tokenizer.decode(tokens), False).content)
-    assert set(value) == set(ANSWER["properties"])
-    tokens, reason = replies[0]["thinking"]
-    message = parse_completion(tokenizer.decode(tokens), True)
-    if reason == "stop":
-        assert json.loads(message.content)
-    else:  # cut by max_tokens: no JSON written outside the constrained part
-        assert reason == "length" and (message.reasoning_open or message.content.startswith("{"))
-
-
-def test_the_decode_worker_resumes_the_grammar_the_prefill_worker_began(
-    release: Path, compiler: GrammarCompiler
-) -> None:
-    """Prefill samples the first token under the grammar; the engine that decodes the moved
-    request replays it into a fresh matcher and goes on as if nothing moved."""
-    tokenizer = Tokenizer.from_pretrained(release)
-    prompt = tokenizer.encode("<｜User｜>Is it?<｜Assistant｜></think>")
-    params = SamplingParams(**JSON_PARAMS, grammar=_json_grammar(compiler, False))
-    tokens = check_moved_request_decodes_as_if_never_moved(
-        release, EngineConfig(), prompt, "pages", {"swa", "csa", "hca", SLAB}, params
-    )
-    assert json.loads(tokenizer.decode(tokens).removesuffix(EOS))
+    text, reason = replies[0]["json_schema"]
+    assert reason == "stop" and set(json.loads(text)) == set(ANSWER["properties"])
+    text, reason = replies[0]["json_object"]
+    assert reason == "stop" and isinstance(json.loads(text), dict)
+    assert not replies[0]["free"][0].startswith("{")
