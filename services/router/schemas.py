@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictBool,
     Tag,
     ValidationInfo,
     field_validator,
@@ -69,7 +70,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     no_op_fields = fields.STREAM_OPTIONS
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class TextFormat(_Body):
@@ -87,7 +88,7 @@ class JsonSchema(_Body):
     description: Text | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any object
     # exactly the schema, or a 400 naming what cannot be; else unknown keywords are ignored
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class JsonSchemaFormat(_Body):
@@ -115,9 +116,9 @@ class _GenerationRequest(_Body):
     stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
     # Each choice is its own generation (prefill included), with seed + i when a seed is given.
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     # the content's format, constrained while it is written (services.router.structured)
     response_format: ResponseFormat | None = None
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
@@ -192,7 +193,7 @@ class FunctionDefinition(_Body):
     name: FunctionName
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema object
-    strict: bool | None = None  # a call's arguments are constrained to exactly `parameters`
+    strict: StrictBool | None = None  # a call's arguments are constrained to exactly `parameters`
 
 
 class Tool(_Body):
@@ -281,7 +282,7 @@ class ChatPromptFields(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -316,7 +317,7 @@ class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
     no_op_fields = fields.CHAT
 
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("top_logprobs")
@@ -373,8 +374,8 @@ class TokenizeChatRequest(ChatPromptFields):
     """vLLM's /tokenize of a chat: the prompt a chat completion would send to prefill."""
 
     model: Text | None = None
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class TokenizeTextRequest(_Body):
@@ -382,8 +383,8 @@ class TokenizeTextRequest(_Body):
 
     model: Text | None = None
     prompt: Text
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 # The tags show in error locations; errors.py drops location parts with brackets, like the
