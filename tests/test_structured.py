@@ -18,7 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.structured import Bitmask, apply_bitmask
 from engine.text.byte_tokenizer import write_byte_tokenizer
-from engine.text.chat import V4_DSML, parse_completion
+from engine.text.chat import V4_DSML, V32_DSML, Dialect, parse_completion
 from engine.text.chat.constraint import (
     JsonContent,
     ReplyConstraint,
@@ -82,10 +82,18 @@ def _allowed(compiler: GrammarCompiler, matcher: object) -> np.ndarray:
     return np.flatnonzero(bits[: compiler.vocab_size])
 
 
-@pytest.mark.parametrize("thinking", [False, True], ids=["chat", "thinking"])
+@pytest.mark.parametrize(
+    ("thinking", "dialect"),
+    [(False, V4_DSML), (True, V4_DSML), (False, V32_DSML)],
+    ids=["chat", "thinking", "v32"],
+)
 @pytest.mark.parametrize("name", list(CONSTRAINTS))
 def test_every_reply_the_grammar_allows_parses_into_what_was_asked(
-    compiler: GrammarCompiler, release_tokenizer: Tokenizer, name: str, thinking: bool
+    compiler: GrammarCompiler,
+    release_tokenizer: Tokenizer,
+    name: str,
+    thinking: bool,
+    dialect: Dialect,
 ) -> None:
     """Random walks through the grammar (short ASCII pieces favoured, a string parameter's
     close tag and EOS taken when allowed): whatever the walk writes, the reply parser reads
@@ -95,7 +103,7 @@ def test_every_reply_the_grammar_allows_parses_into_what_was_asked(
     (eos,) = tokenizer.eos_token_ids
     close = tokenizer.encode(PARAMETER_CLOSE)
     constraint = CONSTRAINTS[name]
-    grammar = reply_grammar(constraint, compiler, V4_DSML, thinking)
+    grammar = reply_grammar(constraint, compiler, dialect, thinking)
     assert grammar is not None
     rng, ended = random.Random(0), 0
     for _ in range(6):
@@ -115,7 +123,8 @@ def test_every_reply_the_grammar_allows_parses_into_what_was_asked(
         if eos not in out:
             continue
         ended += 1
-        message = parse_completion(tokenizer.decode(out, skip_special_tokens=False), thinking)
+        text = tokenizer.decode(out, skip_special_tokens=False)
+        message = parse_completion(text, thinking, dialect=dialect)
         assert message.complete and not message.malformed
         if constraint.json is not None:
             value = json.loads(message.content)

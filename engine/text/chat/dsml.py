@@ -158,14 +158,6 @@ def new_tool_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def tool_call_prefix(name: str | None, dialect: Dialect = V4_DSML) -> str:
-    """The start of a chat-mode reply that is a tool call, up to the function's name (`name`
-    None) or through its invoke tag: written after a prompt, it leaves the model only the call
-    to finish. `name` must be a plain function name (no quotes or markup)."""
-    opening = f'\n\n{dialect.open}\n{INVOKE_OPEN} name="'
-    return opening if name is None else f'{opening}{name}">\n'
-
-
 def parse_completion(
     text: str,
     thinking: bool,
