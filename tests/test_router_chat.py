@@ -265,6 +265,26 @@ async def test_forced_tool_choice_constrains_the_reply_after_its_reasoning(
 
 
 @pytest.mark.asyncio
+async def test_response_format_sends_its_grammar_to_both_workers(v4: V4) -> None:
+    router = await v4.router()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema}}
+    v4.script(['Easy.</think>{"a"', ": 1}"])
+    body = CHAT | THINKING | {"response_format": response_format}
+    answer = await post(router, "/v1/chat/completions", body)
+    assert answer["choices"][0]["message"]["content"] == '{"a": 1}'
+    grammar = v4.prefill.prefill_requests[-1].sampling.grammar
+    assert grammar == v4.decode.decode_requests[-1].sampling.grammar
+    assert grammar.startswith("start: REASONING <[261]> body") and '"required": ["a"]' in grammar
+    completion = {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}
+    await post(router, "/v1/completions", completion)
+    grammar = v4.prefill.prefill_requests[-1].sampling.grammar
+    assert grammar.startswith("start: body") and '%json {"type": "object"' in grammar
+    await post(router, "/v1/chat/completions", CHAT | {"tools": [WEATHER]})  # nothing to constrain
+    assert not v4.prefill.prefill_requests[-1].sampling.HasField("grammar")
+
+
+@pytest.mark.asyncio
 async def test_a_call_cut_by_eos_is_no_tool_call(v4: V4) -> None:
     router = await v4.router()
     cut = f'{BLOCK[: BLOCK.index(INVOKE_WEATHER)]}<{D}invoke name="get_weather">\n'

@@ -98,7 +98,7 @@ def reply_grammar(
         return None
     g = _Writer(compiler)
     body = []
-    if constraint.json is not None:
+    if constraint.json is not None and not constraint.calls_required:
         body.append(g.json(constraint.json.schema, constraint.json.strict, constraint.json.param))
     if constraint.tools:
         calls = " | ".join(g.invoke(tool, constraint.calls_required) for tool in constraint.tools)
