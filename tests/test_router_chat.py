@@ -275,7 +275,7 @@ async def test_response_format_sends_its_grammar_to_both_workers(v4: V4) -> None
     assert answer["choices"][0]["message"]["content"] == '{"a": 1}'
     grammar = v4.prefill.prefill_requests[-1].sampling.grammar
     assert grammar == v4.decode.decode_requests[-1].sampling.grammar
-    assert grammar.startswith("start: REASONING <[261]> body") and '"required": ["a"]' in grammar
+    assert grammar.startswith("start: reasoning <[261]> body") and '"required": ["a"]' in grammar
     completion = {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}
     await post(router, "/v1/completions", completion)
     grammar = v4.prefill.prefill_requests[-1].sampling.grammar

@@ -183,8 +183,10 @@ THINKING_ON = {"chat_template_kwargs": {"thinking": True}}
 
 
 async def _parse(client, model, stream: bool, thinking: bool) -> tuple[str, Any]:
-    """`.parse()` (or `.stream()`) with the pydantic model: (finish reason, the completion)."""
-    extra = THINKING_ON if thinking else {}
+    """`.parse()` (or `.stream()`) with the pydantic model: (finish reason, the completion).
+    Thinking: its reasoning bounded by vLLM's thinking_token_budget (random weights would
+    otherwise never write </think>)."""
+    extra = THINKING_ON | {"thinking_token_budget": 6} if thinking else {}
     request = dict(model=model.name, response_format=Verdict, extra_body=extra, **STRUCTURED)
     try:
         if stream:
@@ -198,9 +200,9 @@ async def _parse(client, model, stream: bool, thinking: bool) -> tuple[str, Any]
 
 
 def test_parse_with_a_pydantic_schema_and_json_object(stack, model):
-    """Thinking off, every reply parses into the model; thinking on, the reasoning is free and
-    the reply is the model or is cut by max_tokens, never JSON in the reasoning or text that is
-    not JSON in the content. json_object: a JSON object."""
+    """Every reply parses into the model, after a bounded reasoning with thinking on.
+    json_object, thinking on and unbounded: a JSON object, or cut by max_tokens in the
+    reasoning or the JSON, never JSON in the reasoning or other text in the content."""
 
     async def run() -> list:
         async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-") as client:
@@ -210,24 +212,27 @@ def test_parse_with_a_pydantic_schema_and_json_object(stack, model):
                 for stream in (False, True)
             ]
             json_object = client.chat.completions.create(
-                model=model.name, response_format={"type": "json_object"}, **STRUCTURED
+                model=model.name,
+                response_format={"type": "json_object"},
+                extra_body=THINKING_ON,
+                **STRUCTURED,
             )
             return await asyncio.gather(*parses, json_object)
 
     *parsed, json_object = asyncio.run(run())
     for (reason, completion), thinking in zip(parsed, (False, False, True, True), strict=True):
         message = completion.choices[0].message
-        if reason == "stop" or not thinking:
-            assert reason == "stop" and isinstance(message.parsed, Verdict)
-        else:  # cut inside the reasoning, or inside the JSON that follows it
-            assert reason == "length" and message.model_extra["reasoning_content"]
-            assert (message.content or "{").startswith("{")
-    assert parsed[0][1].choices[0].message.parsed == parsed[1][1].choices[0].message.parsed
-    content = json_object.choices[0].message.content
+        assert reason == "stop" and isinstance(message.parsed, Verdict)
+        reasoning = message.model_extra.get("reasoning_content")
+        assert bool(reasoning) is thinking
+    for whole, streamed in (parsed[:2], parsed[2:]):
+        assert whole[1].choices[0].message.parsed == streamed[1].choices[0].message.parsed
+    message = json_object.choices[0].message
     if json_object.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(content), dict)
-    else:
-        assert content.startswith("{")
+        assert isinstance(json.loads(message.content), dict)
+    else:  # cut inside the reasoning, or inside the JSON that follows it
+        assert message.model_extra["reasoning_content"]
+        assert (message.content or "{").startswith("{")
     wait_all_kv_free(stack.prefill, stack.decode)
 
 

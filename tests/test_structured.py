@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import llguidance.torch
 import numpy as np
@@ -25,7 +26,7 @@ from engine.text.chat.constraint import (
     reply_grammar,
     tool_schemas,
 )
-from engine.text.chat.tokens import EOS, PARAMETER_CLOSE, THINK_END
+from engine.text.chat.tokens import DSML, EOS, PARAMETER_CLOSE, THINK_END
 from engine.text.grammar import GrammarCompiler, GrammarError
 from engine.text.tokenizer import Tokenizer
 from tests.engine_cases import assert_all_free, drain
@@ -160,6 +161,19 @@ def test_reasoning_is_free_and_the_constraint_starts_where_it_ends(
         assert matcher.consume_token(token)
     assert _allowed(compiler, matcher).tolist() == [eos]
     assert tokenizer.encode(EOS) == [eos]
+    # thinking_token_budget: after that many tokens, </think> is all that is left
+    bounded = replace(CONSTRAINTS["json_object"], thinking_token_budget=3)
+    matcher = compiler.matcher(reply_grammar(bounded, compiler, V4_DSML, True) or "")
+    assert matcher.consume_tokens(tokenizer.encode("abc"))
+    assert _allowed(compiler, matcher).tolist() == [think_end]
+    # with nothing else constrained, only the reasoning is: the rest is free
+    free = reply_grammar(ReplyConstraint(thinking_token_budget=3), compiler, V4_DSML, True)
+    matcher = compiler.matcher(free or "")
+    assert matcher.consume_tokens(tokenizer.encode("ab") + [think_end])
+    assert matcher.consume_tokens(tokenizer.encode(f"any <{DSML}tool_calls> text")) and eos in (
+        _allowed(compiler, matcher)
+    )
+    assert reply_grammar(ReplyConstraint(thinking_token_budget=3), compiler, V4_DSML, False) is None
 
 
 def test_a_strict_schema_is_compiled_exactly_or_refused_by_name(

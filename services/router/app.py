@@ -194,7 +194,9 @@ async def _generate(
         if isinstance(body, ChatCompletionRequest):
             prompt, prompt_ids = await st.model.chat_ids(body)
             choices = [ChatChoice(i, prompt, texts) for i in range(body.n)]
-            grammar = await reply_grammar_of(body.response_format, prompt, st.model)
+            grammar = await reply_grammar_of(
+                body.response_format, prompt, st.model, body.thinking_token_budget
+            )
         else:
             prompt_ids = await st.model.completion_ids(body)
             choices = [TextChoice(i, texts) for i in range(body.n)]

@@ -317,6 +317,8 @@ class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
     no_op_fields = fields.CHAT
 
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    # vLLM's: in thinking mode, the most tokens the reasoning may take (then </think> is forced)
+    thinking_token_budget: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 

@@ -23,7 +23,10 @@ _PARAM = "response_format"
 
 
 async def reply_grammar_of(
-    response_format: ResponseFormat | None, prompt: ChatPrompt | None, model: ServedModel
+    response_format: ResponseFormat | None,
+    prompt: ChatPrompt | None,
+    model: ServedModel,
+    thinking_token_budget: int | None = None,
 ) -> str | None:
     """The grammar of a chat reply (`prompt`) or of a completion's text (None), or None when
     nothing constrains it; APIError 400 for what cannot be constrained."""
@@ -31,7 +34,7 @@ async def reply_grammar_of(
     if prompt is None:  # a completion: the whole text is the content
         constraint, dialect, opens_reasoning = ReplyConstraint(json=json), V4_DSML, False
     else:
-        constraint = replace(prompt.calls, json=json)
+        constraint = replace(prompt.calls, json=json, thinking_token_budget=thinking_token_budget)
         dialect, opens_reasoning = prompt.dialect, prompt.opens_reasoning
     try:
         grammar = reply_grammar(constraint, model.grammars, dialect, opens_reasoning)

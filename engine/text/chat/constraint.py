@@ -10,7 +10,8 @@ chat format writes it (see `dsml`):
 
 - Reasoning comes first, free, in thinking mode: the constraint starts where it ends. The
   `</think>` token ends it; EOS cannot (a constraint is pending until its part is complete, so
-  the reply ends in JSON or a call, or is cut by max_tokens).
+  the reply ends in JSON or a call, or is cut by max_tokens). `thinking_token_budget` (vLLM's
+  field) bounds it: after that many tokens `</think>` is the only token left.
 - Free text (reasoning, content before calls, a string parameter's value) never holds the
   `｜DSML｜` marker, so the reply parser reads exactly the structure the grammar made.
 - A call's parameters follow its tool's `parameters` schema, properties in the schema's order,
@@ -78,11 +79,14 @@ class ReplyConstraint:
     tools: tuple[ToolSchema, ...] = ()  # the tools a call may name (empty: no calls)
     calls_required: bool = False  # the reply is calls ("required" or a named function)
     single_call: bool = False  # one call at most (parallel_tool_calls false, a named function)
+    thinking_token_budget: int | None = None  # the most tokens the reasoning may take
 
-    @property
-    def constrains(self) -> bool:
+    def constrains(self, opens_reasoning: bool) -> bool:
         return (
-            self.json is not None or self.calls_required or any(tool.strict for tool in self.tools)
+            self.json is not None
+            or self.calls_required
+            or any(tool.strict for tool in self.tools)
+            or (opens_reasoning and self.thinking_token_budget is not None)
         )
 
 
@@ -94,7 +98,7 @@ def reply_grammar(
 ) -> str | None:
     """The grammar of the whole reply (None when nothing constrains it); raises GrammarError
     (its `param` the request field at fault) for a schema or a format it cannot constrain."""
-    if not constraint.constrains:
+    if not constraint.constrains(opens_reasoning):
         return None
     g = _Writer(compiler)
     body = []
@@ -111,7 +115,11 @@ def reply_grammar(
             body += ["NODSML", f"CONTENT_THEN_CALLS {invokes} {closing}"]
         else:
             body.append(f"{opening} {invokes} {closing}")
-    start = f"{g.ending('REASONING', THINK_END)} body" if opens_reasoning else "body"
+    if not body:  # only the reasoning is bounded: the rest is free
+        body.append("/(?s:.*)/")
+    start = "body"
+    if opens_reasoning:
+        start = f"{g.reasoning(constraint.thinking_token_budget)} body"
     lines = [f"start: {start}", f"body: {' | '.join(body)}", f"NODSML: {_NO_DSML}", *g.rules]
     return "\n".join(lines) + "\n"
 
@@ -132,15 +140,21 @@ class _Writer:
         self._compiler = compiler
         self.rules: list[str] = []
 
-    def ending(self, name: str, marker: str) -> str:
-        """Free text up to and including `marker`: the marker's token where it is a special
-        token (which text never matches), else one terminal with the text."""
-        token = self._compiler.special_token(marker)
+    def reasoning(self, budget: int | None) -> str:
+        """Free text up to and including `</think>`: its token where it is a special token
+        (which text never matches; then `budget` tokens at most), else one terminal with it."""
+        token = self._compiler.special_token(THINK_END)
         if token is not None:
-            self.rules.append(f"{name}: NODSML")
-            return f"{name} <[{token}]>"
-        self.rules.append(f"{name}: NODSML {_lit(marker)}")
-        return name
+            bound = "" if budget is None else f"[max_tokens={budget}]"
+            self.rules.append(f"reasoning{bound}: NODSML")
+            return f"reasoning <[{token}]>"
+        if budget is not None:
+            raise GrammarError(
+                f"thinking_token_budget needs {THINK_END} as one special token of the tokenizer",
+                param="thinking_token_budget",
+            )
+        self.rules.append(f"REASONING: NODSML {_lit(THINK_END)}")
+        return "REASONING"
 
     def json(self, schema: Mapping[str, Any] | None, strict: bool, param: str) -> str:
         """A JSON value of `schema` (None: any object), checked now when strict."""
