@@ -18,6 +18,7 @@ and it reports which JSON-schema keyword it does not implement, which becomes th
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 
@@ -90,5 +91,6 @@ class GrammarCompiler:
 
 
 def _readable(error: str) -> str:
-    """llguidance's error without its own location prefix lines."""
-    return error.strip().removeprefix("Error: ").strip()
+    """llguidance's error in one line: no location prefix, no grammar listing after it."""
+    first = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    return re.sub(r"^(Error: )?at \d+\(\d+\): ", "", first)

@@ -52,6 +52,7 @@ _DEFS = ("$defs", "definitions")
 # whitespace lets a model that favours it fill max_tokens with it (a known way constrained
 # decoding loops, and why vLLM has --disable-any-whitespace); this way it writes only values.
 _JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_TAG_BREAKERS = frozenset('"<>\n')
 _TRUE, _FALSE = '"true">', '"false">'  # a parameter tag's ends: raw text, or JSON
 
 
@@ -160,9 +161,11 @@ class _Writer:
         """A JSON value of `schema` (None: any object), checked now when strict."""
         schema = {"type": "object"} if schema is None else dict(schema)
         if strict:
-            error = llguidance.LLMatcher.validate_grammar(
-                llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
-            )
+            try:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
+            except ValueError as e:  # not a JSON object
+                raise GrammarError(f"{param}: {e}", param=param) from None
+            error = llguidance.LLMatcher.validate_grammar(grammar)
             if error and not error.startswith("WARNING"):
                 raise GrammarError(f"{param}: {error}", param=param)
         schema["x-guidance"] = {"lenient": not strict, **_JSON_LAYOUT}
@@ -194,8 +197,13 @@ class _Writer:
         parts = []
         for key, sub in properties.items():
             where = f"{tool.param}.properties.{key}"
+            sub = {} if sub is True else sub  # (JSON Schema's `true`: any value)
             if not isinstance(sub, Mapping):
                 raise GrammarError(f"{where} must be a JSON schema object", param=tool.param)
+            if _TAG_BREAKERS.intersection(key):  # it goes into a DSML tag's name="..."
+                raise GrammarError(
+                    f'{where}: a parameter name cannot hold " < > or a newline', param=tool.param
+                )
             opening = f'{PARAM_OPEN} name="{key}" string='
             if sub.get("type") == "string" and set(sub) <= _PLAIN_STRING_KEYS:
                 value = f"{_lit(opening + _TRUE)} STRING_VALUE"
@@ -220,6 +228,10 @@ def _is_object_of_properties(schema: Mapping[str, Any], tool: ToolSchema) -> boo
     unsupported = sorted(set(schema) - _PARAMETERS_KEYS - set(_DEFS))
     if schema.get("type", "object") != "object":
         unsupported.insert(0, "type")
+    if not isinstance(schema.get("properties", {}), Mapping):
+        unsupported.insert(0, "properties")
+    if not isinstance(schema.get("required", []), list):
+        unsupported.insert(0, "required")
     if tool.strict and schema.get("additionalProperties", False) is not False:
         unsupported.append("additionalProperties")  # (OpenAI's strict mode also refuses it)
     if not unsupported:
