@@ -217,7 +217,14 @@ async def _generate(
         ]
         # Every prefill happens here, so their errors keep their HTTP status.
         events = await fan_in([st.flow.generate(gen) for gen in generations])
-        reply = Reply(request_id, st.model.name, body.include_usage, choices)
+        reply = Reply(
+            request_id,
+            st.model.name,
+            body.include_usage,
+            choices,
+            len(prompt_ids),
+            body.continuous_usage,
+        )
         if body.stream:
             # From here the stream owns the slots and the generations.
             return EventStream(events, reply, request.state, slots.pop_all().close)

@@ -70,6 +70,8 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     no_op_fields = fields.STREAM_OPTIONS
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not only the last)
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(_Body):
@@ -83,6 +85,7 @@ class _GenerationRequest(_Body):
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
     stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] = Field(default_factory=list)
     # Each choice is its own generation (prefill included), with seed + i when a seed is given.
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
@@ -116,6 +119,12 @@ class _GenerationRequest(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
@@ -127,7 +136,10 @@ class _GenerationRequest(_Body):
         """The wire sampling params of choice `choice`; unset fields stay unset so the worker
         applies its defaults."""
         params = pb.SamplingParams(
-            max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos
+            max_tokens=max_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
         )
         if (logprobs := self.logprobs_count()) is not None:
             params.logprobs = logprobs
@@ -192,21 +204,29 @@ class MessageToolCall(_Body):
 class ChatMessage(_Body):
     no_op_fields = fields.MESSAGE
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles and the DeepSeek-V4 release's `latest_reminder`
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: Text | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
     tool_call_id: Text | None = None  # tool: the call this result answers
-    reasoning_content: Text | None = None  # assistant: its reasoning (kept where tools are)
+    # assistant: its reasoning (kept where tools are; a client may leave it out)
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None  # vLLM's newer name for reasoning_content
 
     @model_validator(mode="after")
     def _fields_of_their_roles(self) -> ChatMessage:
         for name, role in (
             ("tool_calls", "assistant"),
             ("reasoning_content", "assistant"),
+            ("reasoning", "assistant"),
             ("tool_call_id", "tool"),
         ):
             if getattr(self, name) and self.role != role:
                 raise ValueError(f"'{name}' belongs on {role} messages, not on {self.role} ones")
+        if None not in (self.reasoning, self.reasoning_content) and (
+            self.reasoning != self.reasoning_content
+        ):
+            raise ValueError("'reasoning' and 'reasoning_content' differ; send one of them")
         return self
 
     @field_validator("content", mode="before")
@@ -231,9 +251,11 @@ class ChatMessage(_Body):
             message["content"] = self.content or ""
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
-        for name in ("tool_call_id", "reasoning_content"):
-            if getattr(self, name) is not None:
-                message[name] = getattr(self, name)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning is None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
