@@ -28,11 +28,11 @@ from services.registry import ROLES, RegistryWatcher
 
 from .admission import Admission, KeyLimit
 from .body import LimitedRoute
-from .choices import ChatChoice, Choice, TextChoice
+from .choices import ChatChoice, Choice, Echo, TextChoice
 from .clients import WorkerClients
 from .errors import APIError, error_responses, install_handlers
 from .fanout import fan_in
-from .logprobs import TokenTexts
+from .logprobs import PromptLogprobs, TokenTexts
 from .metrics import RequestCounter, RequestTimer, RouterMetrics
 from .model import ServedModel
 from .pd import Generation, PDFlow
@@ -188,16 +188,25 @@ async def _generate(
         key = request.state.api_key
         st.key_limit.acquire(key)  # before tokenizing: a key over its limit costs nothing
         slots.callback(st.key_limit.release, key)
-        texts = TokenTexts(st.model.tokenizer) if body.logprobs_count() is not None else None
-        choices: list[Choice]
+        texts = TokenTexts(st.model.tokenizer)
+        logprob_texts = texts if body.logprobs_count() is not None else None
+        choices: list[Choice] = []
+        prompts: list[list[int]] = []  # each choice's
         if isinstance(body, ChatCompletionRequest):
             prompt, prompt_ids = await st.model.chat_ids(body)
-            choices = [ChatChoice(i, prompt, texts) for i in range(body.n)]
+            scored = _prompt_logprobs(texts, prompt_ids, body.prompt_logprobs)
+            choices = [ChatChoice(i, prompt, logprob_texts, scored) for i in range(body.n)]
+            prompts = [prompt_ids] * body.n
         else:
-            prompt_ids = await st.model.completion_ids(body)
-            choices = [TextChoice(i, texts) for i in range(body.n)]
+            # Batched prompts: one choice per prompt and n, prompt-major (vLLM's order).
+            for ids, text in await st.model.completion_prompts(body):
+                echo = Echo(text, ids, body.logprobs) if body.echo else None
+                scored = _prompt_logprobs(texts, ids, body.prompt_logprobs)
+                for _ in range(body.n):
+                    choices.append(TextChoice(len(choices), logprob_texts, echo, scored))
+                    prompts.append(ids)
         requested = body.requested_max_tokens()
-        max_tokens = st.model.max_tokens(len(prompt_ids), requested, prompt_param)
+        budgets = [st.model.max_tokens(len(ids), requested, prompt_param) for ids in prompts]
         timeout_s = st.settings.request_timeout_s
         # One admission slot per request, whatever its n.
         await st.admission.acquire(arrival + timeout_s - time.monotonic())
@@ -206,23 +215,26 @@ async def _generate(
         generations = [
             Generation(
                 # Workers key requests by id: each choice is a request of its own there.
-                request_id=request_id if body.n == 1 else f"{request_id}-{i}",
-                prompt_ids=prompt_ids,
-                sampling=body.sampling(max_tokens, choice=i),
+                request_id=request_id if len(choices) == 1 else f"{request_id}-{i}",
+                prompt_ids=ids,
+                # max_tokens 0 (echo): the prompt's logprobs need one prefill step anyway
+                sampling=body.sampling(max(budget, 1), choice=i % body.n),
                 deadline=arrival + timeout_s,
                 timeout_s=timeout_s,
                 timer=RequestTimer(st.metrics, arrival),
+                prompt_only=budget == 0,
             )
-            for i in range(body.n)
+            for i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True))
         ]
         # Every prefill happens here, so their errors keep their HTTP status.
         events = await fan_in([st.flow.generate(gen) for gen in generations])
+        prompt_tokens = sum(len(ids) for ids in prompts[:: body.n])  # each prompt once
         reply = Reply(
             request_id,
             st.model.name,
             body.include_usage,
             choices,
-            len(prompt_ids),
+            prompt_tokens,
             body.continuous_usage,
         )
         if body.stream:
@@ -232,6 +244,10 @@ async def _generate(
             return await answer(events, reply, request)
         finally:
             await events.aclose()
+
+
+def _prompt_logprobs(texts: TokenTexts, ids: list[int], k: int | None) -> PromptLogprobs | None:
+    return None if k is None else PromptLogprobs(texts, ids, k)
 
 
 @_tokens.post("/tokenize")

@@ -90,7 +90,6 @@ CHAT: Mapping[str, NoOp] = {
 # /v1/completions only.
 COMPLETION: Mapping[str, NoOp] = {
     **GENERATION,
-    "echo": FALSE,
     "best_of": NoOp((1,)),
     "suffix": NoOp(("",)),
 }

@@ -65,7 +65,11 @@ class Reply:
     def answer(self) -> JSON:
         """The whole answer, once every choice has finished."""
         choices = [choice.answer() for choice in self.choices]
-        return {**self._head(self.object), "choices": choices, "usage": self._usage()}
+        answer = {**self._head(self.object), "choices": choices, "usage": self._usage()}
+        first = self.choices[0]
+        if isinstance(first, ChatChoice) and first.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = first.prompt_logprobs  # (vLLM: the chat's, once)
+        return answer
 
     def _usage(self) -> JSON:
         prompt = self.prompt_tokens

@@ -38,6 +38,8 @@ INT32_MAX = 2**31 - 1  # top_k on the wire
 INT64 = 2**63  # OpenAI's seed is a signed 64-bit integer
 SEED_SPAN = 2**63  # the worker takes seeds in [0, 2**63) (a torch generator's range)
 MAX_CHOICES = 16  # `n`: each choice is a generation of its own (fanout.py)
+MAX_PROMPTS = 64  # a completion's batch of prompts
+MAX_GENERATIONS = 256  # prompts x n of one request
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -92,6 +94,8 @@ class _GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
+    # vLLM's: each prompt token's logprob (the first: null) and this many alternatives
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -113,6 +117,8 @@ class _GenerationRequest(_Body):
     def _stream_options_need_stream(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true (as in vLLM)")
         return self
 
     @property
@@ -132,6 +138,10 @@ class _GenerationRequest(_Body):
         """Alternatives per token the worker should list (None: no logprobs)."""
         raise NotImplementedError
 
+    def prompt_logprobs_count(self) -> int | None:
+        """Alternatives per prompt token the prefill worker should list (None: none)."""
+        return self.prompt_logprobs
+
     def sampling(self, max_tokens: int, choice: int = 0) -> pb.SamplingParams:
         """The wire sampling params of choice `choice`; unset fields stay unset so the worker
         applies its defaults."""
@@ -143,6 +153,8 @@ class _GenerationRequest(_Body):
         )
         if (logprobs := self.logprobs_count()) is not None:
             params.logprobs = logprobs
+        if (prompt_logprobs := self.prompt_logprobs_count()) is not None:
+            params.prompt_logprobs = prompt_logprobs
         if self.temperature is not None:
             params.temperature = self.temperature
         if self.top_p is not None:
@@ -327,34 +339,57 @@ class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
+    """A text completion as vLLM serves it: a prompt or a batch of prompts (texts or token id
+    lists; one choice per prompt and `n`, prompt-major), `echo` (the prompt before each choice's
+    text, with its tokens' logprobs first when `logprobs` is set, the first one null), and
+    `max_tokens: 0` with `echo` (the prompt alone: what loglikelihood evaluations ask)."""
+
     no_op_fields = fields.COMPLETION
 
-    prompt: Text | list[int]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0, le=UINT32_MAX)
     # Each token's logprob and this many likeliest alternatives.
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: BOS before a text prompt
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _single_prompt(cls, prompt: object) -> object:
-        """OpenAI also takes a batch of prompts; one is unwrapped, more are refused."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(
-                    f"batched prompts are not supported ({len(prompt)} given); "
-                    "send one prompt per request"
-                )
-            return prompt[0]
-        return prompt
+    def prompt_logprobs_count(self) -> int | None:
+        wanted = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return max(wanted, default=None)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request, in order."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     @field_validator("prompt")
     @classmethod
-    def _not_empty(cls, prompt: str | list[int]) -> str | list[int]:
+    def _not_empty(cls, prompt: str | list[Any]) -> str | list[Any]:
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
+        if not isinstance(prompt, str) and isinstance(prompt[0], str | list):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+            if any(len(p) == 0 for p in prompt):
+                raise ValueError("a prompt of the batch is empty")
         return prompt
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing; it is only allowed with echo")
+        if len(self.prompts()) * self.n > MAX_GENERATIONS:
+            raise ValueError(
+                f"prompts x n makes {len(self.prompts()) * self.n} generations; "
+                f"at most {MAX_GENERATIONS} per request"
+            )
+        return self
 
 
 class TokenizeChatRequest(ChatPromptFields):
