@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import random
-import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,14 +26,13 @@ from services.registry import ROLES, RegistryWatcher
 
 from .admission import Admission, KeyLimit
 from .body import LimitedRoute
-from .choices import ChatChoice, Choice, Echo, TextChoice
 from .clients import WorkerClients
 from .errors import APIError, error_responses, install_handlers
-from .fanout import fan_in
-from .logprobs import PromptLogprobs, TokenTexts
-from .metrics import RequestCounter, RequestTimer, RouterMetrics
+from .generation import launch, router_state
+from .logprobs import TokenTexts
+from .metrics import RequestCounter, RouterMetrics
 from .model import ServedModel
-from .pd import Generation, PDFlow
+from .pd import PDFlow
 from .responses import Reply
 from .schemas import (
     ChatCompletionRequest,
@@ -46,7 +43,7 @@ from .schemas import (
 )
 from .selection import WorkerSelector
 from .settings import RouterSettings
-from .streaming import EventStream, answer
+from .streaming import EventStream, OpenAIStream, answer
 
 
 @dataclass(frozen=True)
@@ -116,8 +113,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     return app
 
 
-def _state(request: Request) -> RouterState:
-    return request.app.state.router
+_state = router_state
 
 
 async def _require_api_key(request: Request) -> None:
@@ -179,75 +175,27 @@ async def _generate(
     id_prefix: str,
     prompt_param: str,
 ) -> Response:
-    arrival = time.monotonic()
-    st = _state(request)
-    st.model.check_name(body.model)
     # What the request holds is released when its answer is complete: by the stream once it
     # owns them, else on leaving this block.
     with contextlib.ExitStack() as slots:
-        key = request.state.api_key
-        st.key_limit.acquire(key)  # before tokenizing: a key over its limit costs nothing
-        slots.callback(st.key_limit.release, key)
-        texts = TokenTexts(st.model.tokenizer)
-        logprob_texts = texts if body.logprobs_count() is not None else None
-        choices: list[Choice] = []
-        prompts: list[list[int]] = []  # each choice's
-        if isinstance(body, ChatCompletionRequest):
-            prompt, prompt_ids = await st.model.chat_ids(body)
-            scored = _prompt_logprobs(texts, prompt_ids, body.prompt_logprobs)
-            choices = [ChatChoice(i, prompt, logprob_texts, scored) for i in range(body.n)]
-            prompts = [prompt_ids] * body.n
-        else:
-            # Batched prompts: one choice per prompt and n, prompt-major (vLLM's order).
-            for ids, text in await st.model.completion_prompts(body):
-                echo = Echo(text, ids, body.logprobs) if body.echo else None
-                scored = _prompt_logprobs(texts, ids, body.prompt_logprobs)
-                for _ in range(body.n):
-                    choices.append(TextChoice(len(choices), logprob_texts, echo, scored))
-                    prompts.append(ids)
-        requested = body.requested_max_tokens()
-        budgets = [st.model.max_tokens(len(ids), requested, prompt_param) for ids in prompts]
-        timeout_s = st.settings.request_timeout_s
-        # One admission slot per request, whatever its n.
-        await st.admission.acquire(arrival + timeout_s - time.monotonic())
-        slots.callback(st.admission.release)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        generations = [
-            Generation(
-                # Workers key requests by id: each choice is a request of its own there.
-                request_id=request_id if len(choices) == 1 else f"{request_id}-{i}",
-                prompt_ids=ids,
-                # max_tokens 0 (echo): the prompt's logprobs need one prefill step anyway
-                sampling=body.sampling(max(budget, 1), choice=i % body.n),
-                deadline=arrival + timeout_s,
-                timeout_s=timeout_s,
-                timer=RequestTimer(st.metrics, arrival),
-                prompt_only=budget == 0,
-            )
-            for i, (ids, budget) in enumerate(zip(prompts, budgets, strict=True))
-        ]
-        # Every prefill happens here, so their errors keep their HTTP status.
-        events = await fan_in([st.flow.generate(gen) for gen in generations])
-        prompt_tokens = sum(len(ids) for ids in prompts[:: body.n])  # each prompt once
+        run = await launch(request, body, id_prefix, prompt_param, slots)
         reply = Reply(
-            request_id,
-            st.model.name,
+            run.request_id,
+            run.model,
             body.include_usage,
-            choices,
-            prompt_tokens,
+            run.choices,
+            run.prompt_tokens,
             body.continuous_usage,
         )
         if body.stream:
             # From here the stream owns the slots and the generations.
-            return EventStream(events, reply, request.state, slots.pop_all().close)
+            return EventStream(
+                run.events, OpenAIStream(reply), request.state, slots.pop_all().close
+            )
         try:
-            return await answer(events, reply, request)
+            return await answer(run.events, reply.chunks, reply.answer, request)
         finally:
-            await events.aclose()
-
-
-def _prompt_logprobs(texts: TokenTexts, ids: list[int], k: int | None) -> PromptLogprobs | None:
-    return None if k is None else PromptLogprobs(texts, ids, k)
+            await run.events.aclose()
 
 
 @_tokens.post("/tokenize")
