@@ -119,7 +119,8 @@ async def test_invalid_chat_fields_are_400(
         ({"max_tokens": 0}, None, "only allowed with echo"),
         ({"prompt_logprobs": 1, "stream": True}, None, "not available when stream"),
         ({"prompt": ["a", ""]}, "prompt", "batch is empty"),
-        ({"prompt": ["a"] * 65}, "prompt", "at most 64"),
+        ({"prompt": ["a"] * 65}, None, "at most 64"),
+        ({"prompt": ["a"] * 5, "n": 16}, None, "at most 64"),
         ({"prompt": [[1, 2], [300]]}, "prompt[1]", "Token ids must be in"),
     ],
 )

@@ -46,6 +46,7 @@ def router_api(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
 OPERATIONS = [
     "POST /v1/chat/completions",
     "POST /v1/completions",
+    "POST /v1/messages",
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",

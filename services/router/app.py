@@ -24,6 +24,7 @@ from services.kv_events import CacheIndex
 from services.metrics import exposition
 from services.registry import ROLES, RegistryWatcher
 
+from . import anthropic
 from .admission import Admission, KeyLimit
 from .body import LimitedRoute
 from .clients import WorkerClients
@@ -105,9 +106,10 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
 
     app = FastAPI(title="dsaserve router", lifespan=lifespan)
     app.state.router = state
-    install_handlers(app)
+    install_handlers(app, {anthropic.PATH: anthropic.error_body})
     app.add_middleware(RequestCounter, metrics=metrics)
     app.include_router(_v1)
+    app.include_router(anthropic.router, dependencies=[Depends(_require_api_key)])
     app.include_router(_tokens)
     app.include_router(_ops)
     return app
@@ -123,6 +125,8 @@ async def _require_api_key(request: Request) -> None:
     if not keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if "x-api-key" in request.headers:  # Anthropic's header
+        scheme, token = "bearer", request.headers["x-api-key"]
     presented = token.strip().encode()
     # compare_digest on every key: the time taken must not reveal how much of a key matched.
     valid = [hmac.compare_digest(presented, key.encode()) for key in keys]
@@ -130,8 +134,8 @@ async def _require_api_key(request: Request) -> None:
     if scheme.lower() != "bearer" or request.state.api_key is None:
         raise APIError(
             401,
-            "Missing or invalid API key: send 'Authorization: Bearer <key>' with a key the "
-            "router was given (--api-key).",
+            "Missing or invalid API key: send 'Authorization: Bearer <key>' (or "
+            "'x-api-key: <key>') with a key the router was given (--api-key).",
             code="invalid_api_key",
         )
 

@@ -39,7 +39,7 @@ INT64 = 2**63  # OpenAI's seed is a signed 64-bit integer
 SEED_SPAN = 2**63  # the worker takes seeds in [0, 2**63) (a torch generator's range)
 MAX_CHOICES = 16  # `n`: each choice is a generation of its own (fanout.py)
 MAX_PROMPTS = 64  # a completion's batch of prompts
-MAX_GENERATIONS = 256  # prompts x n of one request
+MAX_GENERATIONS = 64  # prompts x n of one request
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
