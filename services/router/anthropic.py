@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Discriminator, Field, ValidationError
+from pydantic import Discriminator, Field, StrictBool, ValidationError
 
 from .body import LimitedRoute
 from .choices import ChatChoice
@@ -81,7 +81,7 @@ class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: Text
     content: Text | list[TextBlock] | None = None
-    is_error: bool = False
+    is_error: StrictBool = False
     cache_control: JSON | None = None
 
 
@@ -106,7 +106,7 @@ class Tool(_Body):
 class ToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
     name: FunctionName | None = None
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: StrictBool | None = None
 
 
 class Thinking(_Body):
@@ -120,7 +120,7 @@ class MessagesRequest(_Body):
     messages: list[InputMessage] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
     stop_sequences: list[Text] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
