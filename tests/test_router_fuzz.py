@@ -47,6 +47,8 @@ OPERATIONS = [
     "POST /v1/chat/completions",
     "POST /v1/completions",
     "POST /v1/messages",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",

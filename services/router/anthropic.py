@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Discriminator, Field, StrictBool, ValidationError
+from pydantic import BaseModel, Discriminator, Field, StrictBool, ValidationError
 
 from .body import LimitedRoute
 from .choices import ChatChoice
@@ -45,6 +45,18 @@ _ERROR_TYPES = {
 }
 # Chat finish reasons -> Anthropic's stop reasons.
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Every error response's body on this route."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
 
 
 def error_body(error: APIError) -> JSON:
@@ -289,7 +301,7 @@ class MessageWriter:
         start["usage"] = {**self._usage(0), "output_tokens": 0}
         return _event("message_start", {"message": start})
 
-    def event(self, index: int, event: Event) -> bytes:
+    async def event(self, index: int, event: Event) -> bytes:
         if isinstance(event, Finish):
             self._finish = event
             delta = self._choice.finish(event)
@@ -381,7 +393,9 @@ def _event(kind: str, data: JSON) -> bytes:
 
 # ---------------------------------------------------------------- the route
 
-router = APIRouter(route_class=LimitedRoute, responses=error_responses(401))
+router = APIRouter(
+    route_class=LimitedRoute, responses=error_responses(401, body=AnthropicErrorBody)
+)
 
 
 @router.post(
@@ -391,7 +405,7 @@ router = APIRouter(route_class=LimitedRoute, responses=error_responses(401))
             "description": "The message: one JSON object, or with `stream` its events (SSE)",
             "content": {"application/json": {}, "text/event-stream": {}},
         },
-        **error_responses(400, 401, 404, 413, 429, 503, 504),
+        **error_responses(400, 401, 404, 413, 429, 503, 504, body=AnthropicErrorBody),
     },
 )
 async def messages(body: MessagesRequest, request: Request) -> Response:

@@ -24,7 +24,7 @@ from services.kv_events import CacheIndex
 from services.metrics import exposition
 from services.registry import ROLES, RegistryWatcher
 
-from . import anthropic
+from . import anthropic, responses_api
 from .admission import Admission, KeyLimit
 from .body import LimitedRoute
 from .clients import WorkerClients
@@ -34,6 +34,7 @@ from .logprobs import TokenTexts
 from .metrics import RequestCounter, RouterMetrics
 from .model import ServedModel
 from .pd import PDFlow
+from .response_store import ResponseStore
 from .responses import Reply
 from .schemas import (
     ChatCompletionRequest,
@@ -58,6 +59,7 @@ class RouterState:
     key_limit: KeyLimit
     selector: WorkerSelector
     flow: PDFlow
+    responses: ResponseStore  # the Responses API's stored responses
 
 
 def create_app(settings: RouterSettings, rng: random.Random | None = None) -> FastAPI:
@@ -89,7 +91,10 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     )
     key_limit = KeyLimit(s.max_inflight_per_key)
     flow = PDFlow(selector, clients, s.stall_timeout_s)
-    state = RouterState(s, model, metrics, watcher, clients, admission, key_limit, selector, flow)
+    store = ResponseStore(s.redis_url, s.response_ttl_s)
+    state = RouterState(
+        s, model, metrics, watcher, clients, admission, key_limit, selector, flow, store
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -103,6 +108,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
                 await cache.stop()
             await watcher.stop()
             await clients.close()
+            await store.close()
 
     app = FastAPI(title="dsaserve router", lifespan=lifespan)
     app.state.router = state
@@ -110,6 +116,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     app.add_middleware(RequestCounter, metrics=metrics)
     app.include_router(_v1)
     app.include_router(anthropic.router, dependencies=[Depends(_require_api_key)])
+    app.include_router(responses_api.router, dependencies=[Depends(_require_api_key)])
     app.include_router(_tokens)
     app.include_router(_ops)
     return app

@@ -228,13 +228,16 @@ _DESCRIPTIONS = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def error_responses(
+    *statuses: int, body: type[BaseModel] = ErrorBody
+) -> dict[int | str, dict[str, Any]]:
     """OpenAPI responses for these error statuses (and a 500 as the default), so /openapi.json
-    lists what the router really sends: its own error body, never FastAPI's 422."""
+    lists what the router really sends: its own error body (`body`: another API's shape of it),
+    never FastAPI's 422."""
     responses: dict[int | str, dict[str, Any]] = {}
     keys: tuple[int | str, ...] = (*statuses, "default")
     for status in keys:
-        response: dict[str, Any] = {"model": ErrorBody, "description": _DESCRIPTIONS[status]}
+        response: dict[str, Any] = {"model": body, "description": _DESCRIPTIONS[status]}
         if status in (429, 503):
             response["headers"] = {
                 "Retry-After": {

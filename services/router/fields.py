@@ -104,7 +104,20 @@ STREAM_OPTIONS: Mapping[str, NoOp] = {
     "include_obfuscation": FALSE,
 }
 
-_ALL = (CHAT, COMPLETION, MESSAGE, STREAM_OPTIONS)
+# /v1/responses.
+RESPONSES: Mapping[str, NoOp] = {
+    "background": FALSE,
+    "conversation": NULL,
+    "prompt": NULL,
+    "top_logprobs": ZERO,
+    "service_tier": NoOp(("auto", "default")),
+    "prompt_cache_retention": NULL,
+    "max_tool_calls": NULL,
+    "context_management": NULL,
+    "stream_options": NoOp(({"include_obfuscation": False},)),
+}
+
+_ALL = (CHAT, COMPLETION, MESSAGE, STREAM_OPTIONS, RESPONSES)
 
 
 def drop_no_ops(data: object, table: Mapping[str, NoOp], declared: Callable[[str], bool]) -> object:

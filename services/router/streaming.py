@@ -52,8 +52,9 @@ class StreamWriter(Protocol):
 
     def opening(self) -> bytes: ...
 
-    def event(self, index: int, event: Event) -> bytes:
-        """What choice `index`'s event adds (b"" for nothing yet)."""
+    async def event(self, index: int, event: Event) -> bytes:
+        """What choice `index`'s event adds (b"" for nothing yet); a writer may await here
+        (the Responses API stores a response before saying it is complete)."""
         ...
 
     def error(self, error: APIError) -> bytes:
@@ -73,7 +74,7 @@ class OpenAIStream:
     def opening(self) -> bytes:
         return b"".join(sse(chunk) for chunk in self._reply.opening_chunks())
 
-    def event(self, index: int, event: Event) -> bytes:
+    async def event(self, index: int, event: Event) -> bytes:
         return b"".join(sse(chunk) for chunk in self._reply.chunks(index, event))
 
     def error(self, error: APIError) -> bytes:
@@ -116,7 +117,7 @@ class EventStream(StreamingResponse):
             if opening := writer.opening():
                 yield opening
             async for index, event in self._events:
-                if data := writer.event(index, event):
+                if data := await writer.event(index, event):
                     yield data
         except APIError as e:
             self._state.failure = e
