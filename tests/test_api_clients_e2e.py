@@ -172,3 +172,61 @@ def test_vllm_completion_extensions(stack, model, llm, client) -> None:
     assert all(u is not None and u.prompt_tokens == len(tokens) for u in usages)
     assert usages[-1].completion_tokens == 4
     wait_all_kv_free(stack.prefill, stack.decode)
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather of a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+
+
+def test_anthropic_sdk_messages(stack, model) -> None:
+    """The anthropic SDK's messages.create, whole and streamed, with a tool and thinking, on
+    real workers: well-formed messages, usage that adds up, and the KV freed."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0) as client:
+        request = {
+            "model": model.name,
+            "max_tokens": 6,
+            "system": "Be brief.",
+            "messages": [{"role": "user", "content": "Weather in Lima?"}],
+            "tools": [WEATHER],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        }
+        message = client.messages.create(**request)
+        assert message.content and message.content[0].type == "thinking"
+        assert message.stop_reason in ("max_tokens", "end_turn", "tool_use")
+        assert message.usage.output_tokens <= 6
+        with client.messages.stream(**request) as stream:
+            kinds = [event.type for event in stream]
+            streamed = stream.get_final_message()
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+        # (the second time the prompt comes from the prefix cache)
+        total = streamed.usage.input_tokens + streamed.usage.cache_read_input_tokens
+        assert total == message.usage.input_tokens + message.usage.cache_read_input_tokens
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+def test_openai_responses(stack, model) -> None:
+    """responses.create whole, streamed and continued by previous_response_id, on real workers.
+    (The Agents SDK's tool loop runs against scripted workers, tests/test_router_responses.py:
+    it treats a reply cut by max_output_tokens as an error, and this random-weight model ends
+    none by itself.)"""
+    import openai
+
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0) as client:
+        first = client.responses.create(model=model.name, input="Hi", max_output_tokens=4)
+        assert first.status in ("completed", "incomplete") and first.output
+        again = client.responses.create(
+            model=model.name, input="And?", previous_response_id=first.id, max_output_tokens=4
+        )
+        assert again.usage.input_tokens > first.usage.input_tokens
+        with client.responses.stream(model=model.name, input="Hi", max_output_tokens=4) as s:
+            kinds = [event.type for event in s]
+        assert kinds[0] == "response.created" and kinds[-1] in (
+            "response.completed",
+            "response.incomplete",
+        )
+    wait_all_kv_free(stack.prefill, stack.decode)
