@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import models
-from engine.async_copy import ToHost
+from engine.async_copy import ToHost, to_device
 from engine.checkpoint import model_identity
 from engine.config import EngineConfig
 from engine.kv.block_hash import cache_salt
@@ -46,6 +46,7 @@ from engine.parallel.launch import Followers
 from engine.profiling import profiled
 from engine.rank import build_runner, device_of, follower_main, keeps_quantized
 from engine.request import KVPages, Listener, Request, RequestError, RequestOutput, Status
+from engine.runner import PromptRows
 from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -348,13 +349,16 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch's forward and sampling on the device; nothing here waits for it."""
-        samplers, logits = self.runner.execute(batch)
+        samplers, logits, prompt_rows = self.runner.execute(batch)
+        if self.tokenizer.vocab_size < logits.shape[1]:
+            # A padded embedding has rows no token maps to; never sample or score them.
+            logits[:, self.tokenizer.vocab_size :] = float("-inf")
+        if prompt_rows:
+            self._score_prompts(prompt_rows, logits[len(samplers) :])
         if not samplers:
             return LaunchedStep([], ToHost())
+        logits = logits[: len(samplers)]
         with profiled("sample"):
-            if self.tokenizer.vocab_size < logits.shape[1]:
-                # A padded embedding has rows no token maps to; never sample them.
-                logits[:, self.tokenizer.vocab_size :] = float("-inf")
             mask = self._bitmask(samplers, logits.device)
             draws = [len(r.output_token_ids) + r.num_inflight for r in samplers]
             tokens = sample(logits, [r.params for r in samplers], draws, mask)  # [S] on the device
@@ -384,6 +388,22 @@ class LLMEngine:
             req.grammar.advance(req.output_token_ids)
             rows.append((row, req.grammar))
         return self.constraints.bitmask(rows, device)
+
+    @staticmethod
+    def _score_prompts(spans: list[PromptRows], logits: torch.Tensor) -> None:
+        """The prompt logprobs these rows' logits [P, vocab] give, onto their requests. Read on
+        the host at once (a wait that only steps prefilling such a request pay)."""
+        targets = [t for span in spans for t in span.targets()]
+        counts: list[int | None] = [
+            span.request.params.prompt_logprobs for span in spans for _ in range(span.count)
+        ]
+        table = logprob_table(logits, to_device(targets, torch.int64, logits.device), counts)
+        entries = iter(read_logprobs(None if table is None else table.cpu(), counts))
+        for span in spans:
+            for _ in range(span.count):
+                entry = next(entries)
+                assert entry is not None  # (every row asked)
+                span.request.prompt_logprobs.append(entry)
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's ids and hand each request its output."""
@@ -423,6 +443,8 @@ class LLMEngine:
                 finished=finished or req.prefill_only,
                 logprobs=None if token_lp is None else [token_lp],
             )
+            if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+                out.prompt_logprobs = list(req.prompt_logprobs)
             if req.listener is not None:
                 req.listener(out)
             outputs.append(out)
@@ -454,7 +476,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [T, vocab] of one causal forward over token_ids (no sampling)."""
+        """fp32 logits [T, vocab] of one causal forward over token_ids (no sampling); vocab:
+        the model's embedding rows, a padded embedding's included (LLM.score drops those)."""
         if self.scheduler.waiting or self.scheduler.running:
             raise RuntimeError("score() needs an idle engine")
         if self._in_flight is not None:  # (only rows of finished requests can be left in it)

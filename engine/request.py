@@ -33,6 +33,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    # With the first token, when the request asked: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] | None = None
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache instead of computed
 
 
@@ -88,6 +90,8 @@ class Request:
     branch_point: int | None = None
     lease_deadline: float | None = None  # HELD: time.monotonic() after which the KV is freed
     grammar: GrammarState | None = None  # structured output: where the output is in its grammar
+    # params.prompt_logprobs: those of prompt tokens 1.. computed so far (a chunk at a time)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def slab_row(self) -> int:

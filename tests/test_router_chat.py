@@ -559,3 +559,66 @@ def test_text_offsets_where_bytes_do_not_make_whole_characters(v4_router_model_d
     offsets += logprobs.chunk(ids[3:], [lp] * 2)["text_offset"]
     assert texts.tokenizer.decode(ids) == "é\ufffdH!"
     assert offsets == [0, 0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- release inputs, vLLM fields
+
+
+@pytest.mark.asyncio
+async def test_release_inputs_and_vllm_spellings_are_accepted(v4: V4) -> None:
+    """`latest_reminder` messages, chat_template_kwargs' reasoning_effort, vLLM's `reasoning`
+    for `reasoning_content`, and a tool loop whose client left the reasoning out: each renders
+    the release's prompt, and the reply after a reminder in thinking mode opens in reasoning."""
+    router = await v4.router()
+    reminder = [*CHAT["messages"], {"role": "latest_reminder", "content": "Answer in Celsius."}]
+    v4.script([REPLY])
+    body = {"model": MODEL, "messages": reminder, "tools": [WEATHER, NOW]} | THINKING
+    message = (await post(router, "/v1/chat/completions", body))["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (REASONING, CONTENT)
+    prompt = (await post(router, "/detokenize", {"tokens": v4.last_prompt()}))["prompt"]
+    assert prompt == encode_messages(reminder, thinking=True, tools=[WEATHER, NOW])
+    assert prompt.endswith("<think><｜latest_reminder｜>Answer in Celsius.")
+
+    max_effort = await post(router, "/tokenize", CHAT | {"reasoning_effort": "max"})
+    as_kwarg = CHAT | {"chat_template_kwargs": {"reasoning_effort": "max"}}
+    assert (await post(router, "/tokenize", as_kwarg))["tokens"] == max_effort["tokens"]
+    both = as_kwarg | {"reasoning_effort": "high"}
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        refused = await http.post("/v1/chat/completions", json=both)
+    assert refused.status_code == 400 and "disagree" in refused.json()["error"]["message"]
+
+    renamed = [
+        {**m, "reasoning": m.pop("reasoning_content")} if m["role"] == "assistant" else m
+        for m in [dict(m) for m in HISTORY]
+    ]
+    tools = {"tools": [WEATHER, NOW]} | THINKING
+    named = await post(router, "/tokenize", {"messages": HISTORY} | tools)
+    assert (await post(router, "/tokenize", {"messages": renamed} | tools)) == named
+    # Without its reasoning, the earlier turn keeps an empty one: served, not refused.
+    bare = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in HISTORY]
+    v4.script([REPLY])
+    await post(router, "/v1/chat/completions", {"model": MODEL, "messages": bare} | tools)
+    prompt = (await post(router, "/detokenize", {"tokens": v4.last_prompt()}))["prompt"]
+    assert "</think>Checking." in prompt and "Two tools." not in prompt
+
+
+@pytest.mark.asyncio
+async def test_continuous_usage_stats_and_stop_token_ids(v4: V4) -> None:
+    """guidellm's default stream: vLLM's continuous_usage_stats puts the usage so far in every
+    chunk; stop_token_ids reach the workers."""
+    router = await v4.router()
+    v4.script(["Sun", "ny", " and", " warm."])
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = CHAT | {"stream_options": options, "stop_token_ids": [7, 9]}
+    chunks = await stream(router, body)
+    prompt_tokens = len(v4.last_prompt())
+    usages = [c["usage"] for c in chunks if c["choices"]]  # (the last chunk: the final usage)
+    assert all(u["prompt_tokens"] == prompt_tokens for u in usages)
+    outs = [u["completion_tokens"] for u in usages]
+    # (the scripted prefill sends one id, each decode chunk one per byte)
+    assert outs == sorted(outs) and outs[0] == 0 and outs[-1] == 1 + len(b"ny and warm.")
+    assert all(u["total_tokens"] == prompt_tokens + u["completion_tokens"] for u in usages)
+    assert list(v4.prefill.prefill_requests[-1].sampling.stop_token_ids) == [7, 9]
+    # Without include_usage it adds nothing, as in vLLM.
+    plain = await stream(router, CHAT | {"stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in plain)

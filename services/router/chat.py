@@ -5,7 +5,9 @@ Thinking (the V4 encoder's thinking mode; `thinking` and `enable_thinking` for a
 
 1. `chat_template_kwargs: {"thinking": bool}` or `{"enable_thinking": bool}` (vLLM's convention)
    when given;
-2. else on exactly when `reasoning_effort` is given and is not "none";
+2. else on exactly when `reasoning_effort` is given and is not "none" (the request's field, or
+   `chat_template_kwargs.reasoning_effort`, as DeepSeek's own examples send it; both at once
+   must agree);
 3. else the router's `--default-thinking` (off unless set).
 
 `reasoning_effort`, OpenAI's values onto DeepSeek-V4's two levels (as DeepSeek's own API maps
@@ -51,6 +53,7 @@ EFFORTS: Mapping[str, tuple[bool, str | None]] = {
     "max": (True, "max"),
 }
 _SWITCHES = ("thinking", "enable_thinking")
+_EFFORT_KWARG = "reasoning_effort"  # chat_template_kwargs' spelling of the request's field
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,9 @@ def chat_prompt(
             param="tools",
         )
     variables = {
-        k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in _SWITCHES
+        k: v
+        for k, v in (request.chat_template_kwargs or {}).items()
+        if k not in (*_SWITCHES, _EFFORT_KWARG)
     }
     text = fmt.render(
         [m.for_template() for m in request.messages],
@@ -133,13 +138,14 @@ def _thinking(request: ChatPromptFields, default: bool) -> tuple[bool, str | Non
             param="chat_template_kwargs",
         )
     explicit = next(iter(switches.values()), None)
+    requested_effort = _requested_effort(request.reasoning_effort, kwargs.get(_EFFORT_KWARG))
     implied, effort = (None, None)
-    if request.reasoning_effort is not None:
-        implied, effort = EFFORTS[request.reasoning_effort]
+    if requested_effort is not None:
+        implied, effort = EFFORTS[requested_effort]
     if explicit is not None and implied is not None and explicit != implied:
         raise APIError(
             400,
-            f"reasoning_effort {request.reasoning_effort!r} turns thinking "
+            f"reasoning_effort {requested_effort!r} turns thinking "
             f"{'on' if implied else 'off'}, but chat_template_kwargs turns it "
             f"{'on' if explicit else 'off'}",
             param="reasoning_effort",
@@ -147,3 +153,24 @@ def _thinking(request: ChatPromptFields, default: bool) -> tuple[bool, str | Non
     asked = explicit if explicit is not None else implied
     thinking = default if asked is None else asked
     return thinking, effort if thinking else None
+
+
+def _requested_effort(field: str | None, kwarg: object) -> str | None:
+    """The reasoning effort asked for by the request's field or its chat_template_kwargs."""
+    if kwarg is None:
+        return field
+    if not isinstance(kwarg, str) or kwarg not in EFFORTS:
+        raise APIError(
+            400,
+            f"chat_template_kwargs.{_EFFORT_KWARG} must be one of {', '.join(EFFORTS)}; "
+            f"got {kwarg!r}",
+            param="chat_template_kwargs",
+        )
+    if field is not None and field != kwarg:
+        raise APIError(
+            400,
+            f"reasoning_effort {field!r} and chat_template_kwargs.{_EFFORT_KWARG} {kwarg!r} "
+            "disagree; send one of them",
+            param="reasoning_effort",
+        )
+    return kwarg

@@ -114,11 +114,17 @@ class ServedModel:
         except ValueError as e:
             raise APIError(400, f"Invalid prompt: {e}", param="prompt") from e
 
-    async def completion_ids(self, request: CompletionRequest) -> list[int]:
-        if isinstance(request.prompt, str):
-            return await self.text_ids(request.prompt)
-        self.check_ids(request.prompt, "prompt")
-        return list(request.prompt)
+    async def completion_prompts(self, request: CompletionRequest) -> list[tuple[list[int], str]]:
+        """Each prompt of a completion as (its ids, its text: as sent, or the ids decoded)."""
+        prompts = []
+        for i, prompt in enumerate(request.prompts()):
+            if isinstance(prompt, str):
+                ids = await self.text_ids(prompt, request.add_special_tokens)
+                prompts.append((ids, prompt))
+            else:
+                self.check_ids(prompt, "prompt" if len(request.prompts()) == 1 else f"prompt[{i}]")
+                prompts.append((list(prompt), self.tokenizer.decode(prompt)))
+        return prompts
 
     def check_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
