@@ -29,6 +29,8 @@ class Result:
     text: str
     finish_reason: str  # "stop" | "length"
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the params asked
+    # one per prompt token after the first, when the params asked (prompt_logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -69,6 +71,7 @@ class LLM:
         tokens: dict[str, list[int]] = {k: [] for k in keys}
         texts: dict[str, list[str]] = {k: [] for k in keys}
         logprobs: dict[str, list[TokenLogprobs]] = {k: [] for k in keys}
+        prompt_logprobs: dict[str, list[TokenLogprobs] | None] = dict.fromkeys(keys)
         reasons: dict[str, str] = {}
         try:
             while len(reasons) < len(keys):
@@ -76,6 +79,8 @@ class LLM:
                     tokens[out.request_id] += out.new_token_ids
                     texts[out.request_id].append(out.text)
                     logprobs[out.request_id] += out.logprobs or []
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finished:
                         assert out.finish_reason is not None  # (a finished output says why)
                         reasons[out.request_id] = out.finish_reason
@@ -90,13 +95,15 @@ class LLM:
                 text="".join(texts[k]),
                 finish_reason=reasons[k],
                 logprobs=logprobs[k] if q.logprobs is not None else None,
+                prompt_logprobs=prompt_logprobs[k],
             )
             for k, p, q in zip(keys, ids, params, strict=True)
         ]
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [T, vocab] (fp32) of one causal forward over token_ids."""
-        return self.engine.score(list(token_ids))
+        """Logits [T, vocab] (fp32) of one causal forward over token_ids; vocab: the
+        tokenizer's (a padded embedding's rows past it are no tokens)."""
+        return self.engine.score(list(token_ids))[:, : self.tokenizer.vocab_size]
 
     def close(self) -> None:
         self.engine.close()

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import models
-from engine.async_copy import ToHost
+from engine.async_copy import ToHost, to_device
 from engine.checkpoint import model_identity
 from engine.config import EngineConfig
 from engine.kv.block_hash import cache_salt
@@ -46,10 +46,13 @@ from engine.parallel.launch import Followers
 from engine.profiling import profiled
 from engine.rank import build_runner, device_of, follower_main, keeps_quantized
 from engine.request import KVPages, Listener, Request, RequestError, RequestOutput, Status
+from engine.runner import PromptRows
 from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.step import RowSpan
+from engine.structured import Bitmask, Constraints
+from engine.text.grammar import GrammarError
 from engine.text.text_stream import TextStream
 from engine.text.tokenizer import Tokenizer
 
@@ -104,6 +107,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache)
         self._staged: dict[str, list[int]] = {}  # held request -> its staging blocks
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step the device runs
+        # outputs of the step in flight, completed early for a grammar's sake (`_bitmask`)
+        self._completed_early: list[RequestOutput] = []
+        self.constraints = Constraints(self.tokenizer, self.eos_token_ids)
         self.async_scheduling = config.async_scheduling  # may change between steps (a bench)
         log.info(
             "KV pool: %d pages (%s), one request up to %d tokens, layout %s",
@@ -165,6 +171,12 @@ class LLMEngine:
                     f"{have}; lower max_tokens or give the worker more KV memory "
                     "(--kv-cache-memory-bytes)"
                 )
+        grammar = None
+        if params.grammar is not None:
+            try:
+                grammar = self.constraints.state(params.grammar)
+            except GrammarError as e:
+                raise RequestError(f"the grammar does not compile: {e}") from None
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -174,6 +186,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             hold_for_s=hold_for_s,
             listener=listener,
+            grammar=grammar,
         )
 
     def add_request(
@@ -331,19 +344,24 @@ class LLMEngine:
         launched = self._launch(batch) if batch else None
         done = [s for s in (self._in_flight, launched) if s is not None]  # oldest first
         self._in_flight = done.pop() if self.async_scheduling and launched else None
-        return [out for s in done for out in self._complete(s)]
+        early, self._completed_early = self._completed_early, []
+        return early + [out for s in done for out in self._complete(s)]
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch's forward and sampling on the device; nothing here waits for it."""
-        samplers, logits = self.runner.execute(batch)
+        samplers, logits, prompt_rows = self.runner.execute(batch)
+        if self.tokenizer.vocab_size < logits.shape[1]:
+            # A padded embedding has rows no token maps to; never sample or score them.
+            logits[:, self.tokenizer.vocab_size :] = float("-inf")
+        if prompt_rows:
+            self._score_prompts(prompt_rows, logits[len(samplers) :])
         if not samplers:
             return LaunchedStep([], ToHost())
+        logits = logits[: len(samplers)]
         with profiled("sample"):
-            if self.tokenizer.vocab_size < logits.shape[1]:
-                # A padded embedding has rows no token maps to; never sample them.
-                logits[:, self.tokenizer.vocab_size :] = float("-inf")
+            mask = self._bitmask(samplers, logits.device)
             draws = [len(r.output_token_ids) + r.num_inflight for r in samplers]
-            tokens = sample(logits, [r.params for r in samplers], draws)  # [S] on the device
+            tokens = sample(logits, [r.params for r in samplers], draws, mask)  # [S] on the device
             table = logprob_table(logits, tokens, [r.params.logprobs for r in samplers])
         self.runner.sampled = tokens
         for row, req in enumerate(samplers):
@@ -352,6 +370,40 @@ class LLMEngine:
             if req.prefill_only:  # its one token: the KV stays for the decode worker
                 self.scheduler.hold(req)
         return LaunchedStep(samplers, ToHost(tokens, table))
+
+    def _bitmask(self, samplers: list[Request], device: torch.device) -> Bitmask | None:
+        """The structured outputs' bitmask of a launched step's samplers (None if none is
+        constrained). A constrained request whose newest token is still in flight needs it
+        first: the step in flight is completed now, while the device runs this step's forward
+        (its outputs go out with this step's `step`)."""
+        constrained = [(row, r) for row, r in enumerate(samplers) if r.grammar is not None]
+        if not constrained:
+            return None
+        if self._in_flight is not None and any(r.num_inflight for _, r in constrained):
+            self._completed_early += self._complete(self._in_flight)
+            self._in_flight = None
+        rows = []
+        for row, req in constrained:
+            assert req.grammar is not None and req.num_inflight == 0
+            req.grammar.advance(req.output_token_ids)
+            rows.append((row, req.grammar))
+        return self.constraints.bitmask(rows, device)
+
+    @staticmethod
+    def _score_prompts(spans: list[PromptRows], logits: torch.Tensor) -> None:
+        """The prompt logprobs these rows' logits [P, vocab] give, onto their requests. Read on
+        the host at once (a wait that only steps prefilling such a request pay)."""
+        targets = [t for span in spans for t in span.targets()]
+        counts: list[int | None] = [
+            span.request.params.prompt_logprobs for span in spans for _ in range(span.count)
+        ]
+        table = logprob_table(logits, to_device(targets, torch.int64, logits.device), counts)
+        entries = iter(read_logprobs(None if table is None else table.cpu(), counts))
+        for span in spans:
+            for _ in range(span.count):
+                entry = next(entries)
+                assert entry is not None  # (every row asked)
+                span.request.prompt_logprobs.append(entry)
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's ids and hand each request its output."""
@@ -391,6 +443,8 @@ class LLMEngine:
                 finished=finished or req.prefill_only,
                 logprobs=None if token_lp is None else [token_lp],
             )
+            if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+                out.prompt_logprobs = list(req.prompt_logprobs)
             if req.listener is not None:
                 req.listener(out)
             outputs.append(out)
@@ -422,7 +476,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [T, vocab] of one causal forward over token_ids (no sampling)."""
+        """fp32 logits [T, vocab] of one causal forward over token_ids (no sampling); vocab:
+        the model's embedding rows, a padded embedding's included (LLM.score drops those)."""
         if self.scheduler.waiting or self.scheduler.running:
             raise RuntimeError("score() needs an idle engine")
         if self._in_flight is not None:  # (only rows of finished requests can be left in it)

@@ -21,6 +21,7 @@ collectives meet inside the model. Graphs are captured on every rank in the same
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -47,6 +48,20 @@ class Model(Protocol):
     def __call__(self, pool: KVPool, inputs: StepInputs, rows: torch.Tensor) -> torch.Tensor:
         """One step over `inputs`: fp32 logits of `rows` [len(rows), vocab]."""
         ...
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """`count` rows of a request's prompt, from position `start`, whose logits score the prompt
+    tokens after them (SamplingParams.prompt_logprobs)."""
+
+    request: Request
+    start: int
+    count: int
+
+    def targets(self) -> list[int]:
+        """The prompt tokens these rows predict."""
+        return self.request.prompt_token_ids[self.start + 1 : self.start + 1 + self.count]
 
 
 class ModelRunner:
@@ -96,8 +111,12 @@ class ModelRunner:
             self.channel.send(Call(method, args, writes))
         return getattr(self, method)(*args)
 
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
-        """Run the step; returns the requests that sample now and their logits [len, vocab].
+    def execute(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[Request], torch.Tensor, list[PromptRows]]:
+        """Run the step; returns the requests that sample now, the logits [S + P, vocab] of
+        their rows (S, in their order) and then of the prompt rows whose logprobs were asked for
+        (P, as the PromptRows list them).
 
         Advances each scheduled request's `num_computed`.
         """
@@ -115,15 +134,29 @@ class ModelRunner:
         if batch.copies:  # prefix cache: requests resumed, checkpoints begun, tiers moved
             self.call("copy_pages", batch.copies)
         samplers, rows, row = [], [], 0
+        prompt_rows: list[int] = []
+        scored: list[PromptRows] = []
         for req, n in work:
+            if req.params.prompt_logprobs is not None:
+                # rows at positions j < P - 1 predict prompt token j + 1; each is scored once
+                # (a preempted request computes its prompt again)
+                first = max(req.num_computed, len(req.prompt_logprobs))
+                last = min(req.num_computed + n, len(req.prompt_token_ids) - 1)
+                if last > first:
+                    scored.append(PromptRows(req, first, last - first))
+                    prompt_rows += range(
+                        row + first - req.num_computed, row + last - req.num_computed
+                    )
             row += n
             if req.num_computed + n == req.num_tokens:  # the chunk reaches the newest token
                 samplers.append(req)
                 rows.append(row - 1)
-        logits = cast(torch.Tensor, self.call("forward", spans, len(batch.decode), rows))
+        logits = cast(
+            torch.Tensor, self.call("forward", spans, len(batch.decode), rows + prompt_rows)
+        )
         for req, n in work:
             req.num_computed += n
-        return samplers, logits
+        return samplers, logits, scored
 
     def forward_all_rows(self, spans: list[RowSpan], num_decode: int) -> torch.Tensor:
         """Logits of every row of a step (scoring)."""

@@ -15,6 +15,7 @@ import torch
 
 from engine.async_copy import to_device
 from engine.sampling_params import SamplingParams
+from engine.structured import Bitmask, apply_bitmask
 
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -25,14 +26,22 @@ def _generator(seed: int, draw: int, device: torch.device) -> torch.Generator:
     return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], draws: list[int]) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    draws: list[int],
+    mask: Bitmask | None = None,
+) -> torch.Tensor:
     """logits [B, V] fp32; draws[b] = index of the output token being sampled -> [B] int64 ids
-    on the logits' device.
+    on the logits' device. `mask`: the tokens a structured output's rows may take (the others
+    are never sampled; `logits` itself is left as it is).
 
     Rows without top-k or top-p race over the whole vocabulary as it is; only rows that
     truncate it sort their logits (a [B, 129280] sort is a millisecond at B = 64). Which way a
     row goes depends on its own parameters only, so a seeded row's tokens never depend on
     its batch."""
+    if mask is not None:
+        logits = apply_bitmask(logits, mask)
     tokens = logits.argmax(dim=-1)
     vocab = logits.shape[1]
     sampled = [b for b, p in enumerate(params) if not p.greedy]

@@ -171,7 +171,10 @@ class PrefixCache:
     def lookup(self, req: Request, pending: bool = False) -> Hit | None:
         """Where `req` (which holds no KV) can resume: the deepest usable checkpoint of its
         known tokens, leaving at least one to compute. `pending`: also checkpoints the step
-        being scheduled computes (to tell whether waiting a step would pay)."""
+        being scheduled computes (to tell whether waiting a step would pay). None for a request
+        that wants its prompt's logprobs: it computes every prompt row."""
+        if req.params.prompt_logprobs is not None:
+            return None
         tokens = known_tokens(req)
         limit = len(tokens) - 1
         node = self._walk(req, tokens)

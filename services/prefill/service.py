@@ -104,6 +104,8 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         )
         if out.logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
+        if out.prompt_logprobs:
+            response.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
         if held is not None:
             response.kv.CopyFrom(
                 pb.KVHandle(

@@ -11,9 +11,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import random
-import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -26,16 +24,17 @@ from services.kv_events import CacheIndex
 from services.metrics import exposition
 from services.registry import ROLES, RegistryWatcher
 
+from . import anthropic, responses_api
 from .admission import Admission, KeyLimit
 from .body import LimitedRoute
-from .choices import ChatChoice, Choice, TextChoice
 from .clients import WorkerClients
 from .errors import APIError, error_responses, install_handlers
-from .fanout import Indexed, fan_in
+from .generation import launch, router_state
 from .logprobs import TokenTexts
-from .metrics import RequestCounter, RequestTimer, RouterMetrics
+from .metrics import RequestCounter, RouterMetrics
 from .model import ServedModel
-from .pd import Generation, PDFlow
+from .pd import PDFlow
+from .response_store import ResponseStore
 from .responses import Reply
 from .schemas import (
     ChatCompletionRequest,
@@ -46,7 +45,7 @@ from .schemas import (
 )
 from .selection import WorkerSelector
 from .settings import RouterSettings
-from .streaming import EventStream, answer, cancelled_on_disconnect
+from .streaming import EventStream, OpenAIStream, answer
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,7 @@ class RouterState:
     key_limit: KeyLimit
     selector: WorkerSelector
     flow: PDFlow
+    responses: ResponseStore  # the Responses API's stored responses
 
 
 def create_app(settings: RouterSettings, rng: random.Random | None = None) -> FastAPI:
@@ -91,7 +91,10 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     )
     key_limit = KeyLimit(s.key_limit)
     flow = PDFlow(selector, clients, s.stall_timeout_s)
-    state = RouterState(s, model, metrics, watcher, clients, admission, key_limit, selector, flow)
+    store = ResponseStore(s.redis_url, s.response_ttl_s)
+    state = RouterState(
+        s, model, metrics, watcher, clients, admission, key_limit, selector, flow, store
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -105,19 +108,21 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
                 await cache.stop()
             await watcher.stop()
             await clients.close()
+            await store.close()
 
     app = FastAPI(title="dsaserve router", lifespan=lifespan)
     app.state.router = state
-    install_handlers(app)
+    install_handlers(app, {anthropic.PATH: anthropic.error_body})
     app.add_middleware(RequestCounter, metrics=metrics)
     app.include_router(_v1)
+    app.include_router(anthropic.router, dependencies=[Depends(_require_api_key)])
+    app.include_router(responses_api.router, dependencies=[Depends(_require_api_key)])
     app.include_router(_tokens)
     app.include_router(_ops)
     return app
 
 
-def _state(request: Request) -> RouterState:
-    return request.app.state.router
+_state = router_state
 
 
 async def _require_api_key(request: Request) -> None:
@@ -127,6 +132,8 @@ async def _require_api_key(request: Request) -> None:
     if not keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if "x-api-key" in request.headers:  # Anthropic's header
+        scheme, token = "bearer", request.headers["x-api-key"]
     presented = token.strip().encode()
     # compare_digest on every key: the time taken must not reveal how much of a key matched.
     valid = [hmac.compare_digest(presented, key.encode()) for key in keys]
@@ -134,8 +141,8 @@ async def _require_api_key(request: Request) -> None:
     if scheme.lower() != "bearer" or request.state.api_key is None:
         raise APIError(
             401,
-            "Missing or invalid API key: send 'Authorization: Bearer <key>' with a key the "
-            "router was given (--api-key).",
+            "Missing or invalid API key: send 'Authorization: Bearer <key>' (or "
+            "'x-api-key: <key>') with a key the router was given (--api-key).",
             code="invalid_api_key",
         )
 
@@ -179,69 +186,27 @@ async def _generate(
     id_prefix: str,
     prompt_param: str,
 ) -> Response:
-    arrival = time.monotonic()
-    st = _state(request)
-    st.model.check_name(body.model)
     # What the request holds is released when its answer is complete: by the stream once it
     # owns them, else on leaving this block.
     with contextlib.ExitStack() as slots:
-        key = request.state.api_key
-        st.key_limit.acquire(key)  # before tokenizing: a key over its limit costs nothing
-        slots.callback(st.key_limit.release, key)
-        # Until the answer starts, a client that hangs up is noticed only this way.
-        async with cancelled_on_disconnect(request):
-            request_id, choices, events = await _start(
-                st, body, arrival, id_prefix, prompt_param, slots
-            )
-        reply = Reply(request_id, st.model.name, body.include_usage, choices)
+        run = await launch(request, body, id_prefix, prompt_param, slots)
+        reply = Reply(
+            run.request_id,
+            run.model,
+            body.include_usage,
+            run.choices,
+            run.prompt_tokens,
+            body.continuous_usage,
+        )
         if body.stream:
             # From here the stream owns the slots and the generations.
-            return EventStream(events, reply, request.state, slots.pop_all().close)
+            return EventStream(
+                run.events, OpenAIStream(reply), request.state, slots.pop_all().close
+            )
         try:
-            return await answer(events, reply, request)
+            return await answer(run.events, reply.chunks, reply.answer, request)
         finally:
-            await events.aclose()
-
-
-async def _start(
-    st: RouterState,
-    body: ChatCompletionRequest | CompletionRequest,
-    arrival: float,
-    id_prefix: str,
-    prompt_param: str,
-    slots: contextlib.ExitStack,
-) -> tuple[str, list[Choice], AsyncGenerator[Indexed, None]]:
-    """Tokenize, take an admission slot (released by `slots`), prefill every choice: the
-    request id, the choices and their merged events."""
-    texts = TokenTexts(st.model.tokenizer) if body.logprobs_count() is not None else None
-    choices: list[Choice]
-    if isinstance(body, ChatCompletionRequest):
-        prompt, prompt_ids = await st.model.chat_ids(body)
-        choices = [ChatChoice(i, prompt, texts) for i in range(body.n)]
-    else:
-        prompt_ids = await st.model.completion_ids(body)
-        choices = [TextChoice(i, texts) for i in range(body.n)]
-    requested = body.requested_max_tokens()
-    max_tokens = st.model.max_tokens(len(prompt_ids), requested, prompt_param)
-    timeout_s = st.settings.request_timeout_s
-    # One admission slot per request, whatever its n.
-    await st.admission.acquire(arrival + timeout_s - time.monotonic())
-    slots.callback(st.admission.release)
-    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    generations = [
-        Generation(
-            # Workers key requests by id: each choice is a request of its own there.
-            request_id=request_id if body.n == 1 else f"{request_id}-{i}",
-            prompt_ids=prompt_ids,
-            sampling=body.sampling(max_tokens, choice=i),
-            deadline=arrival + timeout_s,
-            timeout_s=timeout_s,
-            timer=RequestTimer(st.metrics, arrival),
-        )
-        for i in range(body.n)
-    ]
-    # Every prefill happens here, so their errors keep their HTTP status.
-    return request_id, choices, await fan_in([st.flow.generate(gen) for gen in generations])
+            await run.events.aclose()
 
 
 @_tokens.post("/tokenize")

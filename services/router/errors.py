@@ -10,7 +10,7 @@ router's log, next to the request id.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -172,13 +172,21 @@ def _is_union_tag(part: str | int) -> bool:
     )
 
 
-def install_handlers(app: FastAPI) -> None:
-    """Route every error FastAPI can raise through the OpenAI error body."""
+ErrorShape = Callable[[APIError], dict[str, Any]]
+
+
+def install_handlers(app: FastAPI, shapes: Mapping[str, ErrorShape] | None = None) -> None:
+    """Route every error FastAPI can raise through the OpenAI error body, or on a path that
+    `shapes` names (a path -> its API's error body) through that API's."""
+    shapes = dict(shapes or {})
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         request.state.failure = exc
-        return exc.response()
+        shape = shapes.get(request.url.path)
+        if shape is None:
+            return exc.response()
+        return JSONResponse(shape(exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -231,13 +239,16 @@ _DESCRIPTIONS = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def error_responses(
+    *statuses: int, body: type[BaseModel] = ErrorBody
+) -> dict[int | str, dict[str, Any]]:
     """OpenAPI responses for these error statuses (and a 500 as the default), so /openapi.json
-    lists what the router really sends: its own error body, never FastAPI's 422."""
+    lists what the router really sends: its own error body (`body`: another API's shape of it),
+    never FastAPI's 422."""
     responses: dict[int | str, dict[str, Any]] = {}
     keys: tuple[int | str, ...] = (*statuses, "default")
     for status in keys:
-        response: dict[str, Any] = {"model": ErrorBody, "description": _DESCRIPTIONS[status]}
+        response: dict[str, Any] = {"model": body, "description": _DESCRIPTIONS[status]}
         if status in (429, 503):
             response["headers"] = {
                 "Retry-After": {

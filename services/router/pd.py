@@ -40,6 +40,8 @@ class Token:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[pb.TokenLogprob, ...] = ()
+    # The first event only, when the request asked: the prompt's tokens after the first
+    prompt_logprobs: tuple[pb.TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,8 @@ class Generation:
     deadline: float  # time.monotonic() by which the request must be done
     timeout_s: float  # the configured total, for messages
     timer: RequestTimer
+    # max_tokens 0 (echo): prefill samples one token (the wire's least), which is dropped
+    prompt_only: bool = False
 
     def remaining(self, where: str) -> float:
         left = self.deadline - time.monotonic()
@@ -109,8 +113,15 @@ class PDFlow:
         gen.timer.token()
         finished = False  # once True, nobody holds KV for this request any more
         try:
+            prompt_logprobs = tuple(first.prompt_logprobs)
+            if gen.prompt_only and first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen, first)
+                finished = True
+                yield Token("", (), (), prompt_logprobs)
+                yield Finish("length", finish.prompt_tokens, 0, finish.cached_tokens)
+                return
             first_logprobs = (first.first_logprob,) if first.HasField("first_logprob") else ()
-            yield Token(first.text, (first.first_token_id,), first_logprobs)
+            yield Token(first.text, (first.first_token_id,), first_logprobs, prompt_logprobs)
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen, first)
                 finished = True

@@ -99,6 +99,11 @@ class RouterSettings:
         "render chats in thinking mode unless a request says (chat_template_kwargs.thinking, "
         "reasoning_effort); replies then carry reasoning_content",
     )
+    response_ttl_s: float = setting(
+        3600.0,
+        "seconds a Responses API response (store: true) stays in Redis for previous_response_id",
+        flag="--response-ttl",
+    )
     tls: GrpcTLS = field(default_factory=GrpcTLS)  # of the gRPC calls to workers
 
     def __post_init__(self) -> None:
@@ -139,6 +144,7 @@ class RouterSettings:
                 self.stall_timeout_s > 0,
                 f"stall_timeout must be positive, got {self.stall_timeout_s}",
             ),
+            (self.response_ttl_s > 0, f"response_ttl must be positive, got {self.response_ttl_s}"),
             (
                 self.request_timeout_s > 0,
                 f"request_timeout must be positive, got {self.request_timeout_s}",
