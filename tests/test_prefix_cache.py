@@ -40,10 +40,10 @@ class Recorder:
         execute = engine.runner.execute
 
         def recording(batch):  # type: ignore[no-untyped-def]
-            samplers, logits = execute(batch)
+            samplers, counts, logits = execute(batch)
             for i, req in enumerate(samplers):
                 self.rows.setdefault(req.request_id, []).append(logits[i, :vocab].clone())
-            return samplers, logits
+            return samplers, counts, logits
 
         engine.runner.execute = recording  # type: ignore[method-assign]
 
