@@ -52,7 +52,7 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()
     sampled = [b for b, p in enumerate(params) if not p.greedy]
     truncated = [b for b in sampled if _truncates(params[b], vocab)]
-    plain = [b for b in sampled if b not in truncated]
+    plain = [b for b in sampled if not _truncates(params[b], vocab)]
     if plain:
         sel = to_device(plain, torch.int64, dev)
         temp = to_device([params[b].temperature for b in plain], torch.float32, dev)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -92,10 +91,12 @@ def main_streams(main, inputs: torch.Tensor) -> tuple[torch.Tensor, dict, torch.
     keyword arguments its layers got (RoPE tables, mask, positions), its logits [B, T, V])."""
     seen: dict = {}
 
-    def grab(module, args, kwargs):  # noqa: ARG001
-        seen.update({k: kwargs[k] for k in ("position_embeddings", "position_ids", "attention_mask")})
+    def grab(module, args, kwargs):
+        seen.update(
+            {k: kwargs[k] for k in ("position_embeddings", "position_ids", "attention_mask")}
+        )
 
-    def keep(module, args, kwargs, output):  # noqa: ARG001
+    def keep(module, args, kwargs, output):
         seen["streams"] = output
 
     last = main.model.layers[-1]
@@ -130,7 +131,9 @@ def train_mtp(main, train_bytes, eval_windows, args, log: dict):
         lr = args.mtp_lr * min(1.0, (step + 1) / 20)
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = torch.randint(0, train_bytes.numel() - args.seq_len - 1, (args.batch_size,), generator=gen)
+        starts = torch.randint(
+            0, train_bytes.numel() - args.seq_len - 1, (args.batch_size,), generator=gen
+        )
         window = train_bytes[starts[:, None] + torch.arange(args.seq_len + 1)].long()
         inputs, targets = window[:, :-1], window[:, 1:]
         streams, kwargs, main_logits = main_streams(main, inputs)
@@ -187,7 +190,11 @@ def mtp_tensors(mtp: MTP, model_cls) -> dict[str, torch.Tensor]:
 
 def _stored(name: str, t: torch.Tensor) -> torch.Tensor:
     fp32 = any(s in name for s in ("hc_", "attn_sink", "ape", "gate.bias", "norm"))
-    return t.float().contiguous() if fp32 or t.dtype == torch.int64 else t.to(torch.bfloat16).contiguous()
+    return (
+        t.float().contiguous()
+        if fp32 or t.dtype == torch.int64
+        else t.to(torch.bfloat16).contiguous()
+    )
 
 
 def add_to_checkpoint(out: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -34,8 +34,9 @@ def verify_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [R, V] fp32: every verified row of a step; drafts[r]: the draft row r scores (-1
     on a bonus row); params, draws: row r's request's and the output index of its token.
-    Returns (accepted [R] bool: row r's draft passed, the token row r emits when it is the
-    first that fails or the bonus row [R] int64), on the device."""
+    Returns (accepted [R] bool: row r's draft passed, the token row r emits [R] int64: its draft
+    where accepted, else what it emits if it is the first that fails, or the bonus row), on the
+    device."""
     dev = logits.device
     probs = probabilities(logits, params)  # [R, V]
     draft = to_device(drafts, torch.int64, dev)
@@ -49,7 +50,7 @@ def verify_rows(
     noise = _noise((residual.shape[0], residual.shape[1]), params, draws, dev)
     # exponential race: argmax(w / E) is w-distributed; a greedy row keeps its argmax
     tokens = torch.where(greedy, residual.argmax(dim=-1), (residual / noise).argmax(dim=-1))
-    return accepted, tokens
+    return accepted, torch.where(accepted, draft, tokens)
 
 
 def _coins(params: list[SamplingParams], draws: list[int], dev: torch.device) -> torch.Tensor:
