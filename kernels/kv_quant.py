@@ -394,20 +394,21 @@ def _store_kv_v32_kernel(
     ok = (rows < n_rows) & (slot >= 0) & (slot < num_slots)
     token = pool_ptr + (slot // PAGE) * stride_page + (slot % PAGE) * _V32_TOKEN  # [BLOCK_M]
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    # each branch names its own tiles: compiled Triton wants a name to keep one type across branches
     if group < _V32_GROUPS:
-        offs = tl.arange(0, _V32_GROUP)
-        x = tl.load(x_rows + group * _V32_GROUP + offs[None, :], mask=ok[:, None], other=0.0)
-        _, bits, scale, _ = quantize_rows(x.to(tl.float32), INTERP)
-        tl.store(token[:, None] + group * _V32_GROUP + offs[None, :], bits, mask=ok[:, None])
+        lat = tl.arange(0, _V32_GROUP)
+        nope = tl.load(x_rows + group * _V32_GROUP + lat[None, :], mask=ok[:, None], other=0.0)
+        _, bits, scale, _ = quantize_rows(nope.to(tl.float32), INTERP)
+        tl.store(token[:, None] + group * _V32_GROUP + lat[None, :], bits, mask=ok[:, None])
         scale_at = (token + _V32_SCALES_AT + 4 * group).to(tl.pointer_type(tl.float32))
         tl.store(scale_at, scale, mask=ok)
     else:
-        offs = tl.arange(0, _ROPE)
-        x = tl.load(x_rows + _V32_NOPE + offs[None, :], mask=ok[:, None], other=0.0)
-        rope = (token + _V32_ROPE_AT).to(tl.pointer_type(tl.bfloat16))
+        pos = tl.arange(0, _ROPE)
+        rope = tl.load(x_rows + _V32_NOPE + pos[None, :], mask=ok[:, None], other=0.0)
+        rope_at = (token + _V32_ROPE_AT).to(tl.pointer_type(tl.bfloat16))
         tl.store(
-            rope[:, None] + offs[None, :],
-            round_bf16(x.to(tl.float32), INTERP).to(tl.bfloat16),
+            rope_at[:, None] + pos[None, :],
+            round_bf16(rope.to(tl.float32), INTERP).to(tl.bfloat16),
             mask=ok[:, None],
         )
 
@@ -513,21 +514,25 @@ def load_kv_v32_fp8(
     [BLOCK_N, 4, 128] so each group meets its scale; a token's 4 fp32 scales are one 16-byte
     load), or with ROPE the RoPE part [BLOCK_N, 64]."""
     token = pool_ptr + (slot // PAGE).to(tl.int64) * stride_page + (slot % PAGE) * _V32_TOKEN
+    # if/else, not an early return: compiled Triton checks every return against the first
     if ROPE:
         c = tl.arange(0, _ROPE)
         rope = (token + _V32_ROPE_AT).to(tl.pointer_type(tl.bfloat16))
         return tl.load(rope[:, None] + c[None, :], mask=valid[:, None], other=0.0).to(OUT)
-    g = tl.arange(0, _V32_GROUPS)
-    c = tl.arange(0, _V32_GROUP)
-    cols = g[:, None] * _V32_GROUP + c[None, :]  # [4, 128]
-    codes = tl.load(token[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0)
-    scales = tl.load(
-        (token + _V32_SCALES_AT).to(tl.pointer_type(tl.float32))[:, None] + g[None, :],
-        mask=valid[:, None],
-        other=0.0,
-    )  # [BLOCK_N, 4]
-    x = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scales[:, :, None]).to(OUT)
-    return tl.reshape(x, (slot.shape[0], _V32_NOPE))
+    else:
+        g = tl.arange(0, _V32_GROUPS)
+        c = tl.arange(0, _V32_GROUP)
+        cols = g[:, None] * _V32_GROUP + c[None, :]  # [4, 128]
+        codes = tl.load(
+            token[:, None, None] + cols[None, :, :], mask=valid[:, None, None], other=0
+        )  # [BLOCK_N, 4, 128]
+        scales = tl.load(
+            (token + _V32_SCALES_AT).to(tl.pointer_type(tl.float32))[:, None] + g[None, :],
+            mask=valid[:, None],
+            other=0.0,
+        )  # [BLOCK_N, 4]
+        x = (codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scales[:, :, None]).to(OUT)
+        return tl.reshape(x, (slot.shape[0], _V32_NOPE))
 
 
 @triton.jit

@@ -556,6 +556,8 @@ async def test_tokenize_renders_chats_and_prompts_as_generation_does(
         ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages", "tool"),
         ("/tokenize", {"model": "gpt-9", "prompt": "hi"}, 404, "model", "gpt-9"),
         ("/tokenize", {}, 400, "prompt", "required"),
+        # JSON booleans only, as the schema says (lax pydantic took 0 and 1)
+        ("/tokenize", {"prompt": "hi", "return_token_strs": 1}, 400, "return_token_strs", "bool"),
     ],
 )
 @pytest.mark.asyncio

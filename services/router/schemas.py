@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictBool,
     Tag,
     ValidationInfo,
     field_validator,
@@ -69,7 +70,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     no_op_fields = fields.STREAM_OPTIONS
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _GenerationRequest(_Body):
@@ -85,9 +86,9 @@ class _GenerationRequest(_Body):
     stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
     # Each choice is its own generation (prefill included), with seed + i when a seed is given.
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
 
     @field_validator("stop", mode="before")
@@ -158,7 +159,7 @@ class FunctionDefinition(_Body):
     name: FunctionName
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema object
-    strict: bool | None = None  # no constrained decoding here: the schema is only shown
+    strict: StrictBool | None = None  # no constrained decoding here: the schema is only shown
 
 
 class Tool(_Body):
@@ -247,7 +248,7 @@ class ChatPromptFields(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -282,7 +283,7 @@ class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
     no_op_fields = fields.CHAT
 
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("top_logprobs")
@@ -339,8 +340,8 @@ class TokenizeChatRequest(ChatPromptFields):
     """vLLM's /tokenize of a chat: the prompt a chat completion would send to prefill."""
 
     model: Text | None = None
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 class TokenizeTextRequest(_Body):
@@ -348,8 +349,8 @@ class TokenizeTextRequest(_Body):
 
     model: Text | None = None
     prompt: Text
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
 # The tags show in error locations; errors.py drops location parts with brackets, like the
