@@ -357,13 +357,17 @@ class LLMEngine:
         (engine.speculative.speculator); waits for the device."""
         speculator = self.speculator
         assert speculator is not None
+        t0 = time.perf_counter()
         samplers, counts, logits = self.runner.execute(batch)
         with profiled("verify"):
             if self.tokenizer.vocab_size < logits.shape[1]:
                 logits[:, self.tokenizer.vocab_size :] = float("-inf")
-            verified = speculator.verify(samplers, counts, logits)
+            verified = speculator.verify(samplers, counts, logits)  # (on the host)
+        rows = sum(s.num_rows for s in self.runner.last_step.spans)
+        speculator.length.time_target(rows, time.perf_counter() - t0)
+        k = speculator.choose(len(self.scheduler.running))
         with profiled("draft"):
-            speculator.draft_first(samplers, counts, verified.tokens)
+            speculator.draft_first(samplers, counts, verified.tokens, k)
         outputs = []
         with profiled("outputs"):
             for req, tokens, logprobs in zip(
@@ -375,7 +379,7 @@ class LLMEngine:
                 if out is not None:
                     outputs.append(out)
         with profiled("draft"):
-            speculator.propose(len(self.scheduler.running))
+            speculator.propose(k)
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:

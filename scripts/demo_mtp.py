@@ -122,6 +122,8 @@ def train_mtp(main, train_bytes, eval_windows, args, log: dict):
         p.requires_grad_(False)
     main.eval()
     mtp = MTP(main, m.DeepseekV4DecoderLayer, m.DeepseekV4HyperHead, m.DeepseekV4RMSNorm)
+    if args.resume and resume(mtp, m.DeepseekV4ForCausalLM, Path(args.model)):
+        print("resuming from the checkpoint's MTP layer", flush=True)
     params = [p for n, p in mtp.named_parameters() if ".indexer." not in n]
     opt = torch.optim.AdamW(params, lr=args.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed + 7)
@@ -165,13 +167,42 @@ def train_mtp(main, train_bytes, eval_windows, args, log: dict):
     return mtp
 
 
-def mtp_tensors(mtp: MTP, model_cls) -> dict[str, torch.Tensor]:
-    """The layer's tensors under the release's names (`mtp.0.*`), bf16 where V4 keeps bf16."""
+def _one_layer(mtp: MTP, model_cls):
+    """A one-layer HF model whose layer is built as the MTP layer (for its names on disk)."""
     cfg = copy.deepcopy(mtp.layer_config)
     cfg.num_hidden_layers = 1
     cfg.layer_types = cfg.layer_types[:1]
     cfg.mlp_layer_types = cfg.mlp_layer_types[:1]
-    one = model_cls(cfg)
+    return model_cls(cfg)
+
+
+def resume(mtp: MTP, model_cls, model_dir: Path) -> bool:
+    """Load the `mtp.0.*` tensors a checkpoint already has into `mtp` (training goes on from
+    them); False when it has none."""
+    stored = {k: v for k, v in load_file(str(model_dir / "model.safetensors")).items()
+              if k.startswith("mtp.0.")}  # fmt: skip
+    if not stored:
+        return False
+    one = _one_layer(mtp, model_cls)
+    with tempfile.TemporaryDirectory() as tmp:
+        one.save_pretrained(tmp)
+        names = load_file(str(Path(tmp) / "model.safetensors"))
+        layer = {k: stored["mtp.0." + k.removeprefix("model.layers.0.")] for k in names
+                 if k.startswith("model.layers.0.")}  # fmt: skip
+        save_file({**names, **layer}, str(Path(tmp) / "model.safetensors"))
+        one = model_cls.from_pretrained(tmp, dtype=torch.float32)
+    with torch.no_grad():
+        mtp.layer.load_state_dict(one.model.layers[0].state_dict())
+        for name in ("e_proj", "h_proj", "enorm", "hnorm", "norm"):
+            getattr(mtp, name).weight.copy_(stored[f"mtp.0.{name}.weight"].float())
+        for part in ("fn", "base", "scale"):
+            getattr(mtp.hc_head, f"hc_{part}").copy_(stored[f"mtp.0.hc_head_{part}"].float())
+    return True
+
+
+def mtp_tensors(mtp: MTP, model_cls) -> dict[str, torch.Tensor]:
+    """The layer's tensors under the release's names (`mtp.0.*`), bf16 where V4 keeps bf16."""
+    one = _one_layer(mtp, model_cls)
     one.model.layers[0].load_state_dict(mtp.layer.state_dict())
     with tempfile.TemporaryDirectory() as tmp:
         one.save_pretrained(tmp)  # HF writes the release's names for a layer
@@ -222,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--resume", action="store_true", help="go on from the checkpoint's MTP layer, if any"
+    )
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args(argv)
     if args.threads:

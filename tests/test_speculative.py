@@ -255,3 +255,27 @@ def test_seeded_requests_reproduce_and_logprobs_follow_accepted_tokens():
     assert len(spec.logprobs) == len(spec.token_ids)
     for a, b in zip(spec.logprobs, plain.logprobs, strict=True):
         assert a.top_ids == b.top_ids and abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_adaptive_draft_length_follows_acceptance_and_step_cost():
+    """Rows nearly free (a weight-bound step): all K drafts; rows that cost as much as the
+    step's fixed part and a low acceptance: none (SGLang's "MTP off at high concurrency")."""
+    from engine.speculative.adaptive import DraftLength
+    from engine.speculative.stats import SpecDecodeStats
+
+    spec = SpeculativeConfig("mtp", 3, adaptive=True)
+    cheap, dear = DraftLength(spec), DraftLength(spec)
+    for rows in (1, 4, 16, 64):
+        cheap.time_target(rows, 0.010 + 0.00001 * rows)
+        cheap.time_draft(rows, 0.002 + 0.00001 * rows)
+        dear.time_target(rows, 0.001 + 0.001 * rows)
+        dear.time_draft(rows, 0.001 + 0.001 * rows)
+    stats = SpecDecodeStats(3)
+    assert cheap.choose(1, stats) == 3
+    for _ in range(30):  # drafts offered at every position, a fifth of the first accepted
+        for _ in range(5):
+            dear.offer(3)
+        stats.record(3, 1)
+        stats.record(3, 0), stats.record(3, 0), stats.record(3, 0), stats.record(3, 0)
+    assert dear.choose(64, stats) == 0
+    assert DraftLength(SpeculativeConfig("mtp", 2)).choose(64, stats) == 2  # (not adaptive)

@@ -22,6 +22,7 @@ results reach the host once: the emitted tokens, then the drafts.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -99,23 +100,33 @@ class Speculator:
             out.tokens.append(emitted)
             out.logprobs.append(row_logprobs[row : row + len(emitted)])
             self.stats.record(n - 1, len(emitted) - 1)
+            self.length.offer(n - 1)
             req.num_computed -= n - len(emitted)  # rows of rejected drafts: computed again
             req.draft_token_ids = []
             row += n
         return out
 
+    def choose(self, batch: int) -> int:
+        """Drafts per request for the next step of `batch` running requests."""
+        return self.length.choose(batch, self.stats)
+
     def draft_first(
-        self, samplers: list[Request], counts: list[int], emitted: list[list[int]]
+        self, samplers: list[Request], counts: list[int], emitted: list[list[int]], k: int
     ) -> None:
         """After `verify`, before any request is handed its tokens (every page is still its
         request's): the MTP layer's first pass over the step's rows (its KV state at every
-        row; the first draft of each sampler, kept for `propose`)."""
+        row; the first draft of each sampler, kept for `propose`). k = 0 (adaptive) skips it,
+        unless a prefill-only request's state must go to its decode worker."""
         last = self.runner.last_step
+        self._firsts: list[tuple[Request, int, int]] = []  # (sampler, its draft row, position)
+        self._logits = None
+        if k == 0 and not any(req.prefill_only for req in last.requests):
+            return
+        self._t0, self._rows = time.perf_counter(), sum(s.num_rows for s in last.spans)
         emits = {
             id(req): (n, tokens) for req, n, tokens in zip(samplers, counts, emitted, strict=True)
         }
         spans, rows, row = [], [], 0
-        self._firsts: list[tuple[Request, int, int]] = []  # (sampler, its draft row, position)
         for req, span in zip(last.requests, last.spans, strict=True):
             n, tokens = emits.get(id(req), (0, []))
             spans.append(dataclasses.replace(span, token_ids=_following(req, span, tokens)))
@@ -126,12 +137,12 @@ class Speculator:
             row += span.num_rows
         self._logits = self.runner.call("draft", spans, last.num_decode, rows)
 
-    def propose(self, num_running: int) -> None:
-        """After the hand-out: up to K drafts for each sampler that still decodes here (the
+    def propose(self, k: int) -> None:
+        """After the hand-out: up to k drafts for each sampler that still decodes here (the
         rest of its passes), stored in its `draft_token_ids` for the next step."""
-        k = self.length.choose(num_running, self.stats)
         logits, firsts = self._logits, self._firsts
-        assert logits is not None
+        if logits is None or k == 0:
+            return
         want = [  # (index in firsts, request, drafts)
             (i, req, min(k, req.max_tokens - len(req.output_token_ids) - 1))
             for i, (req, _, _) in enumerate(firsts)
@@ -157,7 +168,9 @@ class Speculator:
             assert out is not None
             drafts.append(out[:, :vocab].argmax(dim=-1))
             alive, stream_rows = [alive[j] for j in keep], list(range(len(keep)))
+            self._rows += len(keep)
         host = [d.tolist() for d in drafts]
+        self.length.time_draft(self._rows, time.perf_counter() - self._t0)
         alive = list(range(len(want)))
         for step, ids in enumerate(host):
             alive = [w for w in alive if want[w][2] > step]
