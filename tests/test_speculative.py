@@ -122,38 +122,38 @@ def test_greedy_tokens_equal_those_without_speculation(reference, k):
 
 def test_ends_inside_an_accepted_run_are_where_they_would_be():
     """EOS (a stop token id), a stop string and max_tokens falling inside a run of accepted
-    drafts end the request exactly where it ends without speculation."""
-    engine = LLMEngine(DEMO_MODEL_DIR, EngineConfig(speculative_config=_spec(3), **ENGINE))
-    _, groups, _ = _run(engine, PROMPTS[:1], SamplingParams(max_tokens=24, temperature=0))
-    at = 0  # the first step that emitted 3 or more tokens: end inside it
+    drafts (not at its last token) end the request exactly where it ends without speculation."""
+    plain = LLM(DEMO_MODEL_DIR, **ENGINE)
+    spec = LLM(DEMO_MODEL_DIR, speculative_config=_spec(3), **ENGINE)
+    long = SamplingParams(max_tokens=24, temperature=0)
+    want = plain.generate([PROMPTS[0]], long)[0].token_ids
+    _, groups, _ = _run(spec.engine, PROMPTS[:1], long)
+    inside, at = [], 0  # positions inside a step's emitted run, before its last token
     for group in groups[0]:
-        if len(group) >= 3:
-            break
+        inside += range(at + 1, at + len(group) - 1)
         at += len(group)
-    else:
-        pytest.fail(f"no run of 3 accepted tokens: {groups[0]}")
-    cut = at + 1  # the second token of the run
-    want = (
-        LLM(DEMO_MODEL_DIR, **ENGINE)
-        .generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0))[0]
-        .token_ids
-    )
-    token = want[cut]
-    first = want.index(token)  # (a stop token ends at its first occurrence)
-    text = bytes(want[cut - 1 : cut + 1]).decode("latin-1")
+
+    def first_time(cut: int) -> bool:  # its token, and its text with the token before, new
+        text = bytes(want[: cut + 1]).decode("latin-1")
+        return want.index(want[cut]) == cut and text.index(text[-2:]) == cut - 1
+
+    cut = next((c for c in inside if first_time(c)), None)
+    assert cut is not None, f"no accepted run to end inside: {groups[0]}"
     cases = [
-        (SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[token]), want[: first + 1]),
-        (SamplingParams(max_tokens=cut + 1, temperature=0), want[: cut + 1]),
-        (SamplingParams(max_tokens=24, temperature=0, stop=[text]), None),
+        SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[want[cut]]),
+        SamplingParams(max_tokens=cut + 1, temperature=0),
+        SamplingParams(
+            max_tokens=24, temperature=0, stop=[bytes(want[cut - 1 : cut + 1]).decode("latin-1")]
+        ),
     ]
-    plain = LLM(DEMO_MODEL_DIR, **ENGINE).generate([PROMPTS[0]] * 3, [p for p, _ in cases])
-    spec = LLM(DEMO_MODEL_DIR, speculative_config=_spec(3), **ENGINE).generate(
-        [PROMPTS[0]] * 3, [p for p, _ in cases]
-    )
-    for a, b, (_, expected) in zip(spec, plain, cases, strict=True):
-        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
-        if expected is not None:
-            assert a.token_ids == expected
+    expected = plain.generate([PROMPTS[0]] * 3, cases)
+    for got, exp in zip(spec.generate([PROMPTS[0]] * 3, cases), expected, strict=True):
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            exp.token_ids,
+            exp.text,
+            exp.finish_reason,
+        )
+    assert expected[0].token_ids == expected[1].token_ids == want[: cut + 1]
 
 
 def test_preempted_requests_redraft_and_keep_their_tokens(reference):
