@@ -114,16 +114,20 @@ def main_streams(main, inputs: torch.Tensor) -> tuple[torch.Tensor, dict, torch.
     return streams, seen, logits
 
 
-def train_mtp(main, train_bytes, eval_windows, args, log: dict):
-    """Train an MTP layer for `main` (frozen); returns it."""
+def train_mtp(main, train_bytes: torch.Tensor, args, log: dict):
+    """Train an MTP layer for `main` (frozen) on train_bytes (uint8, on the CPU); returns it.
+    args: mtp_time_budget_s, mtp_steps, mtp_lr, mtp_distill, batch_size, seq_len, seed, and
+    resume + model (a checkpoint to go on from)."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
 
     for p in main.parameters():
         p.requires_grad_(False)
     main.eval()
+    device = next(main.parameters()).device
     mtp = MTP(main, m.DeepseekV4DecoderLayer, m.DeepseekV4HyperHead, m.DeepseekV4RMSNorm)
-    if args.resume and resume(mtp, m.DeepseekV4ForCausalLM, Path(args.model)):
+    if getattr(args, "resume", False) and resume(mtp, m.DeepseekV4ForCausalLM, Path(args.model)):
         print("resuming from the checkpoint's MTP layer", flush=True)
+    mtp = mtp.to(device)
     params = [p for n, p in mtp.named_parameters() if ".indexer." not in n]
     opt = torch.optim.AdamW(params, lr=args.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed + 7)
@@ -136,7 +140,7 @@ def train_mtp(main, train_bytes, eval_windows, args, log: dict):
         starts = torch.randint(
             0, train_bytes.numel() - args.seq_len - 1, (args.batch_size,), generator=gen
         )
-        window = train_bytes[starts[:, None] + torch.arange(args.seq_len + 1)].long()
+        window = train_bytes[starts[:, None] + torch.arange(args.seq_len + 1)].long().to(device)
         inputs, targets = window[:, :-1], window[:, 1:]
         streams, kwargs, main_logits = main_streams(main, inputs)
         logits = mtp(main, streams, targets, kwargs)  # [B, T, V]: token t+2
@@ -237,11 +241,9 @@ def add_to_checkpoint(out: Path, tensors: dict[str, torch.Tensor]) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(REPO / "engine/assets/dsaserve-demo-v4"))
-    p.add_argument("--data", default=str(REPO / "data" / "tinyshakespeare.txt"))
-    p.add_argument("--mtp-time-budget-s", type=float, default=900)
+def add_mtp_args(p: argparse.ArgumentParser, budget_s: float) -> None:
+    """The MTP training's flags (train_demo_model.py takes them too)."""
+    p.add_argument("--mtp-time-budget-s", type=float, default=budget_s)
     p.add_argument("--mtp-steps", type=int, default=10**9)
     p.add_argument("--mtp-lr", type=float, default=1e-3)
     p.add_argument(
@@ -250,6 +252,13 @@ def main(argv: list[str] | None = None) -> None:
         default=1.0,
         help="weight of the KL to the main model's distribution of token t+2 (0: data only)",
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(REPO / "engine/assets/dsaserve-demo-v4"))
+    p.add_argument("--data", default=str(REPO / "data" / "tinyshakespeare.txt"))
+    add_mtp_args(p, 900)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=1234)
@@ -268,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     split = len(data) - int(len(data) * 0.05)  # the main model's held-out 5 %
     train_bytes = torch.frombuffer(bytearray(data[:split]), dtype=torch.uint8)
     log: dict = {}
-    mtp = train_mtp(main_model, train_bytes, None, args, log)
+    mtp = train_mtp(main_model, train_bytes, args, log)
     add_to_checkpoint(out, mtp_tensors(mtp, DeepseekV4ForCausalLM))
     train_log = out / "train_log.json"
     full = json.loads(train_log.read_text()) if train_log.exists() else {}
