@@ -181,10 +181,10 @@ class ModelRunner:
             return graph.run(spans, self._sampled_ids(spans))
         inputs, rows = self._inputs(spans, num_decode, logit_rows)
         if self.keep_streams and logit_rows is not None:
-            # (the draft pass over the same rows captures the window rows of every layer)
             logits, self.streams = cast(DraftModel, self.model).run(self.pool, inputs, rows)
-            return logits
-        logits = self.model(self.pool, inputs, rows)
+        else:
+            logits = self.model(self.pool, inputs, rows)
+        # (a draft pass over the same rows captures them again: the MTP layer's then written)
         self._capture(inputs)
         return logits
 

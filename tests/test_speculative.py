@@ -279,3 +279,20 @@ def test_adaptive_draft_length_follows_acceptance_and_step_cost():
         stats.record(3, 0), stats.record(3, 0), stats.record(3, 0), stats.record(3, 0)
     assert dear.choose(64, stats) == 0
     assert DraftLength(SpeculativeConfig("mtp", 2)).choose(64, stats) == 2  # (not adaptive)
+
+
+def test_prefix_cache_hits_resume_the_mtp_layer_too():
+    """With the prefix cache on (the default), a prompt that resumes from a checkpoint gets the
+    MTP layer's state from it too: tokens as without speculation, and drafts accepted."""
+    shared = PROMPTS[0] + PROMPTS[1][1:]
+    prompts = [shared, shared + PROMPTS[2][1:9]]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    plain = LLM(DEMO_MODEL_DIR, max_num_seqs=4)
+    spec = LLM(DEMO_MODEL_DIR, speculative_config=SPEC, max_num_seqs=4)
+    for prompt in prompts:  # one after the other: the second resumes from the first's
+        want = plain.generate([prompt], params)[0].token_ids
+        assert spec.generate([prompt], params)[0].token_ids == want
+    cache = spec.engine.prefix_cache
+    assert cache is not None and cache.stats.hits > 0
+    assert spec.engine.speculator.stats.num_accepted_tokens > 0
+    assert_all_free(spec.engine)
