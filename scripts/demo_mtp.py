@@ -125,14 +125,15 @@ def train_mtp(main, train_bytes: torch.Tensor, args, log: dict):
     main.eval()
     device = next(main.parameters()).device
     mtp = MTP(main, m.DeepseekV4DecoderLayer, m.DeepseekV4HyperHead, m.DeepseekV4RMSNorm)
+    log["mtp"] = {"train": []}
     if getattr(args, "resume", False) and resume(mtp, m.DeepseekV4ForCausalLM, Path(args.model)):
         print("resuming from the checkpoint's MTP layer", flush=True)
+        log["mtp"]["resumed"] = True
     mtp = mtp.to(device)
     params = [p for n, p in mtp.named_parameters() if ".indexer." not in n]
     opt = torch.optim.AdamW(params, lr=args.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed + 7)
     t0, step = time.monotonic(), 0
-    log["mtp"] = {"train": []}
     while time.monotonic() - t0 < args.mtp_time_budget_s and step < args.mtp_steps:
         lr = args.mtp_lr * min(1.0, (step + 1) / 20)
         for g in opt.param_groups:
@@ -281,7 +282,13 @@ def main(argv: list[str] | None = None) -> None:
     add_to_checkpoint(out, mtp_tensors(mtp, DeepseekV4ForCausalLM))
     train_log = out / "train_log.json"
     full = json.loads(train_log.read_text()) if train_log.exists() else {}
-    full["mtp"] = {**log["mtp"], "args": {k: v for k, v in vars(args).items() if k != "model"}}
+    before = full.get("mtp", {}) if log["mtp"].get("resumed") else {}
+    full["mtp"] = {
+        **log["mtp"],
+        "train": before.get("train", []) + log["mtp"]["train"],  # (steps count on from before)
+        "steps": before.get("steps", 0) + log["mtp"]["steps"],
+        "args": {k: v for k, v in vars(args).items() if k != "model"},
+    }
     train_log.write_text(json.dumps(full, indent=2) + "\n")
     print(f"MTP layer written to {out}", flush=True)
 
