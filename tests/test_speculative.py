@@ -24,7 +24,7 @@ from engine.speculative.verify import accepted_tokens, verify_rows
 from tests.engine_cases import assert_all_free, drain
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
-GREEDY = SamplingParams(max_tokens=16, temperature=0)
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 
 def _heldout(n: int, length: int) -> list[list[int]]:
@@ -104,11 +104,11 @@ def test_a_checkpoint_that_cannot_draft_is_refused_at_start(tmp_path, tiny):
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_tokens_equal_those_without_speculation(reference, k):
-    """Chunked prefill (8 rows a step, so drafts are cut by the budget too); the MTP layer's
+    """Chunked prefill (12 rows a step, so drafts are cut by the budget too); the MTP layer's
     KV state lives in the pools and is freed with each request."""
     engine = LLMEngine(
         DEMO_MODEL_DIR,
-        EngineConfig(speculative_config=_spec(k), max_num_batched_tokens=8, **ENGINE),
+        EngineConfig(speculative_config=_spec(k), max_num_batched_tokens=12, **ENGINE),
     )
     mtp_layer = engine.model_config.num_layers
     assert mtp_layer in engine.pool.group_of_layer  # its window ring, pages and rings

@@ -186,7 +186,8 @@ class KVPool:
         self.table_writes: list[tuple[int, str, int, list[int]]] | None = None
         self.page_tables = {
             g: torch.full(
-                (seqs, min(grp.num_pages, self.pages_for(g, max_context))),
+                # (speculative decoding writes up to 2 K positions past a request's tokens)
+                (seqs, min(grp.num_pages, self.pages_for(g, max_context + 2 * spare))),
                 self.dummy_pages[g],
                 dtype=torch.int32,
                 device=self.device,
