@@ -255,6 +255,25 @@ def add_mtp_args(p: argparse.ArgumentParser, budget_s: float) -> None:
     )
 
 
+def record_acceptance(model_dir: Path, bench_json: Path) -> None:
+    """Put bench/spec_decode.py's acceptance figures into the model's train_log.json and
+    rewrite its card (README.md) from that log."""
+    try:
+        from demo_model_card import write_card
+    except ImportError:
+        from scripts.demo_model_card import write_card
+    record = json.loads(bench_json.read_text())
+    log = json.loads((model_dir / "train_log.json").read_text())
+    rows = {name.removeprefix("K="): row for name, row in record["rows"].items()}
+    log["mtp"]["acceptance"] = {
+        "command": f"`python -m bench.spec_decode`, {record['args']['prompts']} prompts of "
+        f"{record['args']['prompt_bytes']} bytes, {record['args']['max_tokens']} tokens each",
+        "rows": {k: row for k, row in rows.items() if k.isdigit() and k != "0"},
+    }
+    (model_dir / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    write_card(model_dir / "README.md", log)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(REPO / "engine/assets/dsaserve-demo-v4"))
@@ -267,7 +286,15 @@ def main(argv: list[str] | None = None) -> None:
         "--resume", action="store_true", help="go on from the checkpoint's MTP layer, if any"
     )
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument(
+        "--record-acceptance",
+        metavar="BENCH_JSON",
+        help="no training: put bench/spec_decode.py's figures into the model's log and card",
+    )
     args = p.parse_args(argv)
+    if args.record_acceptance:
+        record_acceptance(Path(args.model), Path(args.record_acceptance))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import DeepseekV4ForCausalLM
