@@ -7,6 +7,7 @@ at a time.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +42,9 @@ class LLM:
         dtype: str = "float32",
         **engine_options: Any,
     ) -> None:
+        spec = engine_options.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM's LLM takes it as a dict, the flag as JSON
+            engine_options["speculative_config"] = json.dumps(spec)
         self.engine = LLMEngine(
             model_dir, EngineConfig(device=device, dtype=dtype, **engine_options)
         )

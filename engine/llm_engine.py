@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -50,6 +51,8 @@ from engine.runner import PromptRows
 from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.speculative.draft_head import draft_config
+from engine.speculative.speculator import Speculator
 from engine.step import RowSpan
 from engine.structured import Bitmask, Constraints
 from engine.text.grammar import GrammarError
@@ -78,6 +81,9 @@ class LLMEngine:
         # KV rows the FP8 cache cannot hold
         cfg.check_tensor_parallel(config.tensor_parallel_size, keeps_quantized(config, cfg))
         check_kv_cache_dtype(cfg, config.kv_cache_dtype, config.page_size)
+        self.speculative = config.speculative
+        if self.speculative is not None:  # (a ConfigError before any process starts)
+            draft_config(cfg, self.speculative)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self.followers = None
@@ -104,13 +110,24 @@ class LLMEngine:
             self.prefix_cache = PrefixCache(
                 self.pool, config.prefix_cache_checkpoint_interval, salt, self.runner.host
             )
-        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache)
+        spec = self.speculative
+        self.scheduler = Scheduler(
+            self.pool,
+            config.max_num_batched_tokens,
+            self.prefix_cache,
+            spec.num_speculative_tokens if spec else 0,
+        )
+        self.speculator = None
+        if spec is not None:
+            self.speculator = Speculator(self.runner, spec, self.tokenizer.vocab_size)
         self._staged: dict[str, list[int]] = {}  # held request -> its staging blocks
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step the device runs
         # outputs of the step in flight, completed early for a grammar's sake (`_bitmask`)
         self._completed_early: list[RequestOutput] = []
         self.constraints = Constraints(self.tokenizer, self.eos_token_ids)
-        self.async_scheduling = config.async_scheduling  # may change between steps (a bench)
+        # may change between steps (a bench); speculative steps wait for each step: the
+        # accepted drafts decide where the next one starts
+        self.async_scheduling = config.async_scheduling and spec is None
         log.info(
             "KV pool: %d pages (%s), one request up to %d tokens, layout %s",
             self.pool.num_total_pages,
@@ -162,7 +179,7 @@ class LLMEngine:
             max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
         except ContextLengthError as e:
             raise RequestError(str(e)) from None
-        needed_tokens = n + max_tokens - 1
+        needed_tokens = n + max_tokens - 1 + 2 * self.scheduler.draft_tokens  # (drafts' rows)
         for g, group in self.pool.groups.items():
             need, have = self.pool.pages_for(g, needed_tokens), group.num_pages - 1
             if need > have:
@@ -172,6 +189,9 @@ class LLMEngine:
                     "(--kv-cache-memory-bytes)"
                 )
         grammar = None
+        if params.grammar is not None and self.speculator is not None:
+            # (drafts are neither proposed nor verified under a grammar's mask yet)
+            raise RequestError("structured outputs are not served with --speculative-config yet")
         if params.grammar is not None:
             try:
                 grammar = self.constraints.state(params.grammar)
@@ -341,15 +361,49 @@ class LLMEngine:
         step's, whose ids are waited for once this one is queued."""
         with profiled("schedule"):
             batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            return self._speculative_step(batch) if batch else []
         launched = self._launch(batch) if batch else None
         done = [s for s in (self._in_flight, launched) if s is not None]  # oldest first
         self._in_flight = done.pop() if self.async_scheduling and launched else None
         early, self._completed_early = self._completed_early, []
         return early + [out for s in done for out in self._complete(s)]
 
+    def _speculative_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Verify the drafts the batch carries, hand out what is accepted, draft again
+        (engine.speculative.speculator); waits for the device."""
+        speculator = self.speculator
+        assert speculator is not None
+        t0 = time.perf_counter()
+        samplers, counts, logits, prompt_rows = self.runner.execute(batch)
+        with profiled("verify"):
+            if self.tokenizer.vocab_size < logits.shape[1]:
+                logits[:, self.tokenizer.vocab_size :] = float("-inf")
+            if prompt_rows:
+                self._score_prompts(prompt_rows, logits[sum(counts) :])
+            verified = speculator.verify(samplers, counts, logits[: sum(counts)])  # (on the host)
+        rows = sum(s.num_rows for s in self.runner.last_step.spans)
+        speculator.length.time_target(rows, time.perf_counter() - t0)
+        k = speculator.choose(len(self.scheduler.running))
+        with profiled("draft"):
+            speculator.draft_first(samplers, counts, verified.tokens, k)
+        outputs = []
+        with profiled("outputs"):
+            for req, tokens, logprobs in zip(
+                samplers, verified.tokens, verified.logprobs, strict=True
+            ):
+                if req.prefill_only:  # its one token: the KV stays for the decode worker
+                    self.scheduler.hold(req)
+                out = self._emit(req, tokens, logprobs)
+                if out is not None:
+                    outputs.append(out)
+        with profiled("draft"):
+            speculator.propose(k)
+        return outputs
+
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch's forward and sampling on the device; nothing here waits for it."""
-        samplers, logits, prompt_rows = self.runner.execute(batch)
+        samplers, _, logits, prompt_rows = self.runner.execute(batch)
         if self.tokenizer.vocab_size < logits.shape[1]:
             # A padded embedding has rows no token maps to; never sample or score them.
             logits[:, self.tokenizer.vocab_size :] = float("-inf")
@@ -422,33 +476,48 @@ class LLMEngine:
         logprobs = read_logprobs(table, [r.params.logprobs for r in samplers])
         outputs = []
         for req, token, token_lp in zip(samplers, tokens, logprobs, strict=True):
-            if req.status is Status.FINISHED:  # aborted, or stopped a token earlier
-                continue
-            reason = req.append_token(token, in_flight=True)
-            finished = reason is not None
-            if req.status is Status.HELD:  # prefill only: the reader's lease starts now
-                assert req.hold_for_s is not None
-                # (a claim made before the token was known may already reach further)
-                req.lease_deadline = max(
-                    req.lease_deadline or 0.0, time.monotonic() + req.hold_for_s
-                )
-            if reason is not None:
-                self._finish(req, reason)  # (a held request may already be staged)
-            text = req.text.take(finished)
-            out = self._output(
-                req,
-                [token],
-                text,
-                reason,
-                finished=finished or req.prefill_only,
-                logprobs=None if token_lp is None else [token_lp],
-            )
-            if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
-                out.prompt_logprobs = list(req.prompt_logprobs)
-            if req.listener is not None:
-                req.listener(out)
-            outputs.append(out)
+            out = self._emit(req, [token], [token_lp], in_flight=True)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _emit(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+        in_flight: bool = False,
+    ) -> RequestOutput | None:
+        """A request's new tokens (in_flight: its oldest in-flight one), up to the one it
+        stops at: stops, text, lease, its listener. None for a request already finished."""
+        if req.status is Status.FINISHED:  # aborted, or stopped a token earlier
+            return None
+        reason, n = None, 0
+        while reason is None and n < len(tokens):
+            reason = req.append_token(tokens[n], in_flight=in_flight)
+            n += 1
+        tokens, logprobs = tokens[:n], logprobs[:n]
+        finished = reason is not None
+        if req.status is Status.HELD:  # prefill only: the reader's lease starts now
+            assert req.hold_for_s is not None
+            # (a claim made before the token was known may already reach further)
+            req.lease_deadline = max(req.lease_deadline or 0.0, time.monotonic() + req.hold_for_s)
+        if reason is not None:
+            self._finish(req, reason)  # (a held request may already be staged)
+        text = req.text.take(finished)
+        out = self._output(
+            req,
+            tokens,
+            text,
+            reason,
+            finished=finished or req.prefill_only,
+            logprobs=None if logprobs[0] is None else cast(list[TokenLogprobs], logprobs),
+        )
+        if req.params.prompt_logprobs is not None and len(req.output_token_ids) == len(tokens):
+            out.prompt_logprobs = list(req.prompt_logprobs)  # with the request's first tokens
+        if req.listener is not None:
+            req.listener(out)
+        return out
 
     @staticmethod
     def _output(

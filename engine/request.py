@@ -77,6 +77,9 @@ class Request:
     num_inflight: int = 0
     inflight_row: int = 0  # the newest one's row in its step's sampled ids
     num_computed: int = 0  # tokens whose KV is in the pool
+    # speculative decoding: the MTP layer's drafts of the tokens after the newest, which the
+    # next step verifies (never counted in num_tokens)
+    draft_token_ids: list[int] = field(default_factory=list)
     page_tables: dict[str, list[int]] = field(default_factory=dict)  # pool group -> page ids
     slab: int | None = None  # the request's slab row (its compressor rings, its page tables)
     status: Status = Status.WAITING

@@ -41,10 +41,10 @@ class Recorder:
         execute = engine.runner.execute
 
         def recording(batch):  # type: ignore[no-untyped-def]
-            samplers, logits, prompt_rows = execute(batch)
+            samplers, counts, logits, prompt_rows = execute(batch)
             for i, req in enumerate(samplers):
                 self.rows.setdefault(req.request_id, []).append(logits[i, :vocab].clone())
-            return samplers, logits, prompt_rows
+            return samplers, counts, logits, prompt_rows
 
         engine.runner.execute = recording  # type: ignore[method-assign]
 

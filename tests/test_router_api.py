@@ -876,6 +876,8 @@ ROUTER_ENGINE_MODULES = (
     "engine.kv.block_hash",
     "engine.load",
     "engine.sampling_params",
+    "engine.speculative",
+    "engine.speculative.config",
 )
 
 

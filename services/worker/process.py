@@ -119,7 +119,10 @@ class Worker:
         self.loop = EngineLoop(self.engine)
         cache = self.engine.prefix_cache
         self.metrics = WorkerMetrics(
-            role, self.loop.load, lambda: cache.stats if cache is not None else CacheStats()
+            role,
+            self.loop.load,
+            lambda: cache.stats if cache is not None else CacheStats(),
+            self.engine.speculator.stats if self.engine.speculator is not None else None,
         )
         bind_ucx_to(self.advertise_host)
         # NIXL is not thread-safe: one thread makes every call on the agent.
