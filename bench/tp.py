@@ -28,7 +28,7 @@ from bench.engine import Bench, release_model, slice_config
 from bench.harness import write_record
 from engine.parallel.channel import Channel
 from engine.parallel.group import SINGLE, TensorParallel
-from engine.parallel.launch import Followers, join_follower
+from engine.parallel.launch import Followers, World, join_follower
 from engine.rank import serve
 
 PHASES = ("bf16", "release")
@@ -83,7 +83,7 @@ def run_group(plan: Plan, size: int) -> dict[str, list[dict]]:
     """Rank 0 of a group of `size`: build and measure every phase; the others follow."""
     if size == 1:
         return {name: measure(plan, bench) for name, bench in phases(plan, 0, SINGLE, None)}
-    group = Followers(size, plan.device(0), follower, plan)
+    group = Followers(World(tensor_parallel_size=size), plan.device(0), follower, plan)
     out = {}
     try:
         for name, bench in phases(plan, 0, group.tp, group.channel):
@@ -95,8 +95,8 @@ def run_group(plan: Plan, size: int) -> dict[str, list[dict]]:
     return out
 
 
-def follower(plan: Plan, rank: int, size: int, port: int) -> None:
-    tp, channel = join_follower(rank, size, port, plan.device(rank))
+def follower(plan: Plan, rank: int, world: World) -> None:
+    tp, channel = join_follower(rank, world, plan.device(rank))
     for _, bench in phases(plan, rank, tp, None):
         serve(bench.runner, channel)
     dist.destroy_process_group()

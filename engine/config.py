@@ -123,6 +123,45 @@ class EngineConfig:
         "(--device cuda), or runs on the CPU over gloo",
         short="-tp",
     )
+    data_parallel_size: int = setting(
+        1,
+        "attention (data-parallel) ranks one worker spans, each an engine of its own (scheduler, "
+        "KV pools, requests) of --tensor-parallel-size processes; with --enable-expert-parallel "
+        "they share the routed experts and step in lockstep. A worker's ranks register as "
+        "workers of their own, each with its own gRPC port (--port + rank)",
+        short="-dp",
+    )
+    data_parallel_rank: int = setting(
+        0, "this engine's data-parallel rank (set by the launcher)", cli=False
+    )
+    enable_expert_parallel: bool = setting(
+        False,
+        "split the routed experts over every rank of every data-parallel rank's group "
+        "(data-parallel size x tensor-parallel size), tokens dispatched to their experts' "
+        "owners and combined back by all-to-alls, instead of over one tensor-parallel group",
+    )
+    nnodes: int = setting(
+        1,
+        "hosts one data-parallel group spans (torchrun's name); each runs an equal share of the "
+        "data-parallel ranks, whole tensor-parallel groups",
+    )
+    node_rank: int = setting(0, "this host's place among --nnodes (0 hosts the rendezvous)")
+    master_addr: str = setting(
+        "127.0.0.1", "address of node 0, where the group's ranks meet (torchrun's name)"
+    )
+    master_port: int = setting(
+        0,
+        "TCP port of the group's rendezvous on --master-addr (0: a free one; required with "
+        "--nnodes above 1)",
+    )
+
+    simulate: str | None = setting(
+        None,
+        "run no model: each step sleeps for the time a cost model fitted to this measured "
+        "profile (a bench record such as bench/results/h200-engine-256.json) gives it, and "
+        "every request runs to max_tokens; the rest of the engine is real (page accounting, "
+        "prefix cache, leases, transfers): the control plane at cluster size on a CPU",
+    )
 
     speculative_config: str | None = setting(
         None,
@@ -184,6 +223,38 @@ class EngineConfig:
                 f"with tensor parallelism the device is 'cuda' (rank r takes the r-th visible "
                 f"GPU; choose them with CUDA_VISIBLE_DEVICES) or 'cpu', got {self.device!r}",
             ),
+            (
+                self.data_parallel_size >= 1,
+                f"data_parallel_size must be >= 1, got {self.data_parallel_size}",
+            ),
+            (
+                0 <= self.data_parallel_rank < self.data_parallel_size,
+                f"data_parallel_rank must be in [0, {self.data_parallel_size}), got "
+                f"{self.data_parallel_rank}",
+            ),
+            (
+                self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+                f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}",
+            ),
+            (
+                self.data_parallel_size % self.nnodes == 0,
+                f"the {self.data_parallel_size} data-parallel ranks do not split over "
+                f"{self.nnodes} nodes (each holds whole tensor-parallel groups)",
+            ),
+            (
+                self.simulate is None or self.tensor_parallel_size * self.data_parallel_size == 1,
+                "a simulated engine (--simulate) runs as one rank",
+            ),
+            (
+                self.speculative_config is None
+                or (self.data_parallel_size == 1 and self.simulate is None),
+                "--speculative-config does not run with --data-parallel-size > 1 (an idle "
+                "rank's padded step does not pad the draft passes' all-to-alls) or --simulate yet",
+            ),
+            (
+                self.nnodes == 1 or self.master_port > 0,
+                "a group over several nodes needs --master-port (and --master-addr: node 0)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -192,3 +263,16 @@ class EngineConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def data_parallel_per_node(self) -> int:
+        return self.data_parallel_size // self.nnodes
+
+    def node_ranks(self) -> range:
+        """The data-parallel ranks this node runs."""
+        per = self.data_parallel_per_node
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+    def local_index(self, global_rank: int) -> int:
+        """A global rank's place among its node's ranks: its GPU's index there."""
+        return global_rank - self.node_ranks().start * self.tensor_parallel_size

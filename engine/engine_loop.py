@@ -24,6 +24,9 @@ from engine.request import RequestOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.5  # how long an idle engine thread waits for a command before looking again
+# An idle engine of a data-parallel group steps this often (its peers may compute and need it;
+# a request that arrives while every engine idles waits up to this long for its first step).
+LOCKSTEP_IDLE_S = 0.02
 
 
 class OutputQueue:
@@ -105,9 +108,10 @@ class EngineLoop:
         engine = self.engine
         try:
             engine.bind_thread()
+            idle_wait = LOCKSTEP_IDLE_S if engine.steps_when_idle else IDLE_WAIT_S
             while not self._stopping.is_set():
-                self._drain_commands(block=not engine.has_unfinished())
-                if engine.has_unfinished():
+                self._drain_commands(block=not engine.has_unfinished(), timeout=idle_wait)
+                if engine.has_unfinished() or engine.steps_when_idle:
                     engine.step()  # outputs reach each request's listener
                 self._load = engine.load()
         except BaseException as e:  # recorded; the worker watchdog reports it
@@ -119,11 +123,11 @@ class EngineLoop:
                 _, fut = self._commands.get_nowait()
                 fut.cancel()
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool, timeout: float) -> None:
         while True:
             try:
                 if block:
-                    fn, fut = self._commands.get(timeout=IDLE_WAIT_S)
+                    fn, fut = self._commands.get(timeout=timeout)
                 else:
                     fn, fut = self._commands.get_nowait()
             except queue.Empty:

@@ -2,7 +2,8 @@
 
 `LLM(..., tensor_parallel_size=N)` spans N processes (GPUs); `close()` (or a `with` block)
 stops the other N-1, which otherwise end with this process. One such engine runs in a process
-at a time.
+at a time. `LLM(..., data_parallel_size=D, enable_expert_parallel=True)` runs D such engines
+(engine.data_parallel), the prompts spread over them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, cast
 import torch
 
 from engine.config import EngineConfig
+from engine.data_parallel import DataParallelEngines
 from engine.llm_engine import LLMEngine
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -45,8 +47,11 @@ class LLM:
         spec = engine_options.get("speculative_config")
         if isinstance(spec, dict):  # vLLM's LLM takes it as a dict, the flag as JSON
             engine_options["speculative_config"] = json.dumps(spec)
-        self.engine = LLMEngine(
-            model_dir, EngineConfig(device=device, dtype=dtype, **engine_options)
+        config = EngineConfig(device=device, dtype=dtype, **engine_options)
+        self.engine: LLMEngine | DataParallelEngines = (
+            DataParallelEngines(model_dir, config)
+            if config.data_parallel_size > 1
+            else LLMEngine(model_dir, config)
         )
         self.tokenizer = self.engine.tokenizer
 

@@ -21,10 +21,18 @@ With tensor_parallel_size N the engine is rank 0 of a group of N processes (engi
 it alone schedules, samples and owns the requests; its runner sends every step to the other
 ranks, and `join` hands them the transferred KV, which reached rank 0's pools only. `close`
 stops the other ranks.
+
+With data_parallel_size D the engine is one of D (`data_parallel_rank`), each in a process of
+its own with its own requests, scheduler and pools; with expert parallelism they share the
+routed experts, so every step starts with the engines agreeing whether any of them computes
+(engine.parallel.lockstep), one without work running a padded empty step. Such an engine must
+be stepped even while it has no request (`steps_when_idle`), and `close` stops every engine of
+the group (a data-parallel group is one failure domain, as a tensor-parallel one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -44,8 +52,9 @@ from engine.load import Load
 from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from engine.parallel.group import SINGLE
 from engine.parallel.launch import Followers
+from engine.parallel.lockstep import Lockstep
 from engine.profiling import profiled
-from engine.rank import build_runner, device_of, follower_main, keeps_quantized
+from engine.rank import build_runner, device_of, follower_main, keeps_quantized, world_of
 from engine.request import KVPages, Listener, Request, RequestError, RequestOutput, Status
 from engine.runner import PromptRows
 from engine.sampler import sample
@@ -71,15 +80,26 @@ class LaunchedStep:
     results: ToHost  # (ids [S] int64, logprob table or None)
 
 
+class GroupStopped(RuntimeError):
+    """Another engine of the data-parallel group closed it: this one cannot step any more."""
+
+
 class LLMEngine:
     def __init__(self, model_dir: str | os.PathLike, config: EngineConfig = EngineConfig()) -> None:
         self.config, self.model_dir = config, str(model_dir)
-        self.device = device_of(config, 0)
+        world = world_of(config)
+        self.device = device_of(config, world.leader)
         self.bind_thread()
         self.model_config = cfg = models.family(model_dir).ModelConfig.from_dir(model_dir)
         # before any process starts: a clear error for a model that does not split, or whose
         # KV rows the FP8 cache cannot hold
         cfg.check_tensor_parallel(config.tensor_parallel_size, keeps_quantized(config, cfg))
+        if config.enable_expert_parallel and cfg.num_experts % world.size:
+            raise ValueError(
+                f"the model's {cfg.num_experts} routed experts do not split over the "
+                f"{world.size} ranks of expert parallelism (data-parallel "
+                f"{config.data_parallel_size} x tensor-parallel {config.tensor_parallel_size})"
+            )
         check_kv_cache_dtype(cfg, config.kv_cache_dtype, config.page_size)
         self.speculative = config.speculative
         if self.speculative is not None:  # (a ConfigError before any process starts)
@@ -87,10 +107,11 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self.followers = None
-        if config.tensor_parallel_size > 1:
-            self.followers = Followers(
-                config.tensor_parallel_size, self.device, follower_main, self.model_dir, config
-            )
+        self.lockstep: Lockstep | None = None  # data parallel with shared experts
+        if world.size > 1:
+            self.followers = Followers(world, self.device, follower_main, self.model_dir, config)
+            if self.followers.lockstep is not None and config.enable_expert_parallel:
+                self.lockstep = Lockstep(self.followers.lockstep)
         try:
             self.runner = build_runner(
                 model_dir,
@@ -147,8 +168,19 @@ class LLMEngine:
         """Whether every rank of the engine's tensor-parallel group still runs."""
         return self.followers is None or self.followers.alive()
 
+    @property
+    def steps_when_idle(self) -> bool:
+        """Whether `step` must run while this engine has no request (another engine of its
+        data-parallel group may compute, and needs this one's ranks in its MoE layers)."""
+        return self.lockstep is not None
+
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel group (nothing to do on one rank)."""
+        """Stop the other ranks of a tensor-parallel group (nothing to do on one rank), and
+        tell the other engines of a data-parallel group to stop."""
+        if self.lockstep is not None:
+            with contextlib.suppress(RuntimeError):  # (a peer that died already closed it)
+                self.lockstep.agree(False, stop=True)
+            self.lockstep = None
         if self.followers is not None:
             self.followers.close()
             self.followers = None
@@ -361,6 +393,8 @@ class LLMEngine:
         step's, whose ids are waited for once this one is queued."""
         with profiled("schedule"):
             batch = self.scheduler.schedule()
+        if self._agree(bool(batch)) and not batch:
+            self.runner.call("pad_step")  # another data-parallel engine computes
         if self.speculator is not None:
             return self._speculative_step(batch) if batch else []
         launched = self._launch(batch) if batch else None
@@ -400,6 +434,17 @@ class LLMEngine:
         with profiled("draft"):
             speculator.propose(k)
         return outputs
+
+    def _agree(self, work: bool) -> bool:
+        """Whether any engine of the data-parallel group runs a forward now (each calls this
+        once before each forward; with one engine: `work`)."""
+        if self.lockstep is None:
+            return work
+        agreed = self.lockstep.agree(work)
+        if agreed.stop:
+            self.lockstep = None  # (its closer has left the group)
+            raise GroupStopped("another engine of the data-parallel group stopped")
+        return agreed.work
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch's forward and sampling on the device; nothing here waits for it."""
@@ -562,6 +607,7 @@ class LLMEngine:
             for start in range(0, len(token_ids), step):
                 part = token_ids[start : start + step]
                 span = RowSpan(start=start, num_rows=len(part), slab=req.slab_row, token_ids=part)
+                self._agree(True)
                 chunks.append(self.runner.forward_all_rows([span], num_decode=0))
             return torch.cat(chunks)
         finally:

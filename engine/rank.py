@@ -24,9 +24,11 @@ from engine.kv.layout import KVCacheConfig, checkpoint_bytes, default_checkpoint
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
-from engine.parallel.launch import join_follower
-from engine.runner import ModelRunner
+from engine.parallel.launch import World, join_follower
+from engine.runner import Model, ModelRunner
+from engine.simulate import CostModel, SimulatedModel
 from engine.speculative.draft_head import check_loaded, draft_config
+from engine.text.tokenizer import Tokenizer
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -41,11 +43,23 @@ class Quantized(Protocol):
 
 
 def device_of(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r of a tensor-parallel group on GPUs uses the r-th visible GPU."""
+    """Global rank r of a group on GPUs uses its node's (r - first rank there)-th visible GPU."""
     device = torch.device(config.device)
-    if device.type == "cuda" and config.tensor_parallel_size > 1:
-        return torch.device("cuda", rank)
+    if device.type == "cuda" and config.tensor_parallel_size * config.data_parallel_size > 1:
+        return torch.device("cuda", config.local_index(rank))
     return device
+
+
+def world_of(config: EngineConfig) -> World:
+    """Where the engine of `config` sits among every rank of its data-parallel group."""
+    return World(
+        config.tensor_parallel_size,
+        config.data_parallel_size,
+        config.data_parallel_rank,
+        config.enable_expert_parallel,
+        config.master_addr,
+        config.master_port,
+    )
 
 
 def keeps_quantized(config: EngineConfig, model_config: Quantized) -> bool:
@@ -72,10 +86,15 @@ def build_runner(
     if spec is not None:  # the MTP layer's KV state in the pools
         cfg = draft_config(cfg, spec)
     dtype = DTYPES[config.dtype]
-    model = family.build_model(cfg, dtype, device, keeps_quantized(config, cfg), tp)
-    family.load_weights(model, model_dir)
-    if spec is not None:
-        check_loaded(model, str(model_dir))
+    model: Model
+    if config.simulate is not None:  # no weights: steps take the profile's time
+        token = Tokenizer.from_pretrained(model_dir).encode("x")[-1]
+        model = SimulatedModel(CostModel.from_profile(config.simulate), cfg.vocab_size, token)
+    else:
+        model = family.build_model(cfg, dtype, device, keeps_quantized(config, cfg), tp)
+        family.load_weights(model, model_dir)
+        if spec is not None:
+            check_loaded(model, str(model_dir))
     max_context = config.max_model_len or cfg.max_position_embeddings
     kv_cfg = KVCacheConfig(
         memory_bytes=tp.agree(_kv_budget(config, device), device),
@@ -104,8 +123,9 @@ def build_runner(
     runner = ModelRunner(model, pool, device, max_context, channel, host)
     # (speculative steps keep the streams the draft head reads: eager)
     graphs = not config.enforce_eager and spec is None
-    if device.type == "cuda" and graphs and dtype is torch.bfloat16:
-        # (torch's grouped GEMM of other dtypes syncs with the host on CUDA: eager there)
+    if device.type == "cuda" and graphs and dtype is torch.bfloat16 and not tp.ep:
+        # (torch's grouped GEMM of other dtypes syncs with the host on CUDA, and so do the
+        # expert-parallel all-to-alls' sizes: eager there)
         sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]
         runner.capture_decode_graphs(sizes)
     return runner
@@ -121,11 +141,11 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
     return max(0, int(free - total * (1 - config.gpu_memory_utilization) - (2 << 30)))
 
 
-def follower_main(model_dir: str, config: EngineConfig, rank: int, size: int, port: int) -> None:
+def follower_main(model_dir: str, config: EngineConfig, rank: int, world: World) -> None:
     """A follower rank's process (multiprocessing's spawn target): build its shard exactly as
-    rank 0 builds its own (collectives in lockstep), then serve rank 0's calls until it closes
-    the group."""
-    tp, channel = join_follower(rank, size, port, device_of(config, rank))
+    its leader builds its own (collectives in lockstep), then serve the leader's calls until it
+    closes the group."""
+    tp, channel = join_follower(rank, world, device_of(config, rank))
     serve(build_runner(model_dir, config, tp), channel)
     dist.destroy_process_group()
 

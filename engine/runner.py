@@ -265,6 +265,12 @@ class ModelRunner:
         if captures:
             capture_window_rows(self.pool, captures)
 
+    def pad_step(self) -> None:
+        """Every rank of an engine without work while another engine of its data-parallel
+        group computes: one decode row on the dummy page and slab row (nothing real read or
+        written), so that this engine's ranks meet the others' in the MoE layers' all-to-alls."""
+        self.forward([RowSpan(0, 1, self.pool.dummy_slab, [0])], 1, [])
+
     def copy_pages(self, plan: CopyPlan) -> None:
         """Every rank: the prefix cache's copies before a step (restores, checkpoints, pages to
         and from the host tier)."""

@@ -154,6 +154,10 @@ def k8s_docs() -> Iterator[tuple[Path, dict[str, Any]]]:
 
 
 def pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if doc.get("kind") == "LeaderWorkerSet":
+        group = doc["spec"]["leaderWorkerTemplate"]
+        templates = (group.get("leaderTemplate"), group.get("workerTemplate"))
+        return [t["spec"] for t in templates if t]
     spec = ((doc.get("spec") or {}).get("template") or {}).get("spec")
     return [spec] if doc.get("kind") == "Deployment" and spec else []
 
@@ -572,6 +576,75 @@ def test_k8s_renders_the_disagg_topology(tmp_path: Path, overlay: str) -> None:
         if "secretKeyRef" in e.get("valueFrom", {})
     }
     assert refs == {secret["metadata"]["name"]}  # the generator's hashed name reached every user
+
+
+# The LeaderWorkerSet v1 API (sigs.k8s.io/lws, api/leaderworkerset/v1): its spec's fields, their
+# types and enums; a field outside it would be dropped or refused by the CRD's schema.
+LWS_SPEC = {
+    "replicas": int,
+    "startupPolicy": ("LeaderCreated", "LeaderReady"),
+    "rolloutStrategy": dict,
+    "networkConfig": dict,
+    "leaderWorkerTemplate": {
+        "size": int,
+        "restartPolicy": ("RecreateGroupOnPodRestart", "None", "Default"),
+        "leaderTemplate": dict,
+        "workerTemplate": dict,
+        "subGroupPolicy": dict,
+    },
+}
+
+
+def lws_schema_problems(spec: dict[str, Any], schema: dict[str, Any], at: str = "spec") -> list:
+    problems = []
+    for key, value in spec.items():
+        want = schema.get(key)
+        if want is None:
+            problems.append(f"{at}.{key}: not a LeaderWorkerSet v1 field")
+        elif isinstance(want, dict):
+            problems += lws_schema_problems(value, want, f"{at}.{key}")
+        elif isinstance(want, tuple) and value not in want:
+            problems.append(f"{at}.{key}: {value!r} not in {want}")
+        elif isinstance(want, type) and not isinstance(value, want):
+            problems.append(f"{at}.{key}: not a {want.__name__}")
+    return problems
+
+
+def test_k8s_lws_overlay_runs_decode_as_one_group_over_two_nodes(tmp_path: Path) -> None:
+    docs = _render(tmp_path, "overlays/lws")
+    deployments = {d["metadata"]["name"] for d in docs if d["kind"] == "Deployment"}
+    assert deployments == {"redis", "router", "prefill"}
+    (lws,) = [d for d in docs if d["kind"] == "LeaderWorkerSet"]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert lws["metadata"]["namespace"] == "dsaserve"
+    assert not lws_schema_problems(lws["spec"], LWS_SPEC)
+    group = lws["spec"]["leaderWorkerTemplate"]
+    pod = group["workerTemplate"]
+    (c,) = pod["spec"]["containers"]
+    assert c["args"][:2] == ["dsaserve", "decode"] and not command_problems(c["args"])
+    # one node per pod, meeting at the leader; whole data-parallel ranks on each
+    nnodes = int(flag_value(c["args"], "--nnodes"))
+    assert nnodes == group["size"] == 2
+    assert flag_value(c["args"], "--node-rank") == "$(LWS_WORKER_INDEX)"
+    assert flag_value(c["args"], "--master-addr") == "$(LWS_LEADER_ADDRESS)"
+    assert int(flag_value(c["args"], "--data-parallel-size")) % nnodes == 0
+    assert "--enable-expert-parallel" in c["args"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["rendezvous"] == int(flag_value(c["args"], "--master-port"))
+    assert int(literal_env(c)["DSASERVE_PORT"]) == ports["grpc"]
+    # the decode Service (scraping, probes) still selects the decode pods
+    svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "decode")
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    secret = next(d for d in docs if d["kind"] == "Secret")["metadata"]["name"]
+    refs = {
+        e["valueFrom"]["secretKeyRef"]["name"]
+        for d in docs
+        for spec in pod_specs(d)
+        for c in spec["containers"]
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    assert refs == {secret}
 
 
 # --- Grafana --------------------------------------------------------------------------------------

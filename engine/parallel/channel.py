@@ -30,6 +30,7 @@ class Call(NamedTuple):
 class Channel:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+        self.src = dist.get_global_rank(group, 0)  # the group's rank 0 (data parallel: not 0)
         self._head = torch.zeros(HEAD_BYTES, dtype=torch.uint8)
 
     def send(self, message: Call | None) -> None:
@@ -38,19 +39,19 @@ class Channel:
         fits = min(len(data), HEAD_BYTES - _LEN)
         self._head[:_LEN].view(torch.int64)[0] = len(data)
         self._head[_LEN : _LEN + fits] = torch.frombuffer(bytearray(data[:fits]), dtype=torch.uint8)
-        dist.broadcast(self._head, src=0, group=self.group)
+        dist.broadcast(self._head, src=self.src, group=self.group)
         if fits < len(data):
             rest = torch.frombuffer(bytearray(data[fits:]), dtype=torch.uint8)
-            dist.broadcast(rest, src=0, group=self.group)
+            dist.broadcast(rest, src=self.src, group=self.group)
 
     def recv(self) -> Call | None:
         """Another rank: the next message from rank 0 (blocks until it comes)."""
-        dist.broadcast(self._head, src=0, group=self.group)
+        dist.broadcast(self._head, src=self.src, group=self.group)
         size = int(self._head[:_LEN].view(torch.int64)[0])
         fits = min(size, HEAD_BYTES - _LEN)
         data = self._head[_LEN : _LEN + fits].numpy().tobytes()
         if fits < size:
             rest = torch.empty(size - fits, dtype=torch.uint8)
-            dist.broadcast(rest, src=0, group=self.group)
+            dist.broadcast(rest, src=self.src, group=self.group)
             data += rest.numpy().tobytes()
         return pickle.loads(data)

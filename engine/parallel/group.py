@@ -15,6 +15,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from engine.parallel.expert_parallel import ExpertParallel, Experts
+
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -23,6 +25,10 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None  # NCCL on GPUs, gloo on the CPU; None for one rank
+    # --enable-expert-parallel: the routed experts split over every rank of the data-parallel
+    # group (dispatch/combine all-to-alls) instead of over this group (an all-reduce)
+    ep: ExpertParallel | None = None
+    leader: int = 0  # the global rank of this group's rank 0 (data parallel: not always 0)
 
     def local(self, n: int) -> int:
         """This rank's share of n items (the model config checked that size divides n)."""
@@ -33,6 +39,27 @@ class TensorParallel:
         """This rank's contiguous range [start, stop) of n items."""
         per = self.local(n)
         return self.rank * per, (self.rank + 1) * per
+
+    def expert_span(self, n: int) -> tuple[int, int]:
+        """This rank's contiguous range [start, stop) of a model's n routed experts."""
+        return self.ep.span(n) if self.ep is not None else self.span(n)
+
+    def routed_experts(
+        self,
+        experts: Experts,
+        x: torch.Tensor,
+        expert_ids: torch.Tensor,
+        weights: torch.Tensor,
+        span: tuple[int, int],
+    ) -> torch.Tensor:
+        """x [T, hidden], expert_ids/weights [T, k] (the model's ids) -> fp32 [T, hidden]: the
+        weighted sum of each token's routed experts, on every rank of the group; span: this
+        rank's experts (`expert_span`)."""
+        if self.ep is None:  # ids outside this rank's range add nothing there
+            return self.all_reduce(experts(x, expert_ids - span[0], weights))
+        per, share = span[1] - span[0], (self.rank, self.size)
+        routed = self.ep.dispatch_combine(experts, x, expert_ids, weights, per, share)
+        return self.all_reduce(routed)  # the tensor-parallel members' row shares
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the group, in place; returns x."""
@@ -60,7 +87,7 @@ class TensorParallel:
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place; returns x."""
         if self.size > 1:
-            dist.broadcast(x, src=0, group=self.group)  # (the group is the whole world)
+            dist.broadcast(x, src=self.leader, group=self.group)
         return x
 
 

@@ -1,26 +1,35 @@
-"""Start and stop a tensor-parallel group.
+"""Start and stop a group of ranks: one engine's tensor-parallel group, inside (with data
+parallelism) a world of several such engines.
 
-The process that builds an `LLMEngine` with tensor_parallel_size N is rank 0: it spawns ranks
-1..N-1 (one process each, running engine.rank.follower_main; bench.tp runs its own), and
-all join one torch.distributed group through a TCP store on 127.0.0.1: NCCL for the model's
-collectives on GPUs (rank r on the r-th visible GPU), gloo on the CPU, plus a gloo group that
-carries rank 0's calls (engine.parallel.channel). Followers die with the thread that started
-them (Linux PR_SET_PDEATHSIG) and end when rank 0 closes the group.
+The process that builds an `LLMEngine` with tensor_parallel_size N is its group's leader: it
+spawns ranks 1..N-1 of its group (one process each, running engine.rank.follower_main; bench.tp
+runs its own), and all join one torch.distributed world through a TCP store (127.0.0.1, or
+--master-addr/--master-port across hosts): NCCL for the model's collectives on GPUs (rank r on
+the r-th visible GPU of its host), gloo on the CPU, plus a gloo group per engine that carries
+its leader's calls (engine.parallel.channel). With data parallelism (`World`) D engines, each
+its own leader, share the world: the model's tensor-parallel collectives stay inside each
+engine's group, expert parallelism's all-to-alls span the world, and the leaders keep their
+steps in lockstep (engine.parallel.lockstep). Followers die with the thread that started them
+(Linux PR_SET_PDEATHSIG) and end when their leader closes the group.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import logging
 import multiprocessing
 import signal
+import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from engine.parallel.channel import Channel
+from engine.parallel.expert_parallel import ExpertParallel
 from engine.parallel.group import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -36,75 +45,145 @@ STOP_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
+def free_port(host: str = HOST) -> int:
+    """A TCP port free on `host` now (for a rendezvous the processes started next will meet at)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def die_with_parent() -> None:
     """Have the kernel send SIGTERM to this process when its parent thread exits (Linux)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def join_follower(
-    rank: int, size: int, port: int, device: torch.device
-) -> tuple[TensorParallel, Channel]:
-    """A follower's start: die with rank 0, leave Ctrl-C to it (a terminal sends SIGINT to the
-    whole process group; rank 0 stops the others), join the group through the store at `port`."""
+@dataclass(frozen=True)
+class World:
+    """Every rank of an engine's data-parallel group and where this engine sits in it: global
+    rank g = data-parallel rank * tensor-parallel size + tensor-parallel rank; the TCP store
+    that joins them runs in global rank 0's process."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    expert_parallel: bool = False
+    master_addr: str = HOST
+    master_port: int = 0  # 0: global rank 0's store picks one (a lone tensor-parallel group)
+
+    @property
+    def size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def leader(self) -> int:
+        """The global rank of this engine's tensor-parallel rank 0."""
+        return self.data_parallel_rank * self.tensor_parallel_size
+
+
+def join_follower(rank: int, world: World, device: torch.device) -> tuple[TensorParallel, Channel]:
+    """A follower's start: die with its leader, leave Ctrl-C to it (a terminal sends SIGINT to
+    the whole process group; the leader stops the others), join as global `rank`."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    store = dist.TCPStore(HOST, port, size, is_master=False, timeout=JOIN_TIMEOUT)
-    return join(rank, size, store, device)
+    return join(rank, world, connect(world), device)[:2]
+
+
+def connect(world: World) -> dist.TCPStore:
+    """A client of global rank 0's store (it retries until the store is up)."""
+    return dist.TCPStore(
+        world.master_addr, world.master_port, world.size, is_master=False, timeout=JOIN_TIMEOUT
+    )
 
 
 def join(
-    rank: int, size: int, store: dist.Store, device: torch.device
-) -> tuple[TensorParallel, Channel]:
-    """Join the group as `rank`: the model's group, and the channel of rank 0's calls."""
+    rank: int, world: World, store: dist.Store, device: torch.device
+) -> tuple[TensorParallel, Channel, dist.ProcessGroup | None]:
+    """Join the world as global `rank`: this rank's tensor-parallel group (with the expert
+    group when expert parallel), the channel of its leader's calls, and (data parallel, on a
+    leader) the leaders' group that keeps their steps in lockstep (engine.parallel.lockstep)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         store=store,
         rank=rank,
-        world_size=size,
+        world_size=world.size,
         timeout=COLLECTIVE_TIMEOUT,
         device_id=device if device.type == "cuda" else None,
     )
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return TensorParallel(rank, size, dist.group.WORLD), Channel(control)
+    tp_size, dp_size = world.tensor_parallel_size, world.data_parallel_size
+    mine = rank // tp_size
+    # Every process creates every group, in the same order (torch.distributed's rule).
+    ranks = [list(range(d * tp_size, (d + 1) * tp_size)) for d in range(dp_size)]
+    if dp_size == 1:
+        model_group = dist.group.WORLD
+    else:
+        model_group = [dist.new_group(r) for r in ranks][mine]
+    control = [dist.new_group(r, backend="gloo", timeout=IDLE_TIMEOUT) for r in ranks][mine]
+    lockstep = None
+    if dp_size > 1:
+        leaders = [r[0] for r in ranks]
+        group = dist.new_group(leaders, backend="gloo", timeout=IDLE_TIMEOUT)
+        lockstep = group if rank in leaders else None
+    ep = ExpertParallel(rank, world.size, dist.group.WORLD) if world.expert_parallel else None
+    tp = TensorParallel(rank % tp_size, tp_size, model_group, ep, leader=mine * tp_size)
+    return tp, Channel(control), lockstep
 
 
 class Followers:
-    """Ranks 1..N-1 of rank 0's group: their processes, and the channel that drives them."""
+    """Ranks 1..N-1 of a leader's tensor-parallel group: their processes, and the channel that
+    drives them; and the leader's place in its world."""
 
     def __init__(
-        self, size: int, device: torch.device, target: Callable[..., None], *args: object
+        self,
+        world: World,
+        device: torch.device,
+        target: Callable[..., None],
+        *args: object,
     ) -> None:
-        """Spawn ranks 1..size-1, each running target(*args, rank, size, port) (which joins the
-        group through the TCP store at `port`), and join the group as rank 0 on `device`."""
+        """Spawn the other ranks of this leader's tensor-parallel group, each running
+        target(*args, global_rank, world) (which joins through global rank 0's store), and join
+        as the leader on `device`; global rank 0 hosts the store."""
         if dist.is_initialized():  # torch.distributed has one default group per process
             raise RuntimeError(
                 "a tensor-parallel engine already runs in this process: close() it first"
             )
-        store = dist.TCPStore(
-            HOST, 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False
-        )
+        if world.leader == 0:
+            store = dist.TCPStore(
+                world.master_addr,
+                world.master_port,
+                world.size,
+                is_master=True,
+                timeout=JOIN_TIMEOUT,
+                wait_for_workers=False,
+            )
+            world = dataclasses.replace(world, master_port=store.port)
+        else:
+            store = connect(world)
         spawn = multiprocessing.get_context("spawn")
+        first, size = world.leader, world.tensor_parallel_size
         self.processes = [
             spawn.Process(
                 target=target,
-                args=(*args, rank, size, store.port),
-                name=f"dsaserve-tp-rank{rank}",
+                args=(*args, rank, world),
+                name=f"dsaserve-rank{rank}",
                 daemon=True,
             )
-            for rank in range(1, size)
+            for rank in range(first + 1, first + size)
         ]
         for p in self.processes:
             p.start()
         log.info(
-            "tensor-parallel group of %d: ranks 1..%d in processes %s",
-            size,
-            size - 1,
+            "rank %d of %d: ranks %d..%d in processes %s",
+            first,
+            world.size,
+            first + 1,
+            first + size - 1,
             [p.pid for p in self.processes],
         )
-        self.tp, self.channel = join(0, size, store, device)
+        self.tp, self.channel, self.lockstep = join(first, world, store, device)
+        self._store = store  # (global rank 0 serves the others' store while it lives)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.processes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.decode.service import DecodeService
+from services.worker.data_parallel import run_ranks
 from services.worker.process import Worker
 from services.worker.settings import DecodeSettings
 
@@ -12,5 +13,10 @@ Settings = DecodeSettings
 
 
 def run(settings: DecodeSettings) -> None:
+    run_ranks(settings, serve)
+
+
+def serve(settings: DecodeSettings) -> None:
+    """One decode worker (one data-parallel rank of a worker)."""
     worker = Worker(settings, "decode")
     asyncio.run(worker.serve(DecodeService(worker)))

@@ -91,8 +91,12 @@ class Worker:
         self.model_name = settings.served_model_name or os.path.basename(
             os.path.normpath(model_dir)
         )
+        engine_config = settings.engine
+        rank = (
+            f"-dp{engine_config.data_parallel_rank}" if engine_config.data_parallel_size > 1 else ""
+        )
         self.worker_id = (
-            settings.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+            settings.worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}{rank}"
         )
         wildcard = settings.host in ("0.0.0.0", "::")
         self.advertise_host = settings.advertise_host or (
@@ -106,7 +110,6 @@ class Worker:
                 role,
                 settings.host,
             )
-        engine_config = settings.engine
         if role == "decode" and engine_config.kv_staging_memory_bytes is None:
             # A decode worker never holds a request for a reader: no staging blocks to keep.
             engine_config = dataclasses.replace(engine_config, kv_staging_memory_bytes=0)
@@ -141,8 +144,13 @@ class Worker:
         self.layout_hash = self.engine.pool.layout_hash()
         self.layout = (
             f"{self.engine.pool.layout_description()}, tensor-parallel "
-            f"{settings.engine.tensor_parallel_size} (KV whole on every rank; pulled from rank 0)"
+            f"{engine_config.tensor_parallel_size} (KV whole on every rank; pulled from rank 0)"
         )
+        if engine_config.data_parallel_size > 1:  # (each rank its own KV: a worker of its own)
+            self.layout += (
+                f", data-parallel rank {engine_config.data_parallel_rank} of "
+                f"{engine_config.data_parallel_size}"
+            )
         self.ready = threading.Event()
         self._stop: asyncio.Event | None = None  # set by serve()
 

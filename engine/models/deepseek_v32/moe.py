@@ -63,7 +63,8 @@ class MoE(torch.nn.Module):
         group whose ranks share the routed experts and split the shared ones."""
         super().__init__()
         self.gate = Gate(cfg)
-        self.tp, (self.first_expert, stop) = tp, tp.span(cfg.num_experts)
+        self.tp, (self.first_expert, stop) = tp, tp.expert_span(cfg.num_experts)
+        self.expert_range = (self.first_expert, stop)
         inter, local = cfg.moe_intermediate_size, stop - self.first_expert
         experts: Fp8Experts | RoutedExperts
         if quant is not None:
@@ -79,7 +80,7 @@ class MoE(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
         # this rank's experts' fp32 sums, summed over the ranks; then the shared experts
-        routed = self.tp.all_reduce(self.experts(x, ids - self.first_expert, weights))
+        routed = self.tp.routed_experts(self.experts, x, ids, weights, self.expert_range)
         return (routed + self.shared_experts(x)).to(x.dtype)
 
 

@@ -8,7 +8,9 @@ router and the SwiGLU run in fp32 as in the release, whatever the activation dty
 Expert parallel, as the release splits it: each rank of a tensor-parallel group holds a
 contiguous range of the routed experts and runs only the (token, expert) pairs that land there;
 the routed sums (fp32) are all-reduced once per layer, then the shared expert, which every rank
-holds whole and computes on all tokens, is added (once, after the sum).
+holds whole and computes on all tokens, is added (once, after the sum). With
+--enable-expert-parallel the experts split over every rank of the data-parallel group instead,
+each pair sent to its expert's owner and back (engine.parallel.expert_parallel).
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class MoE(torch.nn.Module):
         super().__init__()
         inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
         self.gate = Gate(cfg, hashed=cfg.mlp_kind(layer) == HASH_MOE)
-        self.tp, (self.first_expert, stop) = tp, tp.span(cfg.num_experts)
+        self.tp, (self.first_expert, stop) = tp, tp.expert_span(cfg.num_experts)
+        self.expert_range = (self.first_expert, stop)
         experts: Fp4Experts | RoutedExperts
         if quant is not None and quant.expert_dtype == "fp4":
             experts = Fp4Experts(stop - self.first_expert, cfg.hidden_size, inter, limit)
@@ -132,5 +135,5 @@ class MoE(torch.nn.Module):
         ids, weights = self.gate(x, token_ids)
         # this rank's experts' fp32 sums, summed over the ranks; then the shared expert, as
         # the release adds it
-        routed = self.tp.all_reduce(self.experts(x, ids - self.first_expert, weights))
+        routed = self.tp.routed_experts(self.experts, x, ids, weights, self.expert_range)
         return (routed + self.shared_experts(x)).to(x.dtype)
