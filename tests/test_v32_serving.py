@@ -6,6 +6,7 @@ worker that a V4 decode worker refuses to pair with."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -35,15 +36,19 @@ from tests.serving_stack import (
 pytestmark = pytest.mark.e2e  # the stack's processes
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["days"],
+            "additionalProperties": False,
         },
-    }
-]
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +102,15 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
                 if chunk.choices
             )
             assert reasoning == thinking["message"]["reasoning_content"] != ""
-            # a forced call: the reply starts inside V3.2's function_calls block
+            # a forced call: the reply is a V3.2 function_calls block under the tool's grammar
+            # (bounded arguments: random weights never close a free string)
             res = c.chat.completions.create(
-                model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, tools=TOOLS,
-                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                model="tiny", messages=MESSAGES, max_tokens=200, temperature=0, tools=[FORECAST],
+                tool_choice={"type": "function", "function": {"name": "forecast"}},
             )  # fmt: skip
             (call,) = res.choices[0].message.tool_calls
-            assert call.function.name == "get_weather"
+            assert call.function.name == "forecast"
+            assert 1 <= json.loads(call.function.arguments)["days"] <= 7
         auth = {"Authorization": "Bearer unused"}
         rendered = httpx.post(
             url + "/tokenize", json={"model": "tiny", "messages": MESSAGES}, headers=auth

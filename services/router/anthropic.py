@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Discriminator, Field, StrictBool, ValidationError
+from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, ValidationError
 
 from .body import LimitedRoute
 from .choices import ChatChoice
@@ -123,19 +123,19 @@ class ToolChoice(_Body):
 
 class Thinking(_Body):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = Field(default=None, ge=0)  # not enforced apart (module doc)
+    budget_tokens: StrictInt | None = Field(default=None, ge=0)  # not enforced apart (module doc)
 
 
 class MessagesRequest(_Body):
     model: Text | None = None
-    max_tokens: int = Field(ge=1, le=UINT32_MAX)
+    max_tokens: StrictInt = Field(ge=1, le=UINT32_MAX)
     messages: list[InputMessage] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
     stop_sequences: list[Text] | None = None
     stream: StrictBool = False
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: StrictInt | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None

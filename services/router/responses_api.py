@@ -22,7 +22,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import Discriminator, Field, StrictBool, Tag, ValidationError, field_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictInt,
+    Tag,
+    ValidationError,
+    field_validator,
+)
 
 from . import fields
 from .body import LimitedRoute
@@ -139,7 +147,7 @@ class ResponsesRequest(_Body):
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: StrictBool = False

@@ -21,6 +21,7 @@ from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictInt,
     Tag,
     ValidationInfo,
     field_validator,
@@ -111,16 +112,18 @@ class _GenerationRequest(_Body):
     """Fields shared by chat and text completions."""
 
     model: Text | None = None  # None = the one served model
-    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # -1 and 0 both mean off (vLLM accepts both)
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
-    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
+    seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
     stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]] = Field(
+        default_factory=list
+    )
     # Each choice is its own generation (prefill included), with seed + i when a seed is given.
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
@@ -128,7 +131,7 @@ class _GenerationRequest(_Body):
     response_format: ResponseFormat | None = None
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
     # vLLM's: each prompt token's logprob (the first: null) and this many alternatives
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -351,11 +354,11 @@ class ChatPromptFields(_Body):
 class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
     no_op_fields = fields.CHAT
 
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
     # vLLM's: in thinking mode, the most tokens the reasoning may take (then </think> is forced)
-    thinking_token_budget: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -384,10 +387,10 @@ class CompletionRequest(_GenerationRequest):
 
     no_op_fields = fields.COMPLETION
 
-    prompt: Text | list[int] | list[Text] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=0, le=UINT32_MAX)
+    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=UINT32_MAX)
     # Each token's logprob and this many likeliest alternatives.
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool = False
     add_special_tokens: StrictBool = True  # vLLM's: BOS before a text prompt
 
@@ -464,4 +467,4 @@ TokenizeRequest = Annotated[
 
 class DetokenizeRequest(_Body):
     model: Text | None = None
-    tokens: list[int] = Field(min_length=1)
+    tokens: list[StrictInt] = Field(min_length=1)
