@@ -353,7 +353,7 @@ class Bench:
         text and logprobs."""
         with profiled("schedule"):
             batch = self.scheduler.schedule()
-        samplers, logits = self.runner.execute(batch)
+        samplers, _, logits, _ = self.runner.execute(batch)
         with profiled("sample"):
             tokens = sample(logits, [r.params for r in samplers], [0] * len(samplers)).tolist()
         for r, t in zip(samplers, tokens, strict=True):

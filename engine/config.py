@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from engine.speculative.config import SpeculativeConfig
+
 DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
@@ -161,7 +163,18 @@ class EngineConfig:
         "prefix cache, leases, transfers): the control plane at cluster size on a CPU",
     )
 
+    speculative_config: str | None = setting(
+        None,
+        'speculative decoding, vLLM\'s JSON: \'{"method": "mtp", "num_speculative_tokens": '
+        "K}' drafts K = 1..4 tokens per step with the checkpoint's multi-token-prediction "
+        "layer (applied K times) and verifies them in one target step (greedy requests keep "
+        "exactly their tokens, sampled ones follow the target distribution by rejection "
+        "sampling); '\"adaptive\": true' picks each step's drafts from the measured acceptance "
+        "and step cost. Prefill and decode workers must agree on it (the KV layout names it)",
+    )
+
     def __post_init__(self) -> None:
+        SpeculativeConfig.parse(self.speculative_config)  # (ValueError naming the field)
         checks = [
             (self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}"),
             (
@@ -233,6 +246,12 @@ class EngineConfig:
                 "a simulated engine (--simulate) runs as one rank",
             ),
             (
+                self.speculative_config is None
+                or (self.data_parallel_size == 1 and self.simulate is None),
+                "--speculative-config does not run with --data-parallel-size > 1 (an idle "
+                "rank's padded step does not pad the draft passes' all-to-alls) or --simulate yet",
+            ),
+            (
                 self.nnodes == 1 or self.master_port > 0,
                 "a group over several nodes needs --master-port (and --master-addr: node 0)",
             ),
@@ -240,6 +259,10 @@ class EngineConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def data_parallel_per_node(self) -> int:

@@ -8,6 +8,7 @@ at a time. `LLM(..., data_parallel_size=D, enable_expert_parallel=True)` runs D 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -31,6 +32,8 @@ class Result:
     text: str
     finish_reason: str  # "stop" | "length"
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the params asked
+    # one per prompt token after the first, when the params asked (prompt_logprobs)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -41,6 +44,9 @@ class LLM:
         dtype: str = "float32",
         **engine_options: Any,
     ) -> None:
+        spec = engine_options.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM's LLM takes it as a dict, the flag as JSON
+            engine_options["speculative_config"] = json.dumps(spec)
         config = EngineConfig(device=device, dtype=dtype, **engine_options)
         self.engine: LLMEngine | DataParallelEngines = (
             DataParallelEngines(model_dir, config)
@@ -74,6 +80,7 @@ class LLM:
         tokens: dict[str, list[int]] = {k: [] for k in keys}
         texts: dict[str, list[str]] = {k: [] for k in keys}
         logprobs: dict[str, list[TokenLogprobs]] = {k: [] for k in keys}
+        prompt_logprobs: dict[str, list[TokenLogprobs] | None] = dict.fromkeys(keys)
         reasons: dict[str, str] = {}
         try:
             while len(reasons) < len(keys):
@@ -81,6 +88,8 @@ class LLM:
                     tokens[out.request_id] += out.new_token_ids
                     texts[out.request_id].append(out.text)
                     logprobs[out.request_id] += out.logprobs or []
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finished:
                         assert out.finish_reason is not None  # (a finished output says why)
                         reasons[out.request_id] = out.finish_reason
@@ -95,13 +104,15 @@ class LLM:
                 text="".join(texts[k]),
                 finish_reason=reasons[k],
                 logprobs=logprobs[k] if q.logprobs is not None else None,
+                prompt_logprobs=prompt_logprobs[k],
             )
             for k, p, q in zip(keys, ids, params, strict=True)
         ]
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [T, vocab] (fp32) of one causal forward over token_ids."""
-        return self.engine.score(list(token_ids))
+        """Logits [T, vocab] (fp32) of one causal forward over token_ids; vocab: the
+        tokenizer's (a padded embedding's rows past it are no tokens)."""
+        return self.engine.score(list(token_ids))[:, : self.tokenizer.vocab_size]
 
     def close(self) -> None:
         self.engine.close()

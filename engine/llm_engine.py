@@ -37,11 +37,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from engine import models
-from engine.async_copy import ToHost
+from engine.async_copy import ToHost, to_device
 from engine.checkpoint import model_identity
 from engine.config import EngineConfig
 from engine.kv.block_hash import cache_salt
@@ -55,10 +56,15 @@ from engine.parallel.lockstep import Lockstep
 from engine.profiling import profiled
 from engine.rank import build_runner, device_of, follower_main, keeps_quantized, world_of
 from engine.request import KVPages, Listener, Request, RequestError, RequestOutput, Status
+from engine.runner import PromptRows
 from engine.sampler import sample
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import ScheduledBatch, Scheduler
+from engine.speculative.draft_head import draft_config
+from engine.speculative.speculator import Speculator
 from engine.step import RowSpan
+from engine.structured import Bitmask, Constraints
+from engine.text.grammar import GrammarError
 from engine.text.text_stream import TextStream
 from engine.text.tokenizer import Tokenizer
 
@@ -95,6 +101,9 @@ class LLMEngine:
                 f"{config.data_parallel_size} x tensor-parallel {config.tensor_parallel_size})"
             )
         check_kv_cache_dtype(cfg, config.kv_cache_dtype, config.page_size)
+        self.speculative = config.speculative
+        if self.speculative is not None:  # (a ConfigError before any process starts)
+            draft_config(cfg, self.speculative)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self.followers = None
@@ -122,10 +131,24 @@ class LLMEngine:
             self.prefix_cache = PrefixCache(
                 self.pool, config.prefix_cache_checkpoint_interval, salt, self.runner.host
             )
-        self.scheduler = Scheduler(self.pool, config.max_num_batched_tokens, self.prefix_cache)
+        spec = self.speculative
+        self.scheduler = Scheduler(
+            self.pool,
+            config.max_num_batched_tokens,
+            self.prefix_cache,
+            spec.num_speculative_tokens if spec else 0,
+        )
+        self.speculator = None
+        if spec is not None:
+            self.speculator = Speculator(self.runner, spec, self.tokenizer.vocab_size)
         self._staged: dict[str, list[int]] = {}  # held request -> its staging blocks
         self._in_flight: LaunchedStep | None = None  # async scheduling: the step the device runs
-        self.async_scheduling = config.async_scheduling  # may change between steps (a bench)
+        # outputs of the step in flight, completed early for a grammar's sake (`_bitmask`)
+        self._completed_early: list[RequestOutput] = []
+        self.constraints = Constraints(self.tokenizer, self.eos_token_ids)
+        # may change between steps (a bench); speculative steps wait for each step: the
+        # accepted drafts decide where the next one starts
+        self.async_scheduling = config.async_scheduling and spec is None
         log.info(
             "KV pool: %d pages (%s), one request up to %d tokens, layout %s",
             self.pool.num_total_pages,
@@ -188,7 +211,7 @@ class LLMEngine:
             max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
         except ContextLengthError as e:
             raise RequestError(str(e)) from None
-        needed_tokens = n + max_tokens - 1
+        needed_tokens = n + max_tokens - 1 + 2 * self.scheduler.draft_tokens  # (drafts' rows)
         for g, group in self.pool.groups.items():
             need, have = self.pool.pages_for(g, needed_tokens), group.num_pages - 1
             if need > have:
@@ -197,6 +220,15 @@ class LLMEngine:
                     f"{have}; lower max_tokens or give the worker more KV memory "
                     "(--kv-cache-memory-bytes)"
                 )
+        grammar = None
+        if params.grammar is not None and self.speculator is not None:
+            # (drafts are neither proposed nor verified under a grammar's mask yet)
+            raise RequestError("structured outputs are not served with --speculative-config yet")
+        if params.grammar is not None:
+            try:
+                grammar = self.constraints.state(params.grammar)
+            except GrammarError as e:
+                raise RequestError(f"the grammar does not compile: {e}") from None
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -206,6 +238,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             hold_for_s=hold_for_s,
             listener=listener,
+            grammar=grammar,
         )
 
     def add_request(
@@ -362,10 +395,45 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         if self._agree(bool(batch)) and not batch:
             self.runner.call("pad_step")  # another data-parallel engine computes
+        if self.speculator is not None:
+            return self._speculative_step(batch) if batch else []
         launched = self._launch(batch) if batch else None
         done = [s for s in (self._in_flight, launched) if s is not None]  # oldest first
         self._in_flight = done.pop() if self.async_scheduling and launched else None
-        return [out for s in done for out in self._complete(s)]
+        early, self._completed_early = self._completed_early, []
+        return early + [out for s in done for out in self._complete(s)]
+
+    def _speculative_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Verify the drafts the batch carries, hand out what is accepted, draft again
+        (engine.speculative.speculator); waits for the device."""
+        speculator = self.speculator
+        assert speculator is not None
+        t0 = time.perf_counter()
+        samplers, counts, logits, prompt_rows = self.runner.execute(batch)
+        with profiled("verify"):
+            if self.tokenizer.vocab_size < logits.shape[1]:
+                logits[:, self.tokenizer.vocab_size :] = float("-inf")
+            if prompt_rows:
+                self._score_prompts(prompt_rows, logits[sum(counts) :])
+            verified = speculator.verify(samplers, counts, logits[: sum(counts)])  # (on the host)
+        rows = sum(s.num_rows for s in self.runner.last_step.spans)
+        speculator.length.time_target(rows, time.perf_counter() - t0)
+        k = speculator.choose(len(self.scheduler.running))
+        with profiled("draft"):
+            speculator.draft_first(samplers, counts, verified.tokens, k)
+        outputs = []
+        with profiled("outputs"):
+            for req, tokens, logprobs in zip(
+                samplers, verified.tokens, verified.logprobs, strict=True
+            ):
+                if req.prefill_only:  # its one token: the KV stays for the decode worker
+                    self.scheduler.hold(req)
+                out = self._emit(req, tokens, logprobs)
+                if out is not None:
+                    outputs.append(out)
+        with profiled("draft"):
+            speculator.propose(k)
+        return outputs
 
     def _agree(self, work: bool) -> bool:
         """Whether any engine of the data-parallel group runs a forward now (each calls this
@@ -380,15 +448,19 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queue the batch's forward and sampling on the device; nothing here waits for it."""
-        samplers, logits = self.runner.execute(batch)
+        samplers, _, logits, prompt_rows = self.runner.execute(batch)
+        if self.tokenizer.vocab_size < logits.shape[1]:
+            # A padded embedding has rows no token maps to; never sample or score them.
+            logits[:, self.tokenizer.vocab_size :] = float("-inf")
+        if prompt_rows:
+            self._score_prompts(prompt_rows, logits[len(samplers) :])
         if not samplers:
             return LaunchedStep([], ToHost())
+        logits = logits[: len(samplers)]
         with profiled("sample"):
-            if self.tokenizer.vocab_size < logits.shape[1]:
-                # A padded embedding has rows no token maps to; never sample them.
-                logits[:, self.tokenizer.vocab_size :] = float("-inf")
+            mask = self._bitmask(samplers, logits.device)
             draws = [len(r.output_token_ids) + r.num_inflight for r in samplers]
-            tokens = sample(logits, [r.params for r in samplers], draws)  # [S] on the device
+            tokens = sample(logits, [r.params for r in samplers], draws, mask)  # [S] on the device
             table = logprob_table(logits, tokens, [r.params.logprobs for r in samplers])
         self.runner.sampled = tokens
         for row, req in enumerate(samplers):
@@ -397,6 +469,40 @@ class LLMEngine:
             if req.prefill_only:  # its one token: the KV stays for the decode worker
                 self.scheduler.hold(req)
         return LaunchedStep(samplers, ToHost(tokens, table))
+
+    def _bitmask(self, samplers: list[Request], device: torch.device) -> Bitmask | None:
+        """The structured outputs' bitmask of a launched step's samplers (None if none is
+        constrained). A constrained request whose newest token is still in flight needs it
+        first: the step in flight is completed now, while the device runs this step's forward
+        (its outputs go out with this step's `step`)."""
+        constrained = [(row, r) for row, r in enumerate(samplers) if r.grammar is not None]
+        if not constrained:
+            return None
+        if self._in_flight is not None and any(r.num_inflight for _, r in constrained):
+            self._completed_early += self._complete(self._in_flight)
+            self._in_flight = None
+        rows = []
+        for row, req in constrained:
+            assert req.grammar is not None and req.num_inflight == 0
+            req.grammar.advance(req.output_token_ids)
+            rows.append((row, req.grammar))
+        return self.constraints.bitmask(rows, device)
+
+    @staticmethod
+    def _score_prompts(spans: list[PromptRows], logits: torch.Tensor) -> None:
+        """The prompt logprobs these rows' logits [P, vocab] give, onto their requests. Read on
+        the host at once (a wait that only steps prefilling such a request pay)."""
+        targets = [t for span in spans for t in span.targets()]
+        counts: list[int | None] = [
+            span.request.params.prompt_logprobs for span in spans for _ in range(span.count)
+        ]
+        table = logprob_table(logits, to_device(targets, torch.int64, logits.device), counts)
+        entries = iter(read_logprobs(None if table is None else table.cpu(), counts))
+        for span in spans:
+            for _ in range(span.count):
+                entry = next(entries)
+                assert entry is not None  # (every row asked)
+                span.request.prompt_logprobs.append(entry)
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         """Wait for a launched step's ids and hand each request its output."""
@@ -415,31 +521,48 @@ class LLMEngine:
         logprobs = read_logprobs(table, [r.params.logprobs for r in samplers])
         outputs = []
         for req, token, token_lp in zip(samplers, tokens, logprobs, strict=True):
-            if req.status is Status.FINISHED:  # aborted, or stopped a token earlier
-                continue
-            reason = req.append_token(token, in_flight=True)
-            finished = reason is not None
-            if req.status is Status.HELD:  # prefill only: the reader's lease starts now
-                assert req.hold_for_s is not None
-                # (a claim made before the token was known may already reach further)
-                req.lease_deadline = max(
-                    req.lease_deadline or 0.0, time.monotonic() + req.hold_for_s
-                )
-            if reason is not None:
-                self._finish(req, reason)  # (a held request may already be staged)
-            text = req.text.take(finished)
-            out = self._output(
-                req,
-                [token],
-                text,
-                reason,
-                finished=finished or req.prefill_only,
-                logprobs=None if token_lp is None else [token_lp],
-            )
-            if req.listener is not None:
-                req.listener(out)
-            outputs.append(out)
+            out = self._emit(req, [token], [token_lp], in_flight=True)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _emit(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+        in_flight: bool = False,
+    ) -> RequestOutput | None:
+        """A request's new tokens (in_flight: its oldest in-flight one), up to the one it
+        stops at: stops, text, lease, its listener. None for a request already finished."""
+        if req.status is Status.FINISHED:  # aborted, or stopped a token earlier
+            return None
+        reason, n = None, 0
+        while reason is None and n < len(tokens):
+            reason = req.append_token(tokens[n], in_flight=in_flight)
+            n += 1
+        tokens, logprobs = tokens[:n], logprobs[:n]
+        finished = reason is not None
+        if req.status is Status.HELD:  # prefill only: the reader's lease starts now
+            assert req.hold_for_s is not None
+            # (a claim made before the token was known may already reach further)
+            req.lease_deadline = max(req.lease_deadline or 0.0, time.monotonic() + req.hold_for_s)
+        if reason is not None:
+            self._finish(req, reason)  # (a held request may already be staged)
+        text = req.text.take(finished)
+        out = self._output(
+            req,
+            tokens,
+            text,
+            reason,
+            finished=finished or req.prefill_only,
+            logprobs=None if logprobs[0] is None else cast(list[TokenLogprobs], logprobs),
+        )
+        if req.params.prompt_logprobs is not None and len(req.output_token_ids) == len(tokens):
+            out.prompt_logprobs = list(req.prompt_logprobs)  # with the request's first tokens
+        if req.listener is not None:
+            req.listener(out)
+        return out
 
     @staticmethod
     def _output(
@@ -467,7 +590,8 @@ class LLMEngine:
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [T, vocab] of one causal forward over token_ids (no sampling)."""
+        """fp32 logits [T, vocab] of one causal forward over token_ids (no sampling); vocab:
+        the model's embedding rows, a padded embedding's included (LLM.score drops those)."""
         if self.scheduler.waiting or self.scheduler.running:
             raise RuntimeError("score() needs an idle engine")
         if self._in_flight is not None:  # (only rows of finished requests can be left in it)

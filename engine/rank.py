@@ -27,6 +27,7 @@ from engine.parallel.group import TensorParallel
 from engine.parallel.launch import World, join_follower
 from engine.runner import Model, ModelRunner
 from engine.simulate import CostModel, SimulatedModel
+from engine.speculative.draft_head import check_loaded, draft_config
 from engine.text.tokenizer import Tokenizer
 
 DEFAULT_CPU_KV_BYTES = 512 << 20
@@ -81,6 +82,9 @@ def build_runner(
         torch.set_num_threads(config.cpu_threads)
     family = models.family(model_dir)
     cfg = family.ModelConfig.from_dir(model_dir)
+    spec = config.speculative
+    if spec is not None:  # the MTP layer's KV state in the pools
+        cfg = draft_config(cfg, spec)
     dtype = DTYPES[config.dtype]
     model: Model
     if config.simulate is not None:  # no weights: steps take the profile's time
@@ -89,6 +93,8 @@ def build_runner(
     else:
         model = family.build_model(cfg, dtype, device, keeps_quantized(config, cfg), tp)
         family.load_weights(model, model_dir)
+        if spec is not None:
+            check_loaded(model, str(model_dir))
     max_context = config.max_model_len or cfg.max_position_embeddings
     kv_cfg = KVCacheConfig(
         memory_bytes=tp.agree(_kv_budget(config, device), device),
@@ -97,10 +103,13 @@ def build_runner(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
+        speculative_tokens=spec.num_speculative_tokens if spec else 0,
     )
     if config.enable_prefix_caching:
         size = config.prefix_cache_checkpoint_memory_bytes
-        each = checkpoint_bytes(cfg, kv_cfg.page_size, dtype.itemsize, kv_cfg.fp8)
+        each = checkpoint_bytes(
+            cfg, kv_cfg.page_size, dtype.itemsize, kv_cfg.fp8, kv_cfg.speculative_tokens
+        )
         if size is None:
             rows = default_checkpoint_rows(cfg, kv_cfg, dtype.itemsize)
         else:  # a family without per-position state needs no checkpoint (each == 0)
@@ -112,7 +121,9 @@ def build_runner(
         size = int(config.kv_offloading_size * 2**30)
         host = HostTier(size, pool.staging.block_bytes, pool.cell_bytes, pool.cell_rows)
     runner = ModelRunner(model, pool, device, max_context, channel, host)
-    if device.type == "cuda" and not config.enforce_eager and dtype is torch.bfloat16 and not tp.ep:
+    # (speculative steps keep the streams the draft head reads: eager)
+    graphs = not config.enforce_eager and spec is None
+    if device.type == "cuda" and graphs and dtype is torch.bfloat16 and not tp.ep:
         # (torch's grouped GEMM of other dtypes syncs with the host on CUDA, and so do the
         # expert-parallel all-to-alls' sizes: eager there)
         sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]

@@ -15,6 +15,7 @@ from engine.kv.layout import SLAB
 from engine.logprobs import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.step import sampled_ref
+from engine.structured import GrammarState
 from engine.text.text_stream import TextStream
 
 
@@ -32,6 +33,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    # With the first token, when the request asked: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] | None = None
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache instead of computed
 
 
@@ -74,6 +77,9 @@ class Request:
     num_inflight: int = 0
     inflight_row: int = 0  # the newest one's row in its step's sampled ids
     num_computed: int = 0  # tokens whose KV is in the pool
+    # speculative decoding: the MTP layer's drafts of the tokens after the newest, which the
+    # next step verifies (never counted in num_tokens)
+    draft_token_ids: list[int] = field(default_factory=list)
     page_tables: dict[str, list[int]] = field(default_factory=dict)  # pool group -> page ids
     slab: int | None = None  # the request's slab row (its compressor rings, its page tables)
     status: Status = Status.WAITING
@@ -86,6 +92,9 @@ class Request:
     # takes one there too (None: nowhere worth it)
     branch_point: int | None = None
     lease_deadline: float | None = None  # HELD: time.monotonic() after which the KV is freed
+    grammar: GrammarState | None = None  # structured output: where the output is in its grammar
+    # params.prompt_logprobs: those of prompt tokens 1.. computed so far (a chunk at a time)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def slab_row(self) -> int:

@@ -21,6 +21,7 @@ collectives meet inside the model. Graphs are captured on every rank in the same
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -47,6 +48,46 @@ class Model(Protocol):
     def __call__(self, pool: KVPool, inputs: StepInputs, rows: torch.Tensor) -> torch.Tensor:
         """One step over `inputs`: fp32 logits of `rows` [len(rows), vocab]."""
         ...
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """`count` rows of a request's prompt, from position `start`, whose logits score the prompt
+    tokens after them (SamplingParams.prompt_logprobs)."""
+
+    request: Request
+    start: int
+    count: int
+
+    def targets(self) -> list[int]:
+        """The prompt tokens these rows predict."""
+        return self.request.prompt_token_ids[self.start + 1 : self.start + 1 + self.count]
+
+
+class DraftModel(Model, Protocol):
+    """A model that drafts (speculative decoding; engine.speculative.draft_head)."""
+
+    def run(
+        self, pool: KVPool, inputs: StepInputs, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`__call__`'s logits and the streams [N, ...] its draft head reads, every row."""
+        ...
+
+    def draft(
+        self, pool: KVPool, inputs: StepInputs, streams: torch.Tensor, rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft head over `inputs` (a row's token: the one after its position) fed
+        `streams`: (fp32 draft logits of `rows`, its own streams of every row)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LastStep:
+    """The rows of the last `execute`, for the draft head's pass over the same rows."""
+
+    requests: list[Request]  # one per span
+    spans: list[RowSpan]
+    num_decode: int
 
 
 class ModelRunner:
@@ -76,6 +117,11 @@ class ModelRunner:
         # [S] int64 on the device: the ids the last step sampled (rank 0 sets them); the next
         # step's sampled_refs read them
         self.sampled: torch.Tensor | None = None
+        # speculative decoding (keep_streams): every rank's streams of its last step's rows,
+        # which its draft head reads next ([N, ...] on the device)
+        self.keep_streams = False
+        self.streams: torch.Tensor | None = None
+        self.last_step = LastStep([], [], 0)  # rank 0: what the last `execute` ran
 
     def capture_decode_graphs(self, batch_sizes: list[int]) -> None:
         mempool = torch.cuda.graph_pool_handle()
@@ -96,34 +142,62 @@ class ModelRunner:
             self.channel.send(Call(method, args, writes))
         return getattr(self, method)(*args)
 
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], torch.Tensor]:
-        """Run the step; returns the requests that sample now and their logits [len, vocab].
+    def execute(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[Request], list[int], torch.Tensor, list[PromptRows]]:
+        """Run the step; returns the requests that sample now, the logit rows each has (1, or
+        1 + its drafts for a request that verifies them), the logits [S + P, vocab] of those
+        rows (S = sum of the counts, in their order) and then of the prompt rows whose logprobs
+        were asked for (P), and the PromptRows that list those.
 
-        Advances each scheduled request's `num_computed`.
+        Advances each scheduled request's `num_computed` by the rows it computed (the engine
+        takes back what verification rejects).
         """
-        work = [(req, 1) for req in batch.decode] + batch.prefill
+        work = (
+            [(req, 1) for req in batch.decode]
+            + [(req, 1 + len(req.draft_token_ids)) for req in batch.verify]
+            + batch.prefill
+        )
         spans = [
             RowSpan(
                 req.num_computed,
                 n,
                 req.slab_row,
-                req.tokens(req.num_computed, n),
+                req.tokens(req.num_computed, n - len(drafts)) + drafts,
                 batch.captures.get(req.request_id, ()),
             )
             for req, n in work
+            for drafts in [req.draft_token_ids if req in batch.verify else []]
         ]
         if batch.copies:  # prefix cache: requests resumed, checkpoints begun, tiers moved
             self.call("copy_pages", batch.copies)
-        samplers, rows, row = [], [], 0
+        samplers, counts, rows, row = [], [], list[int](), 0
+        prompt_rows: list[int] = []
+        scored: list[PromptRows] = []
         for req, n in work:
+            if req.params.prompt_logprobs is not None:
+                # rows at positions j < P - 1 predict prompt token j + 1; each is scored once
+                # (a preempted request computes its prompt again)
+                first = max(req.num_computed, len(req.prompt_logprobs))
+                last = min(req.num_computed + n, len(req.prompt_token_ids) - 1)
+                if last > first:
+                    scored.append(PromptRows(req, first, last - first))
+                    prompt_rows += range(
+                        row + first - req.num_computed, row + last - req.num_computed
+                    )
             row += n
-            if req.num_computed + n == req.num_tokens:  # the chunk reaches the newest token
+            if req.num_computed + n >= req.num_tokens:  # the chunk reaches the newest token
                 samplers.append(req)
-                rows.append(row - 1)
-        logits = cast(torch.Tensor, self.call("forward", spans, len(batch.decode), rows))
+                sampled = req.num_computed + n - req.num_tokens + 1  # 1 + its drafts
+                counts.append(sampled)
+                rows.extend(range(row - sampled, row))
+        logits = cast(
+            torch.Tensor, self.call("forward", spans, len(batch.decode), rows + prompt_rows)
+        )
+        self.last_step = LastStep([req for req, _ in work], spans, len(batch.decode))
         for req, n in work:
             req.num_computed += n
-        return samplers, logits
+        return samplers, counts, logits, scored
 
     def forward_all_rows(self, spans: list[RowSpan], num_decode: int) -> torch.Tensor:
         """Logits of every row of a step (scoring)."""
@@ -137,6 +211,44 @@ class ModelRunner:
         graph = self._graph_for(spans, num_decode) if logit_rows is not None else None
         if graph is not None:  # (every row of a decode-only step samples)
             return graph.run(spans, self._sampled_ids(spans))
+        inputs, rows = self._inputs(spans, num_decode, logit_rows)
+        if self.keep_streams and logit_rows is not None:
+            logits, self.streams = cast(DraftModel, self.model).run(self.pool, inputs, rows)
+        else:
+            logits = self.model(self.pool, inputs, rows)
+        # (a draft pass over the same rows captures them again: the MTP layer's then written)
+        self._capture(inputs)
+        return logits
+
+    def keep_draft_streams(self) -> None:
+        """Every rank (through `call`): keep each step's streams for the draft head; decode
+        steps then run eagerly (a graph keeps no streams)."""
+        self.keep_streams = True
+
+    def draft(self, spans: list[RowSpan], num_decode: int, logit_rows: list[int]) -> torch.Tensor:
+        """Every rank: the draft head over the last step's rows (`spans`: the same rows, each
+        row's token the one after it), fed that step's streams; fp32 draft logits of
+        `logit_rows`. Keeps the head's streams for `draft_next`."""
+        inputs, rows = self._inputs(spans, num_decode, logit_rows)
+        assert self.streams is not None  # (forward kept them)
+        model = cast(DraftModel, self.model)
+        logits, self.streams = model.draft(self.pool, inputs, self.streams, rows)
+        self._capture(inputs)
+        return logits
+
+    def draft_next(self, spans: list[RowSpan], stream_rows: list[int]) -> torch.Tensor:
+        """Every rank: one more draft per span (one row each, its token the last draft), fed the
+        head's streams of rows `stream_rows` of its last pass; fp32 logits [len(spans), vocab]."""
+        inputs, rows = self._inputs(spans, len(spans), None)
+        assert self.streams is not None  # (draft kept them)
+        streams = self.streams[to_device(stream_rows, torch.int64, self.device)]
+        logits, self.streams = cast(DraftModel, self.model).draft(self.pool, inputs, streams, rows)
+        return logits
+
+    def _inputs(
+        self, spans: list[RowSpan], num_decode: int, logit_rows: list[int] | None
+    ) -> tuple[StepInputs, torch.Tensor]:
+        """A step's inputs and its logit rows on the device (None: every row)."""
         with profiled("inputs"):
             inputs = build_step_inputs(self.pool, spans, num_decode, self.device)
             resolve_sampled(inputs.token_ids, self._sampled_ids(spans))
@@ -145,11 +257,13 @@ class ModelRunner:
                 if logit_rows is None
                 else to_device(logit_rows, torch.int64, self.device)
             )
-        logits = self.model(self.pool, inputs, rows)
+        return inputs, rows
+
+    def _capture(self, inputs: StepInputs) -> None:
+        """The prefix cache's window rows of checkpoints inside the step's chunks."""
         captures = [(s.row0, s.start, s.captures) for s in inputs.segments if s.captures]
         if captures:
             capture_window_rows(self.pool, captures)
-        return logits
 
     def pad_step(self) -> None:
         """Every rank of an engine without work while another engine of its data-parallel
@@ -198,7 +312,10 @@ class ModelRunner:
                 t.index_copy_(0, ids, part.view(len(ids), *t.shape[1:]))
 
     def _graph_for(self, spans: list[RowSpan], num_decode: int) -> _DecodeGraph | None:
+        # (a step whose streams the draft head reads runs eagerly)
         if num_decode < len(spans) or not self.graphs or not self.graphs_enabled:
+            return None
+        if self.keep_streams:
             return None
         fits = [bs for bs in self.graphs if bs >= num_decode]
         return self.graphs[min(fits)] if fits else None

@@ -24,6 +24,13 @@ class SamplingParams:
     # None: no logprobs; k >= 0: each sampled token's logprob and the k likeliest alternatives
     # (vLLM's convention), from the model's raw distribution (engine.logprobs).
     logprobs: int | None = None
+    # Structured output: an llguidance grammar (Lark-like text) the whole output must follow;
+    # EOS only once it is complete (engine.structured, engine.text.chat.constraint).
+    grammar: str | None = None
+    # None: none; k >= 0: each prompt token's logprob (after the first, which nothing predicts)
+    # and the k likeliest alternatives at its place (vLLM's `prompt_logprobs`). The prompt is
+    # then computed whole, never resumed from the prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +60,10 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             ),
         ]
         for ok, message in checks:

@@ -28,19 +28,28 @@ from engine.request import Request, Status
 @dataclass
 class ScheduledBatch:
     decode: list[Request] = field(default_factory=list)
+    # speculative decoding: decoding requests that verify their drafts (1 + drafts rows each)
+    verify: list[Request] = field(default_factory=list)
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, rows this step)
     copies: CopyPlan = field(default_factory=CopyPlan)  # pages to copy before the step
     captures: dict[str, tuple[Capture, ...]] = field(default_factory=dict)  # request id ->
 
     def __bool__(self) -> bool:
-        return bool(self.decode or self.prefill)
+        return bool(self.decode or self.verify or self.prefill)
 
 
 class Scheduler:
     def __init__(
-        self, pool: KVPool, max_num_batched_tokens: int, cache: PrefixCache | None = None
+        self,
+        pool: KVPool,
+        max_num_batched_tokens: int,
+        cache: PrefixCache | None = None,
+        draft_tokens: int = 0,
     ) -> None:
+        """draft_tokens: speculative decoding's most drafts per step (the MTP layer writes that
+        many positions past a request's newest token, so its pages cover them)."""
         self.pool, self.cache = pool, cache
+        self.draft_tokens = draft_tokens
         self.token_budget = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -96,10 +105,12 @@ class Scheduler:
         for req in [r for r in self.running if _is_decoding(r) and not r.ends_in_flight]:
             if budget == 0:
                 break
+            # (drafts that do not fit the step's budget are dropped)
+            del req.draft_token_ids[budget - 1 :]
             # An earlier request may have preempted this one to make room for itself.
             if req.status is Status.RUNNING and self._grow_or_preempt(req):
-                batch.decode.append(req)
-                budget -= 1
+                (batch.verify if req.draft_token_ids else batch.decode).append(req)
+                budget -= 1 + len(req.draft_token_ids)
         for req in self.running:
             if budget and not _is_decoding(req):
                 budget -= self._prefill(batch, req, budget)
@@ -135,7 +146,7 @@ class Scheduler:
     def _admit(self, req: Request, hit: Hit | None, copies: CopyPlan) -> bool:
         """Give a waiting request its pages, resumed from `hit` (the copies it needs planned)."""
         if hit is None:
-            if not self.try_allocate(req, req.num_tokens):
+            if not self.try_allocate(req, req.num_tokens + self.draft_tokens):
                 return False
         elif not self._resume(req, hit, copies):
             return False
@@ -156,7 +167,8 @@ class Scheduler:
         cache.pin(hit)  # (evictions that make room for it must not take it)
         try:
             shared = cache.shared_pages(hit) if cache.bring_back(hit) else None
-            if shared is None or not self.try_allocate(req, req.num_tokens, shared):
+            need = req.num_tokens + self.draft_tokens
+            if shared is None or not self.try_allocate(req, need, shared):
                 return False
             cache.restore(req, hit, copies)
             return True
@@ -164,8 +176,10 @@ class Scheduler:
             cache.unpin(hit)
 
     def _grow_or_preempt(self, req: Request) -> bool:
-        """Make room for one more token of `req`; False if `req` itself had to be preempted."""
-        while not self.try_allocate(req, req.num_computed + 1):
+        """Make room for one more token of `req` and its drafts (and the positions its MTP
+        layer drafts past them); False if `req` itself had to be preempted."""
+        rows = 1 + len(req.draft_token_ids)
+        while not self.try_allocate(req, req.num_computed + rows + self.draft_tokens):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
@@ -178,6 +192,7 @@ class Scheduler:
         self.free_kv(req)
         self.num_preemptions += 1
         req.num_computed = 0
+        req.draft_token_ids = []  # (its MTP layer's state went with its pages)
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 

@@ -8,8 +8,11 @@ decode worker (-9, restarted after a pause), kills the prefill worker, stops Red
 SIGCONT) and hangs the decode worker (SIGSTOP, then SIGCONT). Restarted workers keep their id and
 address, as a container restart does. `--fault KIND@SECONDS:DURATION` replaces the schedule.
 
-Every request must end, either answered or with a clear error (an HTTP status or an error event
-in the stream); none may hang past its timeout. At the end the load stops, the leases and TTLs
+A share of the requests (--disconnect-fraction) hang up on purpose after a random moment of up
+to --disconnect-within seconds: while queued, in prefill, during the KV pull or while decoding;
+the stack must abort them on both workers and leak nothing. Every other request must end,
+either answered or with a clear error (an HTTP status or an error event in the stream); none
+may hang past its timeout. At the end the load stops, the leases and TTLs
 run out, and the report gives: requests by outcome, latency percentiles of the answered ones,
 each process's memory (RSS) over the run, and each worker's KV pages free at start and end
 (leaked = total - free - cached once idle: pages only the prefix cache holds are not leaked).
@@ -231,22 +234,33 @@ class SoakConfig:
         "1024",
     )
     lease_s: float = 8.0  # the prefill worker's --lease-seconds
+    disconnect_fraction: float = 0.25  # requests whose client hangs up on purpose...
+    disconnect_within_s: float = 3.0  # ...after a random moment of up to this
     quiet_s: float = 16.0  # after the load: leases and registry TTLs run out
     log_dir: str | None = None
 
 
 async def _user(
     client: httpx.AsyncClient, cfg: SoakConfig, model: str, end: float, rng: random.Random
-) -> list[Any]:
-    records = []
+) -> tuple[list[Any], int]:
+    """This user's requests' records, and how many it hung up on on purpose."""
+    records, disconnected = [], 0
     while time.monotonic() < end:
         words = rng.randint(*cfg.prompt_words)
         prompt, output_len = make_prompt(words, rng), rng.randint(*cfg.output_tokens)
-        record = await send_request(client, BenchConfig(), model, prompt, output_len)
+        sending = send_request(client, BenchConfig(), model, prompt, output_len)
+        if rng.random() < cfg.disconnect_fraction:
+            try:  # the client leaves at some stage of the request, closing its connection
+                async with asyncio.timeout(rng.uniform(0.0, cfg.disconnect_within_s)):
+                    records.append(await sending)
+            except TimeoutError:
+                disconnected += 1
+            continue
+        record = await sending
         records.append(record)
         if not record.ok:
             await asyncio.sleep(0.5)  # back off a little, as a well-behaved client does
-    return records
+    return records, disconnected
 
 
 def _outcome(record: Any) -> str:
@@ -284,7 +298,9 @@ async def _run(cfg: SoakConfig, stack: LocalStack) -> dict[str, Any]:
         users = [
             _user(client, cfg, model, end, random.Random(rng.random())) for _ in range(cfg.users)
         ]
-        records = [r for batch in await asyncio.gather(*users) for r in batch]
+        batches = await asyncio.gather(*users)
+        records = [r for batch, _ in batches for r in batch]
+        disconnected = sum(n for _, n in batches)
         await asyncio.gather(*injections)
         duration = time.monotonic() - t0
         await asyncio.sleep(cfg.quiet_s)
@@ -294,7 +310,8 @@ async def _run(cfg: SoakConfig, stack: LocalStack) -> dict[str, Any]:
     return {
         "config": {"users": cfg.users, "seconds": cfg.seconds, "faults": [vars(f) for f in faults]},
         "duration_s": round(duration, 1),
-        "requests": len(records),
+        "requests": len(records) + disconnected,
+        "disconnected": disconnected,
         "outcomes": dict(Counter(map(_outcome, records)).most_common()),
         "errors": dict(Counter(r.error[:120] for r in records if not r.ok).most_common(8)),
         "hung": sum(r.latency is not None and r.latency >= cfg.request_timeout_s for r in records),
@@ -334,7 +351,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
 def format_report(result: dict[str, Any]) -> str:
     lines = [
         f"soak: {result['config']['users']} users, {result['duration_s']} s, "
-        f"{result['requests']} requests, hung {result['hung']}",
+        f"{result['requests']} requests ({result['disconnected']} hung up by their clients), "
+        f"hung {result['hung']}",
         "outcomes: " + ", ".join(f"{k}: {v}" for k, v in result["outcomes"].items()),
         "TTFT ms p50/p99: {p50:.0f} / {p99:.0f}".format(**result["ttft_ms"])
         if result["ttft_ms"]["p50"] is not None
@@ -362,10 +380,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fault", action="append", type=Fault.parse, help="KIND@SECONDS:DURATION")
     p.add_argument("--no-faults", action="store_true", help="load only")
     p.add_argument("--output", help="write the report JSON here")
+    p.add_argument("--disconnect-fraction", type=float, default=0.25)
+    p.add_argument("--disconnect-within", type=float, default=3.0, help="seconds")
     a = p.parse_args(argv)
     faults = [] if a.no_faults else a.fault
     result = run_soak(
-        SoakConfig(users=a.users, seconds=a.minutes * 60, faults=faults, model=a.model)
+        SoakConfig(
+            users=a.users,
+            seconds=a.minutes * 60,
+            faults=faults,
+            model=a.model,
+            disconnect_fraction=a.disconnect_fraction,
+            disconnect_within_s=a.disconnect_within,
+        )
     )
     print(format_report(result))
     if a.output:

@@ -220,12 +220,15 @@ def write_card(path: Path, log: dict) -> None:
         "a reply runs to",
         '`max_tokens` unless the request stops it, e.g. with `"stop": ["\\n\\n"]`.',
         "",
+        *_mtp_section(log.get("mtp")),
         "## Limitations",
         "",
         f"- Trained on {args['seq_len']}-token windows: "
         "text far beyond that length is out of distribution.",
         "- Only ASCII Shakespeare: other bytes and languages are noise to it.",
-        "- Untrained indexer (above); no multi-token-prediction layer; no quantization.",
+        "- Untrained indexer (above); "
+        + ("" if log.get("mtp") else "no multi-token-prediction layer; ")
+        + "no quantization.",
         "",
         "## Reproduce",
         "",
@@ -236,6 +239,45 @@ def write_card(path: Path, log: dict) -> None:
         "`train_log.json` holds every logged step and evaluation.",
     ]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _mtp_section(mtp: dict | None) -> list[str]:
+    """The MTP layer: how it was trained, and what speculative decoding gets from it (the
+    acceptance bench/spec_decode.py measured, when recorded under mtp.acceptance)."""
+    if not mtp:
+        return []
+    last = mtp["train"][-1] if mtp.get("train") else {}
+    lines = [
+        "## Multi-token prediction (speculative decoding)",
+        "",
+        "One MTP layer (`mtp.0.*`, sliding-window attention, score-routed MoE) trained on the",
+        "frozen model with its objective shifted by one (token t+2 from the model's last-layer",
+        "streams at t and the embedding of token t+1; plus the KL to the model's own distribution",
+        "there) by",
+        f"`scripts/demo_mtp.py`: {mtp.get('steps', '?')} steps; its draft then agrees with the "
+        f"model's greedy token {last.get('agrees_with_main', 0):.0%} of the time (last logged",
+        'training batch). `--speculative-config \'{"method": "mtp", '
+        '"num_speculative_tokens": K}\'` drafts with it.',
+        "",
+    ]
+    acc = mtp.get("acceptance")
+    if acc:
+        lines += [
+            f"Greedy continuations of held-out text ({acc['command']}): mean acceptance length "
+            "(tokens a",
+            "verifying step emits) and decode steps per output token, tokens identical to K = 0:",
+            "",
+            "| K | acceptance length | acceptance by position | decode steps per token |",
+            "|---|---|---|---|",
+            *[
+                f"| {k} | {row['mean_acceptance_length']:.2f} | "
+                f"{', '.join(f'{a:.2f}' for a in row['acceptance_per_position'])} | "
+                f"{row['decode_steps_per_output_token']:.2f} |"
+                for k, row in acc["rows"].items()
+            ],
+            "",
+        ]
+    return lines
 
 
 def _cli_args(args: dict) -> list[str]:

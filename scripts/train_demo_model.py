@@ -13,7 +13,8 @@ The indexer is not trained: its top-k selection has no gradient (DeepSeek trains
 separate distillation loss), so it stays frozen at its random init and the rest of the model
 learns to use whatever it selects.
 
-One H200, about 4 minutes:
+One H200, about 4 minutes (then --mtp-time-budget-s, 60 s by default, train the MTP layer:
+scripts/demo_mtp.py):
     python3 scripts/train_demo_model.py --device cuda --out OUT/dsaserve-demo-v4 --time-budget-s 240
 CPU smoke run (seconds; --smoke shrinks the model):
     python3 scripts/train_demo_model.py --device cpu --smoke --steps 20 --seq-len 128 \
@@ -43,8 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 try:  # run as a script: its folder is on sys.path
     from demo_model_card import write_card, write_loss_png
+    from demo_mtp import add_mtp_args, add_to_checkpoint, mtp_tensors, train_mtp
 except ImportError:  # loaded from the repository root (tests/test_train_demo_model.py)
     from scripts.demo_model_card import write_card, write_loss_png
+    from scripts.demo_mtp import add_mtp_args, add_to_checkpoint, mtp_tensors, train_mtp
 
 from engine.text.byte_tokenizer import PLAY_CHAT_TEMPLATE, write_byte_tokenizer  # noqa: E402
 
@@ -229,6 +232,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sample-tokens", type=int, default=400, help="length of the sample in the model card"
     )
     p.add_argument("--seed", type=int, default=1234)
+    # the MTP layer (scripts/demo_mtp.py) on the trained, frozen model; 0: none
+    add_mtp_args(p, 60.0)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     p.add_argument(
         "--smoke", action="store_true", help="a much smaller model of the same kinds (CPU tests)"
@@ -711,6 +716,11 @@ def main(argv: list[str] | None = None) -> None:
         "precision": "exported bf16 weights, fp32 compute",
     }
     print(f"final held-out: {log['final']['heldout_bpb']:.4f} bits/byte (export, fp32)", flush=True)
+    if args.mtp_time_budget_s > 0:  # the draft head: the main objective shifted by one
+        cpu_bytes = torch.frombuffer(bytearray(data[:split]), dtype=torch.uint8)
+        mtp = train_mtp(reloaded, cpu_bytes, args, log)
+        add_to_checkpoint(out, mtp_tensors(mtp.to("cpu"), model_cls))
+        mtp.to(device)
     _write_log(out, log)
     try:
         log["sample"] = {

@@ -61,6 +61,12 @@ class GrpcTLS:
         "servers accept only clients with a certificate from --grpc-tls-ca (mutual TLS)",
         flag="--grpc-tls-require-client-cert",
     )
+    server_name: str | None = setting(
+        None,
+        "the name workers' certificates must carry (default: the host connected to); one "
+        "certificate for workers whose addresses change (Kubernetes pods)",
+        flag="--grpc-tls-server-name",
+    )
 
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
@@ -95,7 +101,10 @@ class GrpcTLS:
 def open_channel(address: str, tls: GrpcTLS) -> grpc.aio.Channel:
     """A channel to another dsaserve process (TLS when `--grpc-tls-ca` is set)."""
     if tls.client_enabled:
-        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=CLIENT_OPTIONS)
+        options: tuple[tuple[str, int | str], ...] = CLIENT_OPTIONS
+        if tls.server_name:
+            options += (("grpc.ssl_target_name_override", tls.server_name),)
+        return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
 
 

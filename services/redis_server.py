@@ -3,7 +3,8 @@
 
 Loopback only, nothing persisted (no RDB snapshots, no append-only file): the registry's
 records live as long as their TTLs, so a restarted Redis loses nothing the workers do not
-write again at their next heartbeat.
+write again at their next heartbeat. `dsaserve up` also gives it a password, in a config read
+from stdin (`config(password)`), never on the command line where `ps` shows it.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ def binary() -> str:
     return path
 
 
-def command(port: int, *options: str) -> list[str]:
-    """The command line of a private redis-server on `port`, plus redis-server `options`."""
+def command(port: int, *options: str, config_on_stdin: bool = False) -> list[str]:
+    """The command line of a private redis-server on `port`, plus redis-server `options`;
+    `config_on_stdin`: it reads more config (`config(...)`) from its stdin."""
     return [
         binary(),
+        *(["-"] if config_on_stdin else []),
         "--port",
         str(port),
         "--bind",
@@ -45,8 +48,13 @@ def command(port: int, *options: str) -> list[str]:
     ]
 
 
-def url(port: int) -> str:
-    return f"redis://{HOST}:{port}/0"
+def config(password: str) -> str:
+    """Config lines that make clients authenticate with `password` (Redis's AUTH)."""
+    return f"requirepass {password}\n"
+
+
+def url(port: int, password: str | None = None) -> str:
+    return f"redis://{f':{password}@' if password else ''}{HOST}:{port}/0"
 
 
 def wait_ready(proc: subprocess.Popen[bytes], redis_url: str, timeout_s: float) -> bool:

@@ -8,7 +8,12 @@ snapshot within TTL + TTL/2 < 2 TTL.
 
 Redis is not on the request path: while it is unreachable the router keeps routing to the
 workers it last saw (they were healthy then, and forgetting them would stop all traffic), and
-says so (`RegistryWatcher.up`).
+says so (`RegistryWatcher.up`). Nor is it trusted: anyone who can write to it could plant a
+record that draws prompts and the cluster token to their own address. So every record is
+signed (`seal`: an HMAC-SHA256 keyed by the cluster token over the record and the time it was
+written) and the watcher keeps only records whose signature verifies and whose time is within
+a TTL (plus clock skew) of now, under the key their worker id names; a replayed old record of a
+dead worker is as useless as a forged one.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,9 +38,13 @@ from engine.load import Load
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "dsaserve:worker:"
+MARKER_PREFIX = "dsaserve:watcher:"  # + a watcher's id: its marker (RegistryWatcher._read)
+MARKER_TTLS = 10  # a marker outlives its watcher by this many TTLs
 DEFAULT_TTL_S = 6.0
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
+# How far the clocks of a worker and a router may disagree (hosts run NTP: milliseconds apart).
+MAX_CLOCK_SKEW_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +64,60 @@ class WorkerRecord:
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerRecord:
         """Parse a record; unknown keys are ignored so newer workers can add fields."""
-        data: dict[str, Any] = json.loads(text)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WorkerRecord:
+        if not isinstance(data, dict):
+            raise ValueError(f"a record is a JSON object, got {type(data).__name__}")
         if data.get("role") not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {data.get('role')!r}")
         load_fields = {f.name for f in dataclasses.fields(Load)}
         load = Load(**{k: int(v) for k, v in (data.get("load") or {}).items() if k in load_fields})
         known = {f.name for f in dataclasses.fields(cls)} - {"load"}
         return cls(**{k: v for k, v in data.items() if k in known}, load=load)
+
+
+class UntrustedRecord(ValueError):
+    """A registry value that is not a record signed with our cluster token, fresh, under its own
+    key: forged, tampered with, replayed, or written by a worker with another token."""
+
+
+def _signature(key: str, body: dict[str, Any]) -> str:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key.encode(), canonical.encode(), hashlib.sha256).hexdigest()
+
+
+def seal(record: WorkerRecord, key: str, signed_at: float) -> str:
+    """The registry value of `record`: the record, the unix time it was written, and an HMAC of
+    both keyed by the cluster token `key`."""
+    body = dataclasses.asdict(record) | {"signed_at": signed_at}
+    return json.dumps({"record": body, "signature": _signature(key, body)}, separators=(",", ":"))
+
+
+def unseal(
+    redis_key: str | bytes, value: str | bytes, key: str, now: float, max_age_s: float
+) -> WorkerRecord:
+    """The record in a registry value, or UntrustedRecord (or ValueError: malformed).
+
+    Trusted only when its HMAC verifies under `key`, it was written at most `max_age_s` before
+    `now` (and not after it, both give or take MAX_CLOCK_SKEW_S), and `redis_key` is its own."""
+    envelope = json.loads(value)
+    if not isinstance(envelope, dict) or not isinstance(envelope.get("record"), dict):
+        raise ValueError("not a signed record")
+    body, presented = envelope["record"], str(envelope.get("signature", ""))
+    if not hmac.compare_digest(presented.encode(), _signature(key, body).encode()):
+        raise UntrustedRecord("its signature does not verify under our cluster token")
+    signed_at = float(body.get("signed_at", 0.0))
+    age = now - signed_at
+    if not -MAX_CLOCK_SKEW_S <= age <= max_age_s + MAX_CLOCK_SKEW_S:
+        raise UntrustedRecord(f"it was signed {age:.1f} s ago, outside its TTL")
+    record = WorkerRecord.from_dict(body)
+    if worker_key(record.worker_id) != (
+        redis_key.decode() if isinstance(redis_key, bytes) else redis_key
+    ):
+        raise UntrustedRecord(f"it names worker {record.worker_id!r}, not its key's")
+    return record
 
 
 def worker_key(worker_id: str) -> str:
@@ -76,7 +135,8 @@ def _client(redis_url: str, ttl_s: float) -> aioredis.Redis:
 class WorkerRegistration:
     """Keeps one worker's record in Redis while it runs.
 
-    `load_fn` is called on every beat for the current load.
+    `load_fn` is called on every beat for the current load; `token` (the cluster token) signs
+    each write.
     """
 
     def __init__(
@@ -84,11 +144,13 @@ class WorkerRegistration:
         redis_url: str,
         record: WorkerRecord,
         load_fn: Callable[[], Load],
+        token: str,
         ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self.record = record
+        self._token = token
         self._redis_url = redis_url
         self._load_fn = load_fn
         self._ttl_s = ttl_s
@@ -136,7 +198,8 @@ class WorkerRegistration:
         assert self._redis is not None
         self.record = dataclasses.replace(self.record, load=self._load_fn())
         ttl_ms = max(1, round(self._ttl_s * 1000))
-        await self._redis.set(worker_key(self.record.worker_id), self.record.to_json(), px=ttl_ms)
+        value = seal(self.record, self._token, time.time())
+        await self._redis.set(worker_key(self.record.worker_id), value, px=ttl_ms)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -155,13 +218,21 @@ class RegistryWatcher:
     deregistered, or its TTL expired. A failed refresh changes nothing. Nor does a worker's
     absence in the first TTL after Redis comes back: live workers may not have beaten since
     (a restarted Redis starts empty, a paused one expires every key when it resumes), so the
-    snapshot keeps what it had until each of them had a TTL to write its record again.
+    snapshot keeps what it had until each of them had a TTL to write its record again. The same
+    holds after Redis lost its keys between two refreshes (a FLUSHALL, a restart): the watcher
+    knows by a marker key of its own that is gone, and the workers write again within TTL/3.
+
+    Only records that `unseal` under `token` enter the snapshot; `untrusted` counts the others
+    of the last refresh (a router given another --cluster-token than its workers sees only those).
     """
 
-    def __init__(self, redis_url: str, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, redis_url: str, token: str, ttl_s: float = DEFAULT_TTL_S) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         self._redis_url = redis_url
+        self._token = token
+        self.untrusted = 0
+        self._untrusted_keys: set[str] = set()  # logged once each, not at every refresh
         self._ttl_s = ttl_s
         self._redis: aioredis.Redis | None = None
         self._task: asyncio.Task[None] | None = None
@@ -169,6 +240,7 @@ class RegistryWatcher:
         self._up = False  # did the last refresh reach Redis?
         self._refreshed_at = 0.0  # monotonic time of the last successful refresh
         self._keep_until = 0.0  # monotonic time until which absent workers are kept
+        self._marker = MARKER_PREFIX + uuid.uuid4().hex  # this watcher's own key (see _read)
 
     @property
     def refresh_interval_s(self) -> float:
@@ -211,34 +283,42 @@ class RegistryWatcher:
     async def refresh(self) -> None:
         """Update the snapshot from what Redis holds now; on failure keep it and raise."""
         try:
-            records = await self._read()
+            records, lost = await self._read()
         except BaseException:
             self._up = False
             raise
         now = time.monotonic()
-        if not self._up and self._refreshed_at:  # back after an outage
+        fresh = {w.worker_id: w for w in records}
+        back = not self._up and self._refreshed_at
+        if back or (lost and self._refreshed_at):  # keep them while they write their records
             self._keep_until = now + self._ttl_s
         self._up = True
-        fresh = {w.worker_id: w for w in records}
         if now < self._keep_until:
             for worker in self._snapshot:  # may not have beaten since Redis came back: keep it
                 fresh.setdefault(worker.worker_id, worker)
         self._snapshot = sorted(fresh.values(), key=lambda w: w.worker_id)
         self._refreshed_at = now
 
-    async def _read(self) -> list[WorkerRecord]:
+    async def _read(self) -> tuple[list[WorkerRecord], bool]:
+        """The trusted records, and whether Redis lost its keys since the last read: the
+        watcher's marker key, rewritten at every read, is gone (a FLUSHALL, a restart)."""
         assert self._redis is not None, "start() the watcher first"
+        ttl_ms = max(1, round(MARKER_TTLS * self._ttl_s * 1000))
+        lost = await self._redis.set(self._marker, b"1", px=ttl_ms, get=True) is None
         keys = [key async for key in self._redis.scan_iter(match=KEY_PREFIX + "*", count=1000)]
         values = await self._redis.mget(keys) if keys else []
-        records = []
+        records, untrusted, now = [], set(), time.time()
         for key, value in zip(keys, values, strict=True):
             if value is None:  # expired between SCAN and MGET
                 continue
             try:
-                records.append(WorkerRecord.from_json(value))
+                records.append(unseal(key, value, self._token, now, self._ttl_s))
             except (ValueError, TypeError) as e:
-                log.warning("ignoring malformed registry entry %r: %s", key, e)
-        return records
+                untrusted.add(key)
+                if key not in self._untrusted_keys:
+                    log.warning("ignoring registry entry %r: %s", key, e)
+        self.untrusted, self._untrusted_keys = len(untrusted), untrusted
+        return records, lost
 
     async def _watch(self) -> None:
         while True:

@@ -164,11 +164,20 @@ class Stack:
     def __init__(self) -> None:
         self.children: list[tuple[str, subprocess.Popen]] = []
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, stdin: str = ""
+    ) -> None:
+        """Start a child; `stdin` is written to its standard input, then closed."""
         from engine.parallel.launch import die_with_parent
 
         log.info("starting %s: %s", name, " ".join(argv))
-        self.children.append((name, subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)))
+        proc = subprocess.Popen(
+            argv, env=env, preexec_fn=die_with_parent, stdin=subprocess.PIPE if stdin else None
+        )
+        if proc.stdin is not None:
+            proc.stdin.write(stdin.encode())
+            proc.stdin.close()
+        self.children.append((name, proc))
 
     def check(self) -> None:
         for name, proc in self.children:
@@ -204,19 +213,22 @@ def run(s: UpSettings) -> None:
     try:
         redis_url = s.redis_url
         if redis_url is None:
-            port = _free_port()
+            port, password = _free_port(), secrets.token_hex(16)
             try:
-                argv = redis_server.command(port, "--loglevel", "warning")
+                argv = redis_server.command(port, "--loglevel", "warning", config_on_stdin=True)
             except redis_server.RedisNotFound as e:
                 raise SystemExit(f"{e} or pass --redis-url") from None
-            stack.spawn("redis", argv)
-            redis_url = redis_server.url(port)
+            stack.spawn("redis", argv, stdin=redis_server.config(password))
+            redis_url = redis_server.url(port, password)
         dsaserve = [sys.executable, "-m", "services.cli"]
-        common = ["--model", model, "--redis-url", redis_url]
+        common = ["--model", model]
+        # Secrets go to the children in their environment, not on command lines (ps shows those).
         env = {
             **os.environ,
             "DSASERVE_CLUSTER_TOKEN": token,
-        }  # not on command lines, where ps shows it
+            "DSASERVE_REDIS_URL": redis_url,
+            "DSASERVE_API_KEY": ",".join(s.api_keys),
+        }
         visible = visible_gpus() if s.engine.device == "cuda" else []
         placements = place(s, visible, model_splits(model, s.engine))
         for role in ROLES:
@@ -235,7 +247,7 @@ def run(s: UpSettings) -> None:
                 + ["--port", str(_free_port()), "--metrics-port", str(_free_port())],
                 {**env, **sees},
             )
-        router = [a for key in s.api_keys for a in ("--api-key", key)]
+        router = []
         if s.engine.max_model_len:
             router += ["--max-model-len", str(s.engine.max_model_len)]
         stack.spawn(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -187,6 +188,7 @@ async def start_router() -> AsyncIterator[Callable[[RouterSettings], Awaitable[R
     """Start routers on free ports inside the test's event loop (real HTTP via uvicorn)."""
     import uvicorn  # imported here so one broken service cannot stop every test from collecting
 
+    from services.router import http_server
     from services.router.app import create_app
 
     running: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
@@ -195,9 +197,8 @@ async def start_router() -> AsyncIterator[Callable[[RouterSettings], Awaitable[R
     async def start(config: RouterSettings) -> RunningRouter:
         app = create_app(config)
         port = free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-        )
+        at = dataclasses.replace(config, host="127.0.0.1", port=port)
+        server = uvicorn.Server(http_server.config(app, at, log_level="warning"))
         task = asyncio.create_task(server.serve())
         running.append((server, task))
         deadline = time.monotonic() + 10

@@ -92,13 +92,19 @@ def move_staged(
 
 
 def check_moved_request_decodes_as_if_never_moved(
-    model: str | os.PathLike, config: EngineConfig, prompt: list[int], via: str, groups: set[str]
-) -> None:
+    model: str | os.PathLike,
+    config: EngineConfig,
+    prompt: list[int],
+    via: str,
+    groups: set[str],
+    params: SamplingParams | None = None,
+) -> list[int]:
     """A request prefilled and held by one engine, its KV moved to another engine with other
     page numbers (`via` "staging": the staged blocks through the ring, as a pull moves them;
-    "pages": the held pages, as one READ copies them), decodes the tokens it decodes alone.
-    groups: the pool groups (and "slab") a held request's pages are in."""
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    "pages": the held pages, as one READ copies them), decodes the tokens it decodes alone
+    (returned). groups: the pool groups (and "slab") a held request's pages are in; params:
+    its sampling (default: 6 greedy tokens)."""
+    params = params or SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     alone = LLMEngine(model, config)
     alone.add_request("r", prompt, params)
     want = [t for o in drain(alone)["r"] for t in o.new_token_ids]
@@ -124,3 +130,4 @@ def check_moved_request_decodes_as_if_never_moved(
     decode.join("r")
     assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
     assert prefill.release("r")
+    return want

@@ -157,7 +157,7 @@ async def scripted_workers(redis_url: str) -> AsyncIterator[Serve]:
             await server.start()
             servers.append(server)
         rec = WorkerRecord(worker_id, role, address, MODEL, "L1", "agent")  # type: ignore[arg-type]
-        reg = WorkerRegistration(redis_url, rec, lambda: Load(running=load))
+        reg = WorkerRegistration(redis_url, rec, lambda: Load(running=load), TOKEN)
         await reg.start()
         regs.append(reg)
         return worker

@@ -58,6 +58,7 @@ class Proc:
     port: int
     metrics_port: int = 0
     credentials: grpc.ChannelCredentials | None = None  # TLS to this worker (None: plaintext)
+    server_name: str | None = None  # the name its certificate carries, if not its address
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
@@ -74,7 +75,13 @@ class Proc:
         channel = (
             grpc.insecure_channel(self.address)
             if self.credentials is None
-            else grpc.secure_channel(self.address, self.credentials)
+            else grpc.secure_channel(
+                self.address,
+                self.credentials,
+                options=[("grpc.ssl_target_name_override", self.server_name)]
+                if self.server_name
+                else None,
+            )
         )
         with channel:
             return stub(channel).Load(pb.LoadRequest(), metadata=token_metadata(TOKEN), timeout=5)

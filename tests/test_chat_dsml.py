@@ -24,7 +24,6 @@ from engine.text.chat import (
     encode_messages,
     parse_completion,
 )
-from engine.text.chat.dsml import tool_call_prefix
 
 EOS = "<｜end▁of▁sentence｜>"
 D = "｜DSML｜"
@@ -270,18 +269,3 @@ def test_stream_events_come_as_soon_as_text_is_decided() -> None:
     assert parser.message().tool_block_open  # no </｜DSML｜tool_calls> came
     with pytest.raises(RuntimeError):
         parser.feed("more")
-
-
-def test_a_prefilled_tool_call_prefix_leaves_the_model_only_the_call() -> None:
-    # Named: the call starts with the prefix itself; required: once the model names it.
-    for name, output in (("f", "<D>"), (None, 'g">\n<D>')):
-        parser = StreamParser(thinking=False, new_id=counter_ids())
-        opened = parser.feed(tool_call_prefix(name))
-        tail = output.replace("<D>", f'<{D}parameter name="a" string="false">1</{D}parameter>')
-        events = opened + parser.feed(tail + f"\n</{D}invoke>\n</{D}tool_calls>") + parser.finish()
-        assert merged(events) == [
-            ToolCallStart(0, "call_0", name or "g"),
-            ToolCallArguments(0, '{"a": 1}'),
-        ]
-        assert (opened != []) is (name is not None)
-        assert parser.message().complete and not parser.message().malformed

@@ -15,7 +15,6 @@ import pytest
 
 from engine.text.byte_tokenizer import write_byte_tokenizer
 from engine.text.chat import V32_DSML, ChatEncodingError, encode_messages_dsv32, parse_completion
-from engine.text.chat.dsml import tool_call_prefix
 from engine.text.chat_format import ChatOptions, V32Chat, chat_format
 from engine.text.tokenizer import Tokenizer
 
@@ -224,11 +223,6 @@ def test_replies_with_function_calls_read_back_into_openai_fields() -> None:
     # V4's grammar never sees the V3.2 block close: the reply would end inside a tool block
     v4 = parse_completion(reply, thinking=True)
     assert v4.tool_block_open and v4.malformed
-    # a forced call's prefix, in V3.2's block
-    prefix = tool_call_prefix("convert", V32_DSML)
-    assert prefix == f'\n\n<{D}function_calls>\n<{D}invoke name="convert">\n'
-    forced = parse_completion(prefix + BLOCK.split('convert">\n')[1] + EOS, False, dialect=V32_DSML)
-    assert [c.name for c in forced.tool_calls] == ["convert"]
 
 
 def test_a_v32_checkpoint_without_a_template_gets_the_release_encoder(tmp_path: Path) -> None:

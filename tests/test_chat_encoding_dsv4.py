@@ -197,6 +197,27 @@ def test_gold_reasoning_effort_max() -> None:
     assert encode_messages(messages, thinking=False, reasoning_effort="max") == plain + "</think>"
 
 
+def test_gold_latest_reminder() -> None:
+    # Rules: `<｜latest_reminder｜>` + text; a user turn followed by a reminder still opens the
+    # reply first, so a trailing reminder is read inside the opened reasoning (thinking) or after
+    # `</think>` (chat); earlier reminders stay when earlier reasoning is dropped.
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "latest_reminder", "content": "Be terse."},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
+        {"role": "user", "content": "Bye"},
+        {"role": "latest_reminder", "content": "Today is Friday."},
+    ]
+    reminder = "<｜latest_reminder｜>"
+    assert encode_messages(messages, thinking=True) == (
+        f"{BOS}{USER}Hi{ASSISTANT}</think>{reminder}Be terse.Hello.{EOS}"
+        f"{USER}Bye{ASSISTANT}<think>{reminder}Today is Friday."
+    )
+    assert encode_messages(messages[:2], thinking=False) == (
+        f"{BOS}{USER}Hi{ASSISTANT}</think>{reminder}Be terse."
+    )
+
+
 def test_tools_without_a_system_message_get_an_empty_one() -> None:
     # An empty system message's text is "", so the prompt opens with the blank line.
     prompt = encode_messages([{"role": "user", "content": "hi"}], thinking=False, tools=TOOLS)
@@ -281,6 +302,15 @@ def test_tool_arguments_forms() -> None:
             "messages[1].tool_calls[0].function.arguments",
         ),
         ([{"role": "user", "content": "a"}], {"tools": [{"type": "web_search"}]}, "tools[0]"),
+        (
+            [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "latest_reminder", "content": "c"},
+            ],
+            {},
+            "messages[2]",
+        ),
     ],
 )
 def test_inputs_the_format_cannot_express(messages: list, kwargs: dict, param: str) -> None:

@@ -392,6 +392,7 @@ def test_router_image_has_no_torch() -> None:
         "jinja2",
         "pydantic",
         "httpx",
+        "llguidance",  # structured outputs: the router compiles grammars (no torch needed)
     }
     assert all(re.fullmatch(r"\d+(\.\d+)+", v) for v in pins.values()), pins
     router = (DEPLOY / "Dockerfile.router").read_text()
@@ -446,6 +447,7 @@ def test_k8s_manifests_parse_and_kustomizations_reference_existing_files() -> No
         "base/prefill",
         "base/decode",
         "overlays/gpu",
+        "overlays/tls",
     }
     for path, doc in k8s_docs():
         assert doc.get("kind") and doc.get("apiVersion"), f"{path}: not a k8s object"
@@ -527,7 +529,24 @@ def _render(tmp_path: Path, overlay: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
-@pytest.mark.parametrize("overlay", ["base", "overlays/gpu"])
+def test_k8s_tls_overlay_puts_every_grpc_link_in_mutual_tls(tmp_path: Path) -> None:
+    docs = _render(tmp_path, "overlays/tls")
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    for name in ("router", "prefill", "decode"):
+        spec = deployments[name]["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["DSASERVE_GRPC_TLS_SERVER_NAME"] == "dsaserve-worker"
+        assert {"DSASERVE_GRPC_TLS_CERT", "DSASERVE_GRPC_TLS_KEY", "DSASERVE_GRPC_TLS_CA"} <= set(
+            env
+        )
+        assert ("DSASERVE_GRPC_TLS_REQUIRE_CLIENT_CERT" in env) == (name != "router")
+        mounted = {m["name"] for m in c["volumeMounts"]}
+        secrets = {v["name"]: v.get("secret", {}).get("secretName") for v in spec["volumes"]}
+        assert "grpc-tls" in mounted and secrets["grpc-tls"] == "dsaserve-grpc-tls"
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/gpu", "overlays/tls"])
 def test_k8s_renders_the_disagg_topology(tmp_path: Path, overlay: str) -> None:
     docs = _render(tmp_path, overlay)
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}

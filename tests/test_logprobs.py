@@ -64,3 +64,28 @@ def test_logprobs_are_the_raw_distribution_whatever_the_sampling(
         if params.greedy:
             assert lp.top_ids[0] == token
     assert llm.generate(prompt, SamplingParams(max_tokens=2))[0].logprobs is None
+
+
+def test_prompt_logprobs_equal_the_prompts_score(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM's prompt_logprobs: each prompt token after the first, as one causal forward over the
+    prompt scores it, also when the prompt is prefilled in chunks, and never resumed from the
+    prefix cache (a prompt sent again computes every row again)."""
+    llm = LLM(
+        make_tiny_model(tmp_path_factory.mktemp("prompt-lp")),
+        max_num_batched_tokens=16,
+        enable_prefix_caching=True,
+    )
+    prompt = llm.tokenizer.encode(
+        "It was the best of times, it was the worst", add_special_tokens=True
+    )
+    rows = torch.log_softmax(llm.score(prompt).double(), dim=-1)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    for _ in range(2):  # the second time the prompt is in the prefix cache
+        result = llm.generate([prompt, prompt[:5]], [params, SamplingParams(max_tokens=2)])
+        lps = result[0].prompt_logprobs
+        assert lps is not None and len(lps) == len(prompt) - 1
+        for j, lp in enumerate(lps):
+            row = rows[j]
+            assert lp.logprob == pytest.approx(row[prompt[j + 1]].item(), abs=1e-4)
+            assert list(lp.top_ids) == row.topk(3).indices.tolist()
+        assert result[1].prompt_logprobs is None

@@ -36,7 +36,7 @@ def release(tmp_path_factory):
 
 def test_padded_rows_would_win_without_the_mask(release):
     """The premise of every test here: unmasked, the padded rows hold the argmax."""
-    logits = LLM(release).score(PROMPT + list(range(100)))
+    logits = LLM(release).engine.score(PROMPT + list(range(100)))  # (every row of the model)
     assert (logits.argmax(-1) >= TOKENS).float().mean() > 0.9
 
 

@@ -18,6 +18,7 @@ from engine.kv.allocator import PageAllocator
 from engine.kv.block_hash import block_hashes, cache_salt
 from engine.kv.checkpoint import CopyPlan
 from engine.llm_engine import LLMEngine
+from engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
 from engine.request import RequestOutput, Status
 from engine.sampling_params import SamplingParams
 from tests.engine_cases import assert_all_free, byte_ids, drain, move_staged
@@ -40,10 +41,10 @@ class Recorder:
         execute = engine.runner.execute
 
         def recording(batch):  # type: ignore[no-untyped-def]
-            samplers, logits = execute(batch)
+            samplers, counts, logits, prompt_rows = execute(batch)
             for i, req in enumerate(samplers):
                 self.rows.setdefault(req.request_id, []).append(logits[i, :vocab].clone())
-            return samplers, logits
+            return samplers, counts, logits, prompt_rows
 
         engine.runner.execute = recording  # type: ignore[method-assign]
 
@@ -164,6 +165,43 @@ def test_evicted_checkpoints_come_back_from_the_host_tier(tiny):
         _check_against_zero(small, rec, f"p{i}", p)
     assert _check_against_zero(small, rec, "gone", prompts[0] + byte_ids(9, 51)) == 0
     assert _check_against_zero(small, rec, "kept", prompts[3] + byte_ids(9, 52)) == 200
+    assert_all_free(small)
+
+
+def test_deepseek_v32_resumes_wherever_a_prompt_parts_from_a_cached_one(tmp_path_factory):
+    """V3.2 keeps nothing per position but each token's latent row and index key, so its
+    checkpoints own nothing and a request resumes at any shared length: a full block's page is
+    shared, the part of a block a prompt shares is copied from a cached page. Chunks of 40 over
+    8-token pages; the indexer picks 8 of up to 130 rows."""
+    model = make_v32(tmp_path_factory.mktemp("v32"))
+    tight = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=40)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory_bytes=8 << 20, **tight))
+    assert engine.pool.checkpoint_slab.num_pages == 0  # (checkpoints need no slab rows)
+    rec = Recorder(engine, vocab=engine.tokenizer.vocab_size)
+    x, turn = byte_ids(100, 60), byte_ids(30, 61)
+    assert _check_against_zero(engine, rec, "first", x) == 0
+    # the second turn: the whole first prompt, then greedy tokens as an engine without a cache
+    assert _check_against_zero(engine, rec, "second", x + turn) == 100
+    plain = LLMEngine(model, EngineConfig(enable_prefix_caching=False, **tight))
+    want = [t for o in _run(plain, "second", x + turn) for t in o.new_token_ids]
+    assert want == torch.stack(rec.rows["second"]).argmax(-1).tolist()
+    assert _check_against_zero(engine, rec, "again", x) == 99
+    for shared in (5, 40, 77, 125):  # inside a block, at one, past the first prompt's end
+        y = (x + turn)[:shared]
+        prompt = y + [((x + turn)[shared] + 1) % 256] + byte_ids(6, shared)
+        assert _check_against_zero(engine, rec, f"share{shared}", prompt) == shared
+    assert_all_free(engine)
+    # a pool of 80 pages: older prefixes leave for the host tier and come back on a hit
+    small = LLMEngine(
+        model, EngineConfig(kv_cache_memory_bytes=600_000, kv_offloading_size=1 / 1024, **tight)
+    )
+    rec = Recorder(small, vocab=small.tokenizer.vocab_size)
+    prompts = [byte_ids(150, 70 + i) for i in range(6)]
+    assert [_check_against_zero(small, rec, f"p{i}", p) for i, p in enumerate(prompts)] == [0] * 6
+    cache = small.prefix_cache
+    assert cache is not None and cache.stats.evictions and not cache.stats.host_loads
+    assert _check_against_zero(small, rec, "back", prompts[0] + turn) == 150
+    assert cache.stats.host_loads == 1
     assert_all_free(small)
 
 

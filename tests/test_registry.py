@@ -20,13 +20,17 @@ import redis.asyncio as aioredis
 from services.registry import (
     Load,
     RegistryWatcher,
+    UntrustedRecord,
     WorkerRecord,
     WorkerRegistration,
+    seal,
+    unseal,
     worker_key,
 )
 from tests.conftest import PrivateRedis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "t"
 
 
 def record(
@@ -73,6 +77,27 @@ def test_record_json_round_trip_ignores_unknown_keys() -> None:
     assert WorkerRecord.from_json(json.dumps(data)) == rec
 
 
+def test_only_a_fresh_record_signed_with_the_cluster_token_under_its_own_key_is_trusted() -> None:
+    rec, now = record("w1"), time.time()
+    key = worker_key("w1")
+    assert unseal(key, seal(rec, TOKEN, now - 1), TOKEN, now, max_age_s=6) == rec
+    tampered = json.loads(seal(rec, TOKEN, now))
+    tampered["record"]["address"] = "10.6.6.6:50051"  # the rogue's address under a real signature
+    forged = {
+        "unsigned": rec.to_json(),
+        "another token": seal(rec, "not-the-token", now),
+        "tampered": json.dumps(tampered),
+        "replayed": seal(rec, TOKEN, now - 60),  # a dead worker's old record
+        "future": seal(rec, TOKEN, now + 60),
+    }
+    for what, value in forged.items():
+        with pytest.raises(ValueError):
+            unseal(key, value, TOKEN, now, max_age_s=6)
+            pytest.fail(f"{what} record trusted")
+    with pytest.raises(UntrustedRecord, match="not its key"):  # copied under another id
+        unseal(worker_key("w2"), seal(rec, TOKEN, now), TOKEN, now, max_age_s=6)
+
+
 def test_record_rejects_unknown_role() -> None:
     data = json.loads(record("w1").to_json()) | {"role": "router"}
     with pytest.raises(ValueError, match="role"):
@@ -82,7 +107,9 @@ def test_record_rejects_unknown_role() -> None:
 @pytest.mark.asyncio
 async def test_registration_writes_with_ttl_and_refreshes_load(redis_url: str) -> None:
     beats = itertools.count()
-    reg = WorkerRegistration(redis_url, record("w1"), lambda: Load(running=next(beats)), ttl_s=0.6)
+    reg = WorkerRegistration(
+        redis_url, record("w1"), lambda: Load(running=next(beats)), TOKEN, ttl_s=0.6
+    )
     client = aioredis.Redis.from_url(redis_url)
     await reg.start()
     try:
@@ -90,7 +117,7 @@ async def test_registration_writes_with_ttl_and_refreshes_load(redis_url: str) -
 
         async def load_running() -> int:
             raw = await client.get(worker_key("w1"))
-            return WorkerRecord.from_json(raw).load.running
+            return unseal(worker_key("w1"), raw, TOKEN, time.time(), 0.6).load.running
 
         deadline = time.monotonic() + 5
         while await load_running() < 2:  # two heartbeats after the first write
@@ -105,10 +132,10 @@ async def test_registration_writes_with_ttl_and_refreshes_load(redis_url: str) -
 @pytest.mark.asyncio
 async def test_watcher_filters_by_role_and_model(redis_url: str) -> None:
     regs = [
-        WorkerRegistration(redis_url, rec, Load)
+        WorkerRegistration(redis_url, rec, Load, TOKEN)
         for rec in (record("p1"), record("d1", role="decode"), record("p2", model="other"))
     ]
-    watcher = RegistryWatcher(redis_url)
+    watcher = RegistryWatcher(redis_url, TOKEN)
     for reg in regs:
         await reg.start()
     await watcher.start()
@@ -129,8 +156,8 @@ async def test_watcher_filters_by_role_and_model(redis_url: str) -> None:
 async def test_watcher_skips_malformed_entries(redis_url: str) -> None:
     client = aioredis.Redis.from_url(redis_url)
     await client.set(worker_key("junk"), b"{not json")
-    await client.set(worker_key("good"), record("good").to_json())
-    watcher = RegistryWatcher(redis_url)
+    await client.set(worker_key("good"), seal(record("good"), TOKEN, time.time()))
+    watcher = RegistryWatcher(redis_url, TOKEN)
     await watcher.start()
     try:
         assert [w.worker_id for w in watcher.workers("prefill")] == ["good"]
@@ -144,7 +171,7 @@ async def test_a_worker_started_during_an_outage_registers_when_redis_is_back(
     private_redis,
 ) -> None:
     private_redis.pause()
-    reg = WorkerRegistration(private_redis.url, record("late"), Load, ttl_s=0.6)
+    reg = WorkerRegistration(private_redis.url, record("late"), Load, TOKEN, ttl_s=0.6)
     try:
         assert await asyncio.wait_for(reg.start(), timeout=5) is False  # serving, unregistered
         private_redis.resume()
@@ -161,7 +188,7 @@ async def test_a_worker_started_during_an_outage_registers_when_redis_is_back(
 
 @pytest.mark.asyncio
 async def test_watcher_start_fails_fast_without_redis(unused_tcp_port: int) -> None:
-    watcher = RegistryWatcher(f"redis://127.0.0.1:{unused_tcp_port}/0", ttl_s=1.0)
+    watcher = RegistryWatcher(f"redis://127.0.0.1:{unused_tcp_port}/0", TOKEN, ttl_s=1.0)
     with pytest.raises((ConnectionError, OSError, aioredis.ConnectionError)):
         await asyncio.wait_for(watcher.start(), timeout=5)
 
@@ -174,7 +201,7 @@ _WORKER_SCRIPT = textwrap.dedent(
 
     async def main():
         rec = WorkerRecord("killed", "decode", "127.0.0.1:1", "m", "L1", "agent-killed")
-        await WorkerRegistration(sys.argv[1], rec, Load, ttl_s=float(sys.argv[2])).start()
+        await WorkerRegistration(sys.argv[1], rec, Load, "t", ttl_s=float(sys.argv[2])).start()
         print("registered", flush=True)
         await asyncio.Event().wait()
 
@@ -196,7 +223,10 @@ async def test_killed_worker_leaves_the_snapshot_within_two_ttls(redis_url: str)
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
     )
-    watcher = RegistryWatcher(redis_url, ttl_s=ttl_s)
+    watcher = RegistryWatcher(redis_url, TOKEN, ttl_s=ttl_s)
+    # (a survivor: with every worker gone at once the watcher would keep them one TTL longer)
+    survivor = WorkerRegistration(redis_url, record("survivor"), Load, TOKEN, ttl_s=ttl_s)
+    await survivor.start()
     try:
         assert await asyncio.wait_for(proc.stdout.readline(), timeout=20) == b"registered\n"
         await watcher.start()
@@ -210,6 +240,7 @@ async def test_killed_worker_leaves_the_snapshot_within_two_ttls(redis_url: str)
             proc.kill()
             await proc.wait()
         await watcher.stop()
+        await survivor.stop()
 
 
 @pytest.mark.asyncio
@@ -219,9 +250,10 @@ async def test_watcher_keeps_its_workers_while_redis_is_unreachable(
     ttl_s = 1.0
     url = private_redis.url
     stays, leaves = (
-        WorkerRegistration(url, record(worker_id), Load, ttl_s=ttl_s) for worker_id in ("p1", "p2")
+        WorkerRegistration(url, record(worker_id), Load, TOKEN, ttl_s=ttl_s)
+        for worker_id in ("p1", "p2")
     )
-    watcher = RegistryWatcher(url, ttl_s=ttl_s)
+    watcher = RegistryWatcher(url, TOKEN, ttl_s=ttl_s)
     try:
         await stays.start()
         await leaves.start()
@@ -248,3 +280,37 @@ async def test_watcher_keeps_its_workers_while_redis_is_unreachable(
         await watcher.stop()
         await stays.stop()
         await leaves.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_flushed_registry_keeps_the_workers_until_they_write_their_records_again(
+    redis_url: str,
+) -> None:
+    ttl_s = 1.5
+    regs = [
+        WorkerRegistration(redis_url, record(w), Load, TOKEN, ttl_s=ttl_s) for w in ("p1", "p2")
+    ]
+    watcher = RegistryWatcher(redis_url, TOKEN, ttl_s=ttl_s)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        for reg in regs:
+            await reg.start()
+        await watcher.start()
+        await client.flushall()
+        await watcher.refresh()  # finds nobody
+        assert [w.worker_id for w in watcher.workers("prefill")] == ["p1", "p2"]
+        await client.flushall()
+        await client.set(worker_key("p1"), seal(regs[0].record, TOKEN, time.time()))  # p1's beat
+        await watcher.refresh()  # finds p1 only: p2 has not beaten since
+        assert [w.worker_id for w in watcher.workers("prefill")] == ["p1", "p2"]
+        deadline = time.monotonic() + 10
+        while await client.exists(worker_key("p1"), worker_key("p2")) < 2:  # their next beats
+            assert time.monotonic() < deadline, "the workers never wrote their records again"
+            await asyncio.sleep(0.05)
+        await watcher.refresh()
+        assert [w.worker_id for w in watcher.workers("prefill")] == ["p1", "p2"]
+    finally:
+        await watcher.stop()
+        for reg in regs:
+            await reg.stop()
+        await client.aclose()

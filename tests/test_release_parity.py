@@ -69,7 +69,8 @@ def quantized(release):
 
 def test_dequantized_logits_match_hf(hf, dequantized):
     ids = release_ids(SEQ, 7)
-    assert rel_err(dequantized.score(ids), hf_logits(hf, ids)) < 1e-4
+    # (score lists the tokenizer's vocabulary; HF's logits every row of the embedding)
+    assert rel_err(dequantized.score(ids), hf_logits(hf, ids)[:, :TOKENS]) < 1e-4
 
 
 @pytest.mark.parametrize("prompt_len", [1, 40, 290])

@@ -7,6 +7,7 @@ workers do it (WorkerRegistration), pointing at addresses nothing needs to answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ from engine.text.tokenizer import Tokenizer
 from services.registry import WorkerRecord, WorkerRegistration
 from services.router.settings import RouterSettings
 from tests.conftest import free_port
+from tests.scripted_worker import TOKEN
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-router-model"
@@ -36,7 +38,9 @@ StartRouter = Callable[[RouterSettings], Awaitable[Any]]
 
 @pytest_asyncio.fixture
 async def router(start_router: StartRouter, router_model_dir: Path, redis_url: str) -> Any:
-    return await start_router(RouterSettings(model_dir=str(router_model_dir), redis_url=redis_url))
+    return await start_router(
+        RouterSettings(model_dir=str(router_model_dir), redis_url=redis_url, cluster_token=TOKEN)
+    )
 
 
 @pytest_asyncio.fixture
@@ -52,7 +56,7 @@ async def registered(redis_url: str) -> AsyncIterator[Callable[..., Awaitable[No
 
     async def register(worker_id: str, role: str, layout: str = "L1") -> None:
         rec = WorkerRecord(worker_id, role, "127.0.0.1:9", MODEL, layout, f"agent-{worker_id}")  # type: ignore[arg-type]
-        reg = WorkerRegistration(redis_url, rec, Load)
+        reg = WorkerRegistration(redis_url, rec, Load, TOKEN)
         await reg.start()
         regs.append(reg)
 
@@ -110,6 +114,25 @@ async def test_invalid_chat_fields_are_400(
     http: httpx.AsyncClient, patch: dict, param: str | None, says: str
 ) -> None:
     response = await http.post("/v1/chat/completions", json=CHAT | patch)
+    assert_openai_error(response, 400, param=param, says=says)
+
+
+@pytest.mark.parametrize(
+    ("patch", "param", "says"),
+    [
+        ({"max_tokens": 0}, None, "only allowed with echo"),
+        ({"prompt_logprobs": 1, "stream": True}, None, "not available when stream"),
+        ({"prompt": ["a", ""]}, "prompt", "batch is empty"),
+        ({"prompt": ["a"] * 65}, None, "at most 64"),
+        ({"prompt": ["a"] * 5, "n": 16}, None, "at most 64"),
+        ({"prompt": [[1, 2], [300]]}, "prompt[1]", "Token ids must be in"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_invalid_completion_fields_are_400(
+    http: httpx.AsyncClient, patch: dict, param: str | None, says: str
+) -> None:
+    response = await http.post("/v1/completions", json={"prompt": "hi"} | patch)
     assert_openai_error(response, 400, param=param, says=says)
 
 
@@ -181,7 +204,6 @@ async def test_numbers_outside_their_wire_range_are_400(
         ("chat", {"logit_bias": {"50256": -100}}, "logit_bias", "{} or null"),
         ("chat", {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
         ("chat", {"functions": [{"name": "f"}]}, "functions", "not supported"),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format", "text"),
         ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, None, "name"),
         (
             "chat",
@@ -190,7 +212,9 @@ async def test_numbers_outside_their_wire_range_are_400(
             "not supported",
         ),
         ("completion", {"best_of": 2}, "best_of", "not supported"),
-        ("completion", {"echo": True}, "echo", "not supported"),
+        ("chat", {"echo": True}, "echo", "not supported"),
+        ("completion", {"use_beam_search": True}, "use_beam_search", "not supported"),
+        ("chat", {"chat_template": "{{ x }}"}, "chat_template", "not supported"),
         ("chat", {"temprature": 0.5}, "temprature", "unrecognized request argument"),
         ("completion", {"messages": []}, "messages", "unrecognized request argument"),
     ],
@@ -294,7 +318,9 @@ async def test_body_over_max_request_bytes_is_413(
 ) -> None:
     exact = json.dumps(CHAT).encode()
     router = await start_router(
-        RouterSettings(str(router_model_dir), redis_url, max_request_bytes=len(exact))
+        RouterSettings(
+            str(router_model_dir), redis_url, cluster_token=TOKEN, max_request_bytes=len(exact)
+        )
     )
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
         json_headers = {"content-type": "application/json"}
@@ -340,9 +366,10 @@ async def test_body_over_max_request_bytes_is_413(
     ("prompt", "says"),
     [
         ([5, 9999], "[0, 262)"),
-        (["a", "b"], "one prompt per request"),
         ("", "empty"),
-        ([[1, 2], [3]], "one prompt"),
+        ([], "empty"),
+        ([[1, 2], []], "batch is empty"),
+        ([1, "a"], "valid integer"),
     ],
 )
 @pytest.mark.asyncio
@@ -350,7 +377,8 @@ async def test_invalid_completion_prompts_are_400(
     http: httpx.AsyncClient, prompt: Any, says: str
 ) -> None:
     response = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
-    assert_openai_error(response, 400, param="prompt", says=says)
+    assert_openai_error(response, 400, says=says)
+    assert response.json()["error"]["param"].startswith("prompt")
 
 
 # ---------------------------------------------------------------- 400: tools, thinking, logprobs
@@ -370,12 +398,23 @@ async def v4_http(
     start_router: StartRouter, v4_router_model_dir: Path, redis_url: str
 ) -> AsyncIterator[httpx.AsyncClient]:
     """A router whose checkpoint has no template: chats use the V4 release's encoder."""
-    router = await start_router(RouterSettings(str(v4_router_model_dir), redis_url))
+    router = await start_router(
+        RouterSettings(str(v4_router_model_dir), redis_url, cluster_token=TOKEN)
+    )
     async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
         yield client
 
 
 V4_CHAT = {"model": "tiny-v4-router-model", "messages": [{"role": "user", "content": "hi"}]}
+# A strict schema's keyword the grammar library does not implement, and a strict tool's
+# parameters that are no plain object of named properties.
+IF_SCHEMA = {"type": "object", "if": {"required": ["a"]}, "then": {}}
+STRICT_IF = {"name": "conditional", "strict": True, "schema": IF_SCHEMA}
+STRICT_PATTERN_TOOL = {
+    "name": "lookup",
+    "strict": True,
+    "parameters": {"type": "object", "patternProperties": {"^x": {"type": "string"}}},
+}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 
 
@@ -398,16 +437,16 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
             "'g', which is not in tools",
         ),
         (
-            {"tools": [WEATHER], "tool_choice": "required", "reasoning_effort": "high"},
-            "tool_choice",
-            "no room for reasoning",
+            {"response_format": {"type": "json_schema", "json_schema": STRICT_IF}},
+            "response_format.json_schema.schema",
+            'Unimplemented keys: ["if", "then"]',
         ),
         (
-            {"tool_choice": "required", "tools": [WEATHER]}
-            | {"chat_template_kwargs": {"thinking": True}},
-            "tool_choice",
-            "turn thinking off",
+            {"tools": [{"type": "function", "function": STRICT_PATTERN_TOOL}]},
+            "tools[0].function.parameters",
+            "'patternProperties' is not supported",
         ),
+        ({"response_format": {"type": "json"}}, "response_format", ""),
         ({"reasoning_effort": "extreme"}, "reasoning_effort", "'max'"),
         (
             {"reasoning_effort": "none", "chat_template_kwargs": {"thinking": True}},
@@ -472,6 +511,10 @@ async def test_invalid_tools_thinking_and_logprobs_are_400(
             "tool_choice": {"type": "function", "function": {"name": WEATHER["function"]["name"]}},
         },
         {"tools": [WEATHER], "tool_choice": "none", "reasoning_effort": "max"},
+        {"tools": [WEATHER], "tool_choice": "required", "reasoning_effort": "high"},
+        {"response_format": {"type": "json_object"}, "reasoning_effort": "high"},
+        # not strict: what the grammar library does not implement is left out
+        {"response_format": {"type": "json_schema", "json_schema": STRICT_IF | {"strict": False}}},
         {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": True}},
         {"chat_template_kwargs": {"drop_thinking": False}, "logprobs": True, "top_logprobs": 20},
         {
@@ -585,7 +628,7 @@ async def test_tokenize_with_the_v4_encoder(v4_http: httpx.AsyncClient) -> None:
 @pytest.mark.asyncio
 async def test_api_keys(start_router: StartRouter, router_model_dir: Path, redis_url: str) -> None:
     router = await start_router(
-        RouterSettings(str(router_model_dir), redis_url, api_keys=("k1", "k2"))
+        RouterSettings(str(router_model_dir), redis_url, cluster_token=TOKEN, api_keys=("k1", "k2"))
     )
     async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
         assert_openai_error(await http.post("/v1/chat/completions", json=CHAT), 401, says="API key")
@@ -702,9 +745,12 @@ async def test_models_lists_the_served_model(
     models = (await client.models.list()).data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 64
+    assert str(router_model_dir) not in models[0].model_dump_json()  # no path of the server's
 
     renamed = await start_router(
-        RouterSettings(str(router_model_dir), redis_url, served_model_name="deepseek-v4")
+        RouterSettings(
+            str(router_model_dir), redis_url, cluster_token=TOKEN, served_model_name="deepseek-v4"
+        )
     )
     async with httpx.AsyncClient(base_url=renamed.url) as http:
         assert (await http.get("/v1/models")).json()["data"][0]["id"] == "deepseek-v4"
@@ -786,7 +832,7 @@ async def _startup_log(argv: list[str]) -> str:
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "DSASERVE_CLUSTER_TOKEN": TOKEN},
     )
     lines: list[str] = []
     try:
@@ -830,6 +876,8 @@ ROUTER_ENGINE_MODULES = (
     "engine.kv.block_hash",
     "engine.load",
     "engine.sampling_params",
+    "engine.speculative",
+    "engine.speculative.config",
 )
 
 
@@ -853,3 +901,63 @@ def test_router_imports_without_torch() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------- slow and idle connections
+
+
+@pytest.mark.asyncio
+async def test_stalled_connections_are_closed_while_other_clients_are_served(
+    start_router: StartRouter, router_model_dir: Path, redis_url: str
+) -> None:
+    cap = 6
+    router = await start_router(
+        RouterSettings(
+            str(router_model_dir),
+            redis_url,
+            cluster_token=TOKEN,
+            header_read_timeout_s=0.5,
+            body_read_timeout_s=0.5,
+            max_connections=cap,
+        )
+    )
+    port = int(router.url.rsplit(":", 1)[1])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    stalls = (b"", head, head + b"Content-Length: 100\r\n\r\n" + b'{"model"')  # idle, half, body
+    stalled = []
+    for payload in stalls:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(payload)
+        stalled.append((reader, writer))
+    trickler_reader, trickler = await asyncio.open_connection("127.0.0.1", port)
+
+    async def trickle() -> None:  # a byte of a head every 0.1 s: never complete, never idle
+        for byte in head * 100:
+            trickler.write(bytes([byte]))
+            await asyncio.sleep(0.1)
+
+    trickling = asyncio.ensure_future(trickle())
+    try:
+        async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
+            for _ in range(3):  # served meanwhile
+                assert (await http.get("/v1/models")).status_code == 200
+        for reader, _ in [*stalled, (trickler_reader, trickler)]:
+            with contextlib.suppress(ConnectionResetError):  # (closed while we wrote: a RST)
+                assert await asyncio.wait_for(reader.read(), timeout=20) == b""  # closed by it
+    finally:
+        trickling.cancel()
+        for _, writer in [*stalled, (trickler_reader, trickler)]:
+            writer.close()
+
+    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(cap)]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)  # one over the cap
+        refused = await asyncio.wait_for(reader.read(), timeout=20)
+        writer.close()
+        assert refused.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in refused
+        assert json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]["code"] == (
+            "too_many_connections"
+        )
+    finally:
+        for _, writer in idle:
+            writer.close()

@@ -234,30 +234,66 @@ async def test_replies_that_never_close_their_reasoning_or_tool_block(v4: V4) ->
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("named", [False, True], ids=["required", "named"])
-async def test_forced_tool_choice_starts_the_reply_with_the_call(v4: V4, named: bool) -> None:
-    # Thinking is on by default here, yet a forced call renders in chat mode.
+async def test_forced_tool_choice_constrains_the_reply_after_its_reasoning(
+    v4: V4, named: bool
+) -> None:
+    # Thinking is on by default here, and stays on: the constraint starts after the reasoning.
     router = await v4.router(default_thinking=True)
-    rest = f'<{D}parameter name="city" string="true">Lima</{D}parameter>\n</{D}invoke>\n'
-    rest += f"</{D}tool_calls>"
+    call = f'{BLOCK[: BLOCK.index(INVOKE_WEATHER)]}<{D}invoke name="get_weather">\n'
+    call += f'<{D}parameter name="city" string="true">Lima</{D}parameter>\n</{D}invoke>\n'
+    call += f"</{D}tool_calls>"
+    v4.script(["Look it up.", "</think>" + call[:9], call[9:]])
     if named:
         tool_choice: Any = {"type": "function", "function": {"name": "get_weather"}}
-        v4.script([rest[:5], rest[5:]])
     else:
         tool_choice = "required"
-        v4.script(["get_w", 'eather">\n' + rest])
     chunks = await stream(router, CHAT | {"tools": [WEATHER, NOW], "tool_choice": tool_choice})
     got = assembled(chunks)
     assert calls_of(got) == [("get_weather", '{"city": "Lima"}')]
-    assert (got["reasoning_content"], got["content"], got["finish"]) == ("", "", "tool_calls")
+    assert (got["reasoning_content"], got["content"], got["finish"]) == (
+        "Look it up.",
+        "",
+        "tool_calls",
+    )
     prompt = (await post(router, "/detokenize", {"tokens": v4.last_prompt()}))["prompt"]
-    opening = f'<｜Assistant｜></think>\n\n<{D}tool_calls>\n<{D}invoke name="'
-    assert prompt.endswith(opening + ('get_weather">\n' if named else ""))
-    # Only the named tool is shown to the model.
+    assert prompt.endswith("<｜Assistant｜><think>")
+    # Only the named tool is shown to the model, and only it can be called.
     assert ('{"name": "now"}' in prompt) is not named
-    if named:  # the call's name is known before the model writes: it opens the reply
-        assert (
-            chunks[1]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
-        )
+    grammar = v4.prefill.prefill_requests[-1].sampling.grammar
+    assert grammar == v4.decode.decode_requests[-1].sampling.grammar
+    assert 'name=\\"get_weather\\"' in grammar and ('name=\\"now\\"' in grammar) is not named
+
+
+@pytest.mark.asyncio
+async def test_response_format_sends_its_grammar_to_both_workers(v4: V4) -> None:
+    router = await v4.router()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema}}
+    v4.script(['Easy.</think>{"a"', ": 1}"])
+    body = CHAT | THINKING | {"response_format": response_format}
+    answer = await post(router, "/v1/chat/completions", body)
+    assert answer["choices"][0]["message"]["content"] == '{"a": 1}'
+    grammar = v4.prefill.prefill_requests[-1].sampling.grammar
+    assert grammar == v4.decode.decode_requests[-1].sampling.grammar
+    assert grammar.startswith("start: reasoning <[261]> body") and '"required": ["a"]' in grammar
+    completion = {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}
+    await post(router, "/v1/completions", completion)
+    grammar = v4.prefill.prefill_requests[-1].sampling.grammar
+    assert grammar.startswith("start: body") and '%json {"type": "object"' in grammar
+    await post(router, "/v1/chat/completions", CHAT | {"tools": [WEATHER]})  # nothing to constrain
+    assert not v4.prefill.prefill_requests[-1].sampling.HasField("grammar")
+
+
+@pytest.mark.asyncio
+async def test_a_call_cut_by_eos_is_no_tool_call(v4: V4) -> None:
+    router = await v4.router()
+    cut = f'{BLOCK[: BLOCK.index(INVOKE_WEATHER)]}<{D}invoke name="get_weather">\n'
+    v4.script([CONTENT, cut])
+    got = assembled(await stream(router, CHAT | {"tools": [WEATHER]}))
+    assert got["finish"] == "stop"
+    whole = await post(router, "/v1/chat/completions", CHAT | {"tools": [WEATHER]})
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"]
 
 
 @pytest.mark.asyncio
@@ -523,3 +559,66 @@ def test_text_offsets_where_bytes_do_not_make_whole_characters(v4_router_model_d
     offsets += logprobs.chunk(ids[3:], [lp] * 2)["text_offset"]
     assert texts.tokenizer.decode(ids) == "é\ufffdH!"
     assert offsets == [0, 0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------- release inputs, vLLM fields
+
+
+@pytest.mark.asyncio
+async def test_release_inputs_and_vllm_spellings_are_accepted(v4: V4) -> None:
+    """`latest_reminder` messages, chat_template_kwargs' reasoning_effort, vLLM's `reasoning`
+    for `reasoning_content`, and a tool loop whose client left the reasoning out: each renders
+    the release's prompt, and the reply after a reminder in thinking mode opens in reasoning."""
+    router = await v4.router()
+    reminder = [*CHAT["messages"], {"role": "latest_reminder", "content": "Answer in Celsius."}]
+    v4.script([REPLY])
+    body = {"model": MODEL, "messages": reminder, "tools": [WEATHER, NOW]} | THINKING
+    message = (await post(router, "/v1/chat/completions", body))["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (REASONING, CONTENT)
+    prompt = (await post(router, "/detokenize", {"tokens": v4.last_prompt()}))["prompt"]
+    assert prompt == encode_messages(reminder, thinking=True, tools=[WEATHER, NOW])
+    assert prompt.endswith("<think><｜latest_reminder｜>Answer in Celsius.")
+
+    max_effort = await post(router, "/tokenize", CHAT | {"reasoning_effort": "max"})
+    as_kwarg = CHAT | {"chat_template_kwargs": {"reasoning_effort": "max"}}
+    assert (await post(router, "/tokenize", as_kwarg))["tokens"] == max_effort["tokens"]
+    both = as_kwarg | {"reasoning_effort": "high"}
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        refused = await http.post("/v1/chat/completions", json=both)
+    assert refused.status_code == 400 and "disagree" in refused.json()["error"]["message"]
+
+    renamed = [
+        {**m, "reasoning": m.pop("reasoning_content")} if m["role"] == "assistant" else m
+        for m in [dict(m) for m in HISTORY]
+    ]
+    tools = {"tools": [WEATHER, NOW]} | THINKING
+    named = await post(router, "/tokenize", {"messages": HISTORY} | tools)
+    assert (await post(router, "/tokenize", {"messages": renamed} | tools)) == named
+    # Without its reasoning, the earlier turn keeps an empty one: served, not refused.
+    bare = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in HISTORY]
+    v4.script([REPLY])
+    await post(router, "/v1/chat/completions", {"model": MODEL, "messages": bare} | tools)
+    prompt = (await post(router, "/detokenize", {"tokens": v4.last_prompt()}))["prompt"]
+    assert "</think>Checking." in prompt and "Two tools." not in prompt
+
+
+@pytest.mark.asyncio
+async def test_continuous_usage_stats_and_stop_token_ids(v4: V4) -> None:
+    """guidellm's default stream: vLLM's continuous_usage_stats puts the usage so far in every
+    chunk; stop_token_ids reach the workers."""
+    router = await v4.router()
+    v4.script(["Sun", "ny", " and", " warm."])
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = CHAT | {"stream_options": options, "stop_token_ids": [7, 9]}
+    chunks = await stream(router, body)
+    prompt_tokens = len(v4.last_prompt())
+    usages = [c["usage"] for c in chunks if c["choices"]]  # (the last chunk: the final usage)
+    assert all(u["prompt_tokens"] == prompt_tokens for u in usages)
+    outs = [u["completion_tokens"] for u in usages]
+    # (the scripted prefill sends one id, each decode chunk one per byte)
+    assert outs == sorted(outs) and outs[0] == 0 and outs[-1] == 1 + len(b"ny and warm.")
+    assert all(u["total_tokens"] == prompt_tokens + u["completion_tokens"] for u in usages)
+    assert list(v4.prefill.prefill_requests[-1].sampling.stop_token_ids) == [7, 9]
+    # Without include_usage it adds nothing, as in vLLM.
+    plain = await stream(router, CHAT | {"stream_options": {"continuous_usage_stats": True}})
+    assert all("usage" not in c for c in plain)

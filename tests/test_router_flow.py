@@ -9,6 +9,8 @@ calls), logprobs and n are in test_router_chat.py; tests against real workers li
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,12 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
+from services.registry import WorkerRecord, seal, worker_key
 from services.router.settings import RouterSettings
 from services.rpc import pb
-from tests.scripted_worker import MODEL, WAIT_S, Serve, sse_events
+from tests.scripted_worker import MODEL, TOKEN, WAIT_S, Serve, sse_events
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}  # 5 prompt tokens
 
@@ -188,8 +192,10 @@ async def test_prefill_grpc_status_maps_to_http(
         response = await http.post("/v1/chat/completions", json=CHAT | {"stream": True})
     assert response.status_code == status
     error = response.json()["error"]
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-        assert f"scripted {code.name}" in error["message"]  # the worker's own words
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        assert f"scripted {code.name}" in error["message"]  # the worker's words on the request
+    else:  # which worker, and what it said about the cluster, go to the log only
+        assert "scripted" not in error["message"] and "127.0.0.1" not in error["message"]
 
 
 @pytest.mark.asyncio
@@ -204,7 +210,55 @@ async def test_wrong_cluster_token_is_explained(
     await router.refresh_registry()
     async with httpx.AsyncClient(base_url=router.url) as http:
         response = await http.post("/v1/chat/completions", json=CHAT)
-    assert response.status_code == 500 and "--cluster-token" in response.json()["error"]["message"]
+    # The workers' records are signed with another token: the router trusts none of them.
+    assert response.status_code == 503 and "--cluster-token" in response.json()["error"]["message"]
+
+
+@pytest.mark.asyncio
+async def test_a_rogue_registry_record_receives_nothing(
+    serve: Serve, make_router: Any, redis_url: str
+) -> None:
+    connections = 0
+
+    async def count(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        writer.close()
+
+    rogue = await asyncio.start_server(count, "127.0.0.1", 0)
+    address = f"127.0.0.1:{rogue.sockets[0].getsockname()[1]}"
+    await serve("prefill", "p1", load=5)
+    await serve("decode", "d1", load=5)
+    # Idle-looking rogues of both roles, as any local user can write them into Redis: unsigned,
+    # signed with a guessed token, and a real worker's signed record with the address swapped.
+    real = WorkerRecord("rogue", "prefill", address, MODEL, "L1", "agent")  # type: ignore[arg-type]
+    elsewhere = dataclasses.replace(real, worker_id="p1x", address="127.0.0.1:1")
+    swapped = json.loads(seal(elsewhere, TOKEN, time.time()))
+    swapped["record"]["address"] = address
+    planted = {
+        "rogue": real.to_json(),
+        "rogue-d": seal(
+            dataclasses.replace(real, worker_id="rogue-d", role="decode"), "guess", time.time()
+        ),
+        "p1x": json.dumps(swapped),
+    }
+    registry = aioredis.Redis.from_url(redis_url)
+    for worker_id, value in planted.items():
+        await registry.set(worker_key(worker_id), value, px=60_000)
+    await registry.aclose()
+    router = await make_router(policy="least_load")
+    try:
+        async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+            for _ in range(6):
+                response = await http.post("/v1/chat/completions", json=CHAT)
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["message"]["content"] == "Hello world"
+            health = (await http.get("/health")).json()
+        assert health["workers"] == {"prefill": 1, "decode": 1}
+        assert connections == 0
+    finally:
+        rogue.close()
+        await rogue.wait_closed()
 
 
 @pytest.mark.asyncio
@@ -236,7 +290,7 @@ async def test_only_unavailable_workers_is_503(
     async with httpx.AsyncClient(base_url=router.url) as http:
         response = await http.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 503
-    assert f"127.0.0.1:{unused_tcp_port}" in response.json()["error"]["message"]
+    assert f"127.0.0.1:{unused_tcp_port}" not in response.json()["error"]["message"]  # (logged)
 
 
 @pytest.mark.asyncio
@@ -253,7 +307,7 @@ async def test_decode_error_after_streaming_began(serve: Serve, make_router: Any
     assert events[-1] == "[DONE]"
     error = events[-2]["error"]
     # A failed KV pull is retryable: the error says so with its type (503s are)
-    assert "NIXL read failed" in error["message"]
+    assert "retried" in error["message"] and "NIXL read failed" not in error["message"]
     assert error["type"] == "service_unavailable_error"
     assert [e["choices"][0]["delta"].get("content") for e in events[1:-2]] == [
         "He",
@@ -350,6 +404,31 @@ async def test_full_admission_queue_is_429(serve: Serve, make_router: Any) -> No
         assert third.status_code == 200
 
 
+@pytest.mark.asyncio
+async def test_a_request_waits_for_admission_at_most_the_queue_delay(
+    serve: Serve, make_router: Any
+) -> None:
+    hold = asyncio.Event()
+    await serve("prefill", "p1")
+    await serve("decode", "d1", hold_decode=hold)
+    router = await make_router(max_inflight=1, max_queue=4, max_queue_delay_s=0.5)
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        try:
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=CHAT | {"stream": True}
+            ) as first:
+                assert first.status_code == 200  # it holds the only slot
+                waited = await http.post("/v1/chat/completions", json=CHAT)
+                assert waited.status_code == 503, waited.text  # refused, not left to hang
+                assert waited.json()["error"]["code"] == "queue_timeout"
+                assert waited.headers["retry-after"] == "1"
+                hold.set()
+                assert (await sse_events(first))[-1] == "[DONE]"
+        finally:
+            hold.set()
+    assert await metric(router, "dsaserve_router_queue_depth") == 0
+
+
 async def wait_metric_zero(router: Any, name: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while await metric(router, name) != 0:
@@ -389,6 +468,33 @@ async def test_max_inflight_per_key_is_429_for_that_key_only(
         again = await http.post("/v1/chat/completions", json=CHAT, headers=k1)
         assert again.status_code == 200, again.text  # the key's slot was given back
     assert await metric(router, 'dsaserve_router_failures_total{cause="key_limit"}') == 1
+
+
+@pytest.mark.asyncio
+async def test_by_default_one_key_cannot_also_take_the_queue(
+    serve: Serve, make_router: Any
+) -> None:
+    hold = asyncio.Event()
+    await serve("prefill", "p1")
+    await serve("decode", "d1", hold_decode=hold)
+    router = await make_router(api_keys=("k1", "k2"), max_inflight=1)  # no per-key flag
+    k1, k2 = ({"Authorization": f"Bearer {k}"} for k in ("k1", "k2"))
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        try:
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=CHAT | {"stream": True}, headers=k1
+            ) as first:
+                assert first.status_code == 200  # k1 holds the only slot
+                second = await http.post("/v1/chat/completions", json=CHAT, headers=k1)
+                assert second.json()["error"]["code"] == "too_many_requests_per_key"
+                queued = asyncio.ensure_future(
+                    http.post("/v1/chat/completions", json=CHAT, headers=k2)
+                )
+                hold.set()
+                assert (await sse_events(first))[-1] == "[DONE]"
+            assert (await queued).status_code == 200  # k2 waited in the queue, and was served
+        finally:
+            hold.set()
 
 
 @pytest.mark.asyncio

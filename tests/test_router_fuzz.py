@@ -53,6 +53,10 @@ OPERATIONS = [
     "GET /health",
     "GET /metrics",
 ]
+# Other APIs' shapes over the same chat path (Anthropic's Messages, OpenAI's Responses): fewer
+# cases each, the generation behind them being the chat completions' own.
+OTHER_APIS = ["POST /v1/messages", "POST /v1/responses", "GET /v1/responses/{response_id}"]
+EXAMPLES_PER_OTHER_API = 40
 CHECKS = [
     checks.not_a_server_error,
     checks.status_code_conformance,
@@ -65,7 +69,8 @@ CHECKS = [
 
 def test_every_operation_is_fuzzed(router_api: BaseSchema) -> None:
     operations = [op.ok() for op in router_api.get_all_operations()]
-    assert sorted(f"{op.method.upper()} {op.path}" for op in operations) == sorted(OPERATIONS)
+    found = sorted(f"{op.method.upper()} {op.path}" for op in operations)
+    assert found == sorted(OPERATIONS + OTHER_APIS)
 
 
 @pytest.mark.parametrize("operation", OPERATIONS)
@@ -80,6 +85,25 @@ def test_every_operation_is_fuzzed(router_api: BaseSchema) -> None:
 def test_fuzzed_requests_get_described_4xx_answers_never_5xx(
     router_api: BaseSchema, operation: str, data: st.DataObject
 ) -> None:
+    _fuzz(router_api, operation, data)
+
+
+@pytest.mark.parametrize("operation", OTHER_APIS)
+@settings(
+    max_examples=EXAMPLES_PER_OTHER_API,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(data=st.data())
+def test_other_apis_fuzzed_get_described_4xx_answers_never_5xx(
+    router_api: BaseSchema, operation: str, data: st.DataObject
+) -> None:
+    _fuzz(router_api, operation, data)
+
+
+def _fuzz(router_api: BaseSchema, operation: str, data: st.DataObject) -> None:
     method, path = operation.split()
     # Valid requests, and requests that break the schema (which must be refused with a 4xx).
     mode = data.draw(st.sampled_from(list(GenerationMode)))

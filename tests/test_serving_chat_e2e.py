@@ -7,12 +7,16 @@ is `dsaserve make-tiny-model DIR --format release`'s.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+from typing import Any, Literal
 
 import httpx
+import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
@@ -136,23 +140,6 @@ def test_thinking_chat_equals_offline_generation(stack, client, model):
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_named_tool_choice_on_real_workers(stack, client, model):
-    """The call is started in the prompt, so even a random model's reply is that call."""
-    res = client.chat.completions.create(
-        model=model.name,
-        messages=[{"role": "user", "content": "Weather in Lima?"}],
-        tools=[WEATHER],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-        max_tokens=16,
-        temperature=0,
-    )
-    choice = res.choices[0]
-    assert choice.message.content in (None, "")
-    assert choice.message.tool_calls[0].function.name == "get_weather"
-    assert choice.finish_reason in ("tool_calls", "length")
-    wait_all_kv_free(stack.prefill, stack.decode)
-
-
 def test_n_choices_on_real_workers(stack, client, model):
     request = dict(model=model.name, messages=MESSAGES, max_tokens=8, temperature=1.0)
     extra = {"ignore_eos": True}
@@ -163,4 +150,129 @@ def test_n_choices_on_real_workers(stack, client, model):
     assert len({c.message.content for c in res.choices}) == 3
     again = client.chat.completions.create(**request, seed=12, extra_body=extra)
     assert again.choices[0].message.content == res.choices[1].message.content
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+# ---------------------------------------------------------------- structured outputs
+# Random weights: only the constraint makes a reply valid. Greedy, so every reply is the same
+# on every run; the requests of a test run at once (one decode batch).
+
+
+class Verdict(BaseModel):
+    verdict: Literal["yes", "no"]
+    confidence: int = Field(ge=0, le=9)
+    sure: bool
+
+
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
+STRUCTURED = dict(messages=MESSAGES, temperature=0, max_tokens=64)
+THINKING_ON = {"chat_template_kwargs": {"thinking": True}}
+
+
+async def _parse(client, model, stream: bool, thinking: bool) -> tuple[str, Any]:
+    """`.parse()` (or `.stream()`) with the pydantic model: (finish reason, the completion).
+    Thinking: its reasoning bounded by vLLM's thinking_token_budget (random weights would
+    otherwise never write </think>)."""
+    extra = THINKING_ON | {"thinking_token_budget": 6} if thinking else {}
+    request = dict(model=model.name, response_format=Verdict, extra_body=extra, **STRUCTURED)
+    try:
+        if stream:
+            async with client.chat.completions.stream(**request) as events:
+                completion = await events.get_final_completion()
+        else:
+            completion = await client.chat.completions.parse(**request)
+    except openai.LengthFinishReasonError as e:  # the client's own: cut by max_tokens
+        return "length", e.completion
+    return completion.choices[0].finish_reason, completion
+
+
+def test_parse_with_a_pydantic_schema_and_json_object(stack, model):
+    """Every reply parses into the model, after a bounded reasoning with thinking on.
+    json_object, thinking on and unbounded: a JSON object, or cut by max_tokens in the
+    reasoning or the JSON, never JSON in the reasoning or other text in the content."""
+
+    async def run() -> list:
+        async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-") as client:
+            parses = [
+                _parse(client, model, stream, thinking)
+                for thinking in (False, True)
+                for stream in (False, True)
+            ]
+            json_object = client.chat.completions.create(
+                model=model.name,
+                response_format={"type": "json_object"},
+                extra_body=THINKING_ON,
+                **STRUCTURED,
+            )
+            return await asyncio.gather(*parses, json_object)
+
+    *parsed, json_object = asyncio.run(run())
+    for (reason, completion), thinking in zip(parsed, (False, False, True, True), strict=True):
+        message = completion.choices[0].message
+        assert reason == "stop" and isinstance(message.parsed, Verdict)
+        reasoning = message.model_extra.get("reasoning_content")
+        assert bool(reasoning) is thinking
+    for whole, streamed in (parsed[:2], parsed[2:]):
+        assert whole[1].choices[0].message.parsed == streamed[1].choices[0].message.parsed
+    message = json_object.choices[0].message
+    if json_object.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(message.content), dict)
+    else:  # cut inside the reasoning, or inside the JSON that follows it
+        assert message.model_extra["reasoning_content"]
+        assert (message.content or "{").startswith("{")
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+def test_tool_choice_required_and_named(stack, model):
+    """ "required" and a named function (one call each): every reply is a call whose arguments
+    follow the tool's schema, streamed as the whole answer has it."""
+    named = {"type": "function", "function": {"name": "forecast"}}
+
+    async def run() -> list:
+        async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-") as client:
+            requests = [
+                client.chat.completions.create(
+                    model=model.name,
+                    messages=MESSAGES,
+                    tools=[FORECAST, CLOCK],
+                    tool_choice=choice,
+                    parallel_tool_calls=False,
+                    stream=stream,
+                    temperature=0,
+                    max_tokens=128,  # (the byte tokenizer spells a call in ~120 tokens)
+                )
+                for choice in ("required", named)
+                for stream in (False, True)
+            ]
+            replies = await asyncio.gather(*requests)
+            return [r if not i % 2 else [c async for c in r] for i, r in enumerate(replies)]
+
+    replies = asyncio.run(run())
+    for whole, chunks in (replies[:2], replies[2:]):
+        message = whole.choices[0].message
+        assert whole.choices[0].finish_reason == "tool_calls" and not message.content
+        (call,) = message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "forecast":
+            assert set(arguments) == {"days"} and 1 <= arguments["days"] <= 7
+        else:
+            assert call.function.name == "clock" and arguments == {}
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert deltas[0].function.name == call.function.name
+        assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert replies[2].choices[0].message.tool_calls[0].function.name == "forecast"
     wait_all_kv_free(stack.prefill, stack.decode)

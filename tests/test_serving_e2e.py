@@ -3,13 +3,18 @@ and HTTP, each service its own process, and the official OpenAI client."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import contextlib
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -20,7 +25,7 @@ import redis
 
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.auth import token_metadata
-from services.registry import WorkerRecord, worker_key
+from services.registry import unseal, worker_key
 from services.rpc import grpc_api, pb
 from tests.serving_stack import (
     TOKEN,
@@ -134,6 +139,135 @@ def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, model
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
+def test_clients_that_hang_up_mid_prefill_are_aborted_on_both_workers(stack, model):
+    """16 clients send long prompts and hang up once the prefill worker has started on them:
+    the router notices (nothing reads the connection while a request waits for its prefill),
+    aborts them, and the prefill worker stops computing their prompts."""
+    completed_before = stack.prefill.counter(
+        "dsaserve_worker_requests_total", role="prefill", outcome="ok"
+    )
+    sockets = []
+    for i in range(16):  # distinct prompts: no prefix cache hits
+        prompt = " ".join(f"{i}-{j}" for j in range(600))
+        body = json.dumps({"model": model.name, "prompt": prompt, "max_tokens": 4}).encode()
+        request = (
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        sock = socket.create_connection(("127.0.0.1", int(stack.url.rsplit(":", 1)[1])), 10)
+        sock.sendall(request + body)
+        sockets.append(sock)
+    wait_for(lambda: stack.prefill.load().running, 60, "the prefill worker to start on them")
+    for sock in sockets:
+        sock.close()
+    wait_for(
+        lambda: router_gauge(stack.url, "dsaserve_router_inflight_requests") == 0,
+        30,
+        "the router's in-flight requests to return to 0",
+    )
+    wait_all_kv_free(stack.prefill, stack.decode)
+    completed = (
+        stack.prefill.counter("dsaserve_worker_requests_total", role="prefill", outcome="ok")
+        - completed_before
+    )
+    assert completed < 16  # (all 16 were computed to the end before)
+
+
+def test_a_flushed_registry_under_load_answers_every_request(stack, model):
+    """FLUSHALL (a Redis restarted, or flushed by hand) while requests run: the workers are
+    alive, so the router keeps them until they write their records again; nothing gets a 503."""
+    body = {"model": model.name, "prompt": "The river", "max_tokens": 4}
+    stop = threading.Event()
+
+    def client() -> list[int]:
+        statuses = []
+        while not stop.is_set():
+            response = httpx.post(stack.url + "/v1/completions", json=body, timeout=60)
+            statuses.append(response.status_code)
+        return statuses
+
+    with (
+        concurrent.futures.ThreadPoolExecutor(4) as pool,
+        redis.Redis.from_url(stack.redis_url, socket_timeout=5) as registry,
+    ):
+        clients = [pool.submit(client) for _ in range(4)]
+        try:
+            for _ in range(3):
+                flush_between_a_refresh_and_a_beat(stack, registry)
+                # the router's next refresh finds nobody: it keeps them while they write again
+                wait_for_a_refresh(stack)
+                assert router_health(stack.url)["workers"] == {"prefill": 1, "decode": 1}
+        finally:
+            stop.set()
+        statuses = [status for c in clients for status in c.result()]
+    assert statuses and set(statuses) == {200}, collections.Counter(statuses)
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+def flush_between_a_refresh_and_a_beat(stack: Stack, registry: redis.Redis) -> None:
+    """FLUSHALL at a moment the router's next refresh (every TTL/2) comes before the prefill
+    worker's next heartbeat (every TTL/3), so that refresh finds an empty registry."""
+    key = worker_key(stack.prefill.name)
+
+    def flushed() -> bool:
+        next_refresh = stack.ttl / 2 - refresh_age(stack)
+        since_beat = stack.ttl - registry.pttl(key) / 1000
+        if next_refresh + 0.3 < stack.ttl / 3 - since_beat:
+            registry.flushall()
+            return True
+        return False
+
+    wait_for(flushed, 30, "a refresh due well before the next heartbeat")
+
+
+def wait_for_a_refresh(stack: Stack) -> None:
+    """Until the router's registry refresh age drops: it refreshed since the call."""
+    last = [refresh_age(stack)]
+
+    def refreshed() -> bool:
+        age = refresh_age(stack)
+        dropped, last[0] = age < last[0], age
+        return dropped
+
+    wait_for(refreshed, 30, "the router's next refresh")
+
+
+def refresh_age(stack: Stack) -> float:
+    return router_health(stack.url)["registry"]["last_refresh_age_s"]
+
+
+def router_health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=10).json()
+
+
+def test_an_idle_worker_costs_almost_no_cpu(stack):
+    """No thread of an idle worker spins: NIXL's UCX progress thread waits for events instead of
+    polling with a zero timeout (it took a whole core of an idle machine)."""
+    wait_all_kv_free(stack.prefill, stack.decode)
+    for worker in (stack.prefill, stack.decode):
+        before, start = thread_cpu_seconds(worker.proc.pid), time.monotonic()
+        time.sleep(2.0)  # the span measured, not a synchronisation
+        after, span = thread_cpu_seconds(worker.proc.pid), time.monotonic() - start
+        busiest = max(after[t] - before.get(t, 0.0) for t in after) / span
+        assert busiest < 0.05, f"{worker.name}: a thread used {busiest:.0%} of a core while idle"
+
+
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process `pid`, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[task.name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def router_gauge(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
 @pytest.mark.parametrize(
     "body, status, fragment",
     [
@@ -201,7 +335,8 @@ def test_describe_needs_the_cluster_token_and_names_the_registered_agent(stack):
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         described = describe(pb.DescribeRequest(), metadata=token_metadata(TOKEN), timeout=10)
     with redis.Redis.from_url(stack.redis_url, socket_timeout=5) as registry:
-        record = WorkerRecord.from_json(registry.get(worker_key(stack.prefill.name)))
+        key = worker_key(stack.prefill.name)
+        record = unseal(key, registry.get(key), TOKEN, time.time(), stack.ttl)
     assert described.agent_name == record.nixl_agent
     assert json.loads(described.descriptor)["agent"] == record.nixl_agent
 

@@ -31,6 +31,7 @@ def test_environment_fills_flags_with_types() -> None:
         "DSASERVE_POLICY": "power_of_two",
         "DSASERVE_REGISTRY_TTL": "2.5",
         "DSASERVE_MAX_MODEL_LEN": "4096",
+        "DSASERVE_CLUSTER_TOKEN": "t",
     }
     config = settings.from_args(RouterSettings, router_parser(env).parse_args([]))
     assert (config.model_dir, config.port, config.redis_url) == (
@@ -48,6 +49,7 @@ def test_environment_fills_flags_with_types() -> None:
 
 def test_command_line_wins_and_replaces_env_lists() -> None:
     env = {"DSASERVE_MODEL": "/env", "DSASERVE_API_KEY": "env-key", "DSASERVE_PORT": "1"}
+    env["DSASERVE_CLUSTER_TOKEN"] = "t"
     args = router_parser(env).parse_args(["--model", "/cli", "--api-key", "a", "--api-key", "b"])
     config = settings.from_args(RouterSettings, args)
     assert (config.model_dir, config.api_keys, config.port) == ("/cli", ("a", "b"), 1)

@@ -51,6 +51,8 @@ def test_smoke_training_exports_a_model_the_engine_serves(tmp_path):
             "8",
             "--threads",
             "1",
+            "--mtp-steps",
+            "2",
             "--out",
             str(out),
         ]

@@ -1,17 +1,22 @@
 """DeepSeek-V3.2 through the whole stack, as real processes: `dsaserve up` serving a tiny V3.2
 checkpoint (the release's chat encoder: thinking into reasoning_content, DSML function_calls into
-tool_calls, /tokenize), and a V3.2 prefill worker that a V4 decode worker refuses to pair with."""
+tool_calls, /tokenize; a prompt sent again resumed from the prefix cache), and a V3.2 prefill
+worker that a V4 decode worker refuses to pair with."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+import redis
 
 from engine.models.deepseek_v4.tiny import make_tiny_model as make_v4
 from engine.models.deepseek_v32.tiny import make_tiny_model
@@ -31,15 +36,19 @@ from tests.serving_stack import (
 pytestmark = pytest.mark.e2e  # the stack's processes
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["days"],
+            "additionalProperties": False,
         },
-    }
-]
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +66,7 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
     up = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(port),
          "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8",
-         "--max-num-batched-tokens", "256"],
+         "--max-num-batched-tokens", "256", "--api-key", "unused"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -68,12 +77,20 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
             return http_status(url + "/health") == 200
 
         wait_for(healthy, START_TIMEOUT_S, "dsaserve up to report healthy")
+        check_no_secret_on_a_command_line(up.pid)
         with openai_client(url) as c:
             res = c.chat.completions.create(
                 model="tiny", messages=MESSAGES, max_tokens=16, temperature=0
             )
             assert res.choices[0].message.content == offline["message"]["content"]
             assert res.usage.completion_tokens == len(offline["token_ids"])
+            # sent again: the prefill worker resumes from its prefix cache, the answer the same
+            again = c.chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=16, temperature=0
+            )
+            assert again.choices[0].message.content == offline["message"]["content"]
+            cached = again.usage.prompt_tokens_details.cached_tokens
+            assert cached == again.usage.prompt_tokens - 1 > 0
             # thinking: the prompt opens <think>, the reply's reasoning goes to its own field
             stream = c.chat.completions.create(
                 model="tiny", messages=MESSAGES, max_tokens=16, temperature=0, stream=True,
@@ -85,17 +102,24 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
                 if chunk.choices
             )
             assert reasoning == thinking["message"]["reasoning_content"] != ""
-            # a forced call: the reply starts inside V3.2's function_calls block
+            # a forced call: the reply is a V3.2 function_calls block under the tool's grammar
+            # (bounded arguments: random weights never close a free string)
             res = c.chat.completions.create(
-                model="tiny", messages=MESSAGES, max_tokens=24, temperature=0, tools=TOOLS,
-                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                model="tiny", messages=MESSAGES, max_tokens=200, temperature=0, tools=[FORECAST],
+                tool_choice={"type": "function", "function": {"name": "forecast"}},
             )  # fmt: skip
             (call,) = res.choices[0].message.tool_calls
-            assert call.function.name == "get_weather"
-        rendered = httpx.post(url + "/tokenize", json={"model": "tiny", "messages": MESSAGES})
+            assert call.function.name == "forecast"
+            assert 1 <= json.loads(call.function.arguments)["days"] <= 7
+        auth = {"Authorization": "Bearer unused"}
+        rendered = httpx.post(
+            url + "/tokenize", json={"model": "tiny", "messages": MESSAGES}, headers=auth
+        )
         assert rendered.status_code == 200, rendered.text
         ids = rendered.json()["tokens"]
-        text = httpx.post(url + "/detokenize", json={"model": "tiny", "tokens": ids}).json()
+        text = httpx.post(
+            url + "/detokenize", json={"model": "tiny", "tokens": ids}, headers=auth
+        ).json()
         assert text["prompt"].endswith(
             "<｜User｜>What is the weather in Oslo?<｜Assistant｜></think>"
         )
@@ -103,6 +127,37 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
         up.send_signal(signal.SIGTERM)
         up.wait(timeout=60)
     assert up.returncode == 0, log.read_text()[-3000:]
+
+
+def check_no_secret_on_a_command_line(up_pid: int) -> None:
+    """The children of `dsaserve up` (pid) get the API key, the cluster token and the Redis
+    password from their environment: no command line shows them, and the Redis it started
+    refuses a client without the password."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == up_pid:
+                children.append(stat.parent)
+    env: dict[str, str] = {}
+    argvs = []
+    for child in children:
+        argv = (child / "cmdline").read_bytes().split(b"\0")
+        argvs.append(argv)
+        with contextlib.suppress(OSError):
+            pairs = (e.split("=", 1) for e in (child / "environ").read_text().split("\0"))
+            env.update(pair for pair in pairs if len(pair) == 2)
+        if b"redis-server" in argv[0]:  # its title: "redis-server 127.0.0.1:PORT"
+            redis_port = int(argv[0].rsplit(b":", 1)[1])
+    password = env["DSASERVE_REDIS_URL"].split("@")[0].rsplit(":", 1)[1]
+    secrets = {"unused", env["DSASERVE_CLUSTER_TOKEN"], password}
+    assert all(len(secret) >= 6 for secret in secrets)
+    assert not [a for argv in argvs for a in argv for secret in secrets if secret.encode() in a]
+    assert len(children) == 4  # redis, prefill, decode, router
+    with redis.Redis(port=redis_port, socket_timeout=5) as anonymous:
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.keys("*")
+    with redis.Redis.from_url(env["DSASERVE_REDIS_URL"], socket_timeout=5) as registry:
+        assert registry.keys("dsaserve:worker:*")
 
 
 def test_a_v32_prefill_worker_and_a_v4_decode_worker_refuse_to_pair(model, redis_url, tmp_path):

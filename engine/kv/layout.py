@@ -41,6 +41,10 @@ class KVCacheConfig:
     # requests' (compressor rings at a cached position) and a window ring's pages in every
     # group, a fixed cost of the budget
     checkpoint_rows: int = 0
+    # speculative decoding's drafts per step: rejected drafts write rows past a request's
+    # newest token, so its window ring and compressor rings keep this many rows more than they
+    # need (what a later step reads is never overwritten by a rejected row)
+    speculative_tokens: int = 0
 
     @property
     def fp8(self) -> bool:
@@ -138,9 +142,12 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def ring_pages(model: KVModel, page_size: int) -> int:
-    """Pages of a request's window ring in every group."""
-    return math.ceil(model.sliding_window / page_size)
+def ring_pages(model: KVModel, page_size: int, spare: int = 0) -> int:
+    """Pages of a request's window ring in every group (`spare`: rows kept past the window,
+    KVCacheConfig.speculative_tokens)."""
+    if not model.sliding_window:
+        return 0
+    return math.ceil((model.sliding_window + spare) / page_size)
 
 
 def row_bytes(model: KVModel, esize: int, fp8: bool = False) -> tuple[int, int]:
@@ -210,9 +217,10 @@ def staging_block_bytes(model: KVModel, page_size: int, esize: int, fp8: bool = 
     return max(sum(pools) for pools in page_bytes(model, page_size, esize, fp8).values())
 
 
-def ring_elems(model: KVModel) -> int:
-    """Elements of every compressor ring of one request (kv and gate): what a slab row holds."""
-    return sum(2 * r.rows * r.features for r in model.compressor_rings())
+def ring_elems(model: KVModel, spare: int = 0) -> int:
+    """Elements of every compressor ring of one request (kv and gate): what a slab row holds
+    (`spare`: rows each ring keeps past what it needs, KVCacheConfig.speculative_tokens)."""
+    return sum(2 * (r.rows + spare) * r.features for r in model.compressor_rings())
 
 
 def _fixed_and_per_token(
@@ -222,7 +230,8 @@ def _fixed_and_per_token(
     scratch, slab rows, each sequence's ring pages plus one partial page per compressed group,
     each checkpoint's ring pages."""
     P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, scratch_rows(model, kv_cfg)
-    ring = ring_pages(model, P)
+    spare = kv_cfg.speculative_tokens
+    ring = ring_pages(model, P, spare)
     kv_row, index_row = row_bytes(model, esize, kv_cfg.fp8)
     fixed, per_token, pages = 0.0, 0.0, {}
     for g in model.kv_groups():
@@ -237,26 +246,28 @@ def _fixed_and_per_token(
         fixed += base_pages * page + extra * len(g.layers)
         if g.ratio:
             per_token += page / (g.ratio * P)
-    fixed += (S + kv_cfg.checkpoint_rows) * ring_elems(model) * esize
+    fixed += (S + kv_cfg.checkpoint_rows) * ring_elems(model, spare) * esize
     return fixed, per_token, pages
 
 
-def checkpoint_bytes(model: KVModel, page_size: int, esize: int, fp8: bool = False) -> int:
+def checkpoint_bytes(
+    model: KVModel, page_size: int, esize: int, fp8: bool = False, spare: int = 0
+) -> int:
     """What one checkpoint of the prefix cache holds of its own: a slab row (every compressor's
-    rings) and the window ring's pages of every group."""
-    ring = ring_pages(model, page_size)
+    rings) and the window ring's pages of every group (`spare`: ring_pages')."""
+    ring = ring_pages(model, page_size, spare)
     pages = sum(
         page_size * group_row_bytes(model, g, esize, fp8) * len(g.layers) * ring
         for g in model.kv_groups()
     )
-    return ring_elems(model) * esize + pages
+    return ring_elems(model, spare) * esize + pages
 
 
 def default_checkpoint_rows(model: KVModel, kv_cfg: KVCacheConfig, esize: int) -> int:
     """Checkpoints for prefix caching: 1/CHECKPOINT_SHARE of the budget left after the other
     fixed costs; none for a family that keeps no per-position state (a checkpoint of it would
     hold nothing)."""
-    each = checkpoint_bytes(model, kv_cfg.page_size, esize, kv_cfg.fp8)
+    each = checkpoint_bytes(model, kv_cfg.page_size, esize, kv_cfg.fp8, kv_cfg.speculative_tokens)
     if each == 0:
         return 0
     fixed, _, _ = _fixed_and_per_token(model, kv_cfg, esize)

@@ -65,6 +65,7 @@ import torch
 
 import kernels
 from engine.async_copy import to_device
+from engine.kv import memory
 from engine.kv.allocator import PageAllocator
 from engine.kv.layout import (
     SLAB,
@@ -121,7 +122,7 @@ class KVPool:
     ) -> None:
         self.cfg, self.kv_cfg, self.dtype, self.device = cfg, kv_cfg, dtype, torch.device(device)
         self.page_size = P = kv_cfg.page_size
-        self.ring_pages = ring_pages(cfg, P)
+        self.ring_pages = ring_pages(cfg, P, kv_cfg.speculative_tokens)
         self.ring_len = self.ring_pages * P
         self.scratch_rows = S = scratch_rows(cfg, kv_cfg)
         check_kv_cache_dtype(cfg, kv_cfg.kv_cache_dtype, P)
@@ -151,7 +152,8 @@ class KVPool:
                     shapes[lg.name, "kv", i] = (n * P + S + 1, cfg.head_dim), dtype
                     if lg.indexed:
                         shapes[lg.name, "index_k", i] = (n * P + 1, cfg.index_head_dim), dtype
-        shapes[SLAB,] = (rows, round_up(max(ring_elems(cfg), 1), cell // esize)), dtype
+        spare = kv_cfg.speculative_tokens
+        shapes[SLAB,] = (rows, round_up(max(ring_elems(cfg, spare), 1), cell // esize)), dtype
         self.arena, views = _carve(shapes, cell, self.device)
         self.cell_rows = self.arena.view(-1, cell // self.arena.element_size())  # [cells, words]
 
@@ -185,7 +187,8 @@ class KVPool:
         self.table_writes: list[tuple[int, str, int, list[int]]] | None = None
         self.page_tables = {
             g: torch.full(
-                (seqs, min(grp.num_pages, self.pages_for(g, max_context))),
+                # (speculative decoding writes up to 2 K positions past a request's tokens)
+                (seqs, min(grp.num_pages, self.pages_for(g, max_context + 2 * spare))),
                 self.dummy_pages[g],
                 dtype=torch.int32,
                 device=self.device,
@@ -199,9 +202,10 @@ class KVPool:
         at = 0
         for ring in cfg.compressor_rings():
             pair = []
+            ring_rows = ring.rows + spare
             for _ in ("kv", "gate"):
-                size = ring.rows * ring.features
-                pair.append(self.slab_rows[:, at : at + size].view(rows, ring.rows, ring.features))
+                size = ring_rows * ring.features
+                pair.append(self.slab_rows[:, at : at + size].view(rows, ring_rows, ring.features))
                 at += size
             target = self.index_ring if ring.name == "index" else self.comp_ring
             target[ring.layer] = (pair[0], pair[1])
@@ -379,7 +383,7 @@ def _carve(
         for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
         if align % element_size(w) == 0
     )
-    arena = torch.zeros(size // element_size(word), dtype=word, device=device)
+    arena = memory.zeros(size // element_size(word), word, device)
     raw = arena.view(torch.uint8)
     views = {
         key: raw[offsets[key] : offsets[key] + math.prod(shape) * element_size(dtype)]

@@ -33,6 +33,13 @@ are written on the engine's stream by that step; a request may resume from it fr
 step on (every copy follows on the same stream). A request whose prefix another request is
 computing in the step being scheduled waits for it (`should_wait`) rather than computing it too.
 
+A family whose state at a position is nothing but the entries before it (no window ring, no
+compressor rings: DeepSeek-V3.2, one latent row and index key per token) needs no checkpoint to
+resume: it resumes at any node's end, or further into a child's full page or a checkpoint's open
+page (a copy of its first entries), so a prompt sharing L tokens with a cached one resumes at L.
+Its checkpoints (the end of every prompt, ...) own nothing: they keep the prefix's nodes (its
+pages) in the tree, the open page at their position, and the LRU order eviction follows.
+
 Every decision here is bookkeeping on page ids; the scheduler runs it on rank 0, and the copies it
 plans (the step's CopyPlan, `begin_step`) run on every rank of a tensor-parallel group (the same
 page ids and host blocks everywhere).
@@ -41,13 +48,13 @@ page ids and host blocks everywhere).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.kv.block_hash import block_hashes
 from engine.kv.checkpoint import Capture, CopyPlan
 from engine.kv.host_tier import HostTier
-from engine.kv.layout import SLAB
+from engine.kv.layout import SLAB, ring_elems
 from engine.kv.pool import KVPool
 from engine.request import Request
 
@@ -66,6 +73,8 @@ class Node:
     host: list[int] | None = None  # its pages' host blocks, when they moved there
     host_groups: tuple[str, ...] = ()  # the groups of those pages, in order
     device_below: int = 0  # checkpoints on the device at or below this node
+    step: int = 0  # the step that computes its pages: a request may resume from it after that
+    pins: int = 0  # requests that read its prefix's pages in the step being scheduled
 
     def ancestry(self) -> list[Node]:
         """The nodes from the root down to this one, index = depth."""
@@ -83,7 +92,7 @@ class Checkpoint:
     node: Node
     tail: tuple[int, ...]  # tokens [node.end, position)
     ring: dict[str, list[int]]  # group -> copies of the window ring pages (owned)
-    slab: int  # its checkpoint slab row: the compressor rings (owned)
+    slab: int | None  # its checkpoint slab row: the compressor rings (owned; None: stateless)
     open_pages: dict[str, int]  # group -> the entry page still open at `position` (shared)
     step: int  # the step that computes it; a request may resume from it after that step
     pins: int = 0  # requests being restored from it right now
@@ -94,10 +103,12 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class Hit:
-    """Where a request resumes: `position` tokens from `checkpoint`'s state."""
+    """Where a request resumes: `position` tokens in, the full pages from `node`'s ancestry, the
+    rest from `checkpoint`'s state (None: a stateless family's node holds all of it)."""
 
-    checkpoint: Checkpoint
     position: int
+    node: Node
+    checkpoint: Checkpoint | None = None
 
 
 @dataclass
@@ -124,6 +135,9 @@ class PrefixCache:
         self._step = 0  # the step being scheduled
         self._plan = CopyPlan()  # its copies
         self._loaded: list[list[int]] = []  # host blocks its loads read (free from the next)
+        self._held: list[Node] = []  # nodes whose pages its copies read (pinned until the next)
+        # the state at a position is only the entries before it (module docstring)
+        self.stateless = pool.ring_pages == 0 and ring_elems(pool.cfg) == 0
         self.stats = CacheStats()
         # (hash, stored?) of every node made or dropped, for who routes by them (None: nobody)
         self.events: list[tuple[bytes, bool]] | None = None
@@ -138,6 +152,10 @@ class PrefixCache:
         restorable. Returns the plan its copies go into, which must run before it."""
         self._step += 1
         self._plan = CopyPlan()
+        held, self._held = self._held, []
+        for node in held:
+            node.pins -= 1
+            self._prune(node)
         if self.host is not None:  # the last plan read them: their blocks may be written again
             for blocks in self._loaded:
                 self.host.allocator.free(blocks)
@@ -153,12 +171,17 @@ class PrefixCache:
     def lookup(self, req: Request, pending: bool = False) -> Hit | None:
         """Where `req` (which holds no KV) can resume: the deepest usable checkpoint of its
         known tokens, leaving at least one to compute. `pending`: also checkpoints the step
-        being scheduled computes (to tell whether waiting a step would pay)."""
+        being scheduled computes (to tell whether waiting a step would pay). None for a request
+        that wants its prompt's logprobs: it computes every prompt row."""
+        if req.params.prompt_logprobs is not None:
+            return None
         tokens = known_tokens(req)
         limit = len(tokens) - 1
         node = self._walk(req, tokens)
         d, B = node.end // self.block, self.block
         ready = (lambda ck: True) if pending else (lambda ck: ck.step < self._step)
+        if self.stateless:
+            return self._lookup_entries(node, tokens, limit, ready)
         candidates: list[tuple[int, Checkpoint]] = []
         if (d + 1) * B <= len(tokens):  # the next block differs: in its last token only?
             block = tuple(tokens[d * B : (d + 1) * B - 1])
@@ -178,7 +201,33 @@ class PrefixCache:
         if not usable:
             return None
         position, ck = max(usable, key=lambda c: c[0])
-        return Hit(ck, position)
+        return Hit(position, ck.node, ck)
+
+    def _lookup_entries(
+        self,
+        node: Node,
+        tokens: Sequence[int],
+        limit: int,
+        ready: Callable[[Node | Checkpoint], bool],
+    ) -> Hit | None:
+        """A stateless family's resume point below `node` (the deepest one `tokens` starts
+        with): its end, or as far as a child's page or a checkpoint's tail goes on matching."""
+        while node.parent is not None and not ready(node):
+            node = node.parent
+        after = tokens[node.end :]
+        candidates = [Hit(min(node.end, limit), node)]
+        candidates += [
+            Hit(min(node.end + _common(child.tokens, after), limit), child)
+            for child in node.children.values()
+            if ready(child)
+        ]
+        candidates += [
+            Hit(min(node.end + _common(ck.tail, after), limit), node, ck)
+            for ck in node.checkpoints
+            if ready(ck)
+        ]
+        best = max(candidates, key=lambda hit: hit.position)
+        return best if best.position >= 1 else None
 
     def shared_length(self, req: Request) -> int:
         """How many of `req`'s leading tokens some cached prefix shares (checkpoint or not)."""
@@ -214,27 +263,34 @@ class PrefixCache:
     # ---------------------------------------------------------------- restore
 
     def pin(self, hit: Hit) -> None:
-        """Keep the hit's checkpoint (and so its nodes) while the request is given pages."""
-        hit.checkpoint.pins += 1
+        """Keep the hit's checkpoint while the request is given pages, and its nodes until the
+        step's copies have read them."""
+        if hit.checkpoint is not None:
+            hit.checkpoint.pins += 1
+        hit.node.pins += 1
+        self._held.append(hit.node)
 
     def unpin(self, hit: Hit) -> None:
-        hit.checkpoint.pins -= 1
+        if hit.checkpoint is not None:
+            hit.checkpoint.pins -= 1
 
     def bring_back(self, hit: Hit) -> bool:
         """Put on the device what resuming from `hit` reads (the checkpoint and the full pages
         of its prefix) where it is on the host tier, evicting to make room; False if there is
         none. The loads are planned into this step's copies. A pinned hit stays pinned."""
-        ck, chain = hit.checkpoint, hit.checkpoint.node.ancestry()
-        self._count_device(ck.node, +1)  # (its prefix's pages must not leave while it comes)
+        ck, chain = hit.checkpoint, hit.node.ancestry()
+        self._count_device(hit.node, +1)  # (its prefix's pages must not leave while it comes)
         need: dict[str, int] = dict.fromkeys(self.pool.groups, 0)
         for node in chain:
             for g in node.host_groups:
                 need[g] += 1
-        if ck.host is not None:
+        loads_ck = ck is not None and ck.host is not None
+        if ck is not None and ck.host is not None:
             for g in self.pool.groups:
                 need[g] += self.pool.ring_pages + (g in ck.open_groups)
-        if not self.make_room(need, checkpoint_rows=int(ck.host is not None)):
-            self._count_device(ck.node, -1, offload=False)
+        rows = int(loads_ck and not self.stateless)
+        if not self.make_room(need, checkpoint_rows=rows):
+            self._count_device(hit.node, -1, offload=False)
             return False
         for node in chain:
             if node.host is not None:
@@ -242,12 +298,14 @@ class PrefixCache:
                 node.pages = {g: self._alloc(g, 1)[0] for g in node.host_groups}
                 self._load(node.host, {g: [p] for g, p in node.pages.items()})
                 node.host, node.host_groups = None, ()
-        if ck.host is None:
-            self._count_device(ck.node, -1, offload=False)  # (it was counted already)
+        if ck is None or ck.host is None:
+            self._count_device(hit.node, -1, offload=False)  # (it was counted already)
         else:
             ck.ring = {g: self._alloc(g, self.pool.ring_pages) for g in self.pool.groups}
-            ck.slab = self.pool.checkpoint_slab.allocate(1, cached=True)[0]
+            if not self.stateless:
+                ck.slab = self.pool.checkpoint_slab.allocate(1, cached=True)[0]
             ck.open_pages = {g: self._alloc(g, 1)[0] for g in ck.open_groups}
+            assert ck.host is not None
             self._load(ck.host, self._pages(ck))
             ck.host, ck.open_groups = None, ()
             del self._host_lru[ck]
@@ -258,7 +316,7 @@ class PrefixCache:
     def shared_pages(self, hit: Hit) -> dict[str, list[int]]:
         """The full entry pages a request resuming from `hit` shares (on the device: after
         bring_back), per compressed group, in order."""
-        chain, P, B = hit.checkpoint.node.ancestry(), self.pool.page_size, self.block
+        chain, P, B = hit.node.ancestry(), self.pool.page_size, self.block
         return {
             g: [
                 chain[(k + 1) * self._page_tokens[g] // B].pages[g]
@@ -271,23 +329,27 @@ class PrefixCache:
         """`req`'s tables hold its own ring pages, then its shared pages, then pages of its own:
         plan the copies that give it the checkpoint's state at hit.position."""
         ck, ring, P, B = hit.checkpoint, self.pool.ring_pages, self.pool.page_size, self.block
-        chain = ck.node.ancestry()
-        src: dict[str, list[int]] = {SLAB: [ck.slab]}
-        dst: dict[str, list[int]] = {SLAB: [req.slab_row]}
+        chain = hit.node.ancestry()
+        src: dict[str, list[int]] = {}
+        dst: dict[str, list[int]] = {}
+        if ck is not None and ck.slab is not None:
+            src[SLAB], dst[SLAB] = [ck.slab], [req.slab_row]
         for g in self.pool.groups:
             table = req.page_tables[g]
-            src[g], dst[g] = list(ck.ring[g]), table[:ring]
+            src[g], dst[g] = list(ck.ring[g]) if ck is not None else [], table[:ring]
             r = self._compressed.get(g)
             if r and (hit.position // r) % P:  # the page still open at the position: a copy
                 full = (hit.position // r) // P
-                at_ck = full == (ck.position // r) // P
-                node = chain[(full + 1) * self._page_tokens[g] // B] if not at_ck else None
-                src[g].append(ck.open_pages[g] if node is None else node.pages[g])
+                if ck is not None and full == (ck.position // r) // P:
+                    src[g].append(ck.open_pages[g])
+                else:  # (full at a node further down)
+                    src[g].append(chain[(full + 1) * self._page_tokens[g] // B].pages[g])
                 dst[g].append(table[ring + full])
         plan.add(src, dst)
         req.num_computed = hit.position
-        ck.used = self._step
-        self._lru.move_to_end(ck)
+        if ck is not None:
+            ck.used = self._step
+            self._lru.move_to_end(ck)
 
     # ---------------------------------------------------------------- capture
 
@@ -312,11 +374,15 @@ class PrefixCache:
         pool = self.pool
         tokens = known_tokens(req)
         out = []
+        rows = 0 if self.stateless else 1
         for c in self.capture_positions(req, start, n):
             if c > len(tokens) or self._holds(req, tokens, c):
                 continue
-            if not self.make_room(dict.fromkeys(pool.groups, pool.ring_pages), checkpoint_rows=1):
+            if not self.make_room(dict.fromkeys(pool.groups, pool.ring_pages), rows):
                 break
+            if self.stateless:  # (nothing of its own to copy: its nodes take the pages)
+                self._register(req, tokens, c, dict.fromkeys(pool.groups, []), None)
+                continue
             ring = {g: self._alloc(g, pool.ring_pages) for g in pool.groups}
             slab = pool.checkpoint_slab.allocate(1, cached=True)[0]
             self._register(req, tokens, c, ring, slab)
@@ -351,7 +417,12 @@ class PrefixCache:
         return node
 
     def _register(
-        self, req: Request, tokens: Sequence[int], c: int, ring: dict[str, list[int]], slab: int
+        self,
+        req: Request,
+        tokens: Sequence[int],
+        c: int,
+        ring: dict[str, list[int]],
+        slab: int | None,
     ) -> Checkpoint:
         node = self._path(req, tokens, c // self.block, create=True)
         assert node is not None, "a hash collision with a cached prefix"
@@ -364,6 +435,7 @@ class PrefixCache:
                 holder = chain[(k + 1) * self._page_tokens[g] // B]
                 if g not in holder.pages and g not in holder.host_groups:
                     holder.pages[g] = table[first + k]
+                    holder.step = self._step
                     alloc.incref([holder.pages[g]], cached=True)
             if (c // r) % P:
                 opened[g] = table[first + (c // r) // P]
@@ -435,7 +507,6 @@ class PrefixCache:
         return True
 
     def _drop(self, ck: Checkpoint) -> None:
-        pool = self.pool
         if ck.host is None:
             self._free_device(ck)
             del self._lru[ck]
@@ -444,8 +515,15 @@ class PrefixCache:
             self.host.allocator.free(ck.host)
             del self._host_lru[ck]
         ck.node.checkpoints.remove(ck)
-        node, parent = ck.node, ck.node.parent
-        while parent is not None and not (node.children or node.checkpoints):
+        self._prune(ck.node)
+        if ck.host is None:  # (counted off along the nodes that stay, and those pruned)
+            self._count_device(ck.node, -1)
+
+    def _prune(self, node: Node) -> None:
+        """Drop `node` and then its ancestors, with their pages, while nothing keeps them: no
+        checkpoint or child below, no request reading them this step."""
+        pool, parent = self.pool, node.parent
+        while parent is not None and not (node.children or node.checkpoints or node.pins):
             for g, page in node.pages.items():
                 pool.groups[g].allocator.free([page], cached=True)
             if node.host is not None:
@@ -456,8 +534,6 @@ class PrefixCache:
             if self.events is not None:
                 self.events.append((node.hash, False))
             node, parent = parent, parent.parent
-        if ck.host is None:  # (counted off along the nodes that stay, and those pruned)
-            self._count_device(ck.node, -1)
 
     def _count_device(self, node: Node, by: int, offload: bool = True) -> None:
         """Count a checkpoint onto or off the device at `node`; with `offload`, a node no
@@ -465,7 +541,8 @@ class PrefixCache:
         at: Node | None = node
         while at is not None:
             at.device_below += by
-            if offload and at.device_below == 0 and at.pages and at.parent is not None:
+            # (not a node a step's copies read: its pages must stay where they are)
+            if offload and at.device_below == 0 and at.pages and at.parent and not at.pins:
                 pages = {g: [p] for g, p in at.pages.items()}
                 blocks = self._host_blocks(pages, drop_for_room=False)
                 if blocks is not None:
@@ -485,7 +562,7 @@ class PrefixCache:
         out = {
             g: [*ck.ring[g], *([ck.open_pages[g]] if g in ck.open_pages else [])] for g in ck.ring
         }
-        return {**out, SLAB: [ck.slab]}
+        return out if ck.slab is None else {**out, SLAB: [ck.slab]}
 
     def _free_device(self, ck: Checkpoint) -> None:
         pool = self.pool
@@ -493,7 +570,8 @@ class PrefixCache:
             pool.groups[g].allocator.free(pages, cached=True)
         for g, page in ck.open_pages.items():
             pool.groups[g].allocator.free([page], cached=True)
-        pool.checkpoint_slab.free([ck.slab], cached=True)
+        if ck.slab is not None:
+            pool.checkpoint_slab.free([ck.slab], cached=True)
 
     def _host_blocks(
         self, pages: dict[str, list[int]], drop_for_room: bool = True

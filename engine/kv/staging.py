@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from engine.kv import memory
 from engine.kv.allocator import OutOfPages
 
 RING_SLOTS = 4  # chunks a pull keeps in flight while it scatters a landed one
@@ -73,7 +74,8 @@ class KVStaging:
         num_blocks = RING_SLOTS * CHUNK_BLOCKS + outbox
         words = block_bytes // torch.empty((), dtype=word).element_size()
         self.block_bytes, self.cells_per_block = block_bytes, block_bytes // cell_bytes
-        self.blocks = torch.zeros(num_blocks, words, dtype=word, device=device)  # [blocks, words]
+        # [blocks, words]
+        self.blocks = memory.zeros(num_blocks * words, word, device).view(num_blocks, words)
         self._cells = self.blocks.view(num_blocks * self.cells_per_block, -1)  # [cells, words]
         self.allocator = BlockAllocator(num_blocks)
         self.ring = [self.allocator.allocate(CHUNK_BLOCKS) for _ in range(RING_SLOTS)]

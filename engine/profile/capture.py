@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -94,10 +94,12 @@ def device_records(prof: torch.profiler.profile) -> tuple[list[Kernel], list[Spa
 
 
 class ExpertCounter:
-    """Hooks on every MoE layer's gate: the experts of this rank each step's tokens pick."""
+    """Hooks on every MoE layer's gate: the experts of this rank each step's tokens pick (the
+    decoder layers', not the MTP layer's: a profiled step does not draft)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.moes = [m for m in model.modules() if isinstance(m, MoE)]
+        layers = cast(torch.nn.Module, model.layers)
+        self.moes = [m for m in layers.modules() if isinstance(m, MoE)]
         self.ids: list[list[torch.Tensor]] = [[] for _ in self.moes]
         self.hooks = [
             moe.gate.register_forward_hook(

@@ -23,7 +23,7 @@ from engine.checkpoint import read_config
 from engine.text.chat import ChatEncodingError, encode_messages
 from engine.text.chat.dsml import V4_DSML, V32_DSML, Dialect
 from engine.text.chat.encoding_dsv32 import encode_messages_dsv32
-from engine.text.chat.tokens import THINK_START
+from engine.text.chat.tokens import LATEST_REMINDER, THINK_END, THINK_START
 from engine.text.template import ChatTemplateError
 from engine.text.tokenizer import Tokenizer
 
@@ -87,8 +87,11 @@ def chat_format(model_dir: str | os.PathLike, tokenizer: Tokenizer) -> ChatForma
 
 def opens_reasoning(prompt: str) -> bool:
     """Whether the reply to `prompt` starts inside the reasoning: the prompt opened it, as V4's
-    thinking mode (and DeepSeek templates in thinking mode) end with `<think>`."""
-    return prompt.endswith(THINK_START)
+    thinking mode (and DeepSeek templates in thinking mode) end with `<think>`, or with `<think>`
+    and then the V4 release's reminders (which the model reads inside its reasoning)."""
+    _, think, tail = prompt.rpartition(THINK_START)
+    reminders_only = tail.startswith(LATEST_REMINDER) and THINK_END not in tail
+    return bool(think) and (tail == "" or reminders_only)
 
 
 class TemplateChat:

@@ -88,6 +88,10 @@ class Tokenizer:
             extra_eos_token_ids=extra_eos_ids,
         )
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json spells it (what llguidance builds its own from)."""
+        return self._backend.to_str()
+
     @property
     def eos_token_ids(self) -> frozenset[int]:
         return self._eos_token_ids

@@ -12,12 +12,14 @@ address) gives its NIXL descriptor. The registry is not asked: while Redis is do
 worker still pairs with a prefill worker it has not met (e.g. one restarted as a new agent).
 
 Every way out of a Decode call - done, error, the router cancelling the stream - leaves no
-pages behind: the request is aborted in the engine unless it finished there.
+pages behind: the request is aborted in the engine unless it finished there. A stream cancelled
+during its READ frees its pages only once the READ has ended: it writes into them until then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -60,6 +62,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         self.tls = settings.tls
         self.peers: dict[str, str] = {}  # prefill worker id -> its NIXL agent we have loaded
         self.prefill_stubs: dict[str, grpc_api.PrefillStub] = {}  # by address
+        self.reads: dict[str, concurrent.futures.Future[TransferStats]] = {}  # READs in flight
 
     def register(self, server: grpc.aio.Server) -> None:
         grpc_api.add_DecodeServicer_to_server(self, server)
@@ -87,6 +90,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finished = False
+        self.active.add(rid)
         try:
             outputs = OutputQueue()
             held = await self._reserve(request, params, outputs, context)
@@ -125,8 +129,13 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                         )
                     )
         finally:
+            self.active.discard(rid)
             if not finished:  # error, abort or a cancelled stream: free whatever we reserved
-                w.loop.call(lambda e: e.abort(rid))
+                read = self.reads.pop(rid, None)
+                if read is None:
+                    w.loop.call(lambda e: e.abort(rid))
+                else:  # (runs at once if the READ is over)
+                    read.add_done_callback(lambda _: w.loop.call(lambda e: e.abort(rid)))
 
     async def _reserve(
         self,
@@ -182,13 +191,16 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 f"prefill worker {kv.worker_id} refused the claim: {e.details()}",
             ) from None
         remote = {g: list(p.ids) for g, p in kv.pages.items()}
+        if STAGING in remote:
+            read = w.nixl_submit(self._pull_staged, peer, remote[STAGING], held)
+        else:
+            read = w.nixl_submit(
+                w.transfer.read, peer, remote, held.pages, timeout_s=self.transfer_timeout
+            )
+        self.reads[rid] = read
         try:
-            if STAGING in remote:
-                stats = await w.in_nixl_thread(self._pull_staged, peer, remote[STAGING], held)
-            else:
-                stats = await w.in_nixl_thread(
-                    w.transfer.read, peer, remote, held.pages, timeout_s=self.transfer_timeout
-                )
+            stats = await asyncio.wrap_future(read)
+            del self.reads[rid]
         except TransferError as e:
             self.peers.pop(kv.worker_id, None)  # Describe it afresh next time
             await self._release(prefill, rid)  # free them there now, not at the lease's end

@@ -4,9 +4,10 @@ A request's KV stays pinned after its first token until one of: the reader's Rel
 normal path), an Abort, or the lease running out. It is held in staging blocks when the pool has
 room for it there (engine.kv.staging), else in its pages; the KV handle says which. A reader
 Claims it before its NIXL READ (which extends the lease to cover the READ) and trusts what it
-read only if Release answers `intact`. The lease lives on the engine's request (`hold_for_s`,
-`lease_deadline`); every way of freeing goes through the engine thread's command queue, which
-runs a command even when the RPC that sent it has been cancelled.
+read only if Release answers `intact`. The leases live in a `LeaseTable` on the event loop, so
+Claim, Release and Abort never wait behind an engine step; the engine frees what the table gave
+up through its command queue, which runs a command even when the RPC that sent it has been
+cancelled.
 
 Before its first READ from this worker a reader loads its NIXL agent from Describe: over this
 authenticated link, so pairing needs no registry.
@@ -29,6 +30,8 @@ from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_
 from services.worker.process import RoleService, Worker, now_ms
 from services.worker.settings import PrefillSettings
 
+from .leases import LeaseTable
+
 log = logging.getLogger(__name__)
 LEASE_CHECK_S = 0.05  # how often held KV is checked for an expired lease
 MAX_CLAIM_S = 600.0  # the longest hold a reader may ask for
@@ -39,6 +42,8 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         super().__init__(worker)
         assert isinstance(worker.settings, PrefillSettings)
         self.lease_s = worker.settings.lease_seconds
+        self.leases = LeaseTable()
+        self.aborted: set[str] = set()  # aborted while their Prefill call ran: never held
 
     def register(self, server: grpc.aio.Server) -> None:
         grpc_api.add_PrefillServicer_to_server(self, server)
@@ -55,6 +60,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = list(request.prompt_token_ids)
         outputs = OutputQueue()
+        self.active.add(rid)
         try:
             await w.loop.run(
                 lambda e: e.add_request(
@@ -65,12 +71,19 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             held = None
             if out.finish_reason is None:  # packed for the reader's pull, if there is room
                 held = await w.loop.run(lambda e: e.stage(rid))
+                if rid in self.aborted:  # (the engine drops it at the abort's turn)
+                    await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
+                self.leases.hold(rid, time.monotonic() + self.lease_s)
         except RequestError as e:
             w.metrics.fail("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:  # the router gave up: nobody will read this KV
+            self.leases.drop(rid, time.monotonic())
             w.loop.call(lambda e: e.abort(rid))
             raise
+        finally:
+            self.active.discard(rid)
+            self.aborted.discard(rid)
         if out.finish_reason == "abort":
             w.metrics.fail("aborted")
             await context.abort(
@@ -91,6 +104,8 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         )
         if out.logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])
+        if out.prompt_logprobs:
+            response.prompt_logprobs.extend(logprobs_to_proto(out.prompt_logprobs))
         if held is not None:
             response.kv.CopyFrom(
                 pb.KVHandle(
@@ -111,8 +126,11 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
     ) -> pb.ClaimResponse:
         rid, hold_s = request.request_id, min(request.hold_ms / 1000, MAX_CLAIM_S)
         now = time.monotonic()
-        deadline = await self.w.loop.run(lambda e: e.claim(rid, hold_s, now))
+        expired = rid in self.leases
+        deadline = self.leases.claim(rid, hold_s, now)
         if deadline is None:
+            if expired:  # (its lease ended before the sweep freed it)
+                self.w.loop.call(lambda e: e.release(rid))
             self.w.metrics.fail("claim_too_late")
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -125,7 +143,16 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
         rid = request.request_id
-        return pb.ReleaseResponse(intact=await self.w.loop.run(lambda e: e.release(rid)))
+        intact = self.leases.drop(rid, time.monotonic())
+        self.w.loop.call(lambda e: e.release(rid))
+        return pb.ReleaseResponse(intact=intact)
+
+    def let_go(self, request_id: str) -> bool:
+        held = request_id in self.leases
+        self.leases.drop(request_id, time.monotonic())
+        if request_id in self.active:
+            self.aborted.add(request_id)
+        return held or request_id in self.active
 
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
@@ -139,10 +166,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         w = self.w
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
-            # The time of asking, not of running: a Claim that reached the queue before the
-            # deadline runs first (the queue is FIFO) even when a long step delays both.
-            now = time.monotonic()
-            expired = await w.loop.run(functools.partial(LLMEngine.expire_leases, now=now))
-            for rid in expired:
+            for rid in self.leases.expire(time.monotonic()):
+                w.loop.call(functools.partial(LLMEngine.release, request_id=rid))
                 log.warning("KV lease of %s ran out before a decode worker released it", rid)
                 w.metrics.fail("lease_expired")

@@ -3,28 +3,45 @@ and no API key holds more than `max_inflight_per_key` of those at once.
 
 Bounding the router's concurrency is backpressure for the whole cluster: a burst queues here,
 in one visible gauge, instead of piling up as gRPC calls that workers cannot take. The per-key
-bound keeps one client from filling the queue that every client shares.
+bound keeps one client from filling the queue that every client shares. Under overload the
+queue would grow until requests wait longer than their clients do; so a request waits at most
+`max_queue_delay_s` (503 + Retry-After after it), and while the oldest waiter has waited half
+that long already a newcomer, which would likely wait out the rest, gets its 429 at once:
+refused early, never left to hang.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import time
 
 from .errors import APIError
 
 
 class Admission:
-    def __init__(self, max_inflight: int, max_queue: int) -> None:
+    def __init__(self, max_inflight: int, max_queue: int, max_queue_delay_s: float) -> None:
         self.max_inflight = max_inflight
         self.max_queue = max_queue
+        self.max_queue_delay_s = max_queue_delay_s
         self.inflight = 0
-        self.waiting = 0
         self._slots = asyncio.Semaphore(max_inflight)
+        self._since: dict[int, float] = {}  # waiter -> when it began waiting, oldest first
+        self._ids = itertools.count()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._since)
 
     async def acquire(self, timeout_s: float) -> None:
-        """Take a slot, waiting in FIFO order at most `timeout_s`; pair with `release()`."""
-        if self._slots.locked() and self.waiting >= self.max_queue:
+        """Take a slot, waiting in FIFO order at most `timeout_s` (and `max_queue_delay_s`);
+        pair with `release()`."""
+        now = time.monotonic()
+        oldest = next(iter(self._since.values()), now)
+        if self._slots.locked() and (
+            self.waiting >= self.max_queue or now - oldest >= self.max_queue_delay_s / 2
+        ):
             raise APIError(
                 429,
                 f"The server is at capacity ({self.inflight} requests running, "
@@ -32,10 +49,20 @@ class Admission:
                 code="queue_full",
                 cause="queue_full",
             )
-        self.waiting += 1
+        waiter = next(self._ids)
+        self._since[waiter] = now
+        wait_s = min(timeout_s, self.max_queue_delay_s)
         try:
-            await asyncio.wait_for(self._slots.acquire(), timeout_s)
+            await asyncio.wait_for(self._slots.acquire(), wait_s)
         except TimeoutError:
+            if wait_s < timeout_s:
+                raise APIError(
+                    503,
+                    f"The request waited {wait_s:.3g} s for admission behind {self.inflight} "
+                    "running requests (--max-queue-delay); retry later.",
+                    code="queue_timeout",
+                    cause="queue_timeout",
+                ) from None
             raise APIError(
                 504,
                 f"The request timed out after waiting {timeout_s:.3g} s for admission behind "
@@ -43,7 +70,7 @@ class Admission:
                 cause="timeout",
             ) from None
         finally:
-            self.waiting -= 1
+            del self._since[waiter]
         self.inflight += 1
 
     def release(self) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import random
-import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,16 +24,17 @@ from services.kv_events import CacheIndex
 from services.metrics import exposition
 from services.registry import ROLES, RegistryWatcher
 
+from . import anthropic, responses_api
 from .admission import Admission, KeyLimit
 from .body import LimitedRoute
-from .choices import ChatChoice, Choice, TextChoice
 from .clients import WorkerClients
 from .errors import APIError, error_responses, install_handlers
-from .fanout import fan_in
+from .generation import launch, router_state
 from .logprobs import TokenTexts
-from .metrics import RequestCounter, RequestTimer, RouterMetrics
+from .metrics import RequestCounter, RouterMetrics
 from .model import ServedModel
-from .pd import Generation, PDFlow
+from .pd import PDFlow
+from .response_store import ResponseStore
 from .responses import Reply
 from .schemas import (
     ChatCompletionRequest,
@@ -46,7 +45,7 @@ from .schemas import (
 )
 from .selection import WorkerSelector
 from .settings import RouterSettings
-from .streaming import EventStream, answer
+from .streaming import EventStream, OpenAIStream, answer
 
 
 @dataclass(frozen=True)
@@ -60,6 +59,7 @@ class RouterState:
     key_limit: KeyLimit
     selector: WorkerSelector
     flow: PDFlow
+    responses: ResponseStore  # the Responses API's stored responses
 
 
 def create_app(settings: RouterSettings, rng: random.Random | None = None) -> FastAPI:
@@ -67,7 +67,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     s = settings
     model = ServedModel.load(s.model_dir, s.served_model_name, s.max_model_len, s.default_thinking)
     metrics = RouterMetrics(CollectorRegistry())
-    watcher = RegistryWatcher(s.redis_url, s.registry_ttl_s)
+    watcher = RegistryWatcher(s.redis_url, s.cluster_token, s.registry_ttl_s)
     cache = (
         CacheIndex(
             s.redis_url, lambda: [w.worker_id for w in watcher.workers("prefill", model.name)]
@@ -76,7 +76,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         else None
     )
     clients = WorkerClients(s.cluster_token, s.tls)
-    admission = Admission(s.max_inflight, s.max_queue)
+    admission = Admission(s.max_inflight, s.max_queue, s.max_queue_delay_s)
     metrics.track_admission(lambda: admission.waiting, lambda: admission.inflight)
     metrics.track_registry(lambda: watcher.up, watcher.last_refresh_age_s)
     selector = WorkerSelector(
@@ -89,9 +89,12 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         cache=cache,
         balance_bound=s.balance_abs_threshold,
     )
-    key_limit = KeyLimit(s.max_inflight_per_key)
+    key_limit = KeyLimit(s.key_limit)
     flow = PDFlow(selector, clients, s.stall_timeout_s)
-    state = RouterState(s, model, metrics, watcher, clients, admission, key_limit, selector, flow)
+    store = ResponseStore(s.redis_url, s.response_ttl_s)
+    state = RouterState(
+        s, model, metrics, watcher, clients, admission, key_limit, selector, flow, store
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -105,19 +108,21 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
                 await cache.stop()
             await watcher.stop()
             await clients.close()
+            await store.close()
 
     app = FastAPI(title="dsaserve router", lifespan=lifespan)
     app.state.router = state
-    install_handlers(app)
+    install_handlers(app, {anthropic.PATH: anthropic.error_body})
     app.add_middleware(RequestCounter, metrics=metrics)
     app.include_router(_v1)
+    app.include_router(anthropic.router, dependencies=[Depends(_require_api_key)])
+    app.include_router(responses_api.router, dependencies=[Depends(_require_api_key)])
     app.include_router(_tokens)
     app.include_router(_ops)
     return app
 
 
-def _state(request: Request) -> RouterState:
-    return request.app.state.router
+_state = router_state
 
 
 async def _require_api_key(request: Request) -> None:
@@ -127,6 +132,8 @@ async def _require_api_key(request: Request) -> None:
     if not keys:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if "x-api-key" in request.headers:  # Anthropic's header
+        scheme, token = "bearer", request.headers["x-api-key"]
     presented = token.strip().encode()
     # compare_digest on every key: the time taken must not reveal how much of a key matched.
     valid = [hmac.compare_digest(presented, key.encode()) for key in keys]
@@ -134,8 +141,8 @@ async def _require_api_key(request: Request) -> None:
     if scheme.lower() != "bearer" or request.state.api_key is None:
         raise APIError(
             401,
-            "Missing or invalid API key: send 'Authorization: Bearer <key>' with a key the "
-            "router was given (--api-key).",
+            "Missing or invalid API key: send 'Authorization: Bearer <key>' (or "
+            "'x-api-key: <key>') with a key the router was given (--api-key).",
             code="invalid_api_key",
         )
 
@@ -179,52 +186,27 @@ async def _generate(
     id_prefix: str,
     prompt_param: str,
 ) -> Response:
-    arrival = time.monotonic()
-    st = _state(request)
-    st.model.check_name(body.model)
     # What the request holds is released when its answer is complete: by the stream once it
     # owns them, else on leaving this block.
     with contextlib.ExitStack() as slots:
-        key = request.state.api_key
-        st.key_limit.acquire(key)  # before tokenizing: a key over its limit costs nothing
-        slots.callback(st.key_limit.release, key)
-        texts = TokenTexts(st.model.tokenizer) if body.logprobs_count() is not None else None
-        choices: list[Choice]
-        if isinstance(body, ChatCompletionRequest):
-            prompt, prompt_ids = await st.model.chat_ids(body)
-            choices = [ChatChoice(i, prompt, texts) for i in range(body.n)]
-        else:
-            prompt_ids = await st.model.completion_ids(body)
-            choices = [TextChoice(i, texts) for i in range(body.n)]
-        requested = body.requested_max_tokens()
-        max_tokens = st.model.max_tokens(len(prompt_ids), requested, prompt_param)
-        timeout_s = st.settings.request_timeout_s
-        # One admission slot per request, whatever its n.
-        await st.admission.acquire(arrival + timeout_s - time.monotonic())
-        slots.callback(st.admission.release)
-        request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        generations = [
-            Generation(
-                # Workers key requests by id: each choice is a request of its own there.
-                request_id=request_id if body.n == 1 else f"{request_id}-{i}",
-                prompt_ids=prompt_ids,
-                sampling=body.sampling(max_tokens, choice=i),
-                deadline=arrival + timeout_s,
-                timeout_s=timeout_s,
-                timer=RequestTimer(st.metrics, arrival),
-            )
-            for i in range(body.n)
-        ]
-        # Every prefill happens here, so their errors keep their HTTP status.
-        events = await fan_in([st.flow.generate(gen) for gen in generations])
-        reply = Reply(request_id, st.model.name, body.include_usage, choices)
+        run = await launch(request, body, id_prefix, prompt_param, slots)
+        reply = Reply(
+            run.request_id,
+            run.model,
+            body.include_usage,
+            run.choices,
+            run.prompt_tokens,
+            body.continuous_usage,
+        )
         if body.stream:
             # From here the stream owns the slots and the generations.
-            return EventStream(events, reply, request.state, slots.pop_all().close)
+            return EventStream(
+                run.events, OpenAIStream(reply), request.state, slots.pop_all().close
+            )
         try:
-            return await answer(events, reply, request)
+            return await answer(run.events, reply.chunks, reply.answer, request)
         finally:
-            await events.aclose()
+            await run.events.aclose()
 
 
 @_tokens.post("/tokenize")
@@ -263,7 +245,7 @@ async def models(request: Request) -> dict[str, Any]:
         "object": "model",
         "created": model.created,
         "owned_by": "dsaserve",
-        "root": model.path,
+        "root": model.name,  # (vLLM puts the model's path here; a client has no use for ours)
         "max_model_len": model.context_length,
     }
     return {"object": "list", "data": [card]}

@@ -5,7 +5,9 @@ Thinking (the V4 encoder's thinking mode; `thinking` and `enable_thinking` for a
 
 1. `chat_template_kwargs: {"thinking": bool}` or `{"enable_thinking": bool}` (vLLM's convention)
    when given;
-2. else on exactly when `reasoning_effort` is given and is not "none";
+2. else on exactly when `reasoning_effort` is given and is not "none" (the request's field, or
+   `chat_template_kwargs.reasoning_effort`, as DeepSeek's own examples send it; both at once
+   must agree);
 3. else the router's `--default-thinking` (off unless set).
 
 `reasoning_effort`, OpenAI's values onto DeepSeek-V4's two levels (as DeepSeek's own API maps
@@ -14,17 +16,17 @@ them): "none" -> thinking off; "minimal", "low", "medium", "high" -> thinking, e
 thinking, effort "max" (the release's fixed reasoning-effort paragraph after BOS). A
 `reasoning_effort` that contradicts an explicit thinking switch is a 400.
 
-`tool_choice`, without constrained decoding:
+`tool_choice`:
 
-- "auto" (the default with tools): the tools are in the prompt and the model decides.
+- "auto" (the default with tools): the tools are in the prompt and the model decides; a call of
+  a `strict` tool has arguments of its schema (constrained decoding, `structured`).
 - "none": the tools are left out of the prompt, so the model answers in text.
-- "required", or a named function: the reply is started for the model. The prompt ends with the
-  opening of a DSML tool-call block (for a named function, the call's `invoke` tag with its
-  name), so the model's first tokens are a call's name or arguments; for a named function only
-  that tool is rendered. That leaves no room for reasoning first, so such a request runs in chat
-  mode, and asking for thinking with it is a 400. A model may still close the block without a
-  complete call: the reply then ends with its usual finish reason and no tool calls.
-- `parallel_tool_calls: false` keeps the first call of a reply and drops any later one.
+- "required", or a named function (only that tool is rendered): the reply is constrained to a
+  DSML call of those tools with arguments of their schemas, after the reasoning in thinking mode.
+- `parallel_tool_calls: false` keeps the first call of a reply and drops any later one (and a
+  constrained reply makes one call only).
+
+A reply reads tool calls only where tools are offered: without them, DSML markup is text.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.text.chat.dsml import Dialect, tool_call_prefix
+from engine.text.chat.constraint import ReplyConstraint, tool_schemas
+from engine.text.chat.dsml import Dialect
 from engine.text.chat_format import ChatFormat, ChatOptions, opens_reasoning
 
 from .errors import APIError
@@ -50,15 +53,21 @@ EFFORTS: Mapping[str, tuple[bool, str | None]] = {
     "max": (True, "max"),
 }
 _SWITCHES = ("thinking", "enable_thinking")
+_EFFORT_KWARG = "reasoning_effort"  # chat_template_kwargs' spelling of the request's field
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    text: str  # what is tokenized: the rendered chat, then `reply_prefix`
+    text: str  # what is tokenized: the rendered chat
     opens_reasoning: bool  # the reply starts inside the reasoning
     dialect: Dialect  # how the model writes tool calls (the format's)
-    reply_prefix: str  # the start of the reply, written into the prompt (a forced tool call)
+    # the tools the reply may call and how tool_choice constrains it (services.router.structured)
+    calls: ReplyConstraint
     max_tool_calls: int | None  # 1 when parallel_tool_calls is false
+
+    @property
+    def offers_tools(self) -> bool:
+        return bool(self.calls.tools)
 
 
 def chat_prompt(
@@ -71,8 +80,7 @@ def chat_prompt(
     """Raises APIError (400) for options that contradict each other or that the format lacks,
     ValueError for a chat the format cannot render."""
     choice = request.tool_choice
-    forced = choice == "required" or isinstance(choice, NamedToolChoice)
-    thinking, effort = _thinking(request, default_thinking, forced)
+    thinking, effort = _thinking(request, default_thinking)
     tools = request.tool_dicts()
     if tools and choice == "none":
         tools = None
@@ -86,7 +94,9 @@ def chat_prompt(
             param="tools",
         )
     variables = {
-        k: v for k, v in (request.chat_template_kwargs or {}).items() if k not in _SWITCHES
+        k: v
+        for k, v in (request.chat_template_kwargs or {}).items()
+        if k not in (*_SWITCHES, _EFFORT_KWARG)
     }
     text = fmt.render(
         [m.for_template() for m in request.messages],
@@ -94,23 +104,23 @@ def chat_prompt(
         options=ChatOptions(thinking=thinking, reasoning_effort=effort, variables=variables),
         add_generation_prompt=add_generation_prompt,
     )
-    prefix = ""
-    if forced:
-        prefix = tool_call_prefix(
-            choice.function.name if isinstance(choice, NamedToolChoice) else None, fmt.dialect
-        )
+    named = isinstance(choice, NamedToolChoice)
+    offered = {tool["function"]["name"] for tool in tools or []}
+    calls = ReplyConstraint(
+        tools=tuple(t for t in tool_schemas(request.tool_dicts() or []) if t.name in offered),
+        calls_required=bool(tools) and (named or choice == "required"),
+        single_call=named or request.parallel_tool_calls is False,
+    )
     return ChatPrompt(
-        text=text + prefix,
+        text=text,
         opens_reasoning=opens_reasoning(text),
         dialect=fmt.dialect,
-        reply_prefix=prefix,
+        calls=calls,
         max_tool_calls=1 if request.parallel_tool_calls is False else None,
     )
 
 
-def _thinking(
-    request: ChatPromptFields, default: bool, forced_tool_call: bool
-) -> tuple[bool, str | None]:
+def _thinking(request: ChatPromptFields, default: bool) -> tuple[bool, str | None]:
     """(thinking, the encoder's reasoning effort) for a request; see the module docstring."""
     kwargs: dict[str, Any] = request.chat_template_kwargs or {}
     switches = {name: kwargs[name] for name in _SWITCHES if name in kwargs}
@@ -128,27 +138,39 @@ def _thinking(
             param="chat_template_kwargs",
         )
     explicit = next(iter(switches.values()), None)
+    requested_effort = _requested_effort(request.reasoning_effort, kwargs.get(_EFFORT_KWARG))
     implied, effort = (None, None)
-    if request.reasoning_effort is not None:
-        implied, effort = EFFORTS[request.reasoning_effort]
+    if requested_effort is not None:
+        implied, effort = EFFORTS[requested_effort]
     if explicit is not None and implied is not None and explicit != implied:
         raise APIError(
             400,
-            f"reasoning_effort {request.reasoning_effort!r} turns thinking "
+            f"reasoning_effort {requested_effort!r} turns thinking "
             f"{'on' if implied else 'off'}, but chat_template_kwargs turns it "
             f"{'on' if explicit else 'off'}",
             param="reasoning_effort",
         )
     asked = explicit if explicit is not None else implied
-    if forced_tool_call:
-        if asked:
-            raise APIError(
-                400,
-                "tool_choice 'required' or a named function starts the reply with the tool call, "
-                "which leaves no room for reasoning first; turn thinking off or use "
-                "tool_choice 'auto'",
-                param="tool_choice",
-            )
-        return False, None
     thinking = default if asked is None else asked
     return thinking, effort if thinking else None
+
+
+def _requested_effort(field: str | None, kwarg: object) -> str | None:
+    """The reasoning effort asked for by the request's field or its chat_template_kwargs."""
+    if kwarg is None:
+        return field
+    if not isinstance(kwarg, str) or kwarg not in EFFORTS:
+        raise APIError(
+            400,
+            f"chat_template_kwargs.{_EFFORT_KWARG} must be one of {', '.join(EFFORTS)}; "
+            f"got {kwarg!r}",
+            param="chat_template_kwargs",
+        )
+    if field is not None and field != kwarg:
+        raise APIError(
+            400,
+            f"reasoning_effort {field!r} and chat_template_kwargs.{_EFFORT_KWARG} {kwarg!r} "
+            "disagree; send one of them",
+            param="reasoning_effort",
+        )
+    return kwarg

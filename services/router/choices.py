@@ -8,11 +8,14 @@ rest into `content`, and no markup anywhere.
 
 Finish reasons: "length" when the reply was cut by max_tokens or the context (whatever was
 open stays open: reasoning, or a call with partial arguments); "tool_calls" when a reply that
-ended by itself holds a tool call; else "stop".
+ended by itself holds tool calls, all complete; else "stop". A call that EOS cut short is no
+call: the whole answer leaves it out, and its reply finishes with "stop" (a client that trusts
+"tool_calls" never meets arguments that are not JSON).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from engine.text.chat import (
@@ -25,20 +28,35 @@ from engine.text.chat import (
 )
 
 from .chat import ChatPrompt
-from .logprobs import CompletionLogprobs, TokenTexts, chat_entries, merge_completion_chunks
+from .logprobs import (
+    CompletionLogprobs,
+    PromptLogprobs,
+    TokenTexts,
+    chat_entries,
+    merge_completion_chunks,
+)
 from .pd import Finish, Token
 
 JSON = dict[str, Any]
 
 
 class ChatChoice:
-    def __init__(self, index: int, prompt: ChatPrompt, texts: TokenTexts | None) -> None:
+    def __init__(
+        self,
+        index: int,
+        prompt: ChatPrompt,
+        texts: TokenTexts | None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> None:
         self.index = index
         self._prompt = prompt
         self._texts = texts  # None: no logprobs
-        self._parser = StreamParser(prompt.opens_reasoning, dialect=prompt.dialect)
-        # The reply's start that the prompt wrote (a forced call): its events open the reply.
-        self._pending = self._parser.feed(prompt.reply_prefix)
+        self._prompt_logprobs = prompt_logprobs
+        # vLLM's prompt_logprobs, once the first token brought them (when asked)
+        self.prompt_logprobs: list[JSON | None] | None = None
+        self._parser = StreamParser(
+            prompt.opens_reasoning, dialect=prompt.dialect if prompt.offers_tools else None
+        )
         self._logprobs: list[JSON] = []
         self._finish_reason: str | None = None
 
@@ -46,7 +64,9 @@ class ChatChoice:
         return self._choice({"role": "assistant", "content": ""}, None)
 
     def chunk(self, token: Token) -> JSON | None:
-        events, self._pending = self._pending + self._parser.feed(token.text), []
+        if self._prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = self._prompt_logprobs.entries(token.prompt_logprobs)
+        events = self._parser.feed(token.text)
         entries = self._entries(token)
         delta = self._delta(events)
         if not delta and not entries:
@@ -54,9 +74,11 @@ class ChatChoice:
         return self._choice(delta, {"content": entries, "refusal": None} if entries else None)
 
     def finish(self, finish: Finish) -> JSON:
-        delta = self._delta(self._pending + self._parser.finish())
+        delta = self._delta(self._parser.finish())
         calls = self._calls()
-        self._finish_reason = "tool_calls" if finish.reason == "stop" and calls else finish.reason
+        self._finish_reason = finish.reason
+        if finish.reason == "stop" and calls and all(call.complete for call in calls):
+            self._finish_reason = "tool_calls"
         return self._choice(delta, None, self._finish_reason)
 
     def answer(self) -> JSON:
@@ -86,6 +108,8 @@ class ChatChoice:
 
     def _calls(self) -> tuple:
         calls = self._parser.message().tool_calls
+        if self._finish_reason == "stop":
+            calls = tuple(call for call in calls if call.complete)
         return (
             calls if self._prompt.max_tool_calls is None else calls[: self._prompt.max_tool_calls]
         )
@@ -134,10 +158,29 @@ class ChatChoice:
         }
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, written before its text (`echo`)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: int | None  # the request's `logprobs`: its tokens' then come first, the first null
+
+
 class TextChoice:
-    def __init__(self, index: int, texts: TokenTexts | None) -> None:
+    def __init__(
+        self,
+        index: int,
+        texts: TokenTexts | None,
+        echo: Echo | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> None:
         self.index = index
         self._logprobs = None if texts is None else CompletionLogprobs(texts)
+        self._echo = echo
+        self._prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs: list[JSON | None] | None = None  # vLLM's, when asked
+        self._started = False
         self._texts: list[str] = []
         self._chunks: list[JSON] = []
         self._finish_reason: str | None = None
@@ -146,14 +189,27 @@ class TextChoice:
         return None
 
     def chunk(self, token: Token) -> JSON | None:
-        self._texts.append(token.text)
+        text, parts = token.text, []
+        if not self._started:  # the first event brings what the prompt shows
+            self._started = True
+            if self._prompt_logprobs is not None:
+                self.prompt_logprobs = self._prompt_logprobs.entries(token.prompt_logprobs)
+            if self._echo is not None:
+                text = self._echo.text + text
+                if self._logprobs is not None:
+                    scored = [None, *token.prompt_logprobs]
+                    parts.append(
+                        self._logprobs.chunk(self._echo.token_ids, scored, self._echo.logprobs)
+                    )
+        self._texts.append(text)
         logprobs = None
         if self._logprobs is not None:
-            logprobs = self._logprobs.chunk(token.token_ids, token.logprobs)
+            parts.append(self._logprobs.chunk(token.token_ids, token.logprobs))
+            logprobs = merge_completion_chunks(parts)
             self._chunks.append(logprobs)
-        if not token.text and logprobs is None:
+        if not text and not (logprobs and logprobs["tokens"]):
             return None
-        return self._choice(token.text, logprobs)
+        return self._choice(text, logprobs)
 
     def finish(self, finish: Finish) -> JSON:
         self._finish_reason = finish.reason
@@ -161,7 +217,10 @@ class TextChoice:
 
     def answer(self) -> JSON:
         logprobs = None if self._logprobs is None else merge_completion_chunks(self._chunks)
-        return self._choice("".join(self._texts), logprobs, self._finish_reason)
+        choice = self._choice("".join(self._texts), logprobs, self._finish_reason)
+        if self._prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs
+        return choice
 
     def _choice(self, text: str, logprobs: JSON | None, finish_reason: str | None = None) -> JSON:
         return {

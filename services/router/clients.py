@@ -1,8 +1,10 @@
-"""gRPC clients to the workers: one cached channel per address, the cluster token, in-flight counts.
+"""gRPC clients to the workers: one cached channel per worker process, the cluster token,
+in-flight counts.
 
-Channels are created on first use (inside the event loop) and kept for the router's lifetime;
-gRPC reconnects them by itself, with a short backoff cap so a restarted worker at the same
-address is reachable again within seconds.
+Channels are created on first use (inside the event loop) and kept while the worker runs; gRPC
+reconnects them by itself, with a short backoff cap. A worker restarted at the same address
+writes a record with a new start time: its first call opens a fresh channel instead of waiting
+out the old one's reconnect backoff.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from services.rpc import grpc_api, pb
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0
+_Stubs = tuple[grpc.aio.Channel, grpc_api.PrefillStub, grpc_api.DecodeStub]
 
 
 class WorkerClients:
@@ -31,28 +34,29 @@ class WorkerClients:
         self._tls = tls
         # Calls this router has open per worker id: the policies add it to the registry's load.
         self.inflight: collections.Counter[str] = collections.Counter()
-        self._channels: dict[
-            str, tuple[grpc.aio.Channel, grpc_api.PrefillStub, grpc_api.DecodeStub]
-        ] = {}
+        # address -> (the start time of the worker it reaches, its channel and stubs)
+        self._channels: dict[str, tuple[float, _Stubs]] = {}
         self._aborts: set[asyncio.Task[None]] = set()
+        self._closing: set[asyncio.Task[None]] = set()
 
-    def _stubs(
-        self, address: str
-    ) -> tuple[grpc.aio.Channel, grpc_api.PrefillStub, grpc_api.DecodeStub]:
-        if address not in self._channels:
-            channel = open_channel(address, self._tls)
-            self._channels[address] = (
-                channel,
-                grpc_api.PrefillStub(channel),
-                grpc_api.DecodeStub(channel),
-            )
-        return self._channels[address]
+    def _stubs(self, worker: WorkerRecord) -> _Stubs:
+        known = self._channels.get(worker.address)
+        if known is not None and known[0] != worker.started_at:  # another process there now
+            task = asyncio.get_running_loop().create_task(known[1][0].close(grace=None))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            known = None
+        if known is None:
+            channel = open_channel(worker.address, self._tls)
+            stubs = (channel, grpc_api.PrefillStub(channel), grpc_api.DecodeStub(channel))
+            known = self._channels[worker.address] = (worker.started_at, stubs)
+        return known[1]
 
-    def prefill(self, address: str) -> grpc_api.PrefillStub:
-        return self._stubs(address)[1]
+    def prefill(self, worker: WorkerRecord) -> grpc_api.PrefillStub:
+        return self._stubs(worker)[1]
 
-    def decode(self, address: str) -> grpc_api.DecodeStub:
-        return self._stubs(address)[2]
+    def decode(self, worker: WorkerRecord) -> grpc_api.DecodeStub:
+        return self._stubs(worker)[2]
 
     @contextlib.contextmanager
     def busy(self, worker_id: str) -> Iterator[None]:
@@ -76,11 +80,7 @@ class WorkerClients:
         task.add_done_callback(self._aborts.discard)
 
     async def _abort(self, worker: WorkerRecord, request_id: str) -> None:
-        stub = (
-            self.prefill(worker.address)
-            if worker.role == "prefill"
-            else self.decode(worker.address)
-        )
+        stub = self.prefill(worker) if worker.role == "prefill" else self.decode(worker)
         try:
             await stub.Abort(
                 pb.AbortRequest(request_id=request_id),
@@ -101,6 +101,6 @@ class WorkerClients:
         """Let pending aborts finish (bounded), then close every channel."""
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=ABORT_TIMEOUT_S)
-        for channel, _, _ in self._channels.values():
+        for _, (channel, _, _) in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -2,13 +2,15 @@
 
 Every failure a client sees has the body `{"error": {"message", "type", "param", "code"}}`,
 whether it comes from validation, FastAPI itself (unknown route, malformed JSON), or a worker's
-gRPC status. `cause` is not sent to clients: it labels the failure metric.
+gRPC status. `cause` is not sent to clients: it labels the failure metric. Nor are the
+cluster's insides (worker addresses and ids, what a worker said about its peers): those go to the
+router's log, next to the request id.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -102,23 +104,34 @@ _GRPC_STATUS = {
 }
 
 
+def worker_failure(
+    status: int, message: str, *, cause: str, role: str, address: str, detail: str
+) -> APIError:
+    """An error a worker caused: `message` for the client, `detail` (and which worker) logged."""
+    log.warning("%s worker %s: %s (%s)", role, address, detail, cause)
+    return APIError(status, message, cause=cause)
+
+
 def from_grpc(error: grpc.aio.AioRpcError, role: str, address: str) -> APIError:
     status, cause = _GRPC_STATUS.get(error.code(), (500, "worker_error"))
-    where = f"{role} worker {address}"
     if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
         message = (
-            f"The request timed out on the {where}; raise --request-timeout or shorten max_tokens."
+            f"The request timed out on the {role} worker; raise --request-timeout or shorten "
+            "max_tokens."
         )
     elif error.code() == grpc.StatusCode.UNAUTHENTICATED:
         message = (
-            f"The {where} rejected the cluster token; "
+            f"The {role} worker rejected the cluster token; "
             "give the router and workers the same --cluster-token."
         )
     elif error.code() == grpc.StatusCode.UNAVAILABLE:
-        message = f"The {where} is unavailable ({error.details()}); retry the request."
+        message = f"The {role} worker is unavailable; retry the request."
+    elif error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the worker's words on the request
+        message = f"{role} worker: {error.details()}"
     else:
-        message = f"{where}: {error.details()}"
-    return APIError(status, message, cause=cause)
+        message = f"The {role} worker failed the request ({error.code().name.lower()})."
+    detail = f"{error.code().name}: {error.details()}"
+    return worker_failure(status, message, cause=cause, role=role, address=address, detail=detail)
 
 
 def timeout_error(seconds: float, where: str) -> APIError:
@@ -159,13 +172,21 @@ def _is_union_tag(part: str | int) -> bool:
     )
 
 
-def install_handlers(app: FastAPI) -> None:
-    """Route every error FastAPI can raise through the OpenAI error body."""
+ErrorShape = Callable[[APIError], dict[str, Any]]
+
+
+def install_handlers(app: FastAPI, shapes: Mapping[str, ErrorShape] | None = None) -> None:
+    """Route every error FastAPI can raise through the OpenAI error body, or on a path that
+    `shapes` names (a path -> its API's error body) through that API's."""
+    shapes = dict(shapes or {})
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         request.state.failure = exc
-        return exc.response()
+        shape = shapes.get(request.url.path)
+        if shape is None:
+            return exc.response()
+        return JSONResponse(shape(exc), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -189,9 +210,7 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return await _api_error(
-            request, APIError(500, f"Internal router error: {type(exc).__name__}: {exc}")
-        )
+        return await _api_error(request, APIError(500, "Internal router error; see its log."))
 
 
 class ErrorDetail(BaseModel):
@@ -220,13 +239,16 @@ _DESCRIPTIONS = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+def error_responses(
+    *statuses: int, body: type[BaseModel] = ErrorBody
+) -> dict[int | str, dict[str, Any]]:
     """OpenAPI responses for these error statuses (and a 500 as the default), so /openapi.json
-    lists what the router really sends: its own error body, never FastAPI's 422."""
+    lists what the router really sends: its own error body (`body`: another API's shape of it),
+    never FastAPI's 422."""
     responses: dict[int | str, dict[str, Any]] = {}
     keys: tuple[int | str, ...] = (*statuses, "default")
     for status in keys:
-        response: dict[str, Any] = {"model": ErrorBody, "description": _DESCRIPTIONS[status]}
+        response: dict[str, Any] = {"model": body, "description": _DESCRIPTIONS[status]}
         if status in (429, 503):
             response["headers"] = {
                 "Retry-After": {

@@ -43,7 +43,6 @@ GENERATION: Mapping[str, NoOp] = {
     "frequency_penalty": ZERO,
     "presence_penalty": ZERO,
     "logit_bias": EMPTY_OBJECT,
-    "response_format": NoOp(({"type": "text"},)),
     "store": FALSE,
     "metadata": EMPTY_OBJECT,  # only used with store
     "service_tier": NoOp(("auto", "default")),
@@ -51,8 +50,21 @@ GENERATION: Mapping[str, NoOp] = {
     "min_p": ZERO,
     "repetition_penalty": NoOp((1, 1.0)),
     "min_tokens": NoOp((0,)),
-    "stop_token_ids": EMPTY_LIST,
     "skip_special_tokens": NoOp((True,)),
+    "spaces_between_special_tokens": NoOp((True,)),
+    "include_stop_str_in_output": FALSE,
+    "use_beam_search": FALSE,
+    "length_penalty": NoOp((1, 1.0)),
+    "truncate_prompt_tokens": NULL,
+    "priority": NoOp((0,)),
+    "return_tokens_as_token_ids": FALSE,
+    "return_token_ids": FALSE,
+    "bad_words": EMPTY_LIST,
+    "allowed_token_ids": NULL,
+    "logits_processors": NULL,
+    "cache_salt": NULL,
+    "kv_transfer_params": NULL,
+    "vllm_xargs": NULL,
 }
 
 # /v1/chat/completions only.
@@ -64,12 +76,19 @@ CHAT: Mapping[str, NoOp] = {
     "audio": NULL,
     "prediction": NULL,
     "web_search_options": NULL,
+    # vLLM's chat extensions, at their defaults
+    "echo": FALSE,
+    "add_generation_prompt": NoOp((True,)),
+    "continue_final_message": FALSE,
+    "add_special_tokens": FALSE,
+    "documents": NULL,
+    "chat_template": NULL,
+    "mm_processor_kwargs": NULL,
 }
 
 # /v1/completions only.
 COMPLETION: Mapping[str, NoOp] = {
     **GENERATION,
-    "echo": FALSE,
     "best_of": NoOp((1,)),
     "suffix": NoOp(("",)),
 }
@@ -81,11 +100,23 @@ MESSAGE: Mapping[str, NoOp] = {
     "refusal": NULL,
 }
 STREAM_OPTIONS: Mapping[str, NoOp] = {
-    "continuous_usage_stats": FALSE,
     "include_obfuscation": FALSE,
 }
 
-_ALL = (CHAT, COMPLETION, MESSAGE, STREAM_OPTIONS)
+# /v1/responses.
+RESPONSES: Mapping[str, NoOp] = {
+    "background": FALSE,
+    "conversation": NULL,
+    "prompt": NULL,
+    "top_logprobs": ZERO,
+    "service_tier": NoOp(("auto", "default")),
+    "prompt_cache_retention": NULL,
+    "max_tool_calls": NULL,
+    "context_management": NULL,
+    "stream_options": NoOp(({"include_obfuscation": False},)),
+}
+
+_ALL = (CHAT, COMPLETION, MESSAGE, STREAM_OPTIONS, RESPONSES)
 
 
 def drop_no_ops(data: object, table: Mapping[str, NoOp], declared: Callable[[str], bool]) -> object:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from engine.text.text_stream import IncrementalDetokenizer
@@ -82,19 +83,61 @@ class CompletionLogprobs:
         self._emitted += len(piece)
         return offset
 
-    def chunk(self, token_ids: Sequence[int], logprobs: Sequence[pb.TokenLogprob]) -> JSON:
+    def chunk(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[pb.TokenLogprob | None],
+        k: int | None = None,
+    ) -> JSON:
+        """These tokens' entries; a None logprob (an echoed prompt's first token, which nothing
+        predicts) lists null; `k`: list at most k alternatives (None: all that came)."""
         body: JSON = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
         for token_id, lp in zip(token_ids, logprobs, strict=True):
             body["text_offset"].append(self._offset(token_id))
             token = self._texts.token(token_id)
             body["tokens"].append(token)
+            if lp is None:
+                body["token_logprobs"].append(None)
+                body["top_logprobs"].append(None)
+                continue
             body["token_logprobs"].append(_finite(lp.logprob))
             top = {
                 self._texts.token(i): _finite(v)
-                for i, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                for i, v in list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))[:k]
             }
             body["top_logprobs"].append({**top, token: _finite(lp.logprob)})
         return body
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """vLLM's `prompt_logprobs` of one prompt, `k` alternatives per token."""
+
+    texts: TokenTexts
+    token_ids: Sequence[int]
+    k: int
+
+    def entries(self, logprobs: Sequence[pb.TokenLogprob]) -> list[JSON | None]:
+        """null for the first prompt token, then per token {id: {logprob, rank, decoded_token}}
+        for its k likeliest alternatives (ranks 1..k) and the token itself (its rank null when
+        it is not among them); `logprobs`: the prefill worker's, one per token after the first."""
+        out: list[JSON | None] = [None]
+        for token_id, lp in zip(self.token_ids[1:], logprobs, strict=True):
+            top = list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))[: self.k]
+            entry = {
+                str(i): {"logprob": _finite(v), "rank": r + 1, "decoded_token": self.texts.token(i)}
+                for r, (i, v) in enumerate(top)
+            }
+            entry.setdefault(
+                str(token_id),
+                {
+                    "logprob": _finite(lp.logprob),
+                    "rank": None,
+                    "decoded_token": self.texts.token(token_id),
+                },
+            )
+            out.append(entry)
+        return out
 
 
 def merge_completion_chunks(chunks: Sequence[JSON]) -> JSON:

@@ -7,6 +7,7 @@ import logging
 
 import uvicorn
 
+from . import http_server
 from .app import create_app
 from .settings import RouterSettings
 
@@ -14,6 +15,7 @@ log = logging.getLogger(__name__)
 
 # Long streams must not hold a stopping router forever; clients see the connection close.
 SHUTDOWN_GRACE_S = 30
+OTHER_FILES = 256  # what the router opens besides client connections (gRPC, Redis, logs, ...)
 
 Settings = RouterSettings
 
@@ -22,12 +24,12 @@ def run(settings: RouterSettings) -> None:
     warning = exposure_warning(settings)
     if warning is not None:
         log.warning(warning)  # on stderr at startup: the CLI's logging writes there
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    )
+    if settings.connection_limit:
+        http_server.raise_open_file_limit(settings.connection_limit + OTHER_FILES)
+    app = create_app(settings)
+    uvicorn.Server(
+        http_server.config(app, settings, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    ).run()
 
 
 def exposure_warning(settings: RouterSettings) -> str | None:

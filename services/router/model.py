@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.sampling_params import ContextLengthError, resolve_max_tokens
 from engine.text.chat_format import ChatEncodingError, ChatFormat, chat_format
+from engine.text.grammar import GrammarCompiler
 from engine.text.token_bound import min_tokens
 from engine.text.tokenizer import Tokenizer
 
@@ -27,12 +28,12 @@ from .schemas import ChatPromptFields, CompletionRequest
 @dataclass(frozen=True)
 class ServedModel:
     name: str
-    path: str
     context_length: int  # prompt + completion tokens: --max-model-len, or max_position_embeddings
     tokenizer: Tokenizer
     chat_format: ChatFormat
     # Bounds a prompt's token count from its length (None: this tokenizer allows no bound).
     max_chars_per_token: int | None
+    grammars: GrammarCompiler  # structured outputs' grammars, checked before they are sent
     default_thinking: bool = False  # a chat that does not say renders in thinking mode
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -61,11 +62,11 @@ class ServedModel:
         tokenizer = Tokenizer.from_pretrained(model_dir)
         return cls(
             name,
-            model_dir,
             limit,
             tokenizer,
             chat_format(model_dir, tokenizer),
             tokenizer.max_chars_per_token(),
+            GrammarCompiler(tokenizer),
             default_thinking,
         )
 
@@ -111,11 +112,17 @@ class ServedModel:
         except ValueError as e:
             raise APIError(400, f"Invalid prompt: {e}", param="prompt") from e
 
-    async def completion_ids(self, request: CompletionRequest) -> list[int]:
-        if isinstance(request.prompt, str):
-            return await self.text_ids(request.prompt)
-        self.check_ids(request.prompt, "prompt")
-        return list(request.prompt)
+    async def completion_prompts(self, request: CompletionRequest) -> list[tuple[list[int], str]]:
+        """Each prompt of a completion as (its ids, its text: as sent, or the ids decoded)."""
+        prompts = []
+        for i, prompt in enumerate(request.prompts()):
+            if isinstance(prompt, str):
+                ids = await self.text_ids(prompt, request.add_special_tokens)
+                prompts.append((ids, prompt))
+            else:
+                self.check_ids(prompt, "prompt" if len(request.prompts()) == 1 else f"prompt[{i}]")
+                prompts.append((list(prompt), self.tokenizer.decode(prompt)))
+        return prompts
 
     def check_ids(self, ids: list[int], param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]

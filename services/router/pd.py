@@ -23,7 +23,7 @@ from services.registry import WorkerRecord
 from services.rpc import pb
 
 from .clients import WorkerClients
-from .errors import APIError, from_grpc, timeout_error
+from .errors import APIError, from_grpc, timeout_error, worker_failure
 from .metrics import RequestTimer
 from .selection import WorkerSelector
 
@@ -40,6 +40,8 @@ class Token:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[pb.TokenLogprob, ...] = ()
+    # The first event only, when the request asked: the prompt's tokens after the first
+    prompt_logprobs: tuple[pb.TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +63,18 @@ _REFUSED = {
     grpc.StatusCode.UNAUTHENTICATED,
 }
 UNHEALTHY_FOR_S = 30.0  # a worker that failed or stalled is skipped this long by new requests
-# Decode errors (DecodeError.cause) after which the same request may well succeed.
-_RETRYABLE_CAUSES = {"lease_expired", "transfer", "prefill_unreachable", "peer_unknown"}
+# Decode errors (DecodeError.cause) after which the same request may well succeed, as clients
+# are told them (the decode worker's own message names workers: it goes to the log).
+_RETRYABLE = {
+    "lease_expired": "The prefill worker freed the prompt's KV state before the decode worker "
+    "read it (its lease ran out); the request must be retried.",
+    "transfer": "Moving the prompt's KV state to the decode worker failed; the request must be "
+    "retried.",
+    "prefill_unreachable": "The decode worker could not reach the prefill worker for the "
+    "prompt's KV state; the request must be retried.",
+    "peer_unknown": "The prefill worker restarted before the decode worker read the prompt's KV "
+    "state; the request must be retried.",
+}
 _FINISH_REASONS: dict[int, str] = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
 
@@ -74,6 +86,8 @@ class Generation:
     deadline: float  # time.monotonic() by which the request must be done
     timeout_s: float  # the configured total, for messages
     timer: RequestTimer
+    # max_tokens 0 (echo): prefill samples one token (the wire's least), which is dropped
+    prompt_only: bool = False
 
     def remaining(self, where: str) -> float:
         left = self.deadline - time.monotonic()
@@ -99,8 +113,15 @@ class PDFlow:
         gen.timer.token()
         finished = False  # once True, nobody holds KV for this request any more
         try:
+            prompt_logprobs = tuple(first.prompt_logprobs)
+            if gen.prompt_only and first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen, first)
+                finished = True
+                yield Token("", (), (), prompt_logprobs)
+                yield Finish("length", finish.prompt_tokens, 0, finish.cached_tokens)
+                return
             first_logprobs = (first.first_logprob,) if first.HasField("first_logprob") else ()
-            yield Token(first.text, (first.first_token_id,), first_logprobs)
+            yield Token(first.text, (first.first_token_id,), first_logprobs, prompt_logprobs)
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen, first)
                 finished = True
@@ -122,11 +143,13 @@ class PDFlow:
                             return
                         yield event
                         response = await self._read(call, decode_worker, gen)
-                raise APIError(
+                raise worker_failure(
                     500,
-                    f"decode worker {decode_worker.address} ended the stream "
-                    "without a finish reason",
+                    "The decode worker ended the stream without a finish reason.",
                     cause="protocol",
+                    role="decode",
+                    address=decode_worker.address,
+                    detail="stream ended without a finish reason",
                 )
             finally:
                 call.cancel()  # no-op once the call is complete
@@ -154,11 +177,22 @@ class PDFlow:
         if kind == "error":
             cause = response.error.cause or "decode_error"
             # The KV could not be pulled intact: nothing is wrong with the request itself.
-            status = 503 if cause in _RETRYABLE_CAUSES else 500
-            message = f"decode worker {worker.address}: {response.error.message}"
-            raise APIError(status, message, cause=cause)
-        raise APIError(
-            500, f"decode worker {worker.address} sent an empty message", cause="protocol"
+            retry = cause in _RETRYABLE
+            raise worker_failure(
+                503 if retry else 500,
+                _RETRYABLE.get(cause, f"The decode worker failed the request ({cause})."),
+                cause=cause,
+                role="decode",
+                address=worker.address,
+                detail=response.error.message,
+            )
+        raise worker_failure(
+            500,
+            "The decode worker sent an empty message.",
+            cause="protocol",
+            role="decode",
+            address=worker.address,
+            detail="empty message",
         )
 
     async def _retry_once(
@@ -204,7 +238,7 @@ class PDFlow:
         timeout = gen.remaining("before prefill")
         with self._clients.busy(worker.worker_id):
             try:
-                return await self._clients.prefill(worker.address).Prefill(
+                return await self._clients.prefill(worker).Prefill(
                     request, timeout=timeout, metadata=self._clients.metadata
                 )
             except grpc.aio.AioRpcError as e:
@@ -226,7 +260,7 @@ class PDFlow:
             sampling=gen.sampling,
             kv=first.kv,
         )
-        call = self._clients.decode(worker.address).Decode(
+        call = self._clients.decode(worker).Decode(
             request, timeout=gen.remaining("before decode"), metadata=self._clients.metadata
         )
         try:
@@ -256,11 +290,14 @@ class PDFlow:
             if stall < self._stall_timeout_s:  # the request's own deadline came first
                 raise timeout_error(gen.timeout_s, "while decoding") from None
             self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "stalled")
-            raise APIError(
+            raise worker_failure(
                 503,
-                f"decode worker {worker.address} sent nothing for {stall:g} s and was abandoned; "
-                "retry the request.",
+                f"The decode worker sent nothing for {stall:g} s and was abandoned; retry the "
+                "request.",
                 cause="stalled",
+                role="decode",
+                address=worker.address,
+                detail=f"stalled {stall:g} s",
             ) from None
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -278,16 +315,22 @@ class PDFlow:
         """The generation's end; the cached tokens are the prefill worker's (`first`), which
         computed the prompt."""
         if reason == pb.FINISH_REASON_ABORT:
-            raise APIError(
+            raise worker_failure(
                 503,
-                f"{worker.role} worker {worker.address} aborted the request; retry it.",
+                f"The {worker.role} worker aborted the request; retry it.",
                 cause="worker_abort",
+                role=worker.role,
+                address=worker.address,
+                detail="finish reason abort",
             )
         if reason not in _FINISH_REASONS:
-            raise APIError(
+            raise worker_failure(
                 500,
-                f"{worker.role} worker {worker.address} sent unknown finish reason {reason}",
+                f"The {worker.role} worker sent unknown finish reason {reason}.",
                 cause="protocol",
+                role=worker.role,
+                address=worker.address,
+                detail=f"finish reason {reason}",
             )
         gen.timer.finish(usage.prompt_tokens, usage.completion_tokens)
         return Finish(

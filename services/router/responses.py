@@ -3,7 +3,9 @@
 Chat and text completions differ only in object names and in their choices (choices.py); every
 chunk of a stream shares `id`, `created` and `model`. Usage counts the prompt once and the
 completion tokens of every choice, and (OpenAI's prompt_tokens_details.cached_tokens) the prompt
-tokens the prefill worker resumed from its prefix cache.
+tokens the prefill worker resumed from its prefix cache. With vLLM's
+`stream_options.continuous_usage_stats` every chunk carries the usage so far (the tokens out
+until then), not only the last one.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ class Reply:
     """The answer to one request, fed its choices' events in any interleaving."""
 
     def __init__(
-        self, request_id: str, model: str, include_usage: bool, choices: Sequence[Choice]
+        self,
+        request_id: str,
+        model: str,
+        include_usage: bool,
+        choices: Sequence[Choice],
+        prompt_tokens: int,
+        continuous_usage: bool = False,
     ) -> None:
         chat = isinstance(choices[0], ChatChoice)
         self.object = "chat.completion" if chat else "text_completion"
@@ -32,7 +40,10 @@ class Reply:
         self.created = int(time.time())
         self.include_usage = include_usage
         self.choices = list(choices)
+        self.prompt_tokens = prompt_tokens
+        self.continuous_usage = continuous_usage
         self._finishes: dict[int, Finish] = {}
+        self._tokens_out = 0  # completion tokens so far, every choice's
 
     def opening_chunks(self) -> list[JSON]:
         """Chunks that open a stream (chat: each choice's role)."""
@@ -42,6 +53,7 @@ class Reply:
         """What choice `index`'s event adds to the stream; the last finish brings the usage."""
         choice = self.choices[index]
         if not isinstance(event, Finish):
+            self._tokens_out += len(event.token_ids)
             body = choice.chunk(event)
             return [] if body is None else [self._chunk(body)]
         self._finishes[index] = event
@@ -53,10 +65,14 @@ class Reply:
     def answer(self) -> JSON:
         """The whole answer, once every choice has finished."""
         choices = [choice.answer() for choice in self.choices]
-        return {**self._head(self.object), "choices": choices, "usage": self._usage()}
+        answer = {**self._head(self.object), "choices": choices, "usage": self._usage()}
+        first = self.choices[0]
+        if isinstance(first, ChatChoice) and first.prompt_logprobs is not None:
+            answer["prompt_logprobs"] = first.prompt_logprobs  # (vLLM: the chat's, once)
+        return answer
 
     def _usage(self) -> JSON:
-        prompt = next(iter(self._finishes.values())).prompt_tokens
+        prompt = self.prompt_tokens
         completion = sum(f.completion_tokens for f in self._finishes.values())
         # Each choice's prompt was prefilled on its own: the least any of them found cached.
         cached = min(f.cached_tokens for f in self._finishes.values())
@@ -69,7 +85,13 @@ class Reply:
 
     def _chunk(self, choice: JSON) -> JSON:
         chunk = {**self._head(self.chunk_object), "choices": [choice]}
-        if self.include_usage:
+        if self.continuous_usage:
+            chunk["usage"] = {
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self._tokens_out,
+                "total_tokens": self.prompt_tokens + self._tokens_out,
+            }
+        elif self.include_usage:
             chunk["usage"] = None  # OpenAI: every chunk but the last carries usage: null
         return chunk
 

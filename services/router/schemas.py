@@ -21,6 +21,7 @@ from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictInt,
     Tag,
     ValidationInfo,
     field_validator,
@@ -39,6 +40,8 @@ INT32_MAX = 2**31 - 1  # top_k on the wire
 INT64 = 2**63  # OpenAI's seed is a signed 64-bit integer
 SEED_SPAN = 2**63  # the worker takes seeds in [0, 2**63) (a torch generator's range)
 MAX_CHOICES = 16  # `n`: each choice is a generation of its own (fanout.py)
+MAX_PROMPTS = 64  # a completion's batch of prompts
+MAX_GENERATIONS = 64  # prompts x n of one request
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -71,25 +74,64 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     no_op_fields = fields.STREAM_OPTIONS
     include_usage: StrictBool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (not only the last)
+    continuous_usage_stats: StrictBool = False
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    """OpenAI's JSON mode: the content is a JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Body):
+    name: Text = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any object
+    # exactly the schema, or a 400 naming what cannot be; else unknown keywords are ignored
+    strict: StrictBool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    """Structured outputs: the content is JSON of the schema."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
 
 
 class _GenerationRequest(_Body):
     """Fields shared by chat and text completions."""
 
     model: Text | None = None  # None = the one served model
-    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     # -1 and 0 both mean off (vLLM accepts both)
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
-    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
+    seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
     stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]] = Field(
+        default_factory=list
+    )
     # Each choice is its own generation (prefill included), with seed + i when a seed is given.
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
+    # the content's format, constrained while it is written (services.router.structured)
+    response_format: ResponseFormat | None = None
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
+    # vLLM's: each prompt token's logprob (the first: null) and this many alternatives
+    prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -111,11 +153,19 @@ class _GenerationRequest(_Body):
     def _stream_options_need_stream(self) -> _GenerationRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true (as in vLLM)")
         return self
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats
+        )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -124,14 +174,26 @@ class _GenerationRequest(_Body):
         """Alternatives per token the worker should list (None: no logprobs)."""
         raise NotImplementedError
 
-    def sampling(self, max_tokens: int, choice: int = 0) -> pb.SamplingParams:
-        """The wire sampling params of choice `choice`; unset fields stay unset so the worker
-        applies its defaults."""
+    def prompt_logprobs_count(self) -> int | None:
+        """Alternatives per prompt token the prefill worker should list (None: none)."""
+        return self.prompt_logprobs
+
+    def sampling(
+        self, max_tokens: int, choice: int = 0, grammar: str | None = None
+    ) -> pb.SamplingParams:
+        """The wire sampling params of choice `choice` (`grammar`: the structured output's);
+        unset fields stay unset so the worker applies its defaults."""
         params = pb.SamplingParams(
-            max_tokens=max_tokens, stop=self.stop, ignore_eos=self.ignore_eos
+            max_tokens=max_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            grammar=grammar,
         )
         if (logprobs := self.logprobs_count()) is not None:
             params.logprobs = logprobs
+        if (prompt_logprobs := self.prompt_logprobs_count()) is not None:
+            params.prompt_logprobs = prompt_logprobs
         if self.temperature is not None:
             params.temperature = self.temperature
         if self.top_p is not None:
@@ -159,7 +221,7 @@ class FunctionDefinition(_Body):
     name: FunctionName
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema object
-    strict: StrictBool | None = None  # no constrained decoding here: the schema is only shown
+    strict: StrictBool | None = None  # a call's arguments are constrained to exactly `parameters`
 
 
 class Tool(_Body):
@@ -193,21 +255,29 @@ class MessageToolCall(_Body):
 class ChatMessage(_Body):
     no_op_fields = fields.MESSAGE
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # OpenAI's roles and the DeepSeek-V4 release's `latest_reminder`
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: Text | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
     tool_call_id: Text | None = None  # tool: the call this result answers
-    reasoning_content: Text | None = None  # assistant: its reasoning (kept where tools are)
+    # assistant: its reasoning (kept where tools are; a client may leave it out)
+    reasoning_content: Text | None = None
+    reasoning: Text | None = None  # vLLM's newer name for reasoning_content
 
     @model_validator(mode="after")
     def _fields_of_their_roles(self) -> ChatMessage:
         for name, role in (
             ("tool_calls", "assistant"),
             ("reasoning_content", "assistant"),
+            ("reasoning", "assistant"),
             ("tool_call_id", "tool"),
         ):
             if getattr(self, name) and self.role != role:
                 raise ValueError(f"'{name}' belongs on {role} messages, not on {self.role} ones")
+        if None not in (self.reasoning, self.reasoning_content) and (
+            self.reasoning != self.reasoning_content
+        ):
+            raise ValueError("'reasoning' and 'reasoning_content' differ; send one of them")
         return self
 
     @field_validator("content", mode="before")
@@ -232,9 +302,11 @@ class ChatMessage(_Body):
             message["content"] = self.content or ""
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
-        for name in ("tool_call_id", "reasoning_content"):
-            if getattr(self, name) is not None:
-                message[name] = getattr(self, name)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning is None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -282,9 +354,11 @@ class ChatPromptFields(_Body):
 class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
     no_op_fields = fields.CHAT
 
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
+    # vLLM's: in thinking mode, the most tokens the reasoning may take (then </think> is forced)
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -306,34 +380,57 @@ class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
+    """A text completion as vLLM serves it: a prompt or a batch of prompts (texts or token id
+    lists; one choice per prompt and `n`, prompt-major), `echo` (the prompt before each choice's
+    text, with its tokens' logprobs first when `logprobs` is set, the first one null), and
+    `max_tokens: 0` with `echo` (the prompt alone: what loglikelihood evaluations ask)."""
+
     no_op_fields = fields.COMPLETION
 
-    prompt: Text | list[int]
+    prompt: Text | list[StrictInt] | list[Text] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=None, ge=0, le=UINT32_MAX)
     # Each token's logprob and this many likeliest alternatives.
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    add_special_tokens: StrictBool = True  # vLLM's: BOS before a text prompt
 
     def logprobs_count(self) -> int | None:
         return self.logprobs
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _single_prompt(cls, prompt: object) -> object:
-        """OpenAI also takes a batch of prompts; one is unwrapped, more are refused."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            if len(prompt) != 1:
-                raise ValueError(
-                    f"batched prompts are not supported ({len(prompt)} given); "
-                    "send one prompt per request"
-                )
-            return prompt[0]
-        return prompt
+    def prompt_logprobs_count(self) -> int | None:
+        wanted = [
+            k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
+        ]
+        return max(wanted, default=None)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request, in order."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     @field_validator("prompt")
     @classmethod
-    def _not_empty(cls, prompt: str | list[int]) -> str | list[int]:
+    def _not_empty(cls, prompt: str | list[Any]) -> str | list[Any]:
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
+        if not isinstance(prompt, str) and isinstance(prompt[0], str | list):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+            if any(len(p) == 0 for p in prompt):
+                raise ValueError("a prompt of the batch is empty")
         return prompt
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing; it is only allowed with echo")
+        if len(self.prompts()) * self.n > MAX_GENERATIONS:
+            raise ValueError(
+                f"prompts x n makes {len(self.prompts()) * self.n} generations; "
+                f"at most {MAX_GENERATIONS} per request"
+            )
+        return self
 
 
 class TokenizeChatRequest(ChatPromptFields):
@@ -370,4 +467,4 @@ TokenizeRequest = Annotated[
 
 class DetokenizeRequest(_Body):
     model: Text | None = None
-    tokens: list[int] = Field(min_length=1)
+    tokens: list[StrictInt] = Field(min_length=1)

@@ -87,9 +87,16 @@ class WorkerSelector:
             role for role, workers in (("prefill", prefill), ("decode", decode)) if not workers
         ]
         if missing:
+            untrusted = self._watcher.untrusted
             return (
                 f"No live {' or '.join(missing)} worker for model '{self._model}'. Start one "
-                f"(dsaserve {missing[0]}) or check that it uses the router's --redis-url."
+                f"(dsaserve {missing[0]}) or check that it uses the router's --redis-url"
+                + (
+                    f" and --cluster-token ({untrusted} registry records are not signed with "
+                    "the router's)."
+                    if untrusted
+                    else "."
+                )
             )
         if not {w.layout_hash for w in prefill} & {w.layout_hash for w in decode}:
             return (

@@ -43,14 +43,42 @@ class RouterSettings:
     )
     max_inflight: int = setting(256, "requests running at once")
     max_queue: int = setting(1024, "requests waiting for a slot before 429s")
-    max_inflight_per_key: int = setting(
-        0, "requests one API key may have running or queued at once; 429 above (0 = no limit)"
+    max_queue_delay_s: float = setting(
+        30.0,
+        "seconds a request may wait for a slot (503 + Retry-After after); while the oldest "
+        "waiter has waited half that long, new requests get a 429 at once",
+        flag="--max-queue-delay",
+    )
+    max_inflight_per_key: int | None = setting(
+        None,
+        "requests one API key may have running or queued at once; 429 above (default: "
+        "--max-inflight, so one key never also holds the queue others wait in; 0 = no limit)",
     )
     max_request_bytes: int = setting(8 << 20, "largest request body accepted; 413 above")
+    header_read_timeout_s: float = setting(
+        10.0,
+        "seconds a connection has to send a complete request head (from its opening or its "
+        "previous response); closed after (slow or idle clients)",
+        flag="--header-read-timeout",
+    )
+    body_read_timeout_s: float = setting(
+        30.0,
+        "seconds a client may send nothing in the middle of a request body; closed after",
+        flag="--body-read-timeout",
+    )
+    max_connections: int | None = setting(
+        None,
+        "open HTTP connections at most; a new one above gets a 503 before it is read (default: "
+        "--max-inflight + --max-queue + 256; 0 = no limit)",
+    )
     max_model_len: int | None = setting(
         None, "longest prompt + output (default: the model's max_position_embeddings)"
     )
-    cluster_token: str = setting("", "shared secret sent to workers on every call")
+    cluster_token: str = setting(
+        "",
+        "shared secret sent to workers on every call; worker records in Redis must be signed "
+        "with it (required)",
+    )
     registry_ttl_s: float = setting(
         DEFAULT_TTL_S, "seconds a worker record lives without a heartbeat", flag="--registry-ttl"
     )
@@ -71,23 +99,42 @@ class RouterSettings:
         "render chats in thinking mode unless a request says (chat_template_kwargs.thinking, "
         "reasoning_effort); replies then carry reasoning_content",
     )
+    response_ttl_s: float = setting(
+        3600.0,
+        "seconds a Responses API response (store: true) stays in Redis for previous_response_id",
+        flag="--response-ttl",
+    )
     tls: GrpcTLS = field(default_factory=GrpcTLS)  # of the gRPC calls to workers
 
     def __post_init__(self) -> None:
         checks = [
+            (
+                bool(self.cluster_token),
+                "--cluster-token (or DSASERVE_CLUSTER_TOKEN) is required: the router trusts only "
+                "worker records signed with it",
+            ),
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
             (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
+            (self.max_queue_delay_s > 0, "--max-queue-delay must be positive"),
             (
                 self.balance_abs_threshold >= 0,
                 f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}",
             ),
             (
-                self.max_inflight_per_key >= 0,
+                (self.max_inflight_per_key or 0) >= 0,
                 f"max_inflight_per_key must be >= 0, got {self.max_inflight_per_key}",
             ),
             (
-                self.max_inflight_per_key == 0 or bool(self.api_keys),
+                not self.max_inflight_per_key or bool(self.api_keys),
                 "max_inflight_per_key limits each --api-key; give the router API keys",
+            ),
+            (
+                self.header_read_timeout_s > 0 and self.body_read_timeout_s > 0,
+                "--header-read-timeout and --body-read-timeout must be positive",
+            ),
+            (
+                (self.max_connections or 0) >= 0,
+                f"max_connections must be >= 0, got {self.max_connections}",
             ),
             (
                 self.max_request_bytes >= 1,
@@ -97,6 +144,7 @@ class RouterSettings:
                 self.stall_timeout_s > 0,
                 f"stall_timeout must be positive, got {self.stall_timeout_s}",
             ),
+            (self.response_ttl_s > 0, f"response_ttl must be positive, got {self.response_ttl_s}"),
             (
                 self.request_timeout_s > 0,
                 f"request_timeout must be positive, got {self.request_timeout_s}",
@@ -109,3 +157,18 @@ class RouterSettings:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def connection_limit(self) -> int:
+        """Open HTTP connections at most (0: no limit): room for every running and queued
+        request, and some for probes and clients between requests."""
+        if self.max_connections is None:
+            return self.max_inflight + self.max_queue + 256
+        return self.max_connections
+
+    @property
+    def key_limit(self) -> int:
+        """Requests one API key may have open at once (0: no limit)."""
+        if self.max_inflight_per_key is None:
+            return self.max_inflight
+        return self.max_inflight_per_key

@@ -1,17 +1,19 @@
 """Turning a request's events into an HTTP answer: an SSE stream, or one JSON object.
 
 Both paths notice a client that goes away and close the event generator, which cancels the
-Decode call and aborts the prefill (see pd.py). Errors after the 200 went out are sent as
-`data: {"error": ...}` followed by `data: [DONE]`, as vLLM does, in valid JSON.
+Decode call and aborts the prefill (see pd.py). A `StreamWriter` writes one API's events:
+OpenAI's (`OpenAIStream`) sends errors after the 200 went out as `data: {"error": ...}`
+followed by `data: [DONE]`, as vLLM does, in valid JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.datastructures import State
 from starlette.requests import Request
@@ -21,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from .errors import APIError
 from .fanout import Indexed
 from .metrics import CLIENT_CLOSED
+from .pd import Event
 from .responses import Reply
 
 log = logging.getLogger(__name__)
@@ -45,13 +48,50 @@ def client_closed() -> APIError:
     )
 
 
+class StreamWriter(Protocol):
+    """An API's SSE bytes for one request's stream."""
+
+    def opening(self) -> bytes: ...
+
+    async def event(self, index: int, event: Event) -> bytes:
+        """What choice `index`'s event adds (b"" for nothing yet); a writer may await here
+        (the Responses API stores a response before saying it is complete)."""
+        ...
+
+    def error(self, error: APIError) -> bytes:
+        """An error after the 200 went out."""
+        ...
+
+    def closing(self) -> bytes: ...
+
+
+class OpenAIStream:
+    """OpenAI's chunks: `data: {chunk}` lines, an error as `data: {"error": ...}`, then
+    `data: [DONE]`."""
+
+    def __init__(self, reply: Reply) -> None:
+        self._reply = reply
+
+    def opening(self) -> bytes:
+        return b"".join(sse(chunk) for chunk in self._reply.opening_chunks())
+
+    async def event(self, index: int, event: Event) -> bytes:
+        return b"".join(sse(chunk) for chunk in self._reply.chunks(index, event))
+
+    def error(self, error: APIError) -> bytes:
+        return sse(error.body())
+
+    def closing(self) -> bytes:
+        return DONE
+
+
 class EventStream(StreamingResponse):
     """`text/event-stream` over a request's events; `on_close` runs once, however it ends."""
 
     def __init__(
         self,
         events: AsyncGenerator[Indexed, None],
-        reply: Reply,
+        writer: StreamWriter,
         state: State,
         on_close: Callable[[], None],
     ) -> None:
@@ -60,7 +100,7 @@ class EventStream(StreamingResponse):
         self._on_close = on_close
         self._complete = False
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(self._body(reply), media_type="text/event-stream", headers=headers)
+        super().__init__(self._body(writer), media_type="text/event-stream", headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -73,28 +113,33 @@ class EventStream(StreamingResponse):
                 self._state.failure = client_closed()
             self._on_close()
 
-    async def _body(self, reply: Reply) -> AsyncIterator[bytes]:
+    async def _body(self, writer: StreamWriter) -> AsyncIterator[bytes]:
         try:
-            for chunk in reply.opening_chunks():
-                yield sse(chunk)
+            if opening := writer.opening():
+                yield opening
             async for index, event in self._events:
-                data = b"".join(sse(chunk) for chunk in reply.chunks(index, event))
-                if data:
+                if data := await writer.event(index, event):
                     yield data
         except APIError as e:
             self._state.failure = e
-            yield sse(e.body())
+            yield writer.error(e)
         except Exception as e:  # a bug must still end the stream in a way clients understand
             log.exception("stream failed")
             self._state.failure = APIError(500, f"Internal router error: {type(e).__name__}: {e}")
-            yield sse(self._state.failure.body())
+            yield writer.error(self._state.failure)
         self._complete = True
-        yield DONE
+        yield writer.closing()
 
 
-async def answer(events: AsyncGenerator[Indexed, None], reply: Reply, request: Request) -> Response:
-    """The whole answer as one JSON object; stops the generation if the client disconnects."""
-    collecting = asyncio.ensure_future(_collect(events, reply))
+async def answer(
+    events: AsyncGenerator[Indexed, None],
+    feed: Callable[[int, Event], object],
+    build: Callable[[], dict[str, Any]],
+    request: Request,
+) -> Response:
+    """The whole answer as one JSON object: every event to `feed`, then `build()`'s body;
+    stops the generation if the client disconnects."""
+    collecting = asyncio.ensure_future(_collect(events, feed))
     watching = asyncio.ensure_future(_disconnected(request))
     try:
         # Bounded: the generation's gRPC calls carry the request's deadline.
@@ -108,13 +153,46 @@ async def answer(events: AsyncGenerator[Indexed, None], reply: Reply, request: R
         request.state.failure = client_closed()
         return Response(status_code=CLIENT_CLOSED)
     collecting.result()  # re-raises an APIError from the flow
-    return JSONResponse(reply.answer())
+    return JSONResponse(build())
 
 
-async def _collect(events: AsyncGenerator[Indexed, None], reply: Reply) -> None:
+async def _collect(
+    events: AsyncGenerator[Indexed, None], feed: Callable[[int, Event], object]
+) -> None:
     # The same calls as a stream makes, so both parse the reply the same way.
     async for index, event in events:
-        reply.chunks(index, event)
+        feed(index, event)
+
+
+@contextlib.asynccontextmanager
+async def cancelled_on_disconnect(request: Request) -> AsyncIterator[None]:
+    """Cancel what runs inside when the client disconnects, as `client_closed()`.
+
+    For the work before an answer starts (tokenizing, waiting for admission, prefill): nothing
+    reads from the connection then, so without this a client that left stays queued, or keeps
+    its prompt computing, to the end. The request's body must have been read."""
+    task = asyncio.current_task()
+    assert task is not None
+    inside, gone = True, False
+
+    async def watch() -> None:
+        nonlocal gone
+        await _disconnected(request)
+        if inside:
+            gone = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()  # this cancellation was ours, and ends here
+        raise client_closed() from None
+    finally:
+        inside = False
+        watcher.cancel()
 
 
 async def _disconnected(request: Request) -> None:

@@ -36,6 +36,9 @@ from .layout import Descriptor, Region, RegionInfo
 # transfer, long enough to leave the GIL and a core to the rest of the process.
 _POLL_MIN_S = 10e-6
 _POLL_MAX_S = 20e-6
+# The NIXL progress thread's longest wait for a UCX event (nixl_binding.agent): an idle worker
+# costs ~0% of a core instead of a whole one.
+PROGRESS_WAIT_US = 10_000
 # Linux stretches a thread's short sleeps by its timer slack, 50 us by default (most of the READ
 # of a pull's chunk on a GPU): polling threads ask for 1 us (prctl PR_SET_TIMERSLACK, in ns).
 _PR_SET_TIMERSLACK, _TIMER_SLACK_NS = 29, 1000
@@ -72,9 +75,7 @@ class KVTransfer:
         self._peers: dict[str, _Peer] = {}
         self._blocks: dict[str, Any] = {}  # group -> our prepared block list
         self._busy = threading.Lock()
-        self._agent = nixl_binding.nixl_agent(
-            agent_name, nixl_binding.nixl_agent_config(backends=[])
-        )
+        self._agent = nixl_binding.agent(agent_name, PROGRESS_WAIT_US)
         # "peer" error handling makes UCX fail an in-flight READ when the peer dies
         # (NIXL_ERR_REMOTE_DISCONNECT); with "none" such a READ can hang forever.
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 _CANDIDATES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
@@ -25,5 +26,28 @@ def _load() -> ModuleType:
 
 
 api = _load()  # the binding's module, for a record of which one ran
-nixl_agent = api.nixl_agent
-nixl_agent_config = api.nixl_agent_config
+
+
+def agent(name: str, progress_wait_us: int) -> Any:
+    """A NIXL agent without backends whose progress thread waits up to `progress_wait_us` for
+    UCX events between rounds, instead of spinning.
+
+    The UCX backend's shared progress thread arms its workers and polls their event fds with the
+    agent config's `pthrDelay` as timeout. The Python API sets that to 0, so an idle agent polls
+    without waiting: a core per worker process (measured: 99% of one on an idle machine). Events
+    still wake the thread at once; the wait only bounds a round nobody signalled. The API offers
+    no way to set it, so the config class is swapped, for this one construction, for a subclass
+    whose `pthrDelay` takes our value instead of the 0."""
+    bindings = api.nixlBind
+    base = bindings.nixlAgentConfig
+
+    class Config(base):  # type: ignore[misc, valid-type]
+        pthrDelay = property(
+            base.pthrDelay.__get__, lambda self, _: base.pthrDelay.__set__(self, progress_wait_us)
+        )
+
+    bindings.nixlAgentConfig = Config
+    try:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=[]))
+    finally:
+        bindings.nixlAgentConfig = base

@@ -9,6 +9,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
 from engine.kv.prefix_cache import CacheStats
 from engine.load import Load
+from engine.speculative.stats import SpecDecodeStats
 from services.metrics import E2E_BUCKETS
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -16,10 +17,15 @@ TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 
 class WorkerMetrics:
     def __init__(
-        self, role: str, load: Callable[[], Load], cache: Callable[[], CacheStats]
+        self,
+        role: str,
+        load: Callable[[], Load],
+        cache: Callable[[], CacheStats],
+        spec: SpecDecodeStats | None = None,
     ) -> None:
         """load: the engine's load after its last step; cache: its prefix cache's counts (read
-        on the scraping thread: plain ints the engine thread only adds to)."""
+        on the scraping thread: plain ints the engine thread only adds to); spec: speculative
+        decoding's counters (None: off)."""
         self.registry = r = CollectorRegistry()
         labels = {"role": role}
         for name, doc, field in (
@@ -69,6 +75,8 @@ class WorkerMetrics:
             registry=r,
         )
         r.register(PrefixCacheCollector(role, cache))
+        if spec is not None:
+            r.register(SpecDecodeCollector(role, spec))
         self.role = role
 
     def fail(self, cause: str) -> None:
@@ -104,6 +112,34 @@ class PrefixCacheCollector:
             family = CounterMetricFamily(name, doc, labels=["role"])
             family.add_metric([self._role], value)
             yield family
+
+
+class SpecDecodeCollector:
+    """Speculative decoding's counters in vLLM's shape (its spec_decode_* metrics): steps that
+    verified drafts (per request), draft tokens, accepted tokens, acceptances per position.
+    Mean acceptance length = 1 + accepted / drafts."""
+
+    def __init__(self, role: str, stats: SpecDecodeStats) -> None:
+        self._role, self._stats = role, stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats
+        for name, doc, value in (
+            ("num_drafts", "Verifications of a request's drafts", stats.num_drafts),
+            ("num_draft_tokens", "Draft tokens proposed", stats.num_draft_tokens),
+            ("num_accepted_tokens", "Draft tokens accepted", stats.num_accepted_tokens),
+        ):
+            family = CounterMetricFamily(f"dsaserve_spec_decode_{name}", doc, labels=["role"])
+            family.add_metric([self._role], value)
+            yield family
+        family = CounterMetricFamily(
+            "dsaserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft (0 = the first)",
+            labels=["role", "position"],
+        )
+        for position, value in enumerate(list(stats.accepted_per_pos)):
+            family.add_metric([self._role, str(position)], value)
+        yield family
 
 
 def _reader(load: Callable[[], Load], field: str) -> Callable[[], float]:

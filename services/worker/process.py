@@ -50,6 +50,7 @@ class RoleService:
 
     def __init__(self, worker: Worker) -> None:
         self.w = worker
+        self.active: set[str] = set()  # requests whose Prefill or Decode call runs
 
     def register(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -61,8 +62,16 @@ class RoleService:
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
         rid = request.request_id
-        # A queued command: it runs (and frees the request's pages) even if this RPC is cancelled.
-        return pb.AbortResponse(found=await self.w.loop.run(lambda e: e.abort(rid)))
+        # Answered at once, never behind an engine step: the engine aborts the request (and frees
+        # its pages) at its next command drain.
+        found = self.let_go(rid)
+        self.w.loop.call(lambda e: e.abort(rid))
+        return pb.AbortResponse(found=found)
+
+    def let_go(self, request_id: str) -> bool:
+        """Forget what the service keeps for the request besides the engine's state; whether
+        the worker had anything for it."""
+        return request_id in self.active
 
     async def Health(self, request: pb.HealthRequest, context: object) -> pb.HealthResponse:
         return pb.HealthResponse(
@@ -113,7 +122,10 @@ class Worker:
         self.loop = EngineLoop(self.engine)
         cache = self.engine.prefix_cache
         self.metrics = WorkerMetrics(
-            role, self.loop.load, lambda: cache.stats if cache is not None else CacheStats()
+            role,
+            self.loop.load,
+            lambda: cache.stats if cache is not None else CacheStats(),
+            self.engine.speculator.stats if self.engine.speculator is not None else None,
         )
         bind_ucx_to(self.advertise_host)
         # NIXL is not thread-safe: one thread makes every call on the agent.
@@ -140,9 +152,17 @@ class Worker:
                 f"{engine_config.data_parallel_size}"
             )
         self.ready = threading.Event()
+        self._stop: asyncio.Event | None = None  # set by serve()
 
     async def in_nixl_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
-        return await asyncio.wrap_future(self._nixl_thread.submit(fn, *args, **kwargs))
+        return await asyncio.wrap_future(self.nixl_submit(fn, *args, **kwargs))
+
+    def nixl_submit(
+        self, fn: Callable[..., T], *args: object, **kwargs: object
+    ) -> concurrent.futures.Future[T]:
+        """Run fn on the NIXL thread; the future outlives a cancelled awaiter (a READ in flight
+        cannot be stopped)."""
+        return self._nixl_thread.submit(fn, *args, **kwargs)
 
     async def serve(self, service: RoleService) -> None:
         s = self.settings
@@ -162,13 +182,15 @@ class Worker:
             layout_hash=self.layout_hash,
             nixl_agent=self.transfer.agent_name,
         )
-        registration = WorkerRegistration(s.redis_url, record, self.loop.load, s.registry_ttl_s)
+        registration = WorkerRegistration(
+            s.redis_url, record, self.loop.load, s.cluster_token, s.registry_ttl_s
+        )
         probes = None
         if s.metrics_port:
             ready = lambda: self.ready.is_set() and self.loop.alive
             probes = ProbeServer(probe_app(ready, self.metrics.registry), s.host, s.metrics_port)
             probes.start()
-        stop = asyncio.Event()  # from here on SIGTERM/SIGINT stop the worker cleanly
+        stop = self._stop = asyncio.Event()  # from here SIGTERM/SIGINT stop the worker cleanly
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         tasks = [asyncio.create_task(service.background())]
@@ -201,6 +223,11 @@ class Worker:
         self._nixl_thread.shutdown()
         if probes is not None:
             probes.stop()
+
+    def stop(self) -> None:
+        """Stop serving, as SIGTERM does (from the event loop that runs `serve`)."""
+        if self._stop is not None:
+            self._stop.set()
 
     def _cache_publisher(self) -> CacheEventPublisher | None:
         """A prefill worker tells routers what its prefix cache holds (services.kv_events)."""

@@ -86,6 +86,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     mtp_layer_types: tuple[str, ...]  # attention kind of each MTP layer (layer num_layers + i)
     quantization: Quantization | None  # None: a dense (bf16/fp32) checkpoint
+    # MTP layers whose attention keeps KV state in the pools (speculative decoding runs them)
+    draft_layers: int = 0
 
     def attention_kind(self, layer: int) -> str:
         """The attention kind of `layer`, MTP layers (num_layers + i) included."""
@@ -101,7 +103,12 @@ class ModelConfig:
         return 0 if kind == SLIDING else self.compress_rates[kind]
 
     def layers_of(self, kind: str) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == kind]
+        """The layers of attention kind `kind` that keep KV state (draft layers included)."""
+        return [i for i, t in enumerate(self._kv_layer_types) if t == kind]
+
+    @property
+    def _kv_layer_types(self) -> tuple[str, ...]:
+        return self.layer_types + self.mtp_layer_types[: self.draft_layers]
 
     # ---------------------------------------------------------------- engine.kv.layout.KVModel
 
@@ -117,7 +124,7 @@ class ModelConfig:
         """Each compressed layer's rings, layer by layer: its compressor's, then (CSA) its
         indexer's. An overlapping (CSA) compressor keeps 2 windows of [Ca | Cb] features."""
         rings = []
-        for i, kind in enumerate(self.layer_types):
+        for i, kind in enumerate(self._kv_layer_types):
             rate = self.compress_rate(i)
             widths = {CSA: (("comp", self.head_dim), ("index", self.index_head_dim))}.get(
                 kind, (("comp", self.head_dim),) if kind == HCA else ()
@@ -136,7 +143,13 @@ class ModelConfig:
         return True  # a step's rows attend before they persist to the window ring
 
     def kv_layout_fields(self) -> dict[str, object]:
-        return {"layer_types": list(self.layer_types), "compress_rates": self.compress_rates}
+        fields: dict[str, object] = {
+            "layer_types": list(self.layer_types),
+            "compress_rates": self.compress_rates,
+        }
+        if self.draft_layers:
+            fields["mtp_layer_types"] = list(self.mtp_layer_types[: self.draft_layers])
+        return fields
 
     def check_tensor_parallel(self, size: int, fp8: bool) -> None:
         """Raise ConfigError unless `size` ranks can split this model as the release does:

@@ -1,8 +1,8 @@
 """DeepSeek-V4 for causal LM over a flat batch of rows (prefill chunks and decode tokens).
 
 Parameter names follow DeepSeek's release (`layers.N.attn.wq_a.weight`, ...); weights.py
-maps HF `save_pretrained` names onto them. The multi-token-prediction layers (`mtp.N.*`) are
-built and loaded but not run by `forward` (speculative decoding will).
+maps HF `save_pretrained` names onto them. The multi-token-prediction layer (`mtp.0.*`) drafts
+tokens for speculative decoding (`draft`), fed by the streams `run` keeps.
 
 Under tensor parallelism (`tp`) every rank builds its shard: the vocabulary-parallel embedding
 and head (engine.layers.parallel), attention split by heads, MoE split by experts (their
@@ -55,9 +55,15 @@ class DeepseekV4(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, pool: KVPool, inputs: StepInputs, logit_rows: torch.Tensor) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(logit_rows), vocab] of the selected rows."""
-        step = StepState(
-            pool, inputs, {k: cast(RotaryTable, t) for k, t in self.rope_tables.items()}
-        )
+        return self.run(pool, inputs, logit_rows)[0]
+
+    @torch.inference_mode()
+    def run(
+        self, pool: KVPool, inputs: StepInputs, logit_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step: (fp32 logits [len(logit_rows), vocab], the last layer's streams
+        [N, hc_mult, hidden] of every row: what the MTP layer drafts from)."""
+        step = self._step(pool, inputs)
         with profiled("embed"):
             x = self.embed(inputs.token_ids)
         streams = (
@@ -66,5 +72,25 @@ class DeepseekV4(torch.nn.Module):
         for layer in self.layers:
             streams = layer(streams, step)
         with profiled("head"):
-            hidden = self.norm(self.hc_head(streams[logit_rows]))
-            return self.head(hidden)
+            return self.head(self.norm(self.hc_head(streams[logit_rows]))), streams
+
+    @torch.inference_mode()
+    def draft(
+        self, pool: KVPool, inputs: StepInputs, streams: torch.Tensor, logit_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over `inputs`: row i at position t holds the token at t + 1 and
+        streams [N, hc_mult, hidden] of position t (the main model's last layer, or the MTP
+        layer's own for a further draft); returns (fp32 logits [len(logit_rows), vocab]: the
+        draft for position t + 2, the MTP layer's streams [N, hc_mult, hidden])."""
+        mtp = cast(MTPLayer, self.mtp[0])
+        step = self._step(pool, inputs)
+        with profiled("draft"):
+            e = mtp.e_proj(mtp.enorm(self.embed(inputs.token_ids)))  # [N, hidden]
+            x = e.unsqueeze(1) + mtp.h_proj(mtp.hnorm(streams))  # every stream gets it
+            out = mtp(x, step)
+            return self.head(mtp.norm(mtp.hc_head(out[logit_rows]))), out
+
+    def _step(self, pool: KVPool, inputs: StepInputs) -> StepState:
+        return StepState(
+            pool, inputs, {k: cast(RotaryTable, t) for k, t in self.rope_tables.items()}
+        )

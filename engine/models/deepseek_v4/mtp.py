@@ -1,5 +1,5 @@
 """DeepSeek-V4's multi-token-prediction (MTP) layer: a full decoder block that drafts the token
-after next, loaded now so that speculative decoding can use it.
+after next (speculative decoding runs it: DeepseekV4.draft).
 
 Built like the release's `MTPBlock` (inference/model.py), whose checkpoint tensors are, for MTP
 layer i (model layer num_layers + i):
@@ -15,8 +15,12 @@ mtp.*). The release's forward, for streams h [N, hc_mult, hidden] of the main mo
 layer at position t and the embedding e of token t+1:
 
     x = e_proj(enorm(e))[:, None] + h_proj(hnorm(h))     # every stream gets the embedding
-    x = block(x)                                         # attention at position t+1
+    x = block(x)                                         # attention at position t (vLLM's
+                                                         # and the training's positions)
     logits = head(norm(hc_head(x)))                      # the draft for token t+2
+
+Its attention keeps KV state like a layer's (layer num_layers + i in the pools) when speculative
+decoding is on (ModelConfig.draft_layers).
 """
 
 from __future__ import annotations

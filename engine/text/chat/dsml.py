@@ -158,19 +158,11 @@ def new_tool_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def tool_call_prefix(name: str | None, dialect: Dialect = V4_DSML) -> str:
-    """The start of a chat-mode reply that is a tool call, up to the function's name (`name`
-    None) or through its invoke tag: written after a prompt, it leaves the model only the call
-    to finish. `name` must be a plain function name (no quotes or markup)."""
-    opening = f'\n\n{dialect.open}\n{INVOKE_OPEN} name="'
-    return opening if name is None else f'{opening}{name}">\n'
-
-
 def parse_completion(
     text: str,
     thinking: bool,
     *,
-    dialect: Dialect = V4_DSML,
+    dialect: Dialect | None = V4_DSML,
     new_id: Callable[[], str] = new_tool_call_id,
 ) -> ParsedMessage:
     """The whole output of one generation (EOS text optional) as one assistant message."""
@@ -197,7 +189,10 @@ _TOOL_START = f"<{DSML}"
 
 
 @cache
-def _markers(dialect: Dialect) -> dict[_State, tuple[str, ...]]:
+def _markers(dialect: Dialect | None) -> dict[_State, tuple[str, ...]]:
+    if dialect is None:  # no tools offered: markup is text, only think tags and EOS count
+        plain = (THINK_END, THINK_START, EOS)
+        return {state: plain if state in _TEXT_STATES else () for state in _State}
     opening, closing = dialect.open, dialect.close
     markers = {
         _State.REASONING: (THINK_END, "\n\n" + opening, opening, THINK_START, EOS),
@@ -213,6 +208,7 @@ def _markers(dialect: Dialect) -> dict[_State, tuple[str, ...]]:
     return markers
 
 
+_TEXT_STATES = frozenset({_State.REASONING, _State.CONTENT, _State.AFTER_BLOCK})
 _BLOCK_STATES = frozenset(
     {_State.BLOCK, _State.INVOKE_HEAD, _State.INVOKE_BODY, _State.PARAM_HEAD, _State.PARAM_VALUE}
 )
@@ -242,9 +238,11 @@ class StreamParser:
         self,
         thinking: bool,
         *,
-        dialect: Dialect = V4_DSML,
+        dialect: Dialect | None = V4_DSML,
         new_id: Callable[[], str] = new_tool_call_id,
     ) -> None:
+        """dialect: how tool calls are written; None where no tools were offered (the reply
+        has no calls to read, and DSML markup in it stays text)."""
         self._state = _State.REASONING if thinking else _State.CONTENT
         self._dialect, self._markers = dialect, _markers(dialect)
         self._new_id = new_id
@@ -362,7 +360,7 @@ class StreamParser:
                 self._start_call(head)
             else:
                 self._start_param(head)
-        elif marker == self._dialect.open:
+        elif self._dialect is not None and marker == self._dialect.open:
             pass  # the block's opening tag (or a repeated one): nothing to do
         elif marker == INVOKE_OPEN:
             if state is not _State.BLOCK:
@@ -382,7 +380,7 @@ class StreamParser:
                 self._malformed = True
             self._end_call()
             self._state = _State.BLOCK
-        elif marker == self._dialect.close:
+        elif self._dialect is not None and marker == self._dialect.close:
             if state is not _State.BLOCK:
                 self._malformed = True
             self._end_call()

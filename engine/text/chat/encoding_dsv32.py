@@ -39,6 +39,7 @@ from engine.text.chat.dsml import V32_DSML, tool_calls_block
 from engine.text.chat.messages import (
     Assistant,
     ChatEncodingError,
+    Reminder,
     System,
     ToolResult,
     User,
@@ -109,6 +110,11 @@ def encode_messages_dsv32(
     Raises ChatEncodingError for input the format cannot express.
     """
     turns = read_messages(messages)
+    for i, turn in enumerate(turns):
+        if isinstance(turn, Reminder):  # (V4's role: V3.2's tokenizer has no marker for it)
+            raise ChatEncodingError(
+                f"messages[{i}].role", "latest_reminder is DeepSeek-V4's role; V3.2 has none"
+            )
     functions = read_tools(tools)
     if functions:
         if isinstance(turns[0], System):

@@ -23,6 +23,9 @@ conversation (thinking_mode "thinking"/"chat" <-> `thinking`). What the release 
   anything else as JSON with string="false".
 - reasoning_effort "max" (thinking mode only) puts a fixed paragraph right after BOS; "high" and
   None add nothing.
+- The release's `latest_reminder` role is `<｜latest_reminder｜>` + its text. A user turn followed
+  by one still opens the assistant's reply first, so a reminder after the last user turn is the
+  last thing the model reads before it answers (inside its opened reasoning in thinking mode).
 
 Where the OpenAI API and the release differ, we chose:
 
@@ -37,8 +40,8 @@ Where the OpenAI API and the release differ, we chose:
   is silently dropped from earlier turns, which would lose the client's instructions.
 - Text content parts are joined with "\n" (as vLLM does, and engine.text.tokenizer), except in tool
   results, where the release itself joins text parts with a blank line.
-- The conversation must end with a user or tool message: the release only prompts the model to
-  answer after a user turn.
+- The conversation must end with a user or tool message, or with reminders after one: the release
+  only prompts the model to answer after a user turn.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from engine.text.chat.dsml import V4_DSML, tool_calls_block
 from engine.text.chat.messages import (
     Assistant,
     ChatEncodingError,
+    Reminder,
     System,
     ToolResult,
     Turn,
@@ -63,6 +67,7 @@ from engine.text.chat.tokens import (
     BOS,
     DSML,
     EOS,
+    LATEST_REMINDER,
     THINK_END,
     THINK_START,
     TOOL_RESULT_CLOSE,
@@ -137,11 +142,12 @@ def encode_messages(
             turns[0].tools = functions
         else:
             turns.insert(0, System("", functions))
-    if not isinstance(turns[-1], User):
+    answered = next((t for t in reversed(turns) if not isinstance(t, Reminder)), None)
+    if not isinstance(answered, User):
         raise ChatEncodingError(
             f"messages[{len(messages) - 1}]",
-            "the conversation must end with a user or tool message; this model is only asked "
-            "to answer after one",
+            "the conversation must end with a user or tool message (or latest_reminder messages "
+            "after one); this model is only asked to answer after one",
         )
     _sort_tool_results(turns)
     # With tools the release keeps every turn's reasoning: tool loops need it.
@@ -158,9 +164,11 @@ def encode_messages(
         elif isinstance(turn, User):
             prompt.append(USER + "\n\n".join(map(_user_part, turn.parts)))
             # As the release: only a user turn that the assistant answers opens its reply.
-            if i + 1 == len(turns) or isinstance(turns[i + 1], Assistant):
+            if i + 1 == len(turns) or isinstance(turns[i + 1], Assistant | Reminder):
                 opens_thinking = thinking and (not drop or i >= last_user)
                 prompt.append(ASSISTANT + (THINK_START if opens_thinking else THINK_END))
+        elif isinstance(turn, Reminder):
+            prompt.append(LATEST_REMINDER + turn.text)
         else:
             # Dropped reasoning leaves no trace, not even `</think>`: the user turn before it
             # already closed thinking.

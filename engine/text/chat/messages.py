@@ -1,7 +1,8 @@
 """OpenAI chat messages as DeepSeek's encoders read them (encoding_dsv4, encoding_dsv32), without
 torch: each message checked and turned into a turn (system and developer -> System, user -> User,
-assistant -> Assistant with its reasoning and calls, tool -> ToolResult), the request's tools into
-their `function` objects. What a format makes of them is its encoder's business.
+assistant -> Assistant with its reasoning and calls, tool -> ToolResult, the V4 release's
+`latest_reminder` -> Reminder), the request's tools into their `function` objects. What a format
+makes of them is its encoder's business.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-_OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's roles, and the V4 release's `latest_reminder` (a reminder the model reads late in the
+# conversation, where it weighs most).
+_ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
 
 
 class ChatEncodingError(ValueError):
@@ -53,7 +56,12 @@ class Assistant:
     tool_calls: list[ToolCall]
 
 
-Turn = System | User | Assistant  # (V4 folds tool results into user turns)
+@dataclass
+class Reminder:
+    text: str
+
+
+Turn = System | User | Assistant | Reminder  # (V4 folds tool results into user turns)
 
 
 def read_messages(messages: Sequence[Mapping[str, Any]]) -> list[Turn | ToolResult]:
@@ -66,15 +74,17 @@ def _read_message(where: str, message: Mapping[str, Any]) -> Turn | ToolResult:
     if not isinstance(message, Mapping):
         raise ChatEncodingError(where, f"must be an object, got {type(message).__name__}")
     role = message.get("role")
-    if role not in _OPENAI_ROLES:
+    if role not in _ROLES:
         raise ChatEncodingError(
-            f"{where}.role", f"must be one of {', '.join(_OPENAI_ROLES)}; got {role!r}"
+            f"{where}.role", f"must be one of {', '.join(_ROLES)}; got {role!r}"
         )
     content = message.get("content")
     if role in ("system", "developer"):
         return System(_text(f"{where}.content", content, "\n"))
     if role == "user":
         return User([_text(f"{where}.content", content, "\n")])
+    if role == "latest_reminder":
+        return Reminder(_text(f"{where}.content", content, "\n"))
     if role == "tool":
         call_id = message.get("tool_call_id") or ""
         if not isinstance(call_id, str):

@@ -1,0 +1,74 @@
+"""Claim, Release and Abort on a real prefill worker (in this process, over gRPC) while its engine
+thread is held up by a deliberately slow step: the lease table answers them at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from engine.config import EngineConfig
+from services.auth import token_metadata
+from services.prefill.service import PrefillService
+from services.rpc import grpc_api, pb
+from services.worker.process import Worker
+from services.worker.settings import PrefillSettings
+
+TOKEN = "lease-token"
+SLOW_STEP_S = 5.0  # how long the engine thread is held up
+CONTROL_TIMEOUT_S = 1.0  # what each control call may take: a fifth of the slow step
+
+
+@pytest.mark.asyncio
+async def test_claims_are_answered_while_an_engine_step_is_slow(redis_url: str) -> None:
+    engine = EngineConfig(
+        kv_cache_memory_bytes=64 << 20, max_num_seqs=8, max_num_batched_tokens=256
+    )
+    settings = PrefillSettings(
+        engine=engine, redis_url=redis_url, cluster_token=TOKEN, port=0, metrics_port=0
+    )
+    worker = Worker(settings, "prefill")
+    serving = asyncio.ensure_future(worker.serve(PrefillService(worker)))
+    deadline = time.monotonic() + 60
+    while not worker.ready.is_set():
+        assert not serving.done(), serving.result()
+        assert time.monotonic() < deadline, "the worker did not become ready"
+        await asyncio.sleep(0.05)  # polling a readiness flag, bounded by the deadline
+    metadata = token_metadata(TOKEN)
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        stub = grpc_api.PrefillStub(channel)
+        sampling = pb.SamplingParams(max_tokens=4, temperature=0)
+        for rid in ("r1", "r2"):
+            held = await stub.Prefill(
+                pb.PrefillRequest(request_id=rid, prompt_token_ids=[5, 6, 7], sampling=sampling),
+                metadata=metadata,
+                timeout=60,
+            )
+            assert held.HasField("kv")
+        # A deliberately slow step: the engine thread is busy for SLOW_STEP_S.
+        slow = worker.loop.call(lambda e: time.sleep(SLOW_STEP_S))
+        claim = pb.ClaimRequest(request_id="r1", hold_ms=30_000)
+        claimed = await stub.Claim(claim, metadata=metadata, timeout=CONTROL_TIMEOUT_S)
+        assert claimed.lease_expires_unix_ms > 0
+        release = pb.ReleaseRequest(request_id="r1")
+        released = await stub.Release(release, metadata=metadata, timeout=CONTROL_TIMEOUT_S)
+        assert released.intact
+        abort = pb.AbortRequest(request_id="r2")
+        aborted = await stub.Abort(abort, metadata=metadata, timeout=CONTROL_TIMEOUT_S)
+        assert aborted.found
+        with pytest.raises(grpc.aio.AioRpcError) as gone:  # released: nothing to claim now
+            await stub.Claim(claim, metadata=metadata, timeout=CONTROL_TIMEOUT_S)
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not slow.done()  # (all of it answered while the engine thread was held up)
+        await asyncio.wrap_future(slow)
+        # The engine freed both at its next drain (free, or kept by the prefix cache).
+        deadline = time.monotonic() + 30
+        while (
+            load := worker.loop.load()
+        ).held or load.free_pages + load.cached_pages < load.total_pages:
+            assert time.monotonic() < deadline, f"KV not freed: {load}"
+            await asyncio.sleep(0.05)  # polling the engine's load, bounded by the deadline
+    worker.stop()
+    await asyncio.wait_for(serving, 60)
