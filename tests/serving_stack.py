@@ -277,3 +277,19 @@ def pd_stack(model: Path, redis_url: str, workdir: Path) -> Iterator[Stack]:
         yield s
     finally:
         s.stop()
+
+
+# A tool whose forced call ends within bounded tokens: random weights never close a free string.
+FORECAST = {
+    "type": "function",
+    "function": {
+        "name": "forecast",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["days"],
+            "additionalProperties": False,
+        },
+    },
+}

@@ -22,7 +22,7 @@ from engine.llm import LLM
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from engine.sampling_params import SamplingParams
 from engine.text.chat import tokens as v4
-from tests.serving_stack import pd_stack, wait_all_kv_free
+from tests.serving_stack import FORECAST, pd_stack, wait_all_kv_free
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes
 
@@ -164,19 +164,6 @@ class Verdict(BaseModel):
     sure: bool
 
 
-FORECAST = {
-    "type": "function",
-    "function": {
-        "name": "forecast",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}},
-            "required": ["days"],
-            "additionalProperties": False,
-        },
-    },
-}
 CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}
 STRUCTURED = dict(messages=MESSAGES, temperature=0, max_tokens=64)
 THINKING_ON = {"chat_template_kwargs": {"thinking": True}}

@@ -24,6 +24,7 @@ from services.auth import token_metadata
 from services.rpc import grpc_api, pb
 from tests.conftest import free_port
 from tests.serving_stack import (
+    FORECAST,
     START_TIMEOUT_S,
     TOKEN,
     Stack,
@@ -36,19 +37,6 @@ from tests.serving_stack import (
 pytestmark = pytest.mark.e2e  # the stack's processes
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
-FORECAST = {
-    "type": "function",
-    "function": {
-        "name": "forecast",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}},
-            "required": ["days"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")
