@@ -181,3 +181,17 @@ async def sse_events(response: httpx.Response) -> list[Any]:
         else:
             assert line == "", f"unexpected SSE line {line!r}"
     return events
+
+
+class Scripted:
+    """A scripted prefill and decode pair: the reply each next request gets, the last prompt."""
+
+    def __init__(self, prefill: Any, decode: Any) -> None:
+        self.prefill, self.decode = prefill, decode
+
+    def script(self, pieces: list[str]) -> None:
+        self.prefill.first_text = pieces[0]
+        self.decode.chunks, self.decode.decode_finish = tuple(pieces[1:]), pb.FINISH_REASON_STOP
+
+    def last_prompt(self) -> list[int]:
+        return list(self.prefill.prefill_requests[-1].prompt_token_ids)

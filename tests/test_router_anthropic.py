@@ -16,8 +16,7 @@ import pytest
 import pytest_asyncio
 
 from engine.text.chat.tokens import DSML as D
-from services.rpc import pb
-from tests.scripted_worker import MODEL, WAIT_S, Serve
+from tests.scripted_worker import MODEL, WAIT_S, Scripted, Serve
 
 REASONING = "Two lookups."
 TEXT = "On it."
@@ -36,18 +35,6 @@ WEATHER = {
 }
 THINKING = {"type": "enabled", "budget_tokens": 1024}
 USER = [{"role": "user", "content": "Weather in Lima?"}]
-
-
-class Scripted:
-    def __init__(self, prefill: Any, decode: Any) -> None:
-        self.prefill, self.decode = prefill, decode
-
-    def script(self, pieces: list[str]) -> None:
-        self.prefill.first_text = pieces[0]
-        self.decode.chunks, self.decode.decode_finish = tuple(pieces[1:]), pb.FINISH_REASON_STOP
-
-    def last_prompt(self) -> list[int]:
-        return list(self.prefill.prefill_requests[-1].prompt_token_ids)
 
 
 @pytest_asyncio.fixture

@@ -15,8 +15,7 @@ import pytest
 import pytest_asyncio
 
 from engine.text.chat.tokens import DSML as D
-from services.rpc import pb
-from tests.scripted_worker import MODEL, Serve
+from tests.scripted_worker import MODEL, Scripted, Serve
 
 REASONING = "Need the weather."
 TEXT = "Checking."
@@ -34,18 +33,6 @@ WEATHER = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
 }
 HIGH = {"effort": "high"}
-
-
-class Scripted:
-    def __init__(self, prefill: Any, decode: Any) -> None:
-        self.prefill, self.decode = prefill, decode
-
-    def script(self, pieces: list[str]) -> None:
-        self.prefill.first_text = pieces[0]
-        self.decode.chunks, self.decode.decode_finish = tuple(pieces[1:]), pb.FINISH_REASON_STOP
-
-    def last_prompt(self) -> list[int]:
-        return list(self.prefill.prefill_requests[-1].prompt_token_ids)
 
 
 @pytest_asyncio.fixture
