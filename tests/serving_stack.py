@@ -234,13 +234,20 @@ class Stack:
 
         wait_for(ready, START_TIMEOUT_S, "workers to become ready")
 
-    def wait_healthy(self, router: Proc) -> str:
+    def wait_healthy(self, router: Proc, **workers: int) -> str:
+        """The router's URL once it reports healthy and, per role given (`prefill=2`), sees at
+        least that many workers: a router is healthy with one pair, before it has seen them all."""
         url = f"http://127.0.0.1:{router.port}"
 
         def healthy() -> bool:
             for p in self.procs:
                 p.check_alive()
-            return http_status(url + "/health") == 200
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    seen = json.load(r)["workers"]
+            except (urllib.error.URLError, OSError):
+                return False
+            return all(seen[role] >= n for role, n in workers.items())
 
         wait_for(healthy, START_TIMEOUT_S, "the router to report healthy")
         return url

@@ -50,7 +50,7 @@ def test_data_parallel_ranks_serve_as_workers_of_their_own_across_two_nodes(
         ]
         router = s.router("--policy", "round_robin")
         s.wait_ready(prefill, prefill1, *nodes)
-        url = s.wait_healthy(router)
+        url = s.wait_healthy(router, prefill=2, decode=2)  # round robin over all four
         registry = redis.Redis.from_url(redis_url, socket_timeout=5)
         try:
             for name in ("prefill-0-dp0", "prefill-0-dp1", "decode-1-dp0", "decode-2-dp1"):
