@@ -57,3 +57,18 @@ def test_two_engines_with_shared_experts_compute_what_one_computes(tiny):
 def test_experts_that_do_not_split_over_the_ranks_are_refused(tiny):
     with pytest.raises(ValueError, match="routed experts do not split over the 3 ranks"):
         LLMEngine(tiny, EngineConfig(data_parallel_size=3, enable_expert_parallel=True))
+
+
+def test_tensor_parallel_inside_each_data_parallel_rank_computes_what_one_computes(tiny):
+    """DP=2 x TP=2: four processes; each engine's attention split over its two ranks, the routed
+    experts over all four (a global rank's experts are its quarter)."""
+    prompts = [byte_ids(n, n) for n in (21, 64)]
+    want = LLM(tiny, **ENGINE).generate(prompts, GREEDY)
+    config = dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    with LLM(tiny, **config, **ENGINE) as four:
+        moe = next(m for m in four.engine.local.model.modules() if hasattr(m, "expert_range"))
+        experts = four.engine.local.model_config.num_experts
+        assert moe.expert_range[1] - moe.expert_range[0] == experts // 4
+        got = four.generate(prompts, GREEDY)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert max(abs(a - b) for a, b in zip(_logprobs(got), _logprobs(want), strict=True)) < 1e-5

@@ -45,7 +45,7 @@ def stack(model, redis_server, tmp_path_factory):
         workers = [s.worker("prefill"), s.worker("prefill"), s.worker("decode")]
         router = s.router("--balance-abs-threshold", "1")
         s.wait_ready(*workers)
-        s.url = s.wait_healthy(router)
+        s.url = s.wait_healthy(router, prefill=2)
         s.workers = workers
         yield s
     finally:

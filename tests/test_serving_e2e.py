@@ -367,7 +367,7 @@ def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis
         prefill, doomed, survivor = s.worker("prefill"), s.worker("decode"), s.worker("decode")
         router = s.router("--policy", "round_robin")
         s.wait_ready(prefill, doomed, survivor)
-        url = s.wait_healthy(router)
+        url = s.wait_healthy(router, decode=2)
         body = {
             "model": model.name,
             "messages": MESSAGES,
