@@ -284,7 +284,9 @@ class PDFlow:
         frozen process, this catches a live one whose engine stopped producing."""
         stall = min(self._stall_timeout_s, gen.remaining("while decoding"))
         try:
-            return await asyncio.wait_for(call.read(), stall)
+            # asyncio.timeout, not wait_for: no task per message (this runs once per token)
+            async with asyncio.timeout(stall):
+                return await call.read()
         except TimeoutError:
             call.cancel()
             if stall < self._stall_timeout_s:  # the request's own deadline came first
