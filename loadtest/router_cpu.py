@@ -9,8 +9,8 @@ compute). With `--baseline REF` a second router runs from `git archive REF` (its
 code, the same workers), and the load alternates between the routers for --rounds rounds of
 --seconds each (A, B, A, B, ...), so both meet the same machine. Each phase reports the router
 process's CPU seconds (utime + stime from /proc/PID/stat) over the tokens streamed to the client
-in it, tokens/s, and the client's TTFT and inter-chunk gaps. `--profile PATH` runs the candidate
-router under cProfile and writes its stats there when the bench stops it.
+in it, tokens/s, and the client's TTFT and inter-chunk gaps. `--profile-out PATH` runs the
+candidate router under cProfile (timed in CPU seconds) and writes its stats there at the end.
 
 The client is raw asyncio (one HTTP/1.1 connection per stream, `Connection: close`), counting
 content chunks by their `"delta":{"content":` and taking the token count from the last chunk's
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
 import random
@@ -245,9 +246,12 @@ def run(cfg: RouterBenchConfig, profile_out: str | None = None) -> dict[str, Any
         argv[argv.index("--port") + 1] = str(port)
         baseline = Process("router-baseline", argv, cwd=str(_export(cfg.baseline, work)))
         routers["baseline"] = (baseline, f"http://127.0.0.1:{port}")
-    if profile_out is not None:  # `python -m cProfile -o PATH -m services.cli router ...`
+    if profile_out is not None:  # `python -m loadtest.router_cpu --profiled PATH router ...`
         at = candidate.argv.index("-m")
-        candidate.argv[at:at] = ["-m", "cProfile", "-o", str(Path(profile_out).resolve())]
+        candidate.argv[at:] = [
+            "-m", "loadtest.router_cpu", "--profiled", str(Path(profile_out).resolve()),
+            *candidate.argv[at + 2 :],
+        ]  # fmt: skip
     try:
         cluster.start()
         if "baseline" in routers:
@@ -308,10 +312,27 @@ def _line(p: dict[str, Any]) -> str:
     )
 
 
+def profiled_main(argv: Sequence[str]) -> int:
+    """`--profiled PATH ARGS...`: `dsaserve ARGS...` under cProfile, timed in CPU seconds (the
+    process's, so time waiting in epoll counts nothing), its stats written to PATH at exit."""
+    from services import cli
+
+    profile = cProfile.Profile(time.process_time)
+    try:
+        profile.runcall(cli.main, list(argv[1:]))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        profile.dump_stats(argv[0])
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--client"]:
         return client_main(argv[1:])
+    if argv[:1] == ["--profiled"]:
+        return profiled_main(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for f, default in asdict(RouterBenchConfig()).items():
         kind = type(default) if default is not None else str
