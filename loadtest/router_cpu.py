@@ -10,7 +10,8 @@ code, the same workers), and the load alternates between the routers for --round
 --seconds each (A, B, A, B, ...), so both meet the same machine. Each phase reports the router
 process's CPU seconds (utime + stime from /proc/PID/stat) over the tokens streamed to the client
 in it, tokens/s, and the client's TTFT and inter-chunk gaps. `--profile-out PATH` runs the
-candidate router under cProfile (timed in CPU seconds) and writes its stats there at the end.
+candidate router under cProfile (CPU seconds, its phases only) and writes its stats there; the
+JSON then has each layer's share of that CPU (uvicorn + h11, asyncio, gRPC, the router, ...).
 
 The client is raw asyncio (one HTTP/1.1 connection per stream, `Connection: close`), counting
 content chunks by their `"delta":{"content":` and taking the token count from the last chunk's
@@ -28,6 +29,7 @@ import asyncio
 import cProfile
 import json
 import os
+import pstats
 import random
 import re
 import signal
@@ -262,6 +264,8 @@ def run(cfg: RouterBenchConfig, profile_out: str | None = None) -> dict[str, Any
         bodies = work / "bodies.json"
         bodies.write_text(json.dumps(_bodies(cfg, model)))
         phases: list[dict[str, Any]] = []
+        if profile_out is not None:
+            candidate.signal(signal.SIGUSR1)  # from here on
         for r in range(cfg.rounds):
             for name, (router, url) in routers.items():
                 result = _phase(cfg, router, url, bodies)
@@ -276,7 +280,10 @@ def run(cfg: RouterBenchConfig, profile_out: str | None = None) -> dict[str, Any
         for router, _ in list(routers.values())[1:]:
             router.stop()
         cluster.stop()
-    return _summary(cfg, phases)
+    result = _summary(cfg, phases)
+    if profile_out is not None:
+        result["profile"] = {"path": profile_out, "cpu_share": profile_breakdown(profile_out)}
+    return result
 
 
 def _summary(cfg: RouterBenchConfig, phases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -313,18 +320,47 @@ def _line(p: dict[str, Any]) -> str:
 
 
 def profiled_main(argv: Sequence[str]) -> int:
-    """`--profiled PATH ARGS...`: `dsaserve ARGS...` under cProfile, timed in CPU seconds (the
-    process's, so time waiting in epoll counts nothing), its stats written to PATH at exit."""
+    """`--profiled PATH ARGS...`: `dsaserve ARGS...`, profiled by cProfile from SIGUSR1 on (so
+    startup stays out), timed in CPU seconds (the process's: waiting in epoll counts nothing);
+    the stats are written to PATH at exit. The event loop's thread is the one profiled."""
     from services import cli
 
     profile = cProfile.Profile(time.process_time)
+    signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
     try:
-        profile.runcall(cli.main, list(argv[1:]))
+        cli.main(list(argv[1:]))
     except KeyboardInterrupt:
         pass
     finally:
+        profile.disable()
         profile.dump_stats(argv[0])
     return 0
+
+
+# Where the profiled router's CPU goes, by the file a function is in (first match wins).
+LAYERS = (
+    ("grpc", ("/grpc/",)),
+    ("asyncio event loop", ("/asyncio/", "selectors.py", "_contextvars", "_asyncio")),
+    ("uvicorn + h11 (HTTP framing)", ("/uvicorn/", "/h11/")),
+    ("starlette + fastapi + anyio", ("/starlette/", "/fastapi/", "/anyio/")),
+    ("socket writes", ("_socket.socket",)),
+    ("json", ("/json/",)),
+    ("prometheus_client", ("/prometheus_client/",)),
+    ("router (services/router)", ("services/router/",)),
+    ("reply parser (engine/text)", ("engine/text/",)),
+)
+
+
+def profile_breakdown(path: str) -> dict[str, float]:
+    """Each layer's share of the profiled CPU seconds (own time of its functions)."""
+    stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
+    seconds: dict[str, float] = {}
+    for (filename, _, name), (_, _, own, _, _) in stats.items():
+        where = f"{filename}:{name}"
+        layer = next((k for k, keys in LAYERS if any(x in where for x in keys)), "other")
+        seconds[layer] = seconds.get(layer, 0.0) + own
+    total = sum(seconds.values())
+    return {k: round(v / total, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = replace(RouterBenchConfig(), **args)
     result = run(cfg, profile_out)
     print(f"simulated decode step at this batch: {result['step_ms']:.1f} ms")
+    if "profile" in result:
+        print("profiled router's CPU by layer:", result["profile"]["cpu_share"])
     for name, r in result["routers"].items():
         print(f"{name}: {r['router_cpu_us_per_token']:.0f} us/token, {r['tokens_per_s']:.0f} tok/s")
     if output:
