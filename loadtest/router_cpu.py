@@ -340,7 +340,10 @@ def profiled_main(argv: Sequence[str]) -> int:
 # Where the profiled router's CPU goes, by the file a function is in (first match wins).
 LAYERS = (
     ("grpc", ("/grpc/",)),
-    ("asyncio event loop", ("/asyncio/", "selectors.py", "_contextvars", "_asyncio")),
+    (
+        "asyncio event loop",
+        ("/asyncio/", "selectors.py", "select.epoll", "_contextvars", "_asyncio"),
+    ),
     ("uvicorn + h11 (HTTP framing)", ("/uvicorn/", "/h11/")),
     ("starlette + fastapi + anyio", ("/starlette/", "/fastapi/", "/anyio/")),
     ("socket writes", ("_socket.socket",)),
