@@ -85,13 +85,16 @@ class Process:
     argv: list[str]
     metrics_port: int = 0
     env: Mapping[str, str] = field(default_factory=dict)  # on top of ours (e.g. the GPU)
+    cwd: str | None = None  # where it runs (its code, for `python -m`): None, here
     popen: subprocess.Popen | None = None
     rss_mib: list[tuple[float, float]] = field(default_factory=list)  # (t, RSS), this process
 
     def start(self, log_dir: Path) -> None:
         log = (log_dir / f"{self.name}.log").open("a")
         env = {**os.environ, "DSASERVE_CLUSTER_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1", **self.env}
-        self.popen = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.popen = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.cwd
+        )
 
     def signal(self, sig: int) -> None:
         assert self.popen is not None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from loadtest.cluster import ClusterConfig, run_cluster
+from loadtest.router_cpu import RouterBenchConfig, run
 
 pytestmark = pytest.mark.e2e  # a cluster of processes
 
@@ -24,3 +25,17 @@ def test_a_small_simulated_cluster_serves_every_stream_and_gets_every_page_back(
     cache = result["cache"]
     assert 0 < cache["hit_rate"] <= cache["best_possible"] < 1
     assert all(c > 0 for c in result["routers"]["cpu_us_per_token"])
+
+
+def test_the_router_cpu_bench_counts_every_token_of_both_routers():
+    """loadtest/router_cpu.py: the lean client's count of each stream's tokens (the last
+    chunk's usage) and the router CPU it is divided into, for the candidate router and one
+    running another ref's code (here the same commit: the compare path, not a speed-up)."""
+    cfg = RouterBenchConfig(concurrency=8, output_len=8, seconds=3, decode=1, baseline="HEAD")
+    result = run(cfg)
+    assert [p["router"] for p in result["phases"]] == ["candidate", "baseline"]
+    for phase in result["phases"]:
+        assert phase["streams"] >= 8 and phase["ok"] == phase["streams"], phase["errors"]
+        assert phase["tokens"] == 8 * phase["ok"]
+        assert phase["router_cpu_us_per_token"] > 0 and phase["gap_ms"]["p50"] is not None
+    assert result["baseline_over_candidate"] > 0

@@ -2,7 +2,8 @@
 
 `fan_in` waits for every generation's first event, so a failed prefill is the request's HTTP
 error before any answer went out, and then yields every event as (choice index, event) in the
-order they arrive. However the merged stream ends (done, error, closed by its consumer,
+order they arrive; a lone generation (n = 1) is read in the consumer's task, several each in a
+task per read. However the merged stream ends (done, error, closed by its consumer,
 cancelled), every generation is closed, which runs its cleanup (see pd.py). Closing never
 awaits here: a stream cut off by a client that left is cancelled again at every await (anyio's
 cancel scopes), so the closing runs in tasks of its own.
@@ -32,7 +33,18 @@ async def fan_in(sources: Sequence[AsyncGenerator[Event, None]]) -> AsyncGenerat
     except BaseException:
         _close_later(pending, sources)
         raise
-    return _merge(sources, firsts)
+    return _merge(sources, firsts) if len(sources) > 1 else _only(sources[0], firsts[0])
+
+
+async def _only(source: AsyncGenerator[Event, None], first: Event) -> AsyncGenerator[Indexed, None]:
+    """One source (n = 1, the usual request): no task per event, as merging needs (this runs
+    once per token). A cancellation while reading lands in the source itself, which ends it."""
+    try:
+        yield 0, first
+        async for event in source:
+            yield 0, event
+    finally:
+        _close_later({}, [source])
 
 
 async def _merge(

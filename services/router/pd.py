@@ -132,6 +132,7 @@ class PDFlow:
                 lambda exclude: self._selector.decode(prefill_worker.layout_hash, exclude),
                 lambda w: self._open_decode(w, gen, first),
             )
+            watch = _ReadWatch(self._stall_timeout_s, gen.deadline)
             try:
                 with self._clients.busy(decode_worker.worker_id):
                     while response is not grpc.aio.EOF:
@@ -142,7 +143,7 @@ class PDFlow:
                             yield event
                             return
                         yield event
-                        response = await self._read(call, decode_worker, gen)
+                        response = await self._read(call, watch, decode_worker, gen)
                 raise worker_failure(
                     500,
                     "The decode worker ended the stream without a finish reason.",
@@ -152,6 +153,7 @@ class PDFlow:
                     detail="stream ended without a finish reason",
                 )
             finally:
+                watch.close()
                 call.cancel()  # no-op once the call is complete
         finally:
             if not finished:
@@ -277,32 +279,37 @@ class PDFlow:
                 pass
 
     async def _read(
-        self, call: DecodeCall, worker: WorkerRecord, gen: Generation
+        self, call: DecodeCall, watch: _ReadWatch, worker: WorkerRecord, gen: Generation
     ) -> pb.DecodeResponse:
         """The stream's next message. A worker that sends nothing for the stall timeout is
         abandoned (and skipped by new requests for a while): gRPC keepalive catches a dead or
         frozen process, this catches a live one whose engine stopped producing."""
-        stall = min(self._stall_timeout_s, gen.remaining("while decoding"))
+        gen.remaining("while decoding")  # raises once the deadline has passed
+        task = watch.reading()
         try:
-            return await asyncio.wait_for(call.read(), stall)
-        except TimeoutError:
-            call.cancel()
-            if stall < self._stall_timeout_s:  # the request's own deadline came first
-                raise timeout_error(gen.timeout_s, "while decoding") from None
-            self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "stalled")
-            raise worker_failure(
-                503,
-                f"The decode worker sent nothing for {stall:g} s and was abandoned; retry the "
-                "request.",
-                cause="stalled",
-                role="decode",
-                address=worker.address,
-                detail=f"stalled {stall:g} s",
-            ) from None
+            return await call.read()
+        except asyncio.CancelledError:
+            if not watch.expired or task.uncancel() > 0:  # (someone else's cancellation too)
+                raise
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE:
                 self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "unavailable")
             raise from_grpc(e, "decode", worker.address) from None
+        finally:
+            watch.done_reading()
+        call.cancel()
+        if watch.deadline_first:
+            raise timeout_error(gen.timeout_s, "while decoding")
+        stall = self._stall_timeout_s
+        self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "stalled")
+        raise worker_failure(
+            503,
+            f"The decode worker sent nothing for {stall:g} s and was abandoned; retry the request.",
+            cause="stalled",
+            role="decode",
+            address=worker.address,
+            detail=f"stalled {stall:g} s",
+        )
 
     @staticmethod
     def _finish(
@@ -339,3 +346,54 @@ class PDFlow:
             usage.completion_tokens,
             first.usage.cached_tokens,
         )
+
+
+class _ReadWatch:
+    """Bounds each read of a Decode stream by the stall timeout and the request's deadline, as
+    asyncio.timeout around each read would, with one timer per stall period instead of one per
+    message (a read happens once per token): when the timer fires it re-arms itself for the
+    read in progress, unless that read has waited too long, and then it cancels the reading
+    task (`expired`). Times are the loop's (time.monotonic, as the deadline)."""
+
+    def __init__(self, stall_s: float, deadline: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stall_s, self._deadline = stall_s, deadline
+        self._task: asyncio.Task[object] | None = None  # the task in a read, None between them
+        self._since = 0.0  # when the read in progress began
+        self._timer: asyncio.TimerHandle | None = None
+        self.expired = False
+
+    @property
+    def deadline_first(self) -> bool:
+        """Whether the request's deadline, not the stall timeout, ended the read."""
+        return self._deadline <= self._since + self._stall_s
+
+    def reading(self) -> asyncio.Task[object]:
+        """A read begins in the current task."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._task, self._since = task, self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._due(), self._check)
+        return task
+
+    def done_reading(self) -> None:
+        self._task = None
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _due(self) -> float:
+        return min(self._since + self._stall_s, self._deadline)
+
+    def _check(self) -> None:
+        self._timer = None
+        if self._task is None:  # between reads: the next read arms the timer again
+            return
+        if self._loop.time() >= self._due():
+            self.expired = True
+            self._task.cancel()
+        else:
+            self._timer = self._loop.call_at(self._due(), self._check)

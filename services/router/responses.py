@@ -44,6 +44,7 @@ class Reply:
         self.continuous_usage = continuous_usage
         self._finishes: dict[int, Finish] = {}
         self._tokens_out = 0  # completion tokens so far, every choice's
+        self._chunk_head = self._head(self.chunk_object)  # every chunk's first keys
 
     def opening_chunks(self) -> list[JSON]:
         """Chunks that open a stream (chat: each choice's role)."""
@@ -84,7 +85,7 @@ class Reply:
         }
 
     def _chunk(self, choice: JSON) -> JSON:
-        chunk = {**self._head(self.chunk_object), "choices": [choice]}
+        chunk = {**self._chunk_head, "choices": [choice]}
         if self.continuous_usage:
             chunk["usage"] = {
                 "prompt_tokens": self.prompt_tokens,

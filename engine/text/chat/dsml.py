@@ -472,10 +472,17 @@ def _held_length(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest tail of `text` that some marker starts with."""
     longest = 0
     for marker in markers:
-        for length in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:length]):
-                longest = length
+        # A held tail starts with the marker's first character: only its places in the last
+        # len(marker) - 1 characters are tried, leftmost (longest) first, and only for tails
+        # longer than one already found. This runs once per streamed token, where trying every
+        # length was most of the parser's time.
+        end = len(text) - longest
+        at = text.find(marker[0], max(0, len(text) - len(marker) + 1), end)
+        while at >= 0:
+            if marker.startswith(text[at:]):
+                longest = len(text) - at
                 break
+            at = text.find(marker[0], at + 1, end)
     return longest
 
 
