@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -293,7 +294,7 @@ class LLMEngine:
             raise KeyError(request_id)
         staged = self._staged.get(request_id)
         pages = {STAGING: staged} if staged else req.kv_pages()
-        return KVPages(pages=pages, num_tokens=req.num_computed)
+        return KVPages(pages, req.num_computed, tuple(req.draft_token_ids))
 
     def stage(self, request_id: str) -> KVPages:
         """Pack a held request's KV into staging blocks and free its pages and slab row; when
@@ -351,9 +352,18 @@ class LLMEngine:
         first_token_id: int,
         params: SamplingParams,
         listener: Listener | None = None,
+        draft_token_ids: Sequence[int] = (),
     ) -> KVPages | None:
         """Allocate pages for a prefilled request (prompt KV computed elsewhere, first token
-        already sampled and sent); None when the pools are full right now."""
+        already sampled and sent, with the drafts after it when speculating: its first step
+        verifies them); None when the pools are full right now."""
+        most = self.speculator.spec.num_speculative_tokens if self.speculator else 0
+        vocab = self.tokenizer.vocab_size
+        if len(draft_token_ids) > most or any(not 0 <= t < vocab for t in draft_token_ids):
+            raise RequestError(
+                f"a prefilled request carries at most {most} draft token ids in [0, {vocab}); "
+                f"got {list(draft_token_ids)[:8]}"
+            )
         req = self.new_request(request_id, prompt_token_ids, params, listener=listener)
         # Pages freed while a step runs may still be written by it; the transfer that fills
         # the pages given here does not wait for the device's stream.
@@ -366,6 +376,7 @@ class LLMEngine:
             raise RequestError(
                 f"request {request_id!r} already finished at its first token ({reason})"
             )
+        req.draft_token_ids = list(draft_token_ids)
         plan = self.prefix_cache.begin_step() if self.prefix_cache else None
         reserved = self.scheduler.reserve(req)
         if plan:  # evictions to the host tier: read before the transfer writes the pages

@@ -44,6 +44,9 @@ class KVPages:
 
     pages: dict[str, list[int]]  # pool group -> page ids in logical order ("slab" -> [row])
     num_tokens: int  # tokens whose KV the pages hold
+    # speculative decoding: the MTP layer's drafts after the first token, which the reader's
+    # first step verifies (the prefill worker drafts as a local engine does after a prefill)
+    draft_token_ids: tuple[int, ...] = ()
 
 
 Listener = Callable[[RequestOutput], None]

@@ -119,7 +119,7 @@ def check_moved_request_decodes_as_if_never_moved(
     for group in decode.pool.groups.values():  # other pages than the prefill engine's
         group.allocator.allocate(3)
     assert decode.pool.layout_hash() == prefill.pool.layout_hash()
-    reserved = decode.reserve("r", prompt, first, params)
+    reserved = decode.reserve("r", prompt, first, params, draft_token_ids=held.draft_token_ids)
     if via == "staging":
         unpack = decode.pool.unpacker(reserved.pages)
         move_staged(prefill.pool, held.pages[STAGING], decode.pool, unpack)
@@ -129,5 +129,8 @@ def check_moved_request_decodes_as_if_never_moved(
                 dst.tensor[reserved.pages[dst.group]] = src.tensor[held.pages[src.group]]
     decode.join("r")
     assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
+    if alone.speculator is not None:  # drafts from the first decode step on, as never moved
+        assert held.draft_token_ids and decode.speculator is not None
+        assert decode.speculator.stats == alone.speculator.stats
     assert prefill.release("r")
     return want

@@ -15,13 +15,19 @@ from safetensors.torch import load_file, save_file
 from engine.checkpoint import ConfigError
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
+from engine.kv.layout import SLAB
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.request import RequestError
 from engine.sampler import probabilities
 from engine.sampling_params import SamplingParams
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.verify import accepted_tokens, verify_rows
-from tests.engine_cases import assert_all_free, drain
+from tests.engine_cases import (
+    assert_all_free,
+    check_moved_request_decodes_as_if_never_moved,
+    drain,
+)
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 2}
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -296,3 +302,26 @@ def test_prefix_cache_hits_resume_the_mtp_layer_too():
     assert cache is not None and cache.stats.hits > 0
     assert spec.engine.speculator.stats.num_accepted_tokens > 0
     assert_all_free(spec.engine)
+
+
+@pytest.mark.parametrize("via", ["staging", "pages"])
+def test_a_moved_request_verifies_the_prefill_engines_drafts_at_its_first_step(via):
+    """Disaggregated: the prefill engine drafts after the first token as one engine does, the
+    drafts travel with the KV (KVPages.draft_token_ids) and the decode engine's first step
+    verifies them: the tokens, and every speculation count, those of the request never moved."""
+    config = EngineConfig(speculative_config=_spec(2), **ENGINE)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    groups = {"swa", "csa", "hca", SLAB}
+    check_moved_request_decodes_as_if_never_moved(
+        DEMO_MODEL_DIR, config, PROMPTS[0], via, groups, params
+    )
+
+
+def test_drafts_a_decode_engine_cannot_verify_are_refused():
+    engine = LLMEngine(DEMO_MODEL_DIR, EngineConfig(speculative_config=_spec(2), **ENGINE))
+    params = SamplingParams(max_tokens=8, temperature=0)
+    for drafts in ([1, 2, 3], [-1], [engine.tokenizer.vocab_size]):
+        with pytest.raises(RequestError, match="draft token ids"):
+            engine.reserve("r", PROMPTS[0], 65, params, draft_token_ids=drafts)
+    assert "r" not in engine.scheduler.requests
+    assert_all_free(engine)

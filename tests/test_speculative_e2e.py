@@ -1,5 +1,6 @@
 """Speculative decoding under disaggregation: a prefill worker that runs the MTP layer over the
-prompt and a decode worker that drafts, both with --speculative-config, through the router."""
+prompt and drafts after the first token, and a decode worker that verifies those drafts at its
+first step and drafts on, both with --speculative-config, through the router."""
 
 from __future__ import annotations
 
@@ -47,6 +48,14 @@ def test_greedy_completions_equal_offline_ones_and_aborts_free_both_workers(stac
     accepted = stack.decode.counter("dsaserve_spec_decode_num_accepted_tokens_total", role="decode")
     drafts = stack.decode.counter("dsaserve_spec_decode_num_drafts_total", role="decode")
     assert drafts > 0 and accepted > 0
+    # three tokens: the prefill worker's first, then one draft (the most the third token
+    # leaves), which only the decode worker's first step can verify: it came with the KV
+    client.completions.create(
+        model=DEMO_MODEL_DIR.name, prompt=PROMPTS[1], max_tokens=3, temperature=0
+    )
+    assert stack.decode.counter("dsaserve_spec_decode_num_drafts_total", role="decode") == (
+        drafts + 1
+    )
     stream = client.completions.create(
         model=DEMO_MODEL_DIR.name, prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True
     )

@@ -89,7 +89,7 @@ def test_staged_and_page_pulls_give_the_same_answers(model, redis_server, tmp_pa
         decode = s.worker("decode")
         router = s.router("--policy", "round_robin")
         s.wait_ready(roomy, tight, decode)
-        url = s.wait_healthy(router)
+        url = s.wait_healthy(router, prefill=2)  # round robin over both
         assert prefilled_groups(roomy, "probe-roomy") == {STAGING}
         assert prefilled_groups(tight, "probe-tight") == {"swa", "csa", "hca", SLAB}
 

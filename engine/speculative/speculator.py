@@ -138,15 +138,17 @@ class Speculator:
         self._logits = self.runner.call("draft", spans, last.num_decode, rows)
 
     def propose(self, k: int) -> None:
-        """After the hand-out: up to k drafts for each sampler that still decodes here (the
-        rest of its passes), stored in its `draft_token_ids` for the next step."""
+        """After the hand-out: up to k drafts for each sampler that still decodes, here or (a
+        prefill-only request held for its reader) on a decode worker, which gets them with the
+        KV (KVPages.draft_token_ids) and verifies them at its first step; the rest of the MTP
+        layer's passes, stored in each request's `draft_token_ids`."""
         logits, firsts = self._logits, self._firsts
         if logits is None or k == 0:
             return
         want = [  # (index in firsts, request, drafts)
             (i, req, min(k, req.max_tokens - len(req.output_token_ids) - 1))
             for i, (req, _, _) in enumerate(firsts)
-            if req.status is Status.RUNNING and not req.prefill_only
+            if req.status is (Status.HELD if req.prefill_only else Status.RUNNING)
         ]
         want = [w for w in want if w[2] > 0]
         if not want:

@@ -147,10 +147,13 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         """Pages for the request's KV; waits while the pools are full, up to the prefill lease."""
         w, rid = self.w, request.request_id
         prompt, first = list(request.prompt_token_ids), request.first_token_id
+        drafts = list(request.kv.draft_token_ids)  # verified at its first step
         deadline = time.monotonic() + max(0.0, (request.kv.lease_expires_unix_ms - now_ms()) / 1000)
         while True:
             try:
-                held = await w.loop.run(lambda e: e.reserve(rid, prompt, first, params, outputs))
+                held = await w.loop.run(
+                    lambda e: e.reserve(rid, prompt, first, params, outputs, drafts)
+                )
             except RequestError as e:
                 w.metrics.fail("invalid_request")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -117,6 +117,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                     num_tokens=held.num_tokens,
                     lease_expires_unix_ms=now_ms() + int(self.lease_s * 1000),
                     address=w.address,
+                    draft_token_ids=held.draft_token_ids,
                 )
             )
         return response

@@ -71,7 +71,7 @@ class PageIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms", "address")
+    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms", "address", "draft_token_ids")
     class PagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class KVHandle(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     agent_name: str
     layout_hash: str
@@ -95,7 +96,8 @@ class KVHandle(_message.Message):
     num_tokens: int
     lease_expires_unix_ms: int
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., address: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
