@@ -325,3 +325,13 @@ def test_drafts_a_decode_engine_cannot_verify_are_refused():
             engine.reserve("r", PROMPTS[0], 65, params, draft_token_ids=drafts)
     assert "r" not in engine.scheduler.requests
     assert_all_free(engine)
+
+
+@pytest.mark.e2e  # two ranks as processes
+def test_a_tensor_parallel_group_speculates_what_one_rank_decodes(reference):
+    """TP=2: rank 0 verifies and drafts, its follower runs every MTP pass with it (the runner's
+    calls reach both ranks); the greedy tokens are those without speculation."""
+    with LLM(DEMO_MODEL_DIR, tensor_parallel_size=2, speculative_config=SPEC, **ENGINE) as two:
+        got = [r.token_ids for r in two.generate(PROMPTS, GREEDY)]
+        assert got == reference
+        assert two.engine.speculator.stats.num_accepted_tokens > 0
