@@ -187,6 +187,35 @@ async def test_a_worker_started_during_an_outage_registers_when_redis_is_back(
 
 
 @pytest.mark.asyncio
+async def test_a_worker_writes_its_record_again_as_soon_as_it_vanishes(
+    private_redis: PrivateRedis,
+) -> None:
+    """Flushed, deleted, or lost with a restarted Redis: the record is back long before the
+    next beat (TTL/3 = 200 s here), so no router misses the worker for a refresh."""
+    reg = WorkerRegistration(private_redis.url, record("w1"), Load, TOKEN, ttl_s=600.0)
+    key = worker_key("w1")
+    await reg.start()
+    try:
+        for lose in ("flushall", "delete", "restart"):
+            client = aioredis.Redis.from_url(private_redis.url)
+            if lose == "flushall":
+                await client.flushall()
+            elif lose == "delete":
+                await client.delete(key)
+            else:
+                private_redis.restart()
+                await client.aclose()
+                client = aioredis.Redis.from_url(private_redis.url)
+            deadline = time.monotonic() + 20
+            while not await client.exists(key):
+                assert time.monotonic() < deadline, f"the record never came back after {lose}"
+                await asyncio.sleep(0.02)
+            await client.aclose()
+    finally:
+        await reg.stop()
+
+
+@pytest.mark.asyncio
 async def test_watcher_start_fails_fast_without_redis(unused_tcp_port: int) -> None:
     watcher = RegistryWatcher(f"redis://127.0.0.1:{unused_tcp_port}/0", TOKEN, ttl_s=1.0)
     with pytest.raises((ConnectionError, OSError, aioredis.ConnectionError)):
