@@ -61,7 +61,9 @@ async def wait_until(
 def test_record_json_round_trip_ignores_unknown_keys() -> None:
     rec = dataclasses.replace(
         record("w1"),
-        load=Load(running=3, waiting=1, free_pages=7, total_pages=9, held=2, cached_pages=1),
+        load=Load(
+            running=3, waiting=1, free_pages=7, total_pages=9, held=2, cached_pages=1, step_ms=40
+        ),
     )
     data = json.loads(rec.to_json())
     assert data["load"] == {
@@ -71,6 +73,7 @@ def test_record_json_round_trip_ignores_unknown_keys() -> None:
         "total_pages": 9,
         "held": 2,
         "cached_pages": 1,
+        "step_ms": 40,
     }
     data["future_field"] = {"x": 1}
     data["load"]["future_load"] = 5

@@ -19,6 +19,7 @@ from typing import TypeAlias, TypeVar
 
 import grpc
 
+from engine.load import step_deadline
 from services.registry import WorkerRecord
 from services.rpc import pb
 
@@ -63,6 +64,9 @@ _REFUSED = {
     grpc.StatusCode.UNAUTHENTICATED,
 }
 UNHEALTHY_FOR_S = 30.0  # a worker that failed or stalled is skipped this long by new requests
+# A decode stream sends a message a step; it has stalled after --stall-timeout without one, or
+# after this many of its worker's measured steps when that is longer (a slow or loaded worker).
+STALL_STEPS = 20
 # Decode errors (DecodeError.cause) after which the same request may well succeed, as clients
 # are told them (the decode worker's own message names workers: it goes to the log).
 _RETRYABLE = {
@@ -282,12 +286,13 @@ class PDFlow:
         """The stream's next message. A worker that sends nothing for the stall timeout is
         abandoned (and skipped by new requests for a while): gRPC keepalive catches a dead or
         frozen process, this catches a live one whose engine stopped producing."""
-        stall = min(self._stall_timeout_s, gen.remaining("while decoding"))
+        allowed = step_deadline(self._stall_timeout_s, STALL_STEPS, worker.load.step_ms)
+        stall = min(allowed, gen.remaining("while decoding"))
         try:
             return await asyncio.wait_for(call.read(), stall)
         except TimeoutError:
             call.cancel()
-            if stall < self._stall_timeout_s:  # the request's own deadline came first
+            if stall < allowed:  # the request's own deadline came first
                 raise timeout_error(gen.timeout_s, "while decoding") from None
             self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "stalled")
             raise worker_failure(
