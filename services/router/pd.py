@@ -24,6 +24,7 @@ from services.registry import WorkerRecord
 from services.rpc import pb
 
 from .clients import WorkerClients
+from .decode_room import DecodeRoom, Transit
 from .errors import APIError, from_grpc, timeout_error, worker_failure
 from .metrics import RequestTimer
 from .selection import WorkerSelector
@@ -102,13 +103,29 @@ class Generation:
 
 class PDFlow:
     def __init__(
-        self, selector: WorkerSelector, clients: WorkerClients, stall_timeout_s: float
+        self,
+        selector: WorkerSelector,
+        clients: WorkerClients,
+        stall_timeout_s: float,
+        room: DecodeRoom,
     ) -> None:
         self._selector = selector
         self._clients = clients
         self._stall_timeout_s = stall_timeout_s
+        self._room = room
 
     async def generate(self, gen: Generation) -> AsyncGenerator[Event, None]:
+        # No prompt is computed before some decode worker has room for its KV.
+        transit = await self._room.enter(gen.remaining("waiting for a decode worker's room"))
+        try:
+            # (closed here, not when collected: its cleanup cancels calls and aborts)
+            async with contextlib.aclosing(self._generate(gen, transit)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            transit.leave()
+
+    async def _generate(self, gen: Generation, transit: Transit) -> AsyncGenerator[Event, None]:
         prefill_worker, first = await self._retry_once(
             "prefill",
             lambda exclude: self._selector.prefill(exclude, gen.prompt_ids),
@@ -136,6 +153,7 @@ class PDFlow:
                 lambda exclude: self._selector.decode(prefill_worker.layout_hash, exclude),
                 lambda w: self._open_decode(w, gen, first),
             )
+            transit.leave()  # (its pages are reserved there: its records count them soon)
             try:
                 with self._clients.busy(decode_worker.worker_id):
                     while response is not grpc.aio.EOF:
