@@ -1,9 +1,9 @@
 """The router's FastAPI app: OpenAI routes, vLLM's /tokenize and /detokenize, /health, /metrics,
 and the objects they share.
 
-A request goes: API key -> body validation -> model name -> chat format + tokenize -> context
-check -> admission -> one generation per choice: prefill worker (policy) -> Prefill -> first
-token out -> Decode stream.
+A request goes: API key -> body validation -> a 429 at capacity -> model name -> chat format +
+tokenize -> context check -> admission -> one generation per choice: room on the decode side ->
+prefill worker (policy) -> Prefill -> first token out -> Decode stream.
 """
 
 from __future__ import annotations
