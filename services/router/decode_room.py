@@ -13,11 +13,12 @@ pre-allocation, the router holds a prompt back until a decode worker has room fo
 over the decode workers of the model, pooled (the decode worker is picked after the prefill):
 `used` is their pages neither free nor only cached (registry records), `per request` the pages
 a running request holds there on average, and `in transit` this router's requests sent to
-prefill whose decode has not reserved yet (no record shows their pages; without this term a
-burst between two heartbeats would all pass). Unknown costs (no request running) count as
-zero: an idle decode side has room. A prompt held back longer than `max_wait_s`
-(--max-queue-delay) is refused with 503 + Retry-After; it keeps its admission slot meanwhile,
-so newcomers queue, and are refused, at admission.
+prefill whose decode stream has not started yet (no record shows their pages; without this
+term a burst between two heartbeats would all pass; after it, the decode worker's next record
+does, up to a heartbeat and a refresh later, which the threshold's headroom covers). Unknown
+costs (no request running) count as zero: an idle decode side has room. A prompt held back
+longer than `max_wait_s` (--max-queue-delay) is refused with 503 + Retry-After; it keeps its
+admission slot meanwhile, so newcomers queue, and are refused, at admission.
 """
 
 from __future__ import annotations

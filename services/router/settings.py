@@ -98,7 +98,8 @@ class RouterSettings:
     port: int = setting(8000, "HTTP port")
     stall_timeout_s: float = setting(
         30.0,
-        "seconds a decode stream may send nothing before it is abandoned and its worker skipped",
+        "seconds a decode stream may send nothing before it is abandoned and its worker skipped, "
+        "at least (20 of the decode worker's measured steps when that is longer)",
         flag="--stall-timeout",
     )
     default_thinking: bool = setting(
