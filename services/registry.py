@@ -237,7 +237,8 @@ class WorkerRegistration:
             try:
                 await self._listen()
             except (aioredis.RedisError, OSError) as e:
-                log.info("registry key watch for %s: %s; reconnecting", self.record.worker_id, e)
+                # (debug: while Redis is down the heartbeat already warns at every beat)
+                log.debug("registry key watch for %s: %s; reconnecting", self.record.worker_id, e)
             await asyncio.sleep(KEY_WATCH_RETRY_S)  # (Redis down: retry, not spin)
 
     async def _listen(self) -> None:
