@@ -10,9 +10,11 @@ engine calls with the request's outputs; the queue hands them to its event loop 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -27,6 +29,7 @@ IDLE_WAIT_S = 0.5  # how long an idle engine thread waits for a command before l
 # An idle engine of a data-parallel group steps this often (its peers may compute and need it;
 # a request that arrives while every engine idles waits up to this long for its first step).
 LOCKSTEP_IDLE_S = 0.02
+STEP_TIME_WEIGHT = 0.2  # the newest step's weight in the measured step time (a moving average)
 
 
 class OutputQueue:
@@ -50,6 +53,7 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._load = engine.load()
+        self._step_s = 0.0  # moving average of the steps that computed something
         self.failure: BaseException | None = None  # set if the engine thread died
 
     def start(self) -> None:
@@ -111,9 +115,13 @@ class EngineLoop:
             idle_wait = LOCKSTEP_IDLE_S if engine.steps_when_idle else IDLE_WAIT_S
             while not self._stopping.is_set():
                 self._drain_commands(block=not engine.has_unfinished(), timeout=idle_wait)
-                if engine.has_unfinished() or engine.steps_when_idle:
+                if engine.has_unfinished():
+                    start = time.perf_counter()
                     engine.step()  # outputs reach each request's listener
-                self._load = engine.load()
+                    self._measured(time.perf_counter() - start)
+                elif engine.steps_when_idle:  # (a lockstep pad: not a step time)
+                    engine.step()
+                self._load = dataclasses.replace(engine.load(), step_ms=round(self._step_s * 1000))
         except BaseException as e:  # recorded; the worker watchdog reports it
             log.exception("engine thread died")
             self.failure = e
@@ -122,6 +130,12 @@ class EngineLoop:
             while not self._commands.empty():
                 _, fut = self._commands.get_nowait()
                 fut.cancel()
+
+    def _measured(self, step_s: float) -> None:
+        first = self._step_s == 0.0
+        self._step_s = (
+            step_s if first else self._step_s + STEP_TIME_WEIGHT * (step_s - self._step_s)
+        )
 
     def _drain_commands(self, block: bool, timeout: float) -> None:
         while True:

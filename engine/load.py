@@ -16,3 +16,11 @@ class Load:
     free_pages: int = 0  # over all KV pool groups
     total_pages: int = 0
     cached_pages: int = 0  # held only by the prefix cache (free + cached = total when idle)
+    step_ms: int = 0  # the engine's measured step time (a moving average; 0: none yet)
+
+
+def step_deadline(floor_s: float, steps: int, step_ms: int) -> float:
+    """Seconds to allow for something that waits on about `steps` engine steps of a worker
+    whose steps take `step_ms`, and never less than `floor_s`: deadlines that stretch with a
+    slow or loaded worker instead of failing healthy calls, and stay put while it is fast."""
+    return max(floor_s, steps * step_ms / 1000)

@@ -2,7 +2,8 @@
 
 Each worker owns one key, `dsaserve:worker:<worker_id>`, holding its `WorkerRecord` as JSON with a
 TTL (default 6 s). `WorkerRegistration` rewrites it every TTL/3 with fresh load numbers, so two
-missed beats still leave it alive and a dead worker's key expires on its own. `RegistryWatcher`
+missed beats still leave it alive and a dead worker's key expires on its own; and at once when
+the key vanishes (a FLUSHALL, a DEL, a restarted Redis). `RegistryWatcher`
 re-reads all keys every TTL/2 (SCAN + MGET), so a worker that stops beating leaves the router's
 snapshot within TTL + TTL/2 < 2 TTL.
 
@@ -45,6 +46,8 @@ Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 # How far the clocks of a worker and a router may disagree (hosts run NTP: milliseconds apart).
 MAX_CLOCK_SKEW_S = 5.0
+INVALIDATE_CHANNEL = "__redis__:invalidate"  # where Redis sends client-side tracking's messages
+KEY_WATCH_RETRY_S = 0.5  # a worker's key watch reconnects this often while Redis is down
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +127,17 @@ def worker_key(worker_id: str) -> str:
     return KEY_PREFIX + worker_id
 
 
-def _client(redis_url: str, ttl_s: float) -> aioredis.Redis:
+def _client(redis_url: str, ttl_s: float, single_connection: bool = False) -> aioredis.Redis:
     # Socket timeouts bound every command: a hung Redis must not hang a heartbeat or a refresh.
     timeout = max(0.5, ttl_s / 3)
     return aioredis.Redis.from_url(
-        redis_url, socket_timeout=timeout, socket_connect_timeout=timeout
+        redis_url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        single_connection_client=single_connection,
+        # A tracking connection speaks RESP2 like its listener: Redis writes a flush's message
+        # in the tracking connection's protocol, which a RESP2 listener could not parse.
+        protocol=2 if single_connection else None,
     )
 
 
@@ -137,6 +146,13 @@ class WorkerRegistration:
 
     `load_fn` is called on every beat for the current load; `token` (the cluster token) signs
     each write.
+
+    Besides the periodic beat, the worker writes its record again the moment the record
+    vanishes (a FLUSHALL, a DEL, a restarted Redis), so routers never miss it for a beat: the
+    beating connection asks Redis to tell a second, listening one whenever the key changes
+    (client-side caching's broadcast tracking, Redis >= 6, on the key alone and ignoring its own
+    writes); a flush or a change by anyone else wakes the listener, and a Redis restart closes
+    its connection; either way the record is written at once.
     """
 
     def __init__(
@@ -155,7 +171,7 @@ class WorkerRegistration:
         self._load_fn = load_fn
         self._ttl_s = ttl_s
         self._redis: aioredis.Redis | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> bool:
         """Write the record, then heartbeat; returns whether the first write landed.
@@ -163,7 +179,9 @@ class WorkerRegistration:
         A worker that starts while Redis is down still serves: the router keeps the workers it
         saw through an outage, so a worker restarted at the same address takes requests again at
         once, and the heartbeat registers it when Redis is back."""
-        self._redis = _client(self._redis_url, self._ttl_s)
+        # One connection: tracking belongs to the connection that asked for it, and NOLOOP
+        # (ignore our own writes) only covers writes on that same connection.
+        self._redis = _client(self._redis_url, self._ttl_s, single_connection=True)
         registered = True
         try:
             await self._beat()
@@ -174,18 +192,20 @@ class WorkerRegistration:
                 e,
                 self.record.worker_id,
             )
-        self._task = asyncio.create_task(
-            self._heartbeat(), name=f"registry-heartbeat-{self.record.worker_id}"
-        )
+        wid = self.record.worker_id
+        self._tasks = [
+            asyncio.create_task(self._heartbeat(), name=f"registry-heartbeat-{wid}"),
+            asyncio.create_task(self._watch_key(), name=f"registry-key-watch-{wid}"),
+        ]
         return registered
 
     async def stop(self) -> None:
         """Stop beating and delete the key, so the router stops routing here at once."""
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._tasks = []
         if self._redis is not None:
             try:
                 await self._redis.delete(worker_key(self.record.worker_id))
@@ -209,6 +229,63 @@ class WorkerRegistration:
             except (aioredis.RedisError, OSError) as e:
                 # Keep beating: a short Redis outage must not take a healthy worker out for good.
                 log.warning("registry heartbeat for %s failed: %s", self.record.worker_id, e)
+
+    async def _watch_key(self) -> None:
+        """Write the record again whenever Redis says the key changed, or the listening
+        connection is new (first start, or Redis came back: it may have lost every key)."""
+        while True:
+            try:
+                await self._listen()
+            except (aioredis.RedisError, OSError) as e:
+                # (debug: while Redis is down the heartbeat already warns at every beat)
+                log.debug("registry key watch for %s: %s; reconnecting", self.record.worker_id, e)
+            await asyncio.sleep(KEY_WATCH_RETRY_S)  # (Redis down: retry, not spin)
+
+    async def _listen(self) -> None:
+        assert self._redis is not None
+        key = worker_key(self.record.worker_id)
+        # No socket timeout: the listener waits for as long as nothing happens; a Redis that
+        # goes away closes the connection (and the heartbeat still writes every TTL/3).
+        # RESP2: the invalidations arrive as plain pub/sub replies that read_response returns.
+        pool = aioredis.ConnectionPool.from_url(
+            self._redis_url,
+            protocol=2,
+            socket_timeout=None,
+            socket_connect_timeout=max(0.5, self._ttl_s / 3),
+        )
+        listener = await pool.get_connection()
+        try:
+            await listener.send_command("CLIENT", "ID")
+            listener_id = int(await listener.read_response())
+            await listener.send_command("SUBSCRIBE", INVALIDATE_CHANNEL)
+            await listener.read_response()  # the subscription's confirmation
+            # (off first: the connection may still track for a listener that is gone)
+            await self._redis.client_tracking_off()
+            await self._redis.client_tracking_on(
+                clientid=listener_id, prefix=[key], bcast=True, noloop=True
+            )
+            while True:
+                # A key that tracking now covers may have been lost before (a restarted Redis,
+                # a flush while we were away): write it now, then after every change.
+                await self._beat()
+                while not await self._lost(await listener.read_response(), key):
+                    pass
+                log.warning(
+                    "registry record of %s vanished; writing it again", self.record.worker_id
+                )
+        finally:
+            await pool.disconnect()
+
+    async def _lost(self, message: object, key: str) -> bool:
+        """Whether an invalidation means our record may be gone: a flush (no key names), or
+        a change to our key by someone else (a DEL, an expiry); then only if it is gone."""
+        if not isinstance(message, list) or len(message) < 3 or message[0] != b"message":
+            return False
+        keys = message[2]
+        if keys is not None and key.encode() not in keys:
+            return False
+        assert self._redis is not None
+        return not await self._redis.exists(key)
 
 
 class RegistryWatcher:

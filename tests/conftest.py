@@ -50,8 +50,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_redis(log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+def _start_redis(log: Path, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    port = port or free_port()
     proc = subprocess.Popen(
         redis_launcher.command(port, "--logfile", str(log)),
         stdout=subprocess.DEVNULL,
@@ -100,6 +100,15 @@ class PrivateRedis:
 
     url: str
     proc: subprocess.Popen[bytes]
+    log: Path
+
+    def restart(self) -> None:
+        """Stop the server and start a fresh one on the same port: every key is lost and every
+        connection closed, as when a Redis restarts."""
+        self.resume()
+        _stop(self.proc)
+        port = int(self.url.rsplit(":", 1)[1].split("/")[0])
+        self.proc, _ = _start_redis(self.log, port)
 
     def pause(self) -> None:
         """SIGSTOP: connections stay open and commands hang, as on a stuck or partitioned Redis."""
@@ -112,11 +121,12 @@ class PrivateRedis:
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
     """A redis-server for this test alone; resumed if paused, and stopped, at teardown."""
-    proc, url = _start_redis_retrying(tmp_path / "private-redis.log")
-    server = PrivateRedis(url, proc)
+    log = tmp_path / "private-redis.log"
+    proc, url = _start_redis_retrying(log)
+    server = PrivateRedis(url, proc, log)
     yield server
     server.resume()
-    _stop(proc)
+    _stop(server.proc)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
 import openai
 
 from services.auth import token_metadata
@@ -113,6 +114,39 @@ def wait_all_kv_free(*workers: Proc, timeout: float = 20) -> None:
     """Every worker ends with all its KV pages free and no request left."""
     for worker in workers:
         wait_for(worker.all_kv_free, timeout, f"{worker.name} to free all KV")
+
+
+def slow_profile(path: Path, decode_step_ms: float, prefill_tok_s: float = 1e6) -> Path:
+    """A --simulate profile whose decode steps take `decode_step_ms` whatever the batch, and
+    whose prompts run at `prefill_tok_s` tokens a second: a worker slowed on purpose."""
+    rows = [
+        {"concurrency": n, "context": ctx, "step_ms": decode_step_ms}
+        for n in (1, 2, 4)
+        for ctx in (16, 256)
+    ]
+    path.write_text(json.dumps({"decode": rows, "prefill_tok_s": {"64": prefill_tok_s}}))
+    return path
+
+
+def router_health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=10).json()
+
+
+def refresh_age(url: str) -> float:
+    """Seconds since the router at `url` last read the registry."""
+    return router_health(url)["registry"]["last_refresh_age_s"]
+
+
+def wait_for_a_refresh(url: str) -> None:
+    """Until the router's registry refresh age drops: it refreshed since the call."""
+    last = [refresh_age(url)]
+
+    def refreshed() -> bool:
+        age = refresh_age(url)
+        dropped, last[0] = age < last[0], age
+        return dropped
+
+    wait_for(refreshed, 30, "the router's next refresh")
 
 
 def openai_client(url: str) -> openai.OpenAI:

@@ -21,8 +21,17 @@ import redis
 
 from engine.models.deepseek_v4.tiny import make_tiny_model
 from services.auth import token_metadata
+from services.registry import unseal, worker_key
 from services.rpc import grpc_api, pb
-from tests.serving_stack import TOKEN, Proc, Stack, wait_all_kv_free, wait_for
+from tests.serving_stack import (
+    TOKEN,
+    Proc,
+    Stack,
+    slow_profile,
+    wait_all_kv_free,
+    wait_for,
+    wait_for_a_refresh,
+)
 
 pytestmark = pytest.mark.e2e  # the stack as processes, broken on purpose
 
@@ -409,3 +418,82 @@ def test_a_short_soak_with_faults_ends_every_request_and_leaks_nothing(model, tm
         "kill-decode",
         "stop-redis",
     ]
+
+
+def test_the_stall_timeout_stretches_with_a_slow_decode_workers_measured_steps(
+    model, redis_server, tmp_path
+):
+    """A decode worker whose every step takes 1.5 s against a router's 1 s --stall-timeout: once
+    its registry record carries its measured step time, its streams are not abandoned as
+    stalled (the stall deadline is 20 of its steps, the flag only the floor)."""
+    s = stack_in_db(model, redis_server, tmp_path, db=8)
+    try:
+        simulate = ("--simulate", str(slow_profile(tmp_path / "slow.json", 1500.0)))
+        prefill, decode = s.worker("prefill", *simulate), s.worker("decode", *simulate)
+        router = s.router("--stall-timeout", "1")
+        s.wait_ready(prefill, decode)
+        url = s.wait_healthy(router)
+        chat(url, "warm up", max_tokens=3)  # (its steps are what the record will carry)
+        registry = redis.Redis.from_url(s.redis_url, socket_timeout=5)
+
+        def recorded_step_ms() -> int:
+            value = registry.get(worker_key(decode.name))
+            return (
+                value
+                and unseal(worker_key(decode.name), value, TOKEN, time.time(), s.ttl).load.step_ms
+            )
+
+        wait_for(lambda: recorded_step_ms() >= 1000, 30, "the decode record's step time")
+        registry.close()
+        wait_for_a_refresh(url)
+        response = chat(url, "slow but alive", max_tokens=6)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 6
+        wait_all_kv_free(prefill, decode, timeout=30)
+    finally:
+        s.stop()
+
+
+def test_a_prompt_no_decode_worker_has_room_for_is_refused_before_it_is_prefilled(
+    model, redis_server, tmp_path
+):
+    """While the decode side is full (here: one running request is over a 0.1% threshold), a new
+    prompt waits at the router and gets 503 + Retry-After after --max-queue-delay without its
+    prefill ever running; once the decode side drains, prompts are served again."""
+    s = stack_in_db(model, redis_server, tmp_path, db=9)
+    try:
+        simulate = ("--simulate", str(slow_profile(tmp_path / "slow.json", 100.0)))
+        prefill, decode = s.worker("prefill", *simulate), s.worker("decode", *simulate)
+        router = s.router("--decode-kv-threshold", "0.001", "--max-queue-delay", "2")
+        s.wait_ready(prefill, decode)
+        url = s.wait_healthy(router)
+        registry = redis.Redis.from_url(s.redis_url, socket_timeout=5)
+
+        def decode_running() -> int:
+            value = registry.get(worker_key(decode.name))
+            record = unseal(worker_key(decode.name), value, TOKEN, time.time(), s.ttl)
+            return record.load.running
+
+        def prefilled() -> float:
+            return prefill.counter("dsaserve_worker_requests_total", role="prefill", outcome="ok")
+
+        body = {"messages": [{"role": "user", "content": "go"}], "max_tokens": 3000}
+        body |= {"stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = (line for line in r.iter_lines() if line.startswith("data: "))
+            assert len([next(lines) for _ in range(3)]) == 3  # decoding on the decode worker
+            wait_for(lambda: decode_running() == 1, 30, "the decode record to show it")
+            wait_for_a_refresh(url)
+            before = prefilled()
+            refused = chat(url, "no room for me", max_tokens=4)
+            assert refused.status_code == 503, refused.text
+            assert "retry-after" in refused.headers
+            assert refused.json()["error"]["code"] == "decode_full"
+            assert prefilled() == before  # never computed
+        wait_all_kv_free(prefill, decode, timeout=30)
+        wait_for(lambda: decode_running() == 0, 30, "the decode record to show it idle")
+        registry.close()
+        wait_for_a_refresh(url)
+        assert answer(chat(url, "room again", max_tokens=4))
+    finally:
+        s.stop()

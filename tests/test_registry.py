@@ -61,7 +61,9 @@ async def wait_until(
 def test_record_json_round_trip_ignores_unknown_keys() -> None:
     rec = dataclasses.replace(
         record("w1"),
-        load=Load(running=3, waiting=1, free_pages=7, total_pages=9, held=2, cached_pages=1),
+        load=Load(
+            running=3, waiting=1, free_pages=7, total_pages=9, held=2, cached_pages=1, step_ms=40
+        ),
     )
     data = json.loads(rec.to_json())
     assert data["load"] == {
@@ -71,6 +73,7 @@ def test_record_json_round_trip_ignores_unknown_keys() -> None:
         "total_pages": 9,
         "held": 2,
         "cached_pages": 1,
+        "step_ms": 40,
     }
     data["future_field"] = {"x": 1}
     data["load"]["future_load"] = 5
@@ -183,6 +186,35 @@ async def test_a_worker_started_during_an_outage_registers_when_redis_is_back(
         await client.aclose()
     finally:
         private_redis.resume()
+        await reg.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_writes_its_record_again_as_soon_as_it_vanishes(
+    private_redis: PrivateRedis,
+) -> None:
+    """Flushed, deleted, or lost with a restarted Redis: the record is back long before the
+    next beat (TTL/3 = 200 s here), so no router misses the worker for a refresh."""
+    reg = WorkerRegistration(private_redis.url, record("w1"), Load, TOKEN, ttl_s=600.0)
+    key = worker_key("w1")
+    await reg.start()
+    try:
+        for lose in ("flushall", "delete", "restart"):
+            client = aioredis.Redis.from_url(private_redis.url)
+            if lose == "flushall":
+                await client.flushall()
+            elif lose == "delete":
+                await client.delete(key)
+            else:
+                private_redis.restart()
+                await client.aclose()
+                client = aioredis.Redis.from_url(private_redis.url)
+            deadline = time.monotonic() + 20
+            while not await client.exists(key):
+                assert time.monotonic() < deadline, f"the record never came back after {lose}"
+                await asyncio.sleep(0.02)
+            await client.aclose()
+    finally:
         await reg.stop()
 
 

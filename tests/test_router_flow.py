@@ -398,8 +398,15 @@ async def test_full_admission_queue_is_429(serve: Serve, make_router: Any) -> No
             second = await http.post("/v1/chat/completions", json=CHAT)
             assert second.status_code == 429 and second.json()["error"]["code"] == "queue_full"
             assert second.headers["retry-after"] == "1"
+            # Refused before it is rendered and tokenized (it costs the router nothing): a
+            # prompt over the context gets the 429, not the 400 its tokens would earn.
+            too_long = {"messages": [{"role": "user", "content": "word " * 2_000}]}
+            refused = await http.post("/v1/chat/completions", json=CHAT | too_long)
+            assert refused.status_code == 429, refused.text
             hold.set()
             assert (await sse_events(first))[-1] == "[DONE]"
+        too_long_now = await http.post("/v1/chat/completions", json=CHAT | too_long)
+        assert too_long_now.status_code == 400  # (the slot is free: it is tokenized, and refused)
         third = await http.post("/v1/chat/completions", json=CHAT)  # the slot is free again
         assert third.status_code == 200
 

@@ -33,8 +33,11 @@ from tests.serving_stack import (
     http_status,
     offline_generate,
     pd_stack,
+    refresh_age,
+    router_health,
     wait_all_kv_free,
     wait_for,
+    wait_for_a_refresh,
 )
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes
@@ -195,7 +198,7 @@ def test_a_flushed_registry_under_load_answers_every_request(stack, model):
             for _ in range(3):
                 flush_between_a_refresh_and_a_beat(stack, registry)
                 # the router's next refresh finds nobody: it keeps them while they write again
-                wait_for_a_refresh(stack)
+                wait_for_a_refresh(stack.url)
                 assert router_health(stack.url)["workers"] == {"prefill": 1, "decode": 1}
         finally:
             stop.set()
@@ -210,7 +213,7 @@ def flush_between_a_refresh_and_a_beat(stack: Stack, registry: redis.Redis) -> N
     key = worker_key(stack.prefill.name)
 
     def flushed() -> bool:
-        next_refresh = stack.ttl / 2 - refresh_age(stack)
+        next_refresh = stack.ttl / 2 - refresh_age(stack.url)
         since_beat = stack.ttl - registry.pttl(key) / 1000
         if next_refresh + 0.3 < stack.ttl / 3 - since_beat:
             registry.flushall()
@@ -218,26 +221,6 @@ def flush_between_a_refresh_and_a_beat(stack: Stack, registry: redis.Redis) -> N
         return False
 
     wait_for(flushed, 30, "a refresh due well before the next heartbeat")
-
-
-def wait_for_a_refresh(stack: Stack) -> None:
-    """Until the router's registry refresh age drops: it refreshed since the call."""
-    last = [refresh_age(stack)]
-
-    def refreshed() -> bool:
-        age = refresh_age(stack)
-        dropped, last[0] = age < last[0], age
-        return dropped
-
-    wait_for(refreshed, 30, "the router's next refresh")
-
-
-def refresh_age(stack: Stack) -> float:
-    return router_health(stack.url)["registry"]["last_refresh_age_s"]
-
-
-def router_health(url: str) -> dict:
-    return httpx.get(url + "/health", timeout=10).json()
 
 
 def test_an_idle_worker_costs_almost_no_cpu(stack):

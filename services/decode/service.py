@@ -28,6 +28,7 @@ import grpc
 
 from engine.engine_loop import OutputQueue
 from engine.kv.layout import STAGING
+from engine.load import step_deadline
 from engine.request import KVPages, RequestError
 from engine.sampling_params import SamplingParams
 from services import connections
@@ -41,7 +42,10 @@ from services.worker.settings import DecodeSettings
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.01  # how often a request waiting for free pages retries
 CLAIM_MARGIN_S = 5.0  # a claim outlasts the READ's own timeout by this much
-CONTROL_TIMEOUT_S = 10.0  # bound on one Claim or Release call
+# Bound on one Claim, Release or Describe call: at least this, longer for a prefill worker
+# whose steps are slow (a loaded host answers every RPC slowly, the control ones too).
+CONTROL_TIMEOUT_S = 10.0
+CONTROL_STEPS = 10
 
 
 class PullFailed(Exception):
@@ -174,12 +178,13 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         """Claim, READ, Release; raises PullFailed unless the pages read were intact."""
         w = self.w
         prefill = self._prefill(kv.address)
-        peer = await self._peer(kv, prefill, context)
+        control_s = step_deadline(CONTROL_TIMEOUT_S, CONTROL_STEPS, kv.step_ms)
+        peer = await self._peer(kv, prefill, context, control_s)
         hold_ms = int((self.transfer_timeout + CLAIM_MARGIN_S) * 1000)
         try:
             await prefill.Claim(
                 pb.ClaimRequest(request_id=rid, hold_ms=hold_ms),
-                timeout=CONTROL_TIMEOUT_S,
+                timeout=control_s,
                 metadata=self.metadata,
             )
         except grpc.aio.AioRpcError as e:
@@ -206,9 +211,10 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             del self.reads[rid]
         except TransferError as e:
             self.peers.pop(kv.worker_id, None)  # Describe it afresh next time
-            await self._release(prefill, rid)  # free them there now, not at the lease's end
+            # free them there now, not at the lease's end
+            await self._release(prefill, rid, control_s)
             raise PullFailed("transfer", f"KV transfer from {kv.worker_id} failed: {e}") from e
-        if not await self._release(prefill, rid):
+        if not await self._release(prefill, rid, control_s):
             raise PullFailed(
                 "lease_expired",
                 f"prefill worker {kv.worker_id} freed the KV of {rid} before the transfer "
@@ -233,11 +239,11 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             timeout_s=self.transfer_timeout,
         )
 
-    async def _release(self, prefill: grpc_api.PrefillStub, rid: str) -> bool:
+    async def _release(self, prefill: grpc_api.PrefillStub, rid: str, timeout_s: float) -> bool:
         """Release the pages at the prefill worker; True if they were intact until now."""
         try:
             response = await prefill.Release(
-                pb.ReleaseRequest(request_id=rid), timeout=CONTROL_TIMEOUT_S, metadata=self.metadata
+                pb.ReleaseRequest(request_id=rid), timeout=timeout_s, metadata=self.metadata
             )
         except grpc.aio.AioRpcError as e:  # unknown: the read cannot be trusted
             log.warning("Release(%s) failed: %s", rid, e.code())
@@ -251,7 +257,11 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         return self.prefill_stubs[address]
 
     async def _peer(
-        self, kv: pb.KVHandle, prefill: grpc_api.PrefillStub, context: grpc.aio.ServicerContext
+        self,
+        kv: pb.KVHandle,
+        prefill: grpc_api.PrefillStub,
+        context: grpc.aio.ServicerContext,
+        timeout_s: float,
     ) -> str:
         """The prefill worker's NIXL agent, loaded once per agent from the worker's Describe.
 
@@ -264,7 +274,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             return agent
         try:
             described = await prefill.Describe(
-                pb.DescribeRequest(), timeout=CONTROL_TIMEOUT_S, metadata=self.metadata
+                pb.DescribeRequest(), timeout=timeout_s, metadata=self.metadata
             )
         except grpc.aio.AioRpcError as e:
             raise PullFailed(

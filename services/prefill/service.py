@@ -24,6 +24,7 @@ import grpc
 
 from engine.engine_loop import OutputQueue
 from engine.llm_engine import LLMEngine
+from engine.load import step_deadline
 from engine.request import RequestError
 from services.rpc import grpc_api, pb
 from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
@@ -35,6 +36,10 @@ from .leases import LeaseTable
 log = logging.getLogger(__name__)
 LEASE_CHECK_S = 0.05  # how often held KV is checked for an expired lease
 MAX_CLAIM_S = 600.0  # the longest hold a reader may ask for
+# A lease lasts --lease-seconds, or this many of the worker's steps when that is longer: what a
+# reader does inside it (the router's Decode call, the decode worker's reservation and Claim)
+# queues behind steps too on a loaded host.
+LEASE_STEPS = 100
 
 
 class PrefillService(RoleService, grpc_api.PrefillServicer):
@@ -59,13 +64,13 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         prompt = list(request.prompt_token_ids)
+        step_ms = w.loop.load().step_ms
+        lease_s = step_deadline(self.lease_s, LEASE_STEPS, step_ms)
         outputs = OutputQueue()
         self.active.add(rid)
         try:
             await w.loop.run(
-                lambda e: e.add_request(
-                    rid, prompt, params, hold_for_s=self.lease_s, listener=outputs
-                )
+                lambda e: e.add_request(rid, prompt, params, hold_for_s=lease_s, listener=outputs)
             )
             out = await outputs.get()
             held = None
@@ -73,7 +78,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                 held = await w.loop.run(lambda e: e.stage(rid))
                 if rid in self.aborted:  # (the engine drops it at the abort's turn)
                     await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
-                self.leases.hold(rid, time.monotonic() + self.lease_s)
+                self.leases.hold(rid, time.monotonic() + lease_s)
         except RequestError as e:
             w.metrics.fail("invalid_request")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -115,8 +120,9 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                     layout=w.layout,
                     pages={g: pb.PageIds(ids=ids) for g, ids in held.pages.items()},
                     num_tokens=held.num_tokens,
-                    lease_expires_unix_ms=now_ms() + int(self.lease_s * 1000),
+                    lease_expires_unix_ms=now_ms() + int(lease_s * 1000),
                     address=w.address,
+                    step_ms=step_ms,
                     draft_token_ids=held.draft_token_ids,
                 )
             )

@@ -34,10 +34,10 @@ class Admission:
     def waiting(self) -> int:
         return len(self._since)
 
-    async def acquire(self, timeout_s: float) -> None:
-        """Take a slot, waiting in FIFO order at most `timeout_s` (and `max_queue_delay_s`);
-        pair with `release()`."""
-        now = time.monotonic()
+    def refuse_if_full(self, now: float) -> None:
+        """The 429 a newcomer gets at once: every slot taken and the queue full, or its oldest
+        waiter already waited half the queue delay. Also asked before a request is rendered and
+        tokenized, so a refusal costs the router (which shares the machine) next to nothing."""
         oldest = next(iter(self._since.values()), now)
         if self._slots.locked() and (
             self.waiting >= self.max_queue or now - oldest >= self.max_queue_delay_s / 2
@@ -49,6 +49,12 @@ class Admission:
                 code="queue_full",
                 cause="queue_full",
             )
+
+    async def acquire(self, timeout_s: float) -> None:
+        """Take a slot, waiting in FIFO order at most `timeout_s` (and `max_queue_delay_s`);
+        pair with `release()`."""
+        now = time.monotonic()
+        self.refuse_if_full(now)
         waiter = next(self._ids)
         self._since[waiter] = now
         wait_s = min(timeout_s, self.max_queue_delay_s)

@@ -1,9 +1,9 @@
 """The router's FastAPI app: OpenAI routes, vLLM's /tokenize and /detokenize, /health, /metrics,
 and the objects they share.
 
-A request goes: API key -> body validation -> model name -> chat format + tokenize -> context
-check -> admission -> one generation per choice: prefill worker (policy) -> Prefill -> first
-token out -> Decode stream.
+A request goes: API key -> body validation -> a 429 at capacity -> model name -> chat format +
+tokenize -> context check -> admission -> one generation per choice: room on the decode side ->
+prefill worker (policy) -> Prefill -> first token out -> Decode stream.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from . import anthropic, responses_api
 from .admission import Admission, KeyLimit
 from .body import LimitedRoute
 from .clients import WorkerClients
+from .decode_room import DecodeRoom
 from .errors import APIError, error_responses, install_handlers
 from .generation import launch, router_state
 from .logprobs import TokenTexts
@@ -90,7 +91,13 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         balance_bound=s.balance_abs_threshold,
     )
     key_limit = KeyLimit(s.key_limit)
-    flow = PDFlow(selector, clients, s.stall_timeout_s)
+    room = DecodeRoom(
+        lambda: selector.live("decode"),
+        s.decode_kv_threshold,
+        s.max_queue_delay_s,
+        selector.retry_after_s,
+    )
+    flow = PDFlow(selector, clients, s.stall_timeout_s, room)
     store = ResponseStore(s.redis_url, s.response_ttl_s)
     state = RouterState(
         s, model, metrics, watcher, clients, admission, key_limit, selector, flow, store

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from engine.load import step_deadline
 from services.auth import token_metadata
 from services.connections import GrpcTLS, open_channel
 from services.registry import WorkerRecord
@@ -24,7 +25,9 @@ from services.rpc import grpc_api, pb
 
 log = logging.getLogger(__name__)
 
+# An Abort waits at least this, longer for a worker whose steps are slow (a loaded host).
 ABORT_TIMEOUT_S = 5.0
+ABORT_STEPS = 10
 _Stubs = tuple[grpc.aio.Channel, grpc_api.PrefillStub, grpc_api.DecodeStub]
 
 
@@ -84,7 +87,7 @@ class WorkerClients:
         try:
             await stub.Abort(
                 pb.AbortRequest(request_id=request_id),
-                timeout=ABORT_TIMEOUT_S,
+                timeout=step_deadline(ABORT_TIMEOUT_S, ABORT_STEPS, worker.load.step_ms),
                 metadata=self.metadata,
             )
         except grpc.aio.AioRpcError as e:

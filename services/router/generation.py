@@ -1,8 +1,9 @@
 """One request's generations, launched: what every generating route shares (chat and text
 completions, the Messages and Responses APIs), up to the events of its choices.
 
-API key limit -> model name -> chat format + tokenize -> context check -> admission -> one
-generation per choice: prefill worker (policy) -> Prefill -> first token out -> Decode stream.
+A refusal at capacity (429) -> API key limit -> model name -> chat format + tokenize -> context
+check -> admission -> one generation per choice: room on the decode side (decode_room) ->
+prefill worker (policy) -> Prefill -> first token out -> Decode stream.
 Each route then writes the events in its own API's shapes.
 """
 
@@ -69,7 +70,8 @@ async def _launch(
     st = router_state(request)
     st.model.check_name(body.model)
     key = request.state.api_key
-    st.key_limit.acquire(key)  # before tokenizing: a key over its limit costs nothing
+    st.admission.refuse_if_full(arrival)  # before tokenizing: a refusal costs nothing
+    st.key_limit.acquire(key)  # (so does a key over its limit)
     slots.callback(st.key_limit.release, key)
     texts = TokenTexts(st.model.tokenizer)
     logprob_texts = texts if body.logprobs_count() is not None else None

@@ -19,10 +19,12 @@ from typing import TypeAlias, TypeVar
 
 import grpc
 
+from engine.load import step_deadline
 from services.registry import WorkerRecord
 from services.rpc import pb
 
 from .clients import WorkerClients
+from .decode_room import DecodeRoom, Transit
 from .errors import APIError, from_grpc, timeout_error, worker_failure
 from .metrics import RequestTimer
 from .selection import WorkerSelector
@@ -63,6 +65,9 @@ _REFUSED = {
     grpc.StatusCode.UNAUTHENTICATED,
 }
 UNHEALTHY_FOR_S = 30.0  # a worker that failed or stalled is skipped this long by new requests
+# A decode stream sends a message a step; it has stalled after --stall-timeout without one, or
+# after this many of its worker's measured steps when that is longer (a slow or loaded worker).
+STALL_STEPS = 20
 # Decode errors (DecodeError.cause) after which the same request may well succeed, as clients
 # are told them (the decode worker's own message names workers: it goes to the log).
 _RETRYABLE = {
@@ -98,13 +103,29 @@ class Generation:
 
 class PDFlow:
     def __init__(
-        self, selector: WorkerSelector, clients: WorkerClients, stall_timeout_s: float
+        self,
+        selector: WorkerSelector,
+        clients: WorkerClients,
+        stall_timeout_s: float,
+        room: DecodeRoom,
     ) -> None:
         self._selector = selector
         self._clients = clients
         self._stall_timeout_s = stall_timeout_s
+        self._room = room
 
     async def generate(self, gen: Generation) -> AsyncGenerator[Event, None]:
+        # No prompt is computed before some decode worker has room for its KV.
+        transit = await self._room.enter(gen.remaining("waiting for a decode worker's room"))
+        try:
+            # (closed here, not when collected: its cleanup cancels calls and aborts)
+            async with contextlib.aclosing(self._generate(gen, transit)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            transit.leave()
+
+    async def _generate(self, gen: Generation, transit: Transit) -> AsyncGenerator[Event, None]:
         prefill_worker, first = await self._retry_once(
             "prefill",
             lambda exclude: self._selector.prefill(exclude, gen.prompt_ids),
@@ -132,7 +153,10 @@ class PDFlow:
                 lambda exclude: self._selector.decode(prefill_worker.layout_hash, exclude),
                 lambda w: self._open_decode(w, gen, first),
             )
-            watch = _ReadWatch(self._stall_timeout_s, gen.deadline)
+            transit.leave()  # (its pages are reserved there: its records count them soon)
+            # the stall bound: the worker's own steps, as it last reported them, or the flag
+            stall_s = step_deadline(self._stall_timeout_s, STALL_STEPS, decode_worker.load.step_ms)
+            watch = _ReadWatch(stall_s, gen.deadline)
             try:
                 with self._clients.busy(decode_worker.worker_id):
                     while response is not grpc.aio.EOF:
@@ -300,7 +324,7 @@ class PDFlow:
         call.cancel()
         if watch.deadline_first:
             raise timeout_error(gen.timeout_s, "while decoding")
-        stall = self._stall_timeout_s
+        stall = watch.stall_s
         self._selector.mark_unhealthy(worker.worker_id, UNHEALTHY_FOR_S, "stalled")
         raise worker_failure(
             503,
@@ -362,6 +386,10 @@ class _ReadWatch:
         self._since = 0.0  # when the read in progress began
         self._timer: asyncio.TimerHandle | None = None
         self.expired = False
+
+    @property
+    def stall_s(self) -> float:
+        return self._stall_s
 
     @property
     def deadline_first(self) -> bool:

@@ -49,6 +49,13 @@ class RouterSettings:
         "waiter has waited half that long, new requests get a 429 at once",
         flag="--max-queue-delay",
     )
+    decode_kv_threshold: float = setting(
+        0.9,
+        "a prompt is held back (at most --max-queue-delay, then 503 + Retry-After) while the "
+        "decode workers' KV pages in use, counting the requests on their way there, exceed this "
+        "fraction of their pages: no prefill computes KV that no decode worker can take "
+        "(1.0: hold back only what would not fit)",
+    )
     max_inflight_per_key: int | None = setting(
         None,
         "requests one API key may have running or queued at once; 429 above (default: "
@@ -91,7 +98,8 @@ class RouterSettings:
     port: int = setting(8000, "HTTP port")
     stall_timeout_s: float = setting(
         30.0,
-        "seconds a decode stream may send nothing before it is abandoned and its worker skipped",
+        "seconds a decode stream may send nothing before it is abandoned and its worker skipped, "
+        "at least (20 of the decode worker's measured steps when that is longer)",
         flag="--stall-timeout",
     )
     default_thinking: bool = setting(
@@ -116,6 +124,10 @@ class RouterSettings:
             (self.max_inflight >= 1, f"max_inflight must be >= 1, got {self.max_inflight}"),
             (self.max_queue >= 0, f"max_queue must be >= 0, got {self.max_queue}"),
             (self.max_queue_delay_s > 0, "--max-queue-delay must be positive"),
+            (
+                0 < self.decode_kv_threshold <= 1,
+                f"--decode-kv-threshold must be in (0, 1], got {self.decode_kv_threshold}",
+            ),
             (
                 self.balance_abs_threshold >= 0,
                 f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}",

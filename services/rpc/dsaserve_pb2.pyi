@@ -71,7 +71,7 @@ class PageIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms", "address", "draft_token_ids")
+    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms", "address", "step_ms", "draft_token_ids")
     class PagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class KVHandle(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     agent_name: str
@@ -96,8 +97,9 @@ class KVHandle(_message.Message):
     num_tokens: int
     lease_expires_unix_ms: int
     address: str
+    step_ms: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., address: _Optional[str] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., address: _Optional[str] = ..., step_ms: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling")
@@ -246,17 +248,19 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("running", "waiting", "free_pages", "total_pages", "held", "cached_pages")
+    __slots__ = ("running", "waiting", "free_pages", "total_pages", "held", "cached_pages", "step_ms")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     free_pages: int
     total_pages: int
     held: int
     cached_pages: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., held: _Optional[int] = ..., cached_pages: _Optional[int] = ...) -> None: ...
+    step_ms: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_pages: _Optional[int] = ..., total_pages: _Optional[int] = ..., held: _Optional[int] = ..., cached_pages: _Optional[int] = ..., step_ms: _Optional[int] = ...) -> None: ...

@@ -51,7 +51,9 @@ class PrefillSettings(WorkerSettings):
     """Prefill worker"""
 
     lease_seconds: float = setting(
-        30.0, "how long a prefilled request's KV waits for a decode worker to read it"
+        30.0,
+        "how long a prefilled request's KV waits for a decode worker to read it, at least (100 "
+        "of the worker's measured steps when that is longer: a slow or loaded worker)",
     )
 
 
