@@ -258,9 +258,9 @@ def _mtp_section(mtp: dict | None) -> list[str]:
         f"{data.get('sequences', '?')} greedy continuations by the model of "
         f"{data.get('prompt_bytes', '?')}-byte training-text prompts,",
         "and the second draft (the layer applied again, fed its own streams) unrolled as the",
-        f"engine runs it. {mtp.get('steps', '?')} steps; on "
-        f"{data.get('heldout_sequences', '?')} continuations held apart the first draft "
-        f"then agrees with the model's greedy token {held[0] if held else 0:.0%} of the time"
+        f"engine runs it: {_mtp_steps(mtp)}. On {data.get('heldout_sequences', '?')} "
+        "continuations held apart the first draft then agrees",
+        f"with the model's greedy token {held[0] if held else 0:.0%} of the time"
         + (f", the second (after a right first) {held[1]:.0%}." if len(held) > 1 else "."),
         '`--speculative-config \'{"method": "mtp", "num_speculative_tokens": K}\'` drafts with it.',
         "",
@@ -283,6 +283,18 @@ def _mtp_section(mtp: dict | None) -> list[str]:
             "",
         ]
     return lines
+
+
+def _mtp_steps(mtp: dict) -> str:
+    """The MTP layer's steps, and how many of them its last run took when it went on from an
+    earlier one's layer (whose training may have been another: train_log.json says)."""
+    runs = mtp.get("runs", [])
+    if len(runs) > 1 and runs[-1].get("resumed"):
+        return (
+            f"{mtp['steps']} steps, the last {runs[-1]['steps']} of them so (the run went on "
+            f"from the layer of {len(runs) - 1} earlier runs: train_log.json, mtp.runs)"
+        )
+    return f"{mtp.get('steps', '?')} steps"
 
 
 def _cli_args(args: dict) -> list[str]:
