@@ -246,18 +246,23 @@ def _mtp_section(mtp: dict | None) -> list[str]:
     acceptance bench/spec_decode.py measured, when recorded under mtp.acceptance)."""
     if not mtp:
         return []
-    last = mtp["train"][-1] if mtp.get("train") else {}
+    held = mtp["heldout"][-1]["agrees_with_main"] if mtp.get("heldout") else []
+    data = mtp.get("data", {})
     lines = [
         "## Multi-token prediction (speculative decoding)",
         "",
         "One MTP layer (`mtp.0.*`, sliding-window attention, score-routed MoE) trained on the",
-        "frozen model with its objective shifted by one (token t+2 from the model's last-layer",
-        "streams at t and the embedding of token t+1; plus the KL to the model's own distribution",
-        "there) by",
-        f"`scripts/demo_mtp.py`: {mtp.get('steps', '?')} steps; its draft then agrees with the "
-        f"model's greedy token {last.get('agrees_with_main', 0):.0%} of the time (last logged",
-        'training batch). `--speculative-config \'{"method": "mtp", '
-        '"num_speculative_tokens": K}\'` drafts with it.',
+        "frozen model by `scripts/demo_mtp.py` to draft what speculative decoding accepts: the",
+        "model's own greedy token t+2 (from the model's last-layer streams at t and the embedding",
+        "of token t+1; cross-entropy to that token plus the KL to the model's distribution), on",
+        f"{data.get('sequences', '?')} greedy continuations by the model of "
+        f"{data.get('prompt_bytes', '?')}-byte training-text prompts,",
+        "and the second draft (the layer applied again, fed its own streams) unrolled as the",
+        f"engine runs it: {_mtp_steps(mtp)}. On {data.get('heldout_sequences', '?')} "
+        "continuations held apart the first draft then agrees",
+        f"with the model's greedy token {held[0] if held else 0:.0%} of the time"
+        + (f", the second (after a right first) {held[1]:.0%}." if len(held) > 1 else "."),
+        '`--speculative-config \'{"method": "mtp", "num_speculative_tokens": K}\'` drafts with it.',
         "",
     ]
     acc = mtp.get("acceptance")
@@ -278,6 +283,18 @@ def _mtp_section(mtp: dict | None) -> list[str]:
             "",
         ]
     return lines
+
+
+def _mtp_steps(mtp: dict) -> str:
+    """The MTP layer's steps, and how many of them its last run took when it went on from an
+    earlier one's layer (whose training may have been another: train_log.json says)."""
+    runs = mtp.get("runs", [])
+    if len(runs) > 1 and runs[-1].get("resumed"):
+        return (
+            f"{mtp['steps']} steps, the last {runs[-1]['steps']} of them so (the run went on "
+            f"from the layer of {len(runs) - 1} earlier runs: train_log.json, mtp.runs)"
+        )
+    return f"{mtp.get('steps', '?')} steps"
 
 
 def _cli_args(args: dict) -> list[str]:

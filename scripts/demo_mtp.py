@@ -2,22 +2,33 @@
 """Train the demo model's multi-token-prediction (MTP) layer, the draft head of speculative
 decoding, on top of the trained and frozen main model, and add it to the checkpoint.
 
-The objective is the main model's shifted by one, as the DeepSeek-V4 report trains its MTP
-module: at position t the layer reads the main model's last-layer streams h_t and the embedding
-of token t+1, and predicts token t+2 (cross-entropy on the training bytes), plus (--mtp-distill)
-the KL to the main model's own distribution of token t+2, which is what drafts are verified
-against. The layer is HF
-transformers' DeepSeek-V4 decoder layer (sliding-window attention, score-routed MoE: the kinds
-the engine gives an MTP layer by default) between the release's e_proj/h_proj/enorm/hnorm and
-its own mHC head and norm; the embedding and LM head are the main model's. It starts from the
-main model's own pieces (attention of the sliding layer 0, MoE and mHC of the last layer, the
-head's mHC collapse and norm), h_proj at identity: it starts as "what the main model would say
-next" and learns the step after.
+The objective is what speculative decoding checks: a draft is accepted when it is the main
+model's own greedy token, on text the main model wrote itself. So the layer trains on the main
+model's greedy continuations (by the engine) of --mtp-prompt-bytes of training text from random
+places (bench/spec_decode.py's prompts are that long, from the held-out text, which is never
+used here), --seq-len tokens in all; 1/16 more sequences are held apart to measure agreement.
+The main model's streams and distributions over them are computed once (it is frozen).
+
+At position t the layer reads the main model's last-layer streams h_t and the embedding of token
+t+1, and drafts token t+2 (pass 1): the loss is the cross-entropy to the main model's greedy
+token there plus (--mtp-distill) the KL to its distribution. The engine applies the layer again
+for a K > 1 draft (pass 2): at t+1, fed its own pass-1 streams of t and token t+2, attending to
+the pass-1 state before t+1 and to its own; training unrolls it the same way (one forward over
+the pass-1 and pass-2 rows with that mask) and adds the loss of the draft of token t+3, weighted
+--mtp-second-pass.
+
+The layer is HF transformers' DeepSeek-V4 decoder layer (sliding-window attention, score-routed
+MoE: the kinds the engine gives an MTP layer by default) between the release's
+e_proj/h_proj/enorm/hnorm and its own mHC head and norm; the embedding and LM head are the main
+model's. It starts from the main model's own pieces (attention of the sliding layer 0, MoE and
+mHC of the last layer, the head's mHC collapse and norm), h_proj at identity: it starts as "what
+the main model would say next" and learns the step after; or (--resume) from the checkpoint's.
 
 The tensors are written under the release's names (`mtp.0.*`, what engine.models.deepseek_v4
-loads) next to the main model's, and config.json gets `num_nextn_predict_layers: 1`.
+loads) next to the main model's, which are not changed, and config.json gets
+`num_nextn_predict_layers: 1`.
 
-    python3 scripts/demo_mtp.py --model engine/assets/dsaserve-demo-v4 --time-budget-s 900
+    python3 -m scripts.demo_mtp --model engine/assets/dsaserve-demo-v4 --mtp-time-budget-s 900
 scripts/train_demo_model.py runs it after the main model's training (--mtp-time-budget-s).
 """
 
@@ -26,6 +37,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -35,6 +47,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[1]
+BOS = 256  # the demo tokenizer's (scripts/train_demo_model.py)
 
 
 class MTP(torch.nn.Module):
@@ -77,24 +90,73 @@ class MTP(torch.nn.Module):
             self.enorm.weight.fill_(1.0)
             self.hnorm.weight.fill_(1.0)
 
-    def forward(self, main, streams, next_ids, layer_kwargs) -> torch.Tensor:
-        """streams [B, T, hc, H] at positions t; next_ids [B, T] tokens t+1 -> logits [B, T, V]
-        of tokens t+2."""
-        e = self.e_proj(self.enorm(main.model.embed_tokens(next_ids)))
+    def block(self, main, streams, ids, rope: dict, positions, mask) -> torch.Tensor:
+        """One application: streams [B, N, hc, H] (the main model's, or this layer's own) and
+        the ids [B, N] of the token after each row -> this layer's streams [B, N, hc, H]."""
+        e = self.e_proj(self.enorm(main.model.embed_tokens(ids)))
         x = e.unsqueeze(2) + self.h_proj(self.hnorm(streams))
-        out = self.layer(x, input_ids=next_ids, **layer_kwargs)
+        return self.layer(
+            x, input_ids=ids, position_embeddings=rope, position_ids=positions, attention_mask=mask
+        )
+
+    def logits(self, main, out: torch.Tensor) -> torch.Tensor:
+        """This layer's streams [B, N, hc, H] -> draft logits [B, N, V]."""
         return main.lm_head(self.norm(self.hc_head(out)))
 
+    def unrolled(
+        self, main, streams, next_ids, rope: dict, second: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The engine's passes over a sequence of T rows: streams [B, T, hc, H] of the main
+        model at positions t, next_ids [B, T] tokens t+1. Pass 1 -> logits [B, T, V] of tokens
+        t+2. With `second`, pass 2 as the engine runs it (ARCHITECTURE.md, Speculative
+        decoding): at position t+1 the layer is fed its own pass-1 streams of t and token t+2,
+        and attends to pass-1 rows before t+1 and to itself -> logits [B, T-2, V] of tokens
+        t+3 (t < T-2); else None."""
+        T = next_ids.shape[1]
+        pos = torch.arange(T, device=next_ids.device)
+        window = self.layer_config.sliding_window
+        out1 = self.block(main, streams, next_ids, _at(rope, pos), pos[None], _mask(pos, T, window))
+        if not second:
+            return self.logits(main, out1), None
+        rows = torch.cat([pos, pos[1:-1]])  # pass-1 rows, then pass-2 rows at 1..T-2
+        both = self.block(
+            main,
+            torch.cat([streams, out1[:, :-2]], 1),
+            torch.cat([next_ids, next_ids[:, 1:-1]], 1),
+            _at(rope, rows),
+            rows[None],
+            _mask(rows, T, window),
+        )
+        return self.logits(main, both[:, :T]), self.logits(main, both[:, T:])
 
-def main_streams(main, inputs: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """The frozen main model over inputs [B, T]: (its last layer's streams [B, T, hc, H], the
-    keyword arguments its layers got (RoPE tables, mask, positions), its logits [B, T, V])."""
+
+def _at(rope: dict, rows: torch.Tensor) -> dict:
+    """The main model's RoPE tables ({kind: (cos, sin) [1, T, d]}) at positions rows [N]."""
+    return {kind: (cos[:, rows], sin[:, rows]) for kind, (cos, sin) in rope.items()}
+
+
+def _mask(rows: torch.Tensor, first: int, window: int) -> torch.Tensor:
+    """Additive attention mask [1, 1, N, N] over rows at positions rows [N] whose first `first`
+    are pass-1 rows (causal, sliding window) and the rest pass-2 rows: a pass-2 row sees the
+    pass-1 rows before its position and itself (the KV state the engine's pass 2 finds)."""
+    n = rows.numel()
+    q, k = rows[:, None], rows[None, :]
+    pass1_key = torch.arange(n, device=rows.device)[None, :] < first
+    pass1_query = torch.arange(n, device=rows.device)[:, None] < first
+    seen = pass1_key & (k <= q) & (pass1_query | (k < q)) & (q - k < window)
+    seen |= torch.eye(n, dtype=torch.bool, device=rows.device)
+    mask = torch.zeros(n, n, device=rows.device).masked_fill(~seen, float("-inf"))
+    return mask[None, None]
+
+
+@torch.no_grad()
+def main_outputs(main, inputs: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """The frozen main model over inputs [B, T]: (its last layer's streams [B, T, hc, H], its
+    RoPE tables {kind: (cos, sin)}, its logits [B, T, V])."""
     seen: dict = {}
 
     def grab(module, args, kwargs):
-        seen.update(
-            {k: kwargs[k] for k in ("position_embeddings", "position_ids", "attention_mask")}
-        )
+        seen["rope"] = kwargs["position_embeddings"]
 
     def keep(module, args, kwargs, output):
         seen["streams"] = output
@@ -105,71 +167,173 @@ def main_streams(main, inputs: torch.Tensor) -> tuple[torch.Tensor, dict, torch.
         last.register_forward_hook(keep, with_kwargs=True),
     ]
     try:
-        with torch.no_grad():
-            logits = main(input_ids=inputs, use_cache=False).logits
+        logits = main(input_ids=inputs, use_cache=False).logits
     finally:
         for h in hooks:
             h.remove()
-    streams = seen.pop("streams")
-    return streams, seen, logits
+    return seen["streams"], seen["rope"], logits
 
 
-def train_mtp(main, train_bytes: torch.Tensor, args, log: dict):
-    """Train an MTP layer for `main` (frozen) on train_bytes (uint8, on the CPU); returns it.
-    args: mtp_time_budget_s, mtp_steps, mtp_lr, mtp_distill, batch_size, seq_len, seed, and
-    resume + model (a checkpoint to go on from)."""
+def greedy_continuations(model_dir: Path, train_bytes: torch.Tensor, n: int, args) -> torch.Tensor:
+    """n sequences [n, seq_len + 1]: bos, --mtp-prompt-bytes bytes of training text from random
+    places, then the main model's greedy continuation by the engine (what drafts are verified
+    against, and the text the drafts are made on)."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    prompt = _prompt_bytes(args)
+    new = args.seq_len - prompt  # tokens after bos + prompt, to seq_len + 1 in all
+    gen = torch.Generator().manual_seed(args.seed + 11)
+    starts = torch.randint(0, train_bytes.numel() - prompt, (n,), generator=gen).tolist()
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=64, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    for i, s in enumerate(starts):
+        ids = [BOS, *train_bytes[s : s + prompt].tolist()]
+        got[str(i)] = ids
+        engine.add_request(str(i), ids, params)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] = got[out.request_id] + out.new_token_ids
+    return torch.tensor([got[str(i)] for i in range(n)])
+
+
+def _prompt_bytes(args) -> int:
+    """--mtp-prompt-bytes, or half the sequence where that is shorter (smoke runs)."""
+    return min(args.mtp_prompt_bytes, args.seq_len // 2)
+
+
+class Teacher:
+    """The main model's outputs over a set of sequences [n, T + 1], computed once (the main
+    model is frozen): streams [n, T, hc, H], its greedy token after each row [n, T] and its
+    log-probabilities [n, T, V] (what the drafts are verified against)."""
+
+    def __init__(self, main, sequences: torch.Tensor, batch: int) -> None:
+        device = next(main.parameters()).device
+        self.ids = sequences.to(device)
+        streams, logp = [], []
+        for i in range(0, len(sequences), batch):
+            s, self.rope, logits = main_outputs(main, self.ids[i : i + batch, :-1])
+            streams.append(s)
+            logp.append(logits.float().log_softmax(-1))
+        self.streams, self.logp = torch.cat(streams), torch.cat(logp)
+        self.greedy = self.logp.argmax(-1)
+
+    def loss(self, mtp: MTP, main, rows: torch.Tensor, args) -> tuple[torch.Tensor, list]:
+        """The drafting loss of sequences `rows` and each pass's agreement with the main
+        model's greedy token (on the generated rows, past the prompt)."""
+        ids = self.ids[rows]
+        logits1, logits2 = mtp.unrolled(
+            main, self.streams[rows], ids[:, 1:], self.rope, args.mtp_second_pass > 0
+        )
+        first = _prompt_bytes(args) + 1  # the first generated token (bos and prompt before)
+        loss, agree = 0.0, []
+        for shift, logits, weight in ((1, logits1, 1.0), (2, logits2, args.mtp_second_pass)):
+            if logits is None:
+                continue
+            # draft i of this pass is of token i + 1 + shift: the teacher's row i + shift
+            # (pass 1's last row drafts past the sequence)
+            draft = logits[:, : logits.shape[1] - (shift == 1)].float().log_softmax(-1)
+            teacher = self.logp[rows][:, shift : shift + draft.shape[1]]
+            greedy = self.greedy[rows][:, shift : shift + draft.shape[1]]
+            term = F.nll_loss(draft.flatten(0, 1), greedy.flatten())
+            if args.mtp_distill:
+                term = term + args.mtp_distill * F.kl_div(
+                    draft.flatten(0, 1), teacher.flatten(0, 1), log_target=True,
+                    reduction="batchmean",
+                )  # fmt: skip
+            loss = loss + weight * term
+            # agreement on drafts of generated tokens after the first (the target emits that
+            # one itself, after the prompt), as the engine drafts them
+            hit = draft.argmax(-1) == greedy
+            agree.append(hit[:, first - shift :].float().mean().item())
+        return loss, agree
+
+
+def train_mtp(main, train_bytes: torch.Tensor, args, log: dict, model_dir: Path):
+    """Train an MTP layer for `main` (frozen; its checkpoint in model_dir, which the engine
+    continues text with) on greedy continuations of train_bytes (uint8, on the CPU); returns
+    it. args: mtp_time_budget_s, mtp_steps, mtp_lr, mtp_distill, mtp_second_pass,
+    mtp_sequences, mtp_prompt_bytes, batch_size, seq_len, seed, and resume + model (a
+    checkpoint to go on from)."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
 
+    t0 = time.monotonic()
     for p in main.parameters():
         p.requires_grad_(False)
     main.eval()
     device = next(main.parameters()).device
     mtp = MTP(main, m.DeepseekV4DecoderLayer, m.DeepseekV4HyperHead, m.DeepseekV4RMSNorm)
-    log["mtp"] = {"train": []}
+    log["mtp"] = {"train": [], "heldout": []}
     if getattr(args, "resume", False) and resume(mtp, m.DeepseekV4ForCausalLM, Path(args.model)):
         print("resuming from the checkpoint's MTP layer", flush=True)
         log["mtp"]["resumed"] = True
     mtp = mtp.to(device)
+    # Every sequence is seen about once when the steps bound the run (smoke runs), a few
+    # times in a long one; 1/16 more (at least one batch) is kept apart to measure agreement.
+    n_train = max(1, min(args.mtp_sequences, args.mtp_steps * args.batch_size))
+    n_held = max(args.batch_size, n_train // 16)
+    sequences = greedy_continuations(model_dir, train_bytes, n_train + n_held, args)
+    teacher = Teacher(main, sequences, args.batch_size)
+    rows_held = torch.arange(n_train, n_train + n_held, device=device)
+    log["mtp"]["data"] = {
+        "sequences": n_train,
+        "heldout_sequences": n_held,
+        "prompt_bytes": _prompt_bytes(args),
+        "tokens": args.seq_len + 1,
+        "prepared_s": round(time.monotonic() - t0, 1),
+    }
+    print(f"mtp data {log['mtp']['data']}", flush=True)
     params = [p for n, p in mtp.named_parameters() if ".indexer." not in n]
     opt = torch.optim.AdamW(params, lr=args.mtp_lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed + 7)
-    t0, step = time.monotonic(), 0
-    while time.monotonic() - t0 < args.mtp_time_budget_s and step < args.mtp_steps:
-        lr = args.mtp_lr * min(1.0, (step + 1) / 20)
+    t1, step = time.monotonic(), 0
+    budget = args.mtp_time_budget_s - (t1 - t0)
+    while time.monotonic() - t1 < budget and step < args.mtp_steps:
+        # linear warm-up, then cosine to a tenth over the steps or the time, whichever ends first
+        done = max(step / args.mtp_steps, (time.monotonic() - t1) / budget)
+        lr = args.mtp_lr * min(1.0, (step + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * done))
         for g in opt.param_groups:
             g["lr"] = lr
-        starts = torch.randint(
-            0, train_bytes.numel() - args.seq_len - 1, (args.batch_size,), generator=gen
-        )
-        window = train_bytes[starts[:, None] + torch.arange(args.seq_len + 1)].long().to(device)
-        inputs, targets = window[:, :-1], window[:, 1:]
-        streams, kwargs, main_logits = main_streams(main, inputs)
-        logits = mtp(main, streams, targets, kwargs)  # [B, T, V]: token t+2
-        draft = logits[:, :-1].flatten(0, 1).float().log_softmax(-1)
-        loss = F.nll_loss(draft, targets[:, 1:].flatten())
-        if args.mtp_distill:  # and the main model's own distribution of token t+2
-            teacher = main_logits[:, 1:].flatten(0, 1).float().log_softmax(-1)
-            loss = loss + args.mtp_distill * F.kl_div(
-                draft, teacher, log_target=True, reduction="batchmean"
-            )
+        rows = torch.randint(0, n_train, (args.batch_size,), generator=gen).to(device)
+        loss, agree = teacher.loss(mtp, main, rows, args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         if step % 10 == 0:
-            # how often the draft for t+2 equals the main model's own greedy choice there
-            agree = (logits[:, :-1].argmax(-1) == main_logits[:, 1:].argmax(-1)).float().mean()
             entry = {
                 "step": step,
                 "loss": round(loss.item(), 4),
-                "agrees_with_main": round(agree.item(), 4),
-                "elapsed_s": round(time.monotonic() - t0, 1),
+                # how often pass 1 (pass 2) drafts the main model's own greedy token
+                "agrees_with_main": [round(a, 4) for a in agree],
+                "elapsed_s": round(time.monotonic() - t1, 1),
             }
             log["mtp"]["train"].append(entry)
             print(f"mtp {entry}", flush=True)
+        if step % args.mtp_eval_every == 0:
+            _heldout(mtp, main, teacher, rows_held, args, log["mtp"]["heldout"], step)
+    if not log["mtp"]["heldout"] or log["mtp"]["heldout"][-1]["step"] != step:
+        _heldout(mtp, main, teacher, rows_held, args, log["mtp"]["heldout"], step)
     log["mtp"]["steps"] = step
     return mtp
+
+
+@torch.no_grad()
+def _heldout(
+    mtp: MTP, main, teacher: Teacher, rows: torch.Tensor, args, into: list, step: int
+) -> None:
+    """Appends to `into` the agreement of each pass with the main model's greedy token on the
+    held-apart sequences."""
+    sums: list[float] = []
+    batches = rows.split(args.batch_size)
+    for batch in batches:
+        _, agree = teacher.loss(mtp, main, batch, args)
+        sums = [s + a for s, a in zip(sums, agree, strict=True)] if sums else agree
+    into.append({"step": step, "agrees_with_main": [round(s / len(batches), 4) for s in sums]})
+    print(f"mtp heldout {into[-1]}", flush=True)
 
 
 def _one_layer(mtp: MTP, model_cls):
@@ -251,8 +415,27 @@ def add_mtp_args(p: argparse.ArgumentParser, budget_s: float) -> None:
         "--mtp-distill",
         type=float,
         default=1.0,
-        help="weight of the KL to the main model's distribution of token t+2 (0: data only)",
+        help="weight of the KL to the main model's distribution (0: its greedy token only)",
     )
+    p.add_argument(
+        "--mtp-second-pass",
+        type=float,
+        default=0.5,
+        help="weight of the second draft's loss (the layer fed its own streams; 0: not trained)",
+    )
+    p.add_argument(
+        "--mtp-sequences",
+        type=int,
+        default=1024,
+        help="greedy continuations to train on (at most steps x batch; 1/16 more held apart)",
+    )
+    p.add_argument(
+        "--mtp-prompt-bytes",
+        type=int,
+        default=64,
+        help="training text each continuation starts from (bench/spec_decode.py's prompts)",
+    )
+    p.add_argument("--mtp-eval-every", type=int, default=100, help="steps between agreements")
 
 
 def record_acceptance(model_dir: Path, bench_json: Path) -> None:
@@ -280,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", default=str(REPO / "data" / "tinyshakespeare.txt"))
     add_mtp_args(p, 900)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
         "--resume", action="store_true", help="go on from the checkpoint's MTP layer, if any"
@@ -305,16 +488,20 @@ def main(argv: list[str] | None = None) -> None:
     split = len(data) - int(len(data) * 0.05)  # the main model's held-out 5 %
     train_bytes = torch.frombuffer(bytearray(data[:split]), dtype=torch.uint8)
     log: dict = {}
-    mtp = train_mtp(main_model, train_bytes, args, log)
+    mtp = train_mtp(main_model, train_bytes, args, log, out)
     add_to_checkpoint(out, mtp_tensors(mtp, DeepseekV4ForCausalLM))
     train_log = out / "train_log.json"
     full = json.loads(train_log.read_text()) if train_log.exists() else {}
     before = full.get("mtp", {}) if log["mtp"].get("resumed") else {}
+    run = {"steps": log["mtp"]["steps"], "resumed": bool(log["mtp"].get("resumed"))}
     full["mtp"] = {
         **log["mtp"],
         "train": before.get("train", []) + log["mtp"]["train"],  # (steps count on from before)
         "steps": before.get("steps", 0) + log["mtp"]["steps"],
-        "args": {k: v for k, v in vars(args).items() if k != "model"},
+        "runs": [  # each run's arguments, the earlier ones' too
+            *before.get("runs", []),
+            {**run, "args": {k: v for k, v in vars(args).items() if k != "model"}},
+        ],
     }
     train_log.write_text(json.dumps(full, indent=2) + "\n")
     print(f"MTP layer written to {out}", flush=True)

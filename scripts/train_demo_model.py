@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"final held-out: {log['final']['heldout_bpb']:.4f} bits/byte (export, fp32)", flush=True)
     if args.mtp_time_budget_s > 0:  # the draft head: the main objective shifted by one
         cpu_bytes = torch.frombuffer(bytearray(data[:split]), dtype=torch.uint8)
-        mtp = train_mtp(reloaded, cpu_bytes, args, log)
+        mtp = train_mtp(reloaded, cpu_bytes, args, log, out)
         add_to_checkpoint(out, mtp_tensors(mtp.to("cpu"), model_cls))
         mtp.to(device)
     _write_log(out, log)
