@@ -384,6 +384,8 @@ def test_router_image_has_no_torch() -> None:
     assert set(pins) == {
         "fastapi",
         "uvicorn",
+        "uvloop",  # the router's event loop and HTTP parser (services/router/http_server.py)
+        "httptools",
         "grpcio",
         "protobuf",
         "redis",

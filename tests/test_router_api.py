@@ -961,3 +961,43 @@ async def test_stalled_connections_are_closed_while_other_clients_are_served(
     finally:
         for _, writer in idle:
             writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_slow_live_body_is_served_and_an_idle_kept_alive_connection_is_closed(
+    start_router: StartRouter, router_model_dir: Path, redis_url: str
+) -> None:
+    """The body deadline is renewed by each piece (a body trickled over 1.2 s with 0.5 s
+    deadlines is read whole); after the response the next request head is owed again."""
+    router = await start_router(
+        RouterSettings(
+            str(router_model_dir),
+            redis_url,
+            cluster_token=TOKEN,
+            header_read_timeout_s=0.5,
+            body_read_timeout_s=0.5,
+        )
+    )
+    port = int(router.url.rsplit(":", 1)[1])
+    prompt = {"prompt": "hello there, slowly"}
+    body = json.dumps(prompt).encode()
+    async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
+        expected = (await http.post("/tokenize", json=prompt)).json()["tokens"]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        for at in range(0, len(body), 8):  # a piece every 0.3 s: longer than either deadline
+            await asyncio.sleep(0.3)
+            writer.write(body[at : at + 8])
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+        assert json.loads(await reader.readexactly(length))["tokens"] == expected
+        # kept alive, it owes the next request head: closed once the header deadline passes
+        # (well before uvicorn's own 5 s keep-alive timeout)
+        assert await asyncio.wait_for(reader.read(), timeout=3) == b""
+    finally:
+        writer.close()

@@ -1,8 +1,9 @@
-"""The router's HTTP server: uvicorn (h11) with read deadlines and a cap on open connections.
+"""The router's HTTP server: uvicorn on uvloop and httptools, with read deadlines and a cap on
+open connections.
 
 uvicorn bounds neither how long a client may take to send a request's head nor how long it may
 pause inside a body, so stalled connections (idle, half a header, half a body: slowloris) stay
-open for good, and `ulimit -n` of them lock every client out. `BoundedH11Protocol` closes a
+open for good, and `ulimit -n` of them lock every client out. `BoundedHTTPProtocol` closes a
 connection whose request head is not complete within `--header-read-timeout` of its opening (or
 of its previous response: bytes trickled in do not extend it), and one that sends nothing for
 `--body-read-timeout` inside a body (unless the router itself paused reading). Above
@@ -17,9 +18,8 @@ import logging
 import resource
 from typing import Any
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .settings import RouterSettings
 
@@ -42,9 +42,14 @@ _FULL = (
 ) + _FULL_BODY
 
 
-class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with read deadlines and a connection cap (class attributes, set
-    by `protocol_class`)."""
+class BoundedHTTPProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol (llhttp, in C: the per-chunk framing cost of a stream is a
+    tenth of h11's, `loadtest/README.md` "router_cpu.py") with read deadlines and a connection
+    cap (class attributes, set by `protocol_class`).
+
+    What the client owes follows the parser's callbacks: a request head from the connection's
+    opening and from each complete response (`_in_message` False), body bytes or the message's
+    end from its head on (`_in_message` True), nothing from the message's end to the response's."""
 
     header_timeout_s = 10.0
     body_timeout_s = 30.0
@@ -53,6 +58,7 @@ class BoundedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._read_deadline: asyncio.TimerHandle | None = None
+        self._in_message = False
         if self.max_connections and len(self.connections) > self.max_connections:
             transport.write(_FULL)
             transport.close()
@@ -63,27 +69,25 @@ class BoundedH11Protocol(H11Protocol):
         self._disarm()
         super().connection_lost(exc)
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        self._follow_state()
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._in_message = True
+        self._arm(self.body_timeout_s)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        self._arm(self.body_timeout_s)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_message = False
+        self._disarm()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._follow_state()
-
-    def _follow_state(self) -> None:
-        """Arm the deadline for what the client owes now: a request head (a deadline from when
-        it became owed, kept while bytes trickle in), body bytes (renewed by each), or nothing."""
-        if self.transport.is_closing():
-            return
-        state = self.conn.their_state
-        if state is h11.SEND_BODY:
-            self._arm(self.body_timeout_s)
-        elif state is h11.IDLE:
-            if self._read_deadline is None:
-                self._arm(self.header_timeout_s)
-        else:
-            self._disarm()
+        if not self.transport.is_closing():
+            # a pipelined request read in part still owes its body; else the next head is owed
+            self._arm(self.body_timeout_s if self._in_message else self.header_timeout_s)
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
@@ -101,16 +105,16 @@ class BoundedH11Protocol(H11Protocol):
         if self.flow.read_paused:  # the router is not reading: not the client's delay
             self._arm(seconds)
             return
-        owed = "body bytes" if self.conn.their_state is h11.SEND_BODY else "complete request head"
+        owed = "body bytes" if self._in_message else "complete request head"
         log.info("closing a connection that sent no %s for %g s", owed, seconds)
         self.transport.close()
 
 
-def protocol_class(settings: RouterSettings) -> type[BoundedH11Protocol]:
-    """`BoundedH11Protocol` with the settings' deadlines and cap."""
+def protocol_class(settings: RouterSettings) -> type[BoundedHTTPProtocol]:
+    """`BoundedHTTPProtocol` with the settings' deadlines and cap."""
     return type(
-        "RouterH11Protocol",
-        (BoundedH11Protocol,),
+        "RouterHTTPProtocol",
+        (BoundedHTTPProtocol,),
         {
             "header_timeout_s": settings.header_read_timeout_s,
             "body_timeout_s": settings.body_read_timeout_s,
@@ -126,6 +130,7 @@ def config(app: Any, settings: RouterSettings, **options: Any) -> uvicorn.Config
         host=settings.host,
         port=settings.port,
         http=protocol_class(settings),
+        loop="uvloop",  # the event loop and socket transports in C (loadtest/README.md)
         **options,
     )
 
