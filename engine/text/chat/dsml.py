@@ -208,6 +208,18 @@ def _markers(dialect: Dialect | None) -> dict[_State, tuple[str, ...]]:
     return markers
 
 
+@cache
+def _marker_starts(dialect: Dialect | None) -> dict[_State, re.Pattern[str]]:
+    """Per state, a pattern for any character its markers start with: a buffer it does not
+    match holds neither a marker nor a marker's beginning (most streamed tokens)."""
+    return {
+        state: re.compile("[" + re.escape("".join({m[0] for m in markers})) + "]")
+        if markers
+        else re.compile("(?!)")
+        for state, markers in _markers(dialect).items()
+    }
+
+
 _TEXT_STATES = frozenset({_State.REASONING, _State.CONTENT, _State.AFTER_BLOCK})
 _BLOCK_STATES = frozenset(
     {_State.BLOCK, _State.INVOKE_HEAD, _State.INVOKE_BODY, _State.PARAM_HEAD, _State.PARAM_VALUE}
@@ -245,6 +257,7 @@ class StreamParser:
         has no calls to read, and DSML markup in it stays text)."""
         self._state = _State.REASONING if thinking else _State.CONTENT
         self._dialect, self._markers = dialect, _markers(dialect)
+        self._starts = _marker_starts(dialect)
         self._new_id = new_id
         self._buf = ""  # text not yet consumed: at most a possible marker's beginning
         self._head = ""  # an invoke or parameter tag's attributes, until its ">"
@@ -298,6 +311,10 @@ class StreamParser:
     # -- scanning
     def _step(self) -> bool:
         """Consume up to and including the first marker; False once only a held tail is left."""
+        if self._starts[self._state].search(self._buf) is None:
+            self._text(self._buf)
+            self._buf = ""
+            return False
         markers = self._markers[self._state]
         found = _first_marker(self._buf, markers)
         if found is None:
