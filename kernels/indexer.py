@@ -25,6 +25,22 @@ Keys come from a plain cache [pages, P, Di] or an FP8 pool (uint8 pages, kernels
 score loop reads either through ``_load_keys``, a constexpr switch; FP8 keys enter the dot as
 their e4m3 codes and each entry's score is multiplied by its power-of-two scale afterwards
 (exact: relu(s * x) = s * relu(x) for s > 0, and scaling by 2^e commutes with fp32 rounding).
+
+``IndexerConfig.fp8_dot`` (FP8 pools only) also quantizes the queries and runs an FP8 MMA, as the
+release does: DeepSeek-V3.2's Indexer.forward quantizes q with ``act_quant(q, 128, "ue8m0")``
+(one power-of-two scale per query row and head over its 128 values, codes e4m3 rounded to
+nearest even), folds that scale into the head weights (``weights * q_scale``) and scores the e4m3
+codes of q and k (``fp8_index``; DeepGEMM's fp8_paged_mqa_logits takes the same e4m3 q). Here each
+program quantizes its row's q with the same rounding (kernels.act_quant.quantize_rows) and
+multiplies w by the scale; q_codes . k_codes runs on the tensor cores' FP8 path, the products
+accumulated in fp32 registers (with the hardware's FP8 accumulation, Triton's sm_90 default, as
+DeepGEMM's kernel over one 128-deep dot). What changes: q is rounded to e4m3, so each q value
+moves by at most 2^-4 of itself (half an ulp of 3 mantissa bits; 2^-10 of the scale below e4m3's
+normal range) and scores move accordingly, a few percent of a row's score range at random data:
+entries near the top-k boundary may trade places. The keys and their scales are as before (the
+pool is e4m3 already). That is the ranking the model was served and evaluated with officially,
+so it is not a loss against the release, only against a bf16 reference. Under the interpreter
+the codes' values enter an fp32 dot (exact).
 """
 
 from __future__ import annotations
@@ -35,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.act_quant import quantize_rows
 from kernels.env import INTERPRET, dot_precision, num_sms
 from kernels.kv_quant import index_page_size, keys_per_page, load_index_k_fp8
 from kernels.radix_select import compact_top, float_to_key, radix_threshold
@@ -52,6 +69,17 @@ class IndexerConfig:
     # The score loop is not software-pipelined (the in-loop top-k cut holds loops), so without
     # this every tile waits for two dependent loads, page id then keys, at long contexts.
     prefetch: bool = True
+    # FP8 pools only: queries quantized to e4m3 in the kernel and an FP8 MMA (module docstring).
+    fp8_dot: bool = False
+    # Keys on the MMA's M side: the per-key head sum stays inside a warp (_tile_scores).
+    key_rows: bool = False
+    # > 0: runs of tiles between two cuts software-pipelined this many stages deep (tl.range)
+    # instead of the hand prefetch; a run ends where the room left could fill.
+    stages: int = 0
+    # Each split cuts its candidates to its top-k before the merge, which then reads at most
+    # splits x topk entries a row instead of up to splits x cap: splits work in parallel, a
+    # row's merge in one program.
+    final_cut: bool = False
 
 
 def default_config(batch: int, device: torch.device) -> IndexerConfig:
@@ -88,18 +116,66 @@ def _emit_row(keys, pos, counts, n, idx_row, topk, cap, num_splits, SELECT_BLOCK
 
 @triton.jit
 def _load_keys(
-    kc_ptr, page, off, valid, stride_kp, stride_ks, page_size, dims, KEYS_FP8: tl.constexpr
-):
+    kc_ptr, page, off, valid, stride_kp, stride_ks, page_size, dims, KEYS_FP8: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+):  # fmt: skip
     """Keys at (page, offset) [BLOCK_N], 0 where not valid, and their per-token scales: a plain
     cache [pages, P, Di] gives its own dtype (scales unused), an FP8 pool (kernels.kv_quant layout,
-    page stride stride_kp) gives fp32 e4m3 codes and fp32 scales."""
+    page stride stride_kp) gives its e4m3 codes (as fp8 for an FP8 MMA, else fp32) and fp32
+    scales."""
     if KEYS_FP8:
-        return load_index_k_fp8(kc_ptr, page, off, valid, stride_kp, page_size, dims.shape[0])
+        return load_index_k_fp8(
+            kc_ptr, page, off, valid, stride_kp, page_size, dims.shape[0],
+            tl.float8e4nv if FP8_DOT else tl.float32,
+        )  # fmt: skip
     else:
         rows = kc_ptr + page.to(tl.int64) * stride_kp + off * stride_ks
         # a row-only mask keeps the key loads 16 bytes wide
         k = tl.load(rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
         return k, tl.full(valid.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _tile_scores(
+    q, w, k, k_scale, scale, KEYS_FP8: tl.constexpr, KEY_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Scores [BLOCK_N] of one key tile k [BLOCK_N, Di] for queries q [Hi, Di], weights w [Hi].
+    KEY_ROWS puts the keys on the MMA's M side ([BLOCK_N, Hi] logits): each key's head sum then
+    stays inside a warp instead of crossing warps through shared memory."""
+    if KEY_ROWS:
+        logits = tl.dot(k.to(q.dtype), tl.trans(q), input_precision=DOT_PRECISION)
+        score = tl.sum(tl.maximum(logits, 0.0) * w[None, :], 1) * scale
+    else:
+        logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale
+    if KEYS_FP8:  # a power-of-two key scale commutes with the dot, ReLU and head sum
+        score = score * k_scale
+    return score
+
+
+@triton.jit
+def _append(keys, pos, score, j, valid, floor, count):
+    """Append the entries j whose scores beat floor to the segment (keys, pos) after its first
+    count entries; returns the new count."""
+    key = float_to_key(score)
+    keep = (valid & (key > floor)).to(tl.int32)
+    dst = count + tl.cumsum(keep, 0) - keep
+    tl.store(keys + dst, key.to(tl.int32, bitcast=True), mask=keep != 0)
+    tl.store(pos + dst, j, mask=keep != 0)
+    return count + tl.sum(keep, 0)
+
+
+@triton.jit
+def _cut(keys, pos, count_ptr, count, topk, cap, SELECT_BLOCK: tl.constexpr):
+    """Keep the segment's top-k in place (count > topk entries); returns the k-th key, below
+    which no later entry can enter the segment's top-k."""
+    tl.store(count_ptr, count)
+    tl.debug_barrier()
+    floor, take_equal = radix_threshold(keys, count_ptr, 1, cap, topk, SELECT_BLOCK)
+    compact_top(keys, pos, count_ptr, 1, cap, floor, take_equal, keys, pos, True, SELECT_BLOCK)
+    tl.debug_barrier()
+    return floor
 
 
 @triton.jit
@@ -110,7 +186,8 @@ def _score_kernel(
     BLOCK_HI: tl.constexpr, BLOCK_DI: tl.constexpr, BLOCK_N: tl.constexpr,
     EMIT: tl.constexpr, SELECT_BLOCK: tl.constexpr,
     KEYS_FP8: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_DOT: tl.constexpr, KEY_ROWS: tl.constexpr,
+    STAGES: tl.constexpr, FINAL_CUT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -127,9 +204,12 @@ def _score_kernel(
             mask=(heads < n_heads)[:, None],
             other=0.0,
         )
-        if UPCAST:
-            q = q.to(tl.float32)
         w = tl.load(w_ptr + b * stride_wb + heads, mask=heads < n_heads, other=0.0)  # [BLOCK_HI]
+        if FP8_DOT:  # the release's act_quant of each head's row; its scale joins the weight
+            q, _, q_scale, _ = quantize_rows(q.to(tl.float32), UPCAST)  # fp32 values if UPCAST
+            w = w * q_scale
+        elif UPCAST:
+            q = q.to(tl.float32)
         # this split's share of the row: a contiguous range of whole tiles
         per_split = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
         start = split * per_split
@@ -137,73 +217,65 @@ def _score_kernel(
         count = 0
         floor = tl.zeros([], tl.uint32)  # keys <= floor cannot enter this split's top-k
         pt_row = pt_ptr + b * stride_pt
-        if PREFETCH:  # the first tile's keys and the second tile's page ids
-            j = start + tl.arange(0, BLOCK_N)
-            page = tl.load(pt_row + j // page_size, mask=j < end, other=0)
-            k_next, scale_next = _load_keys(
-                kc_ptr,
-                page,
-                j % page_size,
-                j < end,
-                stride_kp,
-                stride_ks,
-                page_size,
-                dims,
-                KEYS_FP8,
-            )
-            j += BLOCK_N
-            page_next = tl.load(pt_row + j // page_size, mask=j < end, other=0)
-        for t0 in range(start, end, BLOCK_N):
-            j = t0 + tl.arange(0, BLOCK_N)
-            valid = j < end
-            if PREFETCH:  # this tile's keys arrived during the previous tile; ask for the next
-                k, k_scale = k_next, scale_next
-                j1 = j + BLOCK_N
+        if STAGES > 0:
+            # Software-pipelined runs of tiles, STAGES deep (page ids, then keys, then the MMA):
+            # a run has no cut inside (a loop in a loop is not pipelined), so it is as long as
+            # the room left can take if every entry were appended; cut when under half is left.
+            min_room = tl.maximum((cap - topk) // (2 * BLOCK_N), 1) * BLOCK_N
+            t0 = start
+            while t0 < end:
+                stop = tl.minimum(end, t0 + (cap - count) // BLOCK_N * BLOCK_N)
+                for t in tl.range(t0, stop, BLOCK_N, num_stages=STAGES):
+                    j = t + tl.arange(0, BLOCK_N)
+                    valid = j < end
+                    page = tl.load(pt_row + j // page_size, mask=valid, other=0)
+                    k, k_scale = _load_keys(
+                        kc_ptr, page, j % page_size, valid, stride_kp, stride_ks, page_size,
+                        dims, KEYS_FP8, FP8_DOT,
+                    )  # fmt: skip
+                    score = _tile_scores(q, w, k, k_scale, scale, KEYS_FP8, KEY_ROWS,
+                                         DOT_PRECISION)  # fmt: skip
+                    count = _append(keys, pos, score, j, valid, floor, count)
+                t0 = stop
+                if cap - count < min_room:
+                    floor = _cut(keys, pos, count_ptr, count, topk, cap, SELECT_BLOCK)
+                    count = topk
+        else:
+            if PREFETCH:  # the first tile's keys and the second tile's page ids
+                j = start + tl.arange(0, BLOCK_N)
+                page = tl.load(pt_row + j // page_size, mask=j < end, other=0)
                 k_next, scale_next = _load_keys(
-                    kc_ptr,
-                    page_next,
-                    j1 % page_size,
-                    j1 < end,
-                    stride_kp,
-                    stride_ks,
-                    page_size,
-                    dims,
-                    KEYS_FP8,
-                )
-                j2 = j1 + BLOCK_N
-                page_next = tl.load(pt_row + j2 // page_size, mask=j2 < end, other=0)
-            else:
-                page = tl.load(pt_row + j // page_size, mask=valid, other=0)
-                k, k_scale = _load_keys(
-                    kc_ptr,
-                    page,
-                    j % page_size,
-                    valid,
-                    stride_kp,
-                    stride_ks,
-                    page_size,
-                    dims,
-                    KEYS_FP8,
-                )
-            logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0) * scale  # [BLOCK_N]
-            if KEYS_FP8:  # a power-of-two key scale commutes with the dot, ReLU and head sum
-                score = score * k_scale
-            key = float_to_key(score)
-            keep = (valid & (key > floor)).to(tl.int32)
-            dst = count + tl.cumsum(keep, 0) - keep
-            tl.store(keys + dst, key.to(tl.int32, bitcast=True), mask=keep != 0)
-            tl.store(pos + dst, j, mask=keep != 0)
-            count += tl.sum(keep, 0)
-            if count > cap - BLOCK_N:  # no room for another tile: keep the top-k only
-                tl.store(count_ptr, count)
-                tl.debug_barrier()
-                floor, take_equal = radix_threshold(keys, count_ptr, 1, cap, topk, SELECT_BLOCK)
-                compact_top(
-                    keys, pos, count_ptr, 1, cap, floor, take_equal, keys, pos, True, SELECT_BLOCK
-                )
-                count = topk
-                tl.debug_barrier()
+                    kc_ptr, page, j % page_size, j < end, stride_kp, stride_ks, page_size, dims,
+                    KEYS_FP8, FP8_DOT,
+                )  # fmt: skip
+                j += BLOCK_N
+                page_next = tl.load(pt_row + j // page_size, mask=j < end, other=0)
+            for t0 in range(start, end, BLOCK_N):
+                j = t0 + tl.arange(0, BLOCK_N)
+                valid = j < end
+                if PREFETCH:  # this tile's keys arrived during the previous tile; ask for the next
+                    k, k_scale = k_next, scale_next
+                    j1 = j + BLOCK_N
+                    k_next, scale_next = _load_keys(
+                        kc_ptr, page_next, j1 % page_size, j1 < end, stride_kp, stride_ks,
+                        page_size, dims, KEYS_FP8, FP8_DOT,
+                    )  # fmt: skip
+                    j2 = j1 + BLOCK_N
+                    page_next = tl.load(pt_row + j2 // page_size, mask=j2 < end, other=0)
+                else:
+                    page = tl.load(pt_row + j // page_size, mask=valid, other=0)
+                    k, k_scale = _load_keys(
+                        kc_ptr, page, j % page_size, valid, stride_kp, stride_ks, page_size,
+                        dims, KEYS_FP8, FP8_DOT,
+                    )  # fmt: skip
+                score = _tile_scores(q, w, k, k_scale, scale, KEYS_FP8, KEY_ROWS, DOT_PRECISION)
+                count = _append(keys, pos, score, j, valid, floor, count)
+                if count > cap - BLOCK_N:  # no room for another tile: keep the top-k only
+                    floor = _cut(keys, pos, count_ptr, count, topk, cap, SELECT_BLOCK)
+                    count = topk
+        if FINAL_CUT and count > topk:  # the merge then reads at most topk entries a split
+            _cut(keys, pos, count_ptr, count, topk, cap, SELECT_BLOCK)
+            count = topk
         tl.store(count_ptr, count)
     if EMIT:  # a single split: this program holds the row's only candidates
         tl.debug_barrier()
@@ -266,6 +338,8 @@ def indexer_topk(
     batch, n_heads, head_dim = q.shape
     cfg = config or default_config(batch, q.device)
     keys_fp8 = k_cache.dtype == torch.uint8
+    if cfg.fp8_dot and not keys_fp8:
+        raise ValueError("fp8_dot scores FP8 key pools only (uint8 k_cache)")
     page_size = keys_per_page(k_cache, head_dim)
     cap = topk + max(cfg.room, cfg.block_n)  # the kept top-k + room for at least one tile
     dev = q.device
@@ -281,6 +355,7 @@ def indexer_topk(
         BLOCK_HI=max(16, triton.next_power_of_2(n_heads)), BLOCK_DI=head_dim, BLOCK_N=cfg.block_n,
         EMIT=cfg.num_splits == 1, SELECT_BLOCK=cfg.select_block, KEYS_FP8=keys_fp8,
         PREFETCH=cfg.prefetch, UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
+        FP8_DOT=cfg.fp8_dot, KEY_ROWS=cfg.key_rows, STAGES=cfg.stages, FINAL_CUT=cfg.final_cut,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.num_splits > 1:
