@@ -80,6 +80,13 @@ class IndexerConfig:
     # splits x topk entries a row instead of up to splits x cap: splits work in parallel, a
     # row's merge in one program.
     final_cut: bool = False
+    # > 0: the merge runs in two levels, programs of merge_group splits first (each keeps its
+    # splits' top-k), then one program a row over their results: many splits (long context, small
+    # B) no longer funnel all their candidates through one program.
+    merge_group: int = 0
+    # > 0: cap the score kernel's registers per thread (ptxas -maxnreg); 128 at 8 warps lets two
+    # programs share an SM.
+    max_regs: int = 0
 
 
 def default_config(batch: int, device: torch.device) -> IndexerConfig:
@@ -88,6 +95,24 @@ def default_config(batch: int, device: torch.device) -> IndexerConfig:
     num_splits = max(1, min(triton.cdiv(2 * num_sms(device), batch), 16))
     room = 2048 if batch * num_splits <= 4096 else 512
     return IndexerConfig(128, num_splits, room, 1024, 8, 1)
+
+
+def context_splits(
+    batch: int,
+    max_entries: int,
+    device: torch.device,
+    *,
+    programs_per_sm: int = 1,
+    min_tiles: int = 8,
+    block_n: int = 128,
+) -> int:
+    """Splits per row from shapes only, so a CUDA graph keeps them: enough to give every SM
+    programs_per_sm programs over the batch (at most one wave: B x S <= programs_per_sm x SMs),
+    but at least min_tiles tiles of max_entries (page table width x page size: a row's longest
+    possible context) per split. Unlike default_config's, it grows with the context when B is
+    small."""
+    fill = max(1, programs_per_sm * num_sms(device) // batch)
+    return max(1, min(fill, max_entries // (min_tiles * block_n)))
 
 
 @triton.jit
@@ -305,6 +330,38 @@ def _merge_kernel(
     )
 
 
+@triton.jit
+def _group_merge_kernel(
+    key_ptr, pos_ptr, cnt_ptr, len_ptr, out_key_ptr, out_pos_ptr, out_cnt_ptr,
+    topk, cap, num_splits, group,
+    SELECT_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (b, g): the top-k of splits g * group .. of row b, keys and positions, into
+    segment g (stride topk) of the row's group results; fewer than topk candidates are copied."""
+    b = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    groups = tl.num_programs(1)
+    if tl.load(len_ptr + b) > topk:
+        first = g * group
+        segs = tl.minimum(group, num_splits - first)
+        keys = key_ptr + (b * num_splits + first) * cap
+        pos = pos_ptr + (b * num_splits + first) * cap
+        counts = cnt_ptr + b * num_splits + first
+        total = 0
+        for s in range(segs):
+            total += tl.load(counts + s)
+        threshold = tl.zeros([], tl.uint32)  # with few candidates: every key >= 0, i.e. all
+        take_equal = total
+        if total > topk:
+            threshold, take_equal = radix_threshold(keys, counts, segs, cap, topk, SELECT_BLOCK)
+        out = (b * groups + g) * topk
+        written = compact_top(
+            keys, pos, counts, segs, cap, threshold, take_equal,
+            out_key_ptr + out, out_pos_ptr + out, True, SELECT_BLOCK,
+        )  # fmt: skip
+        tl.store(out_cnt_ptr + b * groups + g, written)
+
+
 def check_indexer_args(q, weights, k_cache, page_table, lengths) -> None:
     """Validate shapes and dtypes (no data read)."""
     batch, n_heads, head_dim = q.shape
@@ -356,14 +413,28 @@ def indexer_topk(
         EMIT=cfg.num_splits == 1, SELECT_BLOCK=cfg.select_block, KEYS_FP8=keys_fp8,
         PREFETCH=cfg.prefetch, UPCAST=INTERPRET, DOT_PRECISION=dot_precision(q.dtype),
         FP8_DOT=cfg.fp8_dot, KEY_ROWS=cfg.key_rows, STAGES=cfg.stages, FINAL_CUT=cfg.final_cut,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.max_regs or None,
     )  # fmt: skip
-    if cfg.num_splits > 1:
-        _merge_kernel[(batch,)](
-            keys, pos, counts, lengths, idx,
-            idx.stride(0),
-            topk, cap, cfg.num_splits,
+    if cfg.num_splits == 1:
+        return idx
+    segments = cfg.num_splits
+    if 0 < cfg.merge_group < cfg.num_splits:
+        segments = triton.cdiv(cfg.num_splits, cfg.merge_group)
+        group_keys = torch.empty(batch, segments, topk, dtype=torch.int32, device=dev)
+        group_pos = torch.empty(batch, segments, topk, dtype=torch.int32, device=dev)
+        group_counts = torch.empty(batch, segments, dtype=torch.int32, device=dev)
+        _group_merge_kernel[(batch, segments)](
+            keys, pos, counts, lengths, group_keys, group_pos, group_counts,
+            topk, cap, cfg.num_splits, cfg.merge_group,
             SELECT_BLOCK=cfg.select_block,
             num_warps=cfg.num_warps,
         )  # fmt: skip
+        keys, pos, counts, cap = group_keys, group_pos, group_counts, topk
+    _merge_kernel[(batch,)](
+        keys, pos, counts, lengths, idx,
+        idx.stride(0),
+        topk, cap, segments,
+        SELECT_BLOCK=cfg.select_block,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
     return idx

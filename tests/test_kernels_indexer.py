@@ -98,23 +98,37 @@ def test_fp8_dot_needs_an_fp8_pool():
         case.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
 
 
-@pytest.mark.parametrize(
-    "stages,key_rows,final_cut",
-    [(2, False, False), (3, True, True), (0, True, True)],
-    ids=["st2", "st3-keys-m-cut", "keys-m-cut"],
-)
+LOOP_VARIANTS = {  # IndexerConfig fields beside block_n 16, room 16, select_block 32, 4 warps
+    "st2": dict(num_splits=3, stages=2),
+    "st3-keys-m-cut": dict(num_splits=3, stages=3, key_rows=True, final_cut=True),
+    "keys-m-cut": dict(num_splits=3, key_rows=True, final_cut=True),
+    "groups-of-2": dict(num_splits=5, merge_group=2, max_regs=128),  # groups of 2, 2 and 1
+    "groups-cut": dict(num_splits=4, merge_group=3, final_cut=True),
+}
+
+
+@pytest.mark.parametrize("variant", LOOP_VARIANTS.values(), ids=LOOP_VARIANTS.keys())
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-keys"])
-def test_triton_loop_variants_pick_the_top_scores(stages, key_rows, final_cut, fp8):
-    """The pipelined runs (cut between runs), keys on the MMA's M side and the final cut are the
-    same selection: row 100 with 3 splits of 16-entry tiles and room 16 cuts several times."""
+def test_triton_loop_variants_pick_the_top_scores(variant, fp8):
+    """Pipelined runs (cut between runs), keys on the MMA's M side, the final cut and the
+    two-level merge are the same selection: row 100 with 16-entry tiles and room 16 cuts several
+    times a split."""
     case = indexer_case(LENGTHS, topk=TOPK, dtype=torch.bfloat16, seed=8)
     if fp8:
         case, expected = fp8_indexer_case(case)
     else:
         expected = case
-    cfg = IndexerConfig(16, 3, 16, 32, 4, 1, key_rows=key_rows, stages=stages,
-                        final_cut=final_cut)  # fmt: skip
+    cfg = IndexerConfig(16, room=16, select_block=32, num_warps=4, num_stages=1, **variant)
     check_topk(case.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg)), expected, 1e-5)
+
+
+def test_context_splits_fill_one_wave_and_keep_min_tiles():
+    dev = torch.device("cpu")  # 4 "SMs" under the interpreter
+    assert indexer.context_splits(1, 1 << 18, dev) == 4
+    assert indexer.context_splits(1, 1 << 18, dev, programs_per_sm=2) == 8
+    assert indexer.context_splits(3, 1 << 18, dev) == 1  # 3 x 2 would be a second, partial wave
+    assert indexer.context_splits(1, 2048, dev, min_tiles=8, block_n=128) == 2
+    assert indexer.context_splits(1, 100, dev) == 1
 
 
 def test_fp8_keys_change_the_ranking():
