@@ -438,7 +438,7 @@ def print_indexer(r: dict) -> None:
         cfg = f"{r['variant']} s{c['num_splits']}"
         extra = f"  {r['x_default']:.2f}x default" if "x_default" in r else ""
     print(
-        f"  idx ctx={r['ctx'] >> 10}K B={r['B']:<3} n={r['entries']:<7} {r['format']:<4} {cfg:<24}"
+        f"  idx ctx={r['ctx'] >> 10}K B={r['B']:<3} n={r['entries']:<7} {r['format']:<4} {cfg:<28}"
         f" err {r['score_rel_err']:.1e} top-k {100 * r['topk_overlap']:5.1f}% {r['us']:9.1f} us"
         f"  floor {r['floor_us']:8.2f} us  x{r['x_floor']:.2f} floor{extra}",
         flush=True,
@@ -449,8 +449,8 @@ def indexer_variants(env: Env, batch: int, entries: int, fmt: str) -> dict[str, 
     """The score-loop options timed beside the default (kernels.indexer.IndexerConfig): splits
     from the context (context_config: one program per SM, or two under a 128-register cap),
     pipelined runs (st3), FP8 queries and MMA (fp8dot, FP8 pools only), keys on the MMA's M
-    side (kr). The bench's page tables are as wide as the rows are long, so the context rule sees
-    the real context."""
+    side (kr), 64-entry tiles on 4 warps (n64w4). The bench's page tables are as wide as the
+    rows are long, so the context rule sees the real context."""
     ctx1, ctx2 = (
         indexer.context_config(batch, entries, env.device, programs_per_sm=p) for p in (1, 2)
     )
@@ -461,6 +461,11 @@ def indexer_variants(env: Env, batch: int, entries: int, fmt: str) -> dict[str, 
         variants = {"fp8dot": fp8dot, **variants}
         variants["ctx2-st3-fp8dot"] = dataclasses.replace(st3, fp8_dot=True)
         variants["ctx2-st3-fp8dot-kr"] = dataclasses.replace(st3, fp8_dot=True, key_rows=True)
+        # half the tile, half the warps: four programs an SM under the same register cap
+        ctx4 = indexer.context_config(batch, entries, env.device, programs_per_sm=4)
+        variants["ctx4-n64w4-st3-fp8dot"] = dataclasses.replace(
+            ctx4, block_n=64, num_warps=4, stages=3, fp8_dot=True
+        )
     return variants
 
 
