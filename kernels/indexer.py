@@ -11,15 +11,25 @@ Two kernels, grid fixed by (B, splits) and never by the page table's width:
    segment has no room for another tile it keeps its top-k in place (radix select) and raises
    the floor to the k-th score, so later tiles mostly append nothing.
 2. ``_merge_kernel`` (B,): radix select of the row's top-k over its splits' candidates.
-   With one split the score kernel does this itself and the merge is not launched.
+   With one split the score kernel does this itself and the merge is not launched. With
+   ``merge_group`` G, ``_group_merge_kernel`` (B, S / G) first keeps the top-k of each G splits.
 
 How it scales, for B rows, topk = k, splits = S, cap = k + max(room, BLOCK_N):
 - work: sum_b lengths[b] x Hi x Di x 2 FLOP and as many key reads, plus a few passes over at most
   S x cap candidates per row; nothing for entries past lengths[b] or rows with lengths[b] <= k.
 - memory: candidates B x S x cap x 8 bytes (int32 key + position) and B x S counts, plus the
   [B, k] output; independent of the configured maximum context (page_table's width) and of the
-  pool size. S depends on B only (about two programs per SM), so a decode graph keeps it.
+  pool size. S depends on B only (default_config: about two programs per SM, at most 16), so a
+  decode graph keeps it. ``context_config`` also lets S grow with the page table's width (a
+  shape, so still capture-safe) when B is small, cuts each split to its top-k before the merge
+  (``final_cut``) and merges in two levels; then the merge reads S x k candidates a row, and
+  the group results add B x S / G x k x 8 bytes.
 No host synchronisation: the call can be captured in a CUDA graph.
+
+Registers bound the score loop's occupancy (ptxas for sm_90, Triton 3.9, at the bench's shapes:
+136 a thread at 8 warps for the default, so one program per SM; 172 with fp8_dot's hand
+prefetch). ``max_regs`` = 128 lets two 8-warp programs share an SM; the pipelined runs
+(``stages``) hold the next tiles in shared memory instead of registers and fit that cap.
 
 Keys come from a plain cache [pages, P, Di] or an FP8 pool (uint8 pages, kernels.kv_quant): the
 score loop reads either through ``_load_keys``, a constexpr switch; FP8 keys enter the dot as
@@ -32,20 +42,22 @@ release does: DeepSeek-V3.2's Indexer.forward quantizes q with ``act_quant(q, 12
 nearest even), folds that scale into the head weights (``weights * q_scale``) and scores the e4m3
 codes of q and k (``fp8_index``; DeepGEMM's fp8_paged_mqa_logits takes the same e4m3 q). Here each
 program quantizes its row's q with the same rounding (kernels.act_quant.quantize_rows) and
-multiplies w by the scale; q_codes . k_codes runs on the tensor cores' FP8 path, the products
-accumulated in fp32 registers (with the hardware's FP8 accumulation, Triton's sm_90 default, as
-DeepGEMM's kernel over one 128-deep dot). What changes: q is rounded to e4m3, so each q value
-moves by at most 2^-4 of itself (half an ulp of 3 mantissa bits; 2^-10 of the scale below e4m3's
-normal range) and scores move accordingly, a few percent of a row's score range at random data:
-entries near the top-k boundary may trade places. The keys and their scales are as before (the
-pool is e4m3 already). That is the ranking the model was served and evaluated with officially,
-so it is not a loss against the release, only against a bf16 reference. Under the interpreter
-the codes' values enter an fp32 dot (exact).
+multiplies w by the scale; q_codes . k_codes runs on the tensor cores' FP8 path into fp32
+accumulators (Triton's sm_90 default for FP8 dots: the tensor cores' own accumulation, no
+promotion inside the 128-deep dot). What changes: q is rounded to e4m3, so each q value moves by
+at most 2^-4 of itself (half an ulp of 3 mantissa bits; 2^-10 of the scale below e4m3's normal
+range) and scores move accordingly, a few percent of a row's largest score at random data:
+entries near the top-k boundary may trade places (tests/test_kernels_indexer.py bounds it). The
+keys and their scales are as before (the pool is e4m3 already). Why that is acceptable: it is
+V3.2's official scoring, and V4's release rounds its indexer's q and k more coarsely still (an
+FP4 round trip, 32-value blocks, that the model was trained with); the change is a loss against
+a bf16 reference only. Under the interpreter the codes' values enter an fp32 dot (exact).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -113,6 +125,25 @@ def context_splits(
     small."""
     fill = max(1, programs_per_sm * num_sms(device) // batch)
     return max(1, min(fill, max_entries // (min_tiles * block_n)))
+
+
+def context_config(
+    batch: int, max_entries: int, device: torch.device, *, programs_per_sm: int = 1
+) -> IndexerConfig:
+    """default_config with context_splits, each split cut to its top-k, and the merge in two
+    levels of about sqrt(splits) segments each; two programs per SM get the 128-register cap that
+    lets them share one (8 warps). Shapes only, as default_config."""
+    base = default_config(batch, device)
+    splits = context_splits(
+        batch, max_entries, device, programs_per_sm=programs_per_sm, block_n=base.block_n
+    )
+    return replace(
+        base,
+        num_splits=splits,
+        final_cut=True,
+        merge_group=max(2, math.isqrt(splits)),
+        max_regs=128 if programs_per_sm > 1 else 0,
+    )
 
 
 @triton.jit
