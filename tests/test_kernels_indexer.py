@@ -129,6 +129,8 @@ def test_context_splits_fill_one_wave_and_keep_min_tiles():
     assert indexer.context_splits(3, 1 << 18, dev) == 1  # 3 x 2 would be a second, partial wave
     assert indexer.context_splits(1, 2048, dev, min_tiles=8, block_n=128) == 2
     assert indexer.context_splits(1, 100, dev) == 1
+    cfg = indexer.context_config(1, 1 << 18, dev, programs_per_sm=2)
+    assert (cfg.num_splits, cfg.merge_group, cfg.max_regs, cfg.final_cut) == (8, 2, 128, True)
 
 
 def test_fp8_keys_change_the_ranking():
@@ -251,3 +253,24 @@ def test_cuda_graph_replay_follows_new_lengths():
     case.lengths.copy_(torch.tensor([16000, 300, 513, 9999], dtype=torch.int32))
     graph.replay()
     check_topk(idx, case, 1e-3)
+
+
+@gpu_test
+@pytest.mark.parametrize("programs_per_sm", [1, 2])
+def test_cuda_fp8_dot_with_context_config_real_shapes(programs_per_sm):
+    lengths = [0, 100, 512, 513, 3000, 8192, 20000, 65536]
+    case = indexer_case(
+        lengths,
+        topk=512,
+        heads=64,
+        head_dim=128,
+        page_size=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_pages=4096,
+    )
+    fp8, dequantized = fp8_indexer_case(case)
+    cfg = indexer.context_config(8, 4096 * 64, case.q.device, programs_per_sm=programs_per_sm)
+    cfg = replace(cfg, stages=3, fp8_dot=True)
+    idx = fp8.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
+    check_topk(idx, rounded_queries(dequantized), 1e-3)
