@@ -17,7 +17,9 @@ records its own error and the phase goes on):
   window (128) + 512 picked entries (CSA) or window + every HCA entry (context / 128), bf16
   and FP8 pools; then tile configs at 1M.
 - ``long-indexer``: indexer top-512 over context / 4 entries per row (64 heads x 128), bf16 and
-  FP8 keys; then splits x prefetch at 1M, B = 8.
+  FP8 keys; per shape the score-loop variants beside the default (``indexer_variants``: splits
+  from the context, pipelined runs, FP8 queries and MMA), each checked against the reference
+  (score gap, top-k overlap) before it is timed; then splits x prefetch at 1M, B = 8.
 
 Byte floor = bytes a call must read and write (gathered rows or scored keys, page ids, q, output)
 / the copy bandwidth measured in the same process (bytes read + written per second of a 4 GiB
@@ -383,17 +385,22 @@ def indexer_run(sz: Sizes, keys: torch.Tensor, cfg: IndexerConfig) -> Callable:
     return run
 
 
-def indexer_error(sz: Sizes, run: Callable, keys: torch.Tensor, q, w, table, lengths) -> float:
-    """Worst relative gap between the picked and the true top-k scores of the first two rows
-    (fp32 reference scores of the same keys; FP8: their exact dequantization)."""
+def indexer_agreement(
+    sz: Sizes, run: Callable, keys: torch.Tensor, q, w, table, lengths
+) -> tuple[float, float]:
+    """On the first two rows, against fp32 reference scores of the same keys (FP8: their exact
+    dequantization, with unrounded queries): the worst relative gap between the picked and the
+    true top-k scores, and the share of picks in the true top-k."""
     idx = run(q, w, table, lengths)[:2].long()
     scores = reference.indexer_scores(
         q[:2], w[:2], keys, table[:2], int(lengths[:2].max()), sz.idx_dim**-0.5
     )
     assert bool((idx.sort(1).values.diff(dim=1) > 0).all()), "repeated positions"
     got = scores.gather(1, idx).sort(1).values
-    want = scores.topk(sz.idx_topk, dim=1).values.sort(1).values
-    return ((got - want).abs().max() / want.abs().max()).item()
+    want = scores.topk(sz.idx_topk, dim=1)
+    err = (got - want.values.sort(1).values).abs().max() / want.values.abs().max()
+    hits = (idx[:, :, None] == want.indices[:, None, :]).any(-1)  # [2, k]
+    return err.item(), hits.float().mean().item()
 
 
 def time_indexer(
@@ -407,7 +414,7 @@ def time_indexer(
     sets: list,
 ) -> dict:
     run = indexer_run(sz, keys, cfg)
-    err = indexer_error(sz, run, keys, *sets[0])
+    err, overlap = indexer_agreement(sz, run, keys, *sets[0])
     ms, mode = timed(env, run, sets)
     b, n = shape["B"], shape["entries"]
     key_bytes = 2 * sz.idx_dim if fmt == "bf16" else kv_quant.index_token_bytes(sz.idx_dim)
@@ -415,6 +422,7 @@ def time_indexer(
     moved = b * n * key_bytes + 4 * b * (n // sz.page) + q_w + 4 * b * sz.idx_topk
     floor_us = moved / hw["copy_GBps"] / 1e3
     row = {**shape, "format": fmt, "config": dataclasses.asdict(cfg), "score_rel_err": err}
+    row["topk_overlap"] = overlap
     row.update(us=1e3 * ms, floor_us=floor_us, x_floor=1e3 * ms / floor_us, mode=mode)
     row["key_GBps"] = b * n * key_bytes / (1e3 * ms) / 1e3
     return row
@@ -426,17 +434,45 @@ def print_indexer(r: dict) -> None:
     c = r["config"]
     cfg = f"s{c['num_splits']} r{c['room']} w{c['num_warps']} pf{int(c['prefetch'])}"
     extra = f"  x{r['x_bf16']:.2f} bf16" if "x_bf16" in r else ""
+    if "variant" in r:
+        cfg = f"{r['variant']} s{c['num_splits']}"
+        extra = f"  {r['x_default']:.2f}x default" if "x_default" in r else ""
     print(
-        f"  idx ctx={r['ctx'] >> 10}K B={r['B']:<3} n={r['entries']:<7} {r['format']:<4} {cfg:<18}"
-        f" err {r['score_rel_err']:.1e} {r['us']:9.1f} us  floor {r['floor_us']:8.2f} us"
-        f"  x{r['x_floor']:.2f} floor{extra}",
+        f"  idx ctx={r['ctx'] >> 10}K B={r['B']:<3} n={r['entries']:<7} {r['format']:<4} {cfg:<28}"
+        f" err {r['score_rel_err']:.1e} top-k {100 * r['topk_overlap']:5.1f}% {r['us']:9.1f} us"
+        f"  floor {r['floor_us']:8.2f} us  x{r['x_floor']:.2f} floor{extra}",
         flush=True,
     )
 
 
+def indexer_variants(env: Env, batch: int, entries: int, fmt: str) -> dict[str, IndexerConfig]:
+    """The score-loop options timed beside the default (kernels.indexer.IndexerConfig): splits
+    from the context (context_config: one program per SM, or two under a 128-register cap),
+    pipelined runs (st3), FP8 queries and MMA (fp8dot, FP8 pools only), keys on the MMA's M
+    side (kr), 64-entry tiles on 4 warps (n64w4). The bench's page tables are as wide as the
+    rows are long, so the context rule sees the real context."""
+    ctx1, ctx2 = (
+        indexer.context_config(batch, entries, env.device, programs_per_sm=p) for p in (1, 2)
+    )
+    st3 = dataclasses.replace(ctx2, stages=3)
+    variants = {"ctx": ctx1, "ctx2-r128": ctx2, "ctx2-st3": st3}
+    if fmt == "fp8":
+        fp8dot = dataclasses.replace(indexer.default_config(batch, env.device), fp8_dot=True)
+        variants = {"fp8dot": fp8dot, **variants}
+        variants["ctx2-st3-fp8dot"] = dataclasses.replace(st3, fp8_dot=True)
+        variants["ctx2-st3-fp8dot-kr"] = dataclasses.replace(st3, fp8_dot=True, key_rows=True)
+        # half the tile, half the warps: four programs an SM under the same register cap
+        ctx4 = indexer.context_config(batch, entries, env.device, programs_per_sm=4)
+        variants["ctx4-n64w4-st3-fp8dot"] = dataclasses.replace(
+            ctx4, block_n=64, num_warps=4, stages=3, fp8_dot=True
+        )
+    return variants
+
+
 def phase_long_indexer(env: Env, sz: Sizes, result: dict, hw: dict, save: Callable) -> None:
-    rows, alternatives = [], []
+    rows, alternatives, variants = [], [], []
     result["long_indexer"], result["long_indexer_alternatives"] = rows, alternatives
+    result["long_indexer_variants"] = variants
     target_b = sz.batches[min(1, len(sz.batches) - 1)]  # B = 8 on the H200
     for ctx in sz.contexts:
         entries = ctx // sz.csa_ratio
@@ -457,7 +493,19 @@ def phase_long_indexer(env: Env, sz: Sizes, result: dict, hw: dict, save: Callab
                 timed["fp8"]["x_bf16"] = timed["fp8"]["us"] / timed["bf16"]["us"]
             for r in rows[-2:]:
                 print_indexer(r)
-            if ctx == sz.contexts[-1] and b == target_b:
+            target = ctx == sz.contexts[-1] and b == target_b
+            for fmt, keys in pools.items():
+                for name, vcfg in indexer_variants(env, b, entries, fmt).items():
+                    r = attempt(f"variant {name}", time_indexer, env, sz, hw, shape, fmt, keys,
+                                vcfg, sets)  # fmt: skip
+                    r = {**shape, "format": fmt, "variant": name, **r}
+                    if timed[fmt] and "error" not in r:
+                        r["x_default"] = timed[fmt]["us"] / r["us"]
+                    variants.append(r)
+                    print_indexer(r)
+                    if target and "error" not in r:  # score vs merge kernels, at the target
+                        r["breakdown"] = breakdown(env, indexer_run(sz, keys, vcfg), sets[0])
+            if target:
                 for fmt, keys in pools.items():
                     print(f"  kernel breakdown, {fmt}:")
                     result[f"long_indexer_breakdown_{fmt}"] = breakdown(
@@ -479,6 +527,21 @@ def phase_long_indexer(env: Env, sz: Sizes, result: dict, hw: dict, save: Callab
         if r.get("format") == "fp8" and r["ctx"] == sz.contexts[-1] and r["B"] == target_b:
             result.setdefault("summary", {})["indexer_fp8_1M_B8_x_floor"] = r.get("x_floor")
             print(f"target indexer FP8 1M B={target_b} <= 1.5x floor: x{r.get('x_floor', 0):.2f}")
+    for fmt in ("bf16", "fp8"):  # the fastest variant per shape, against the default
+        for ctx in sz.contexts:
+            for b in sz.batches:
+                done = [
+                    r
+                    for r in variants
+                    if (r["format"], r["ctx"], r["B"]) == (fmt, ctx, b) and "x_default" in r
+                ]
+                if done:
+                    best = max(done, key=lambda r: r["x_default"])
+                    print(
+                        f"fastest variant {fmt} ctx={ctx >> 10}K B={b}: {best['variant']}"
+                        f" {best['us']:.1f} us, {best['x_default']:.2f}x default,"
+                        f" x{best['x_floor']:.2f} floor, top-k {100 * best['topk_overlap']:.1f}%"
+                    )
 
 
 PHASES = {

@@ -536,13 +536,16 @@ def load_kv_v32_fp8(
 
 
 @triton.jit
-def load_index_k_fp8(pool_ptr, page, off, valid, stride_page, page_size, DIM: tl.constexpr):
-    """Keys at (page, offset) [BLOCK_N] of an FP8 index-key pool: (e4m3 codes as fp32
-    [BLOCK_N, DIM], per-token fp32 scales [BLOCK_N]); both 0 where `valid` is false. The key is
-    codes * scale; callers apply the scale to whatever is linear in the key."""
+def load_index_k_fp8(
+    pool_ptr, page, off, valid, stride_page, page_size, DIM: tl.constexpr, OUT: tl.constexpr
+):
+    """Keys at (page, offset) [BLOCK_N] of an FP8 index-key pool: (e4m3 codes as OUT
+    [BLOCK_N, DIM] (tl.float8e4nv: the codes themselves, for an FP8 MMA), per-token fp32 scales
+    [BLOCK_N]); both 0 where `valid` is false. The key is codes * scale; callers apply the scale
+    to whatever is linear in the key."""
     base = pool_ptr + page.to(tl.int64) * stride_page
     dims = tl.arange(0, DIM)
     codes = tl.load((base + off * DIM)[:, None] + dims[None, :], mask=valid[:, None], other=0)
     scale_at = (base + page_size * DIM + off * 4).to(tl.pointer_type(tl.float32))
     scale = tl.load(scale_at, mask=valid, other=0.0)
-    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), scale
+    return codes.to(tl.float8e4nv, bitcast=True).to(OUT), scale

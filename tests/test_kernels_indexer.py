@@ -4,6 +4,8 @@ score programs cut their candidates to the top-k several times per row."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,7 +13,14 @@ import kernels
 from bench import naive
 from kernels import indexer, reference
 from kernels.indexer import IndexerConfig
-from tests.kernels_cases import check_topk, fp8_indexer_case, gpu_test, indexer_case
+from kernels.quant import act_quant_reference, ue8m0_to_float
+from tests.kernels_cases import (
+    IndexerCase,
+    check_topk,
+    fp8_indexer_case,
+    gpu_test,
+    indexer_case,
+)
 
 TOPK = 8
 LENGTHS = [0, 1, TOPK - 1, TOPK, TOPK + 1, 37, 100, 5]  # ragged, incl. 0 and the topk edge
@@ -36,6 +45,92 @@ def test_triton_fp8_keys_pick_the_top_scores_of_the_dequantized_keys(num_splits,
     cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1, prefetch)
     idx = fp8.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
     check_topk(idx, dequantized, 1e-6 if dtype == torch.float32 else 1e-5)
+
+
+def rounded_queries(case: IndexerCase) -> IndexerCase:
+    """The case with its queries through the release's act_quant (per head row, e4m3 codes times a
+    power-of-two scale), as the fp8_dot kernel quantizes them."""
+    codes, scale = act_quant_reference(case.q, block=case.q.shape[-1])
+    return replace(case, q=codes.float() * ue8m0_to_float(scale))
+
+
+FP8_DOT_LENGTHS = [0, 5, 37, 100, 200]  # seed 3: the rounding swaps one top-8 pick per long row
+
+
+@pytest.mark.parametrize("num_splits,stages", [(1, 0), (3, 0), (3, 2)], ids=["s1", "s3", "s3-st2"])
+@pytest.mark.parametrize("key_rows", [False, True], ids=["heads-m", "keys-m"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_fp8_dot_picks_the_top_scores_of_the_rounded_queries(
+    num_splits, stages, key_rows, dtype
+):
+    """Exact against the float64 scores of e4m3-rounded queries and dequantized keys. Against the
+    unrounded queries the rounding moves each score by at most eps (measured: ~3-6% of the row's
+    largest score at Di = 32; each q value moves by at most 2^-4 of itself, e4m3's half ulp), so
+    the r-th pick's score is within 2 eps of the r-th best score, and most picks are the same."""
+    case = indexer_case(FP8_DOT_LENGTHS, topk=TOPK, dtype=dtype, seed=3)
+    fp8, dequantized = fp8_indexer_case(case)
+    cfg = IndexerConfig(16, num_splits, 16, 32, 4, 1, fp8_dot=True, key_rows=key_rows,
+                        stages=stages)  # fmt: skip
+    idx = fp8.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
+    rounded = rounded_queries(dequantized)
+    check_topk(idx, rounded, 1e-5)
+    scores, moved = dequantized.scores64(), rounded.scores64()
+    for b, n in enumerate(FP8_DOT_LENGTHS):
+        if n > TOPK:
+            eps = (moved[b, :n] - scores[b, :n]).abs().max()
+            want = scores[b, :n].topk(TOPK)
+            got = scores[b, idx[b].long()].sort(descending=True).values
+            assert (want.values - got).abs().max() <= 2 * eps, b
+            assert len(set(idx[b].tolist()) & set(want.indices.tolist())) >= TOPK - 2, b
+
+
+def test_rounded_queries_change_the_ranking():
+    """So the exact check above fails for a kernel that scores the unrounded queries."""
+    _, dequantized = fp8_indexer_case(indexer_case(FP8_DOT_LENGTHS, topk=TOPK, seed=3))
+    want = dequantized.scores64().topk(TOPK).indices
+    assert not torch.equal(rounded_queries(dequantized).scores64().topk(TOPK).indices, want)
+
+
+def test_fp8_dot_needs_an_fp8_pool():
+    case = indexer_case([20], topk=TOPK)
+    cfg = IndexerConfig(16, 1, 16, 32, 4, 1, fp8_dot=True)
+    with pytest.raises(ValueError, match="FP8 key pools"):
+        case.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
+
+
+LOOP_VARIANTS = {  # IndexerConfig fields beside block_n 16, room 16, select_block 32, 4 warps
+    "st2": dict(num_splits=3, stages=2),
+    "st3-keys-m-cut": dict(num_splits=3, stages=3, key_rows=True, final_cut=True),
+    "keys-m-cut": dict(num_splits=3, key_rows=True, final_cut=True),
+    "groups-of-2": dict(num_splits=5, merge_group=2, max_regs=128),  # groups of 2, 2 and 1
+    "groups-cut": dict(num_splits=4, merge_group=3, final_cut=True),
+}
+
+
+@pytest.mark.parametrize("variant", LOOP_VARIANTS.values(), ids=LOOP_VARIANTS.keys())
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-keys"])
+def test_triton_loop_variants_pick_the_top_scores(variant, fp8):
+    """Pipelined runs (cut between runs), keys on the MMA's M side, the final cut and the
+    two-level merge are the same selection: row 100 with 16-entry tiles and room 16 cuts several
+    times a split."""
+    case = indexer_case(LENGTHS, topk=TOPK, dtype=torch.bfloat16, seed=8)
+    if fp8:
+        case, expected = fp8_indexer_case(case)
+    else:
+        expected = case
+    cfg = IndexerConfig(16, room=16, select_block=32, num_warps=4, num_stages=1, **variant)
+    check_topk(case.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg)), expected, 1e-5)
+
+
+def test_context_splits_fill_one_wave_and_keep_min_tiles():
+    dev = torch.device("cpu")  # 4 "SMs" under the interpreter
+    assert indexer.context_splits(1, 1 << 18, dev) == 4
+    assert indexer.context_splits(1, 1 << 18, dev, programs_per_sm=2) == 8
+    assert indexer.context_splits(3, 1 << 18, dev) == 1  # 3 x 2 would be a second, partial wave
+    assert indexer.context_splits(1, 2048, dev, min_tiles=8, block_n=128) == 2
+    assert indexer.context_splits(1, 100, dev) == 1
+    cfg = indexer.context_config(1, 1 << 18, dev, programs_per_sm=2)
+    assert (cfg.num_splits, cfg.merge_group, cfg.max_regs, cfg.final_cut) == (8, 2, 128, True)
 
 
 def test_fp8_keys_change_the_ranking():
@@ -158,3 +253,24 @@ def test_cuda_graph_replay_follows_new_lengths():
     case.lengths.copy_(torch.tensor([16000, 300, 513, 9999], dtype=torch.int32))
     graph.replay()
     check_topk(idx, case, 1e-3)
+
+
+@gpu_test
+@pytest.mark.parametrize("programs_per_sm", [1, 2])
+def test_cuda_fp8_dot_with_context_config_real_shapes(programs_per_sm):
+    lengths = [0, 100, 512, 513, 3000, 8192, 20000, 65536]
+    case = indexer_case(
+        lengths,
+        topk=512,
+        heads=64,
+        head_dim=128,
+        page_size=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_pages=4096,
+    )
+    fp8, dequantized = fp8_indexer_case(case)
+    cfg = indexer.context_config(8, 4096 * 64, case.q.device, programs_per_sm=programs_per_sm)
+    cfg = replace(cfg, stages=3, fp8_dot=True)
+    idx = fp8.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
+    check_topk(idx, rounded_queries(dequantized), 1e-3)
