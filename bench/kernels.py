@@ -236,7 +236,7 @@ def bench_indexer(cases, configs, with_baselines: bool) -> list[dict]:
             base["torch_real_ms"] = time_ms(naive_indexer(real), sets, graph=False)
         for cfg in configs(batch):
             run = triton_indexer(cfg)
-            used = cfg or indexer.default_config(batch, DEV)
+            used = cfg or indexer.default_config(batch, max_ctx, DEV)
             try:
                 err, ms = indexer_error(run, *sets[0]), time_ms(run, sets)
             except Exception as e:  # a variant may not fit: note, go on

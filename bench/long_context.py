@@ -436,7 +436,7 @@ def print_indexer(r: dict) -> None:
     extra = f"  x{r['x_bf16']:.2f} bf16" if "x_bf16" in r else ""
     if "variant" in r:
         cfg = f"{r['variant']} s{c['num_splits']}"
-        extra = f"  {r['x_default']:.2f}x default" if "x_default" in r else ""
+        extra = f"  {r['x_before']:.2f}x before" if "x_before" in r else ""
     print(
         f"  idx ctx={r['ctx'] >> 10}K B={r['B']:<3} n={r['entries']:<7} {r['format']:<4} {cfg:<28}"
         f" err {r['score_rel_err']:.1e} top-k {100 * r['topk_overlap']:5.1f}% {r['us']:9.1f} us"
@@ -446,7 +446,8 @@ def print_indexer(r: dict) -> None:
 
 
 def indexer_variants(env: Env, batch: int, entries: int, fmt: str) -> dict[str, IndexerConfig]:
-    """The score-loop options timed beside the default (kernels.indexer.IndexerConfig): splits
+    """The score-loop options timed beside shape_config, the default among them
+    (kernels.indexer.IndexerConfig): splits
     from the context (context_config: one program per SM, or two under a 128-register cap),
     pipelined runs (st3), FP8 queries and MMA (fp8dot, FP8 pools only), keys on the MMA's M
     side (kr), 64-entry tiles on 4 warps (n64w4). The bench's page tables are as wide as the
@@ -455,12 +456,21 @@ def indexer_variants(env: Env, batch: int, entries: int, fmt: str) -> dict[str, 
         indexer.context_config(batch, entries, env.device, programs_per_sm=p) for p in (1, 2)
     )
     st3 = dataclasses.replace(ctx2, stages=3)
-    variants = {"ctx": ctx1, "ctx2-r128": ctx2, "ctx2-st3": st3}
+    variants = {
+        "default": indexer.default_config(batch, entries, env.device),
+        "ctx": ctx1,
+        "ctx2-r128": ctx2,
+        "ctx2-st3": st3,
+    }
+    for name, cfg in list(variants.items())[1:]:  # keys on the M side, q unrounded: exact
+        variants[name + "-kr"] = dataclasses.replace(cfg, key_rows=True)
     if fmt == "fp8":
-        fp8dot = dataclasses.replace(indexer.default_config(batch, env.device), fp8_dot=True)
+        fp8dot = dataclasses.replace(indexer.shape_config(batch, env.device), fp8_dot=True)
         variants = {"fp8dot": fp8dot, **variants}
         variants["ctx2-st3-fp8dot"] = dataclasses.replace(st3, fp8_dot=True)
         variants["ctx2-st3-fp8dot-kr"] = dataclasses.replace(st3, fp8_dot=True, key_rows=True)
+        variants["ctx-fp8dot-kr"] = dataclasses.replace(ctx1, fp8_dot=True, key_rows=True)
+        variants["ctx2-r128-fp8dot-kr"] = dataclasses.replace(ctx2, fp8_dot=True, key_rows=True)
         # half the tile, half the warps: four programs an SM under the same register cap
         ctx4 = indexer.context_config(batch, entries, env.device, programs_per_sm=4)
         variants["ctx4-n64w4-st3-fp8dot"] = dataclasses.replace(
@@ -482,7 +492,7 @@ def phase_long_indexer(env: Env, sz: Sizes, result: dict, hw: dict, save: Callab
             print(f"indexer {shape}", flush=True)
             pools = dict(zip(("bf16", "fp8"), key_pools(env, sz, pool_entries), strict=True))
             sets = indexer_sets(env, sz, b, entries, pool_entries // sz.page)
-            cfg = indexer.default_config(b, env.device)
+            cfg = indexer.shape_config(b, env.device)  # the baseline: "x before" is against it
             timed = {}
             for fmt, keys in pools.items():
                 r = attempt(f"indexer {fmt}", time_indexer, env, sz, hw, shape, fmt, keys, cfg,
@@ -500,7 +510,7 @@ def phase_long_indexer(env: Env, sz: Sizes, result: dict, hw: dict, save: Callab
                                 vcfg, sets)  # fmt: skip
                     r = {**shape, "format": fmt, "variant": name, **r}
                     if timed[fmt] and "error" not in r:
-                        r["x_default"] = timed[fmt]["us"] / r["us"]
+                        r["x_before"] = timed[fmt]["us"] / r["us"]
                     variants.append(r)
                     print_indexer(r)
                     if target and "error" not in r:  # score vs merge kernels, at the target
@@ -523,23 +533,24 @@ def phase_long_indexer(env: Env, sz: Sizes, result: dict, hw: dict, save: Callab
             del pools, sets
             free()
             save()
-    for r in rows:
-        if r.get("format") == "fp8" and r["ctx"] == sz.contexts[-1] and r["B"] == target_b:
+    for r in variants:
+        if (r["format"], r["ctx"], r["B"], r["variant"]) == ("fp8", sz.contexts[-1], target_b,
+                                                             "default"):  # fmt: skip
             result.setdefault("summary", {})["indexer_fp8_1M_B8_x_floor"] = r.get("x_floor")
             print(f"target indexer FP8 1M B={target_b} <= 1.5x floor: x{r.get('x_floor', 0):.2f}")
-    for fmt in ("bf16", "fp8"):  # the fastest variant per shape, against the default
+    for fmt in ("bf16", "fp8"):  # the fastest variant per shape, against shape_config
         for ctx in sz.contexts:
             for b in sz.batches:
                 done = [
                     r
                     for r in variants
-                    if (r["format"], r["ctx"], r["B"]) == (fmt, ctx, b) and "x_default" in r
+                    if (r["format"], r["ctx"], r["B"]) == (fmt, ctx, b) and "x_before" in r
                 ]
                 if done:
-                    best = max(done, key=lambda r: r["x_default"])
+                    best = max(done, key=lambda r: r["x_before"])
                     print(
                         f"fastest variant {fmt} ctx={ctx >> 10}K B={b}: {best['variant']}"
-                        f" {best['us']:.1f} us, {best['x_default']:.2f}x default,"
+                        f" {best['us']:.1f} us, {best['x_before']:.2f}x before,"
                         f" x{best['x_floor']:.2f} floor, top-k {100 * best['topk_overlap']:.1f}%"
                     )
 

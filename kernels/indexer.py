@@ -19,15 +19,15 @@ How it scales, for B rows, topk = k, splits = S, cap = k + max(room, BLOCK_N):
   S x cap candidates per row; nothing for entries past lengths[b] or rows with lengths[b] <= k.
 - memory: candidates B x S x cap x 8 bytes (int32 key + position) and B x S counts, plus the
   [B, k] output; independent of the configured maximum context (page_table's width) and of the
-  pool size. S depends on B only (default_config: about two programs per SM, at most 16), so a
-  decode graph keeps it. ``context_config`` also lets S grow with the page table's width (a
-  shape, so still capture-safe) when B is small, cuts each split to its top-k before the merge
-  (``final_cut``) and merges in two levels; then the merge reads S x k candidates a row, and
-  the group results add B x S / G x k x 8 bytes.
+  pool size. S depends on shapes only, so a decode graph keeps it: ``shape_config`` on B alone
+  (about two programs per SM, at most 16); ``context_config`` (``default_config``'s base) also
+  lets S grow with the page table's width when B is small, cuts each split to its top-k before
+  the merge (``final_cut``) and merges in two levels; then the merge reads S x k candidates a
+  row, and the group results add B x S / G x k x 8 bytes.
 No host synchronisation: the call can be captured in a CUDA graph.
 
 Registers bound the score loop's occupancy (ptxas for sm_90, Triton 3.9, at the bench's shapes:
-136 a thread at 8 warps for the default, so one program per SM; 172 with fp8_dot's hand
+136 a thread at 8 warps for shape_config's loop, so one program per SM; 172 with fp8_dot's hand
 prefetch). ``max_regs`` = 128 lets two 8-warp programs share an SM; the pipelined runs
 (``stages``) hold the next tiles in shared memory instead of registers and fit that cap.
 
@@ -101,12 +101,26 @@ class IndexerConfig:
     max_regs: int = 0
 
 
-def default_config(batch: int, device: torch.device) -> IndexerConfig:
-    """Shape-only choice: about two programs per SM, at most 16 splits per row; room for 2048
+def shape_config(batch: int, device: torch.device) -> IndexerConfig:
+    """Batch-only choice (the default before 2026-12-04, kept as context_config's base and the
+    bench's baseline): about two programs per SM, at most 16 splits per row; room for 2048
     candidates per split unless the batch is large (prefill rows), to bound the scratch."""
     num_splits = max(1, min(triton.cdiv(2 * num_sms(device), batch), 16))
     room = 2048 if batch * num_splits <= 4096 else 512
     return IndexerConfig(128, num_splits, room, 1024, 8, 1)
+
+
+def default_config(batch: int, max_entries: int, device: torch.device) -> IndexerConfig:
+    """The fastest exact config the H200 measured (bench/results/h200-indexer-fp8.json, both
+    key formats, 256K and 1M tokens): keys on the MMA's M side and splits from the context;
+    one program per SM for a lone row (1.7-3.0x shape_config at B=1), two per SM under the
+    register cap with pipelined runs from B=8 (1.4-2.6x at B=8 and 32). Between 1 and 8 rows
+    nothing was measured: below 8 takes the lone row's. max_entries: the page table's width x
+    the page size (shapes only, so a CUDA graph keeps the choice)."""
+    if batch < 8:
+        return replace(context_config(batch, max_entries, device), key_rows=True)
+    cfg = context_config(batch, max_entries, device, programs_per_sm=2)
+    return replace(cfg, key_rows=True, stages=3)
 
 
 def context_splits(
@@ -121,7 +135,7 @@ def context_splits(
     """Splits per row from shapes only, so a CUDA graph keeps them: enough to give every SM
     programs_per_sm programs over the batch (at most one wave: B x S <= programs_per_sm x SMs),
     but at least min_tiles tiles of max_entries (page table width x page size: a row's longest
-    possible context) per split. Unlike default_config's, it grows with the context when B is
+    possible context) per split. Unlike shape_config's, it grows with the context when B is
     small."""
     fill = max(1, programs_per_sm * num_sms(device) // batch)
     return max(1, min(fill, max_entries // (min_tiles * block_n)))
@@ -130,10 +144,10 @@ def context_splits(
 def context_config(
     batch: int, max_entries: int, device: torch.device, *, programs_per_sm: int = 1
 ) -> IndexerConfig:
-    """default_config with context_splits, each split cut to its top-k, and the merge in two
+    """shape_config with context_splits, each split cut to its top-k, and the merge in two
     levels of about sqrt(splits) segments each; two programs per SM get the 128-register cap that
-    lets them share one (8 warps). Shapes only, as default_config."""
-    base = default_config(batch, device)
+    lets them share one (8 warps). Shapes only, as shape_config."""
+    base = shape_config(batch, device)
     splits = context_splits(
         batch, max_entries, device, programs_per_sm=programs_per_sm, block_n=base.block_n
     )
@@ -424,11 +438,11 @@ def indexer_topk(
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
     batch, n_heads, head_dim = q.shape
-    cfg = config or default_config(batch, q.device)
+    page_size = keys_per_page(k_cache, head_dim)
+    cfg = config or default_config(batch, page_table.shape[1] * page_size, q.device)
     keys_fp8 = k_cache.dtype == torch.uint8
     if cfg.fp8_dot and not keys_fp8:
         raise ValueError("fp8_dot scores FP8 key pools only (uint8 k_cache)")
-    page_size = keys_per_page(k_cache, head_dim)
     cap = topk + max(cfg.room, cfg.block_n)  # the kept top-k + room for at least one tile
     dev = q.device
     keys = torch.empty(batch, cfg.num_splits, cap, dtype=torch.int32, device=dev)

@@ -191,10 +191,14 @@ def test_positions_to_slots_maps_through_the_table():
     assert torch.equal(kernels.positions_to_slots(pos, table, 4), want)
 
 
-def test_default_config_depends_on_batch_only():
+def test_configs_depend_on_shapes_only():
     dev = torch.device("cpu")  # 4 "SMs" under the interpreter
-    assert indexer.default_config(1, dev).num_splits == 8
-    assert indexer.default_config(4096, dev).num_splits == 1
+    assert indexer.shape_config(1, dev).num_splits == 8
+    assert indexer.shape_config(4096, dev).num_splits == 1
+    lone, many = indexer.default_config(1, 1 << 20, dev), indexer.default_config(8, 1 << 20, dev)
+    assert (lone.num_splits, lone.stages, lone.key_rows) == (4, 0, True)  # one program per SM
+    assert (many.num_splits, many.stages, many.max_regs) == (1, 3, 128)  # two per SM, pipelined
+    assert indexer.default_config(1, 2048, dev).num_splits == 2  # >= 8 tiles a split
 
 
 # ---- real shapes on CUDA -------------------------------------------------------------------
