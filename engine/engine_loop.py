@@ -93,15 +93,22 @@ class EngineLoop:
         command still runs, so an abort, release or claim is never lost half way."""
         return await asyncio.shield(asyncio.wrap_future(self.call(fn)))
 
-    async def stream(self, request_id: str, outputs: OutputQueue) -> AsyncIterator[RequestOutput]:
-        """Yield a request's outputs until the finishing one; aborts the request if the
-        consumer stops early (a cancelled RPC), so nothing stays allocated."""
+    async def stream(
+        self, request_id: str, outputs: OutputQueue, interval: int = 1
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield a request's outputs until the finishing one, each carrying at least `interval`
+        new tokens (but the last: SGLang's and vLLM's --stream-interval); aborts the request if
+        the consumer stops early (a cancelled RPC), so nothing stays allocated."""
         finished = False
         try:
+            held: RequestOutput | None = None
             while not finished:
                 out = await outputs.get()
                 finished = out.finished
-                yield out
+                held = out if held is None else merge_outputs(held, out)
+                if finished or len(held.new_token_ids) >= interval:
+                    yield held
+                    held = None
         finally:
             if not finished:
                 self.call(lambda e: e.abort(request_id))
@@ -152,3 +159,17 @@ class EngineLoop:
                     fut.set_result(fn(self.engine))
                 except Exception as e:  # handed to the caller
                     fut.set_exception(e)
+
+
+def merge_outputs(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request: their tokens, text and logprobs."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = [*(first.logprobs or ()), *(then.logprobs or ())]
+    return dataclasses.replace(
+        then,
+        new_token_ids=[*first.new_token_ids, *then.new_token_ids],
+        text=first.text + then.text,
+        logprobs=logprobs,
+        prompt_logprobs=first.prompt_logprobs or then.prompt_logprobs,
+    )

@@ -62,6 +62,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         settings = worker.settings
         assert isinstance(settings, DecodeSettings)
         self.transfer_timeout = settings.transfer_timeout
+        self.stream_interval = settings.stream_interval
         self.metadata = token_metadata(settings.cluster_token)
         self.tls = settings.tls
         self.peers: dict[str, str] = {}  # prefill worker id -> its NIXL agent we have loaded
@@ -106,7 +107,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 yield pb.DecodeResponse(error=pb.DecodeError(message=str(e), cause=e.cause))
                 return
             await w.loop.run(lambda e: e.join(rid))
-            async for out in w.loop.stream(rid, outputs):
+            async for out in w.loop.stream(rid, outputs, self.stream_interval):
                 if out.finish_reason == "abort":
                     w.metrics.fail("aborted")
                     yield pb.DecodeResponse(

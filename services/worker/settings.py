@@ -64,3 +64,14 @@ class DecodeSettings(WorkerSettings):
     port: int = setting(50052, "gRPC port")
     metrics_port: int = setting(9101, "HTTP port of /metrics, /live and /ready (0 = off)")
     transfer_timeout: float = setting(60.0, "seconds one KV pull may take")
+    stream_interval: int = setting(
+        1,
+        "new tokens per streamed message (SGLang's and vLLM's --stream-interval): above 1 the "
+        "router and gRPC pay their per-message cost once for that many tokens, and clients get "
+        "them in bursts",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1, got {self.stream_interval}")
