@@ -74,6 +74,7 @@ class ClusterConfig:
     turns: int = 3
     output_len: int = 32
     max_concurrency: int = 1000
+    stream_interval: int = 1  # the decode workers' --stream-interval (tokens per message)
     slo_ttft_ms: float = 2000.0
     slo_itl_ms: float = 200.0
     timeout_s: float = 120.0
@@ -152,6 +153,8 @@ class Cluster:
                               *WORKER_FLAGS]  # fmt: skip
                 if role == "prefill":
                     argv += PREFILL_FLAGS
+                else:
+                    argv += ["--stream-interval", str(cfg.stream_interval)]
                 self.workers.append(Process(f"{role}-{i}", argv, metrics))
         self.router_urls, self.routers = [], []
         for i in range(cfg.routers):

@@ -65,6 +65,7 @@ class RouterBenchConfig:
     decode: int = 2
     profile: str = "bench/results/h200-engine-256.json"
     baseline: str | None = None  # a git ref: a second router runs that code
+    stream_interval: int = 1  # the decode workers' --stream-interval (tokens per message)
     seed: int = 0
 
 
@@ -92,6 +93,7 @@ async def _one_stream(host: str, port: int, request: bytes) -> dict[str, Any]:
     return {
         "ok": ok,
         "tokens": int(usage[-1]) if ok else 0,
+        "chunks": len(arrivals),
         "ttft": arrivals[0] - start if arrivals else None,
         "gaps": [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)],
         "error": None if ok else bytes(body[:200]).decode(errors="replace"),
@@ -128,6 +130,7 @@ async def _client(url: str, concurrency: int, seconds: float, bodies: list[bytes
         "ok": len(ok),
         "errors": errors,
         "tokens": sum(r["tokens"] for r in ok),
+        "chunks": sum(r["chunks"] for r in ok),
         "ttft_ms": describe([r["ttft"] for r in ok if r["ttft"] is not None], (50, 99)),
         "gap_ms": describe([g for r in ok for g in r["gaps"]], (50, 90, 99)),
     }
@@ -237,7 +240,12 @@ def _step_ms(cfg: RouterBenchConfig) -> float:
 def run(cfg: RouterBenchConfig, profile_out: str | None = None) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="dsaserve-router-cpu-"))
     cluster_cfg = ClusterConfig(
-        prefill=cfg.prefill, decode=cfg.decode, routers=1, profile=cfg.profile, policy="least_load"
+        prefill=cfg.prefill,
+        decode=cfg.decode,
+        routers=1,
+        profile=cfg.profile,
+        policy="least_load",
+        stream_interval=cfg.stream_interval,
     )
     cluster = Cluster(cluster_cfg, work)
     candidate = cluster.routers[0]

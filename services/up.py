@@ -61,6 +61,7 @@ class UpSettings:
     decode_devices: tuple[str, ...] = setting(
         (), "GPUs of the decode worker (default: the visible GPUs after the prefill worker's)"
     )
+    stream_interval: int = setting(1, "new tokens per streamed message (the decode worker's flag)")
 
 
 Settings = UpSettings
@@ -237,12 +238,14 @@ def run(s: UpSettings) -> None:
             log.info("%s worker: tensor-parallel %d on %s", role, where.tp, gpus)
             engine = dataclasses.replace(s.engine, tensor_parallel_size=where.tp)
             sees = {"CUDA_VISIBLE_DEVICES": ",".join(where.devices)} if where.devices else {}
+            own = ["--stream-interval", str(s.stream_interval)] if role == "decode" else []
             stack.spawn(
                 role,
                 dsaserve
                 + [role]
                 + common
                 + engine_flags(engine)
+                + own
                 + ["--host", "127.0.0.1"]
                 + ["--port", str(_free_port()), "--metrics-port", str(_free_port())],
                 {**env, **sees},

@@ -30,12 +30,17 @@ def test_a_small_simulated_cluster_serves_every_stream_and_gets_every_page_back(
 def test_the_router_cpu_bench_counts_every_token_of_both_routers():
     """loadtest/router_cpu.py: the lean client's count of each stream's tokens (the last
     chunk's usage) and the router CPU it is divided into, for the candidate router and one
-    running another ref's code (here the same commit: the compare path, not a speed-up)."""
-    cfg = RouterBenchConfig(concurrency=8, output_len=8, seconds=3, decode=1, baseline="HEAD")
+    running another ref's code (here the same commit: the compare path, not a speed-up). The
+    decode worker streams 3 tokens a message (--stream-interval): 8 tokens come in at most 4
+    content chunks (the first token from prefill, then 3 + 3 + 1), with the same usage."""
+    cfg = RouterBenchConfig(
+        concurrency=8, output_len=8, seconds=3, decode=1, baseline="HEAD", stream_interval=3
+    )
     result = run(cfg)
     assert [p["router"] for p in result["phases"]] == ["candidate", "baseline"]
     for phase in result["phases"]:
         assert phase["streams"] >= 8 and phase["ok"] == phase["streams"], phase["errors"]
         assert phase["tokens"] == 8 * phase["ok"]
+        assert phase["ok"] <= phase["chunks"] <= 4 * phase["ok"]
         assert phase["router_cpu_us_per_token"] > 0 and phase["gap_ms"]["p50"] is not None
     assert result["baseline_over_candidate"] > 0
