@@ -363,6 +363,7 @@ def summarize(
         "duration_s": duration,
         "requests": len(records),
         "ok": len(ok),
+        "streams_in_flight": in_flight([r for r, _ in records], duration),
         "errors": errors,
         "hung": sum(1 for r, _ in records if r.error and "Timeout" in r.error),
         "output_tokens_per_s": tokens / duration,
@@ -385,6 +386,19 @@ def summarize(
             "tokens_per_s_each": tokens / len(router_cpu) / duration,
         },
     }
+
+
+def in_flight(records: list[StreamRecord], duration: float) -> dict[str, float]:
+    """Streams open at once, from each request's send to its last byte: the mean over the run
+    and the peak."""
+    spans = [(r.start, r.start + r.latency) for r in records if r.latency is not None]
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    open_now = peak = 0
+    for _, step in edges:
+        open_now += step
+        peak = max(peak, open_now)
+    mean = sum(b - a for a, b in spans) / duration if duration else 0.0
+    return {"mean": mean, "peak": peak}
 
 
 def run_cluster(cfg: ClusterConfig, log_dir: Path | None = None) -> dict[str, Any]:
@@ -412,7 +426,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"cluster: {c['prefill']} prefill + {c['decode']} decode (simulated), {c['routers']} "
         f"routers, policy {c['policy']}",
         f"requests {q['requests']} ok {q['ok']} errors {q['errors']} hung {q['hung']} "
-        f"pages back {q.get('pages_back')}",
+        f"pages back {q.get('pages_back')}; streams in flight: mean "
+        f"{q['streams_in_flight']['mean']:.0f}, peak {q['streams_in_flight']['peak']}",
         f"output tokens/s {q['output_tokens_per_s']:.0f}; goodput "
         f"{q['goodput']['output_tokens_per_s']:.0f} tok/s ({100 * q['goodput']['share']:.0f}% "
         "of requests within the SLOs)",

@@ -19,6 +19,7 @@ def test_a_small_simulated_cluster_serves_every_stream_and_gets_every_page_back(
     assert result["requests"] >= 120
     assert result["ok"] == result["requests"], result["errors"]
     assert result["hung"] == 0 and result["pages_back"]
+    assert 0 < result["streams_in_flight"]["mean"] <= result["streams_in_flight"]["peak"] <= 1000
     counts = result["requests_per_worker"]
     assert sum(v for k, v in counts.items() if k.startswith("decode")) == result["requests"]
     assert all(v > 0 for v in counts.values())  # every worker took work
