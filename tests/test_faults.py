@@ -104,6 +104,9 @@ def test_decode_stopped_past_the_lease_never_answers_from_freed_pages(
         assert refused > 0, "no request met an expired lease: the fault did not happen"
         assert decode.failures("lease_expired") == refused
         wait_all_kv_free(prefill, decode, timeout=30)
+        # Stopped past its registry TTL, the decode worker's record expired: it re-registers on
+        # resuming, and the router sees it a heartbeat later (0.7 s here), not at once.
+        s.wait_healthy(router, prefill=1, decode=1)
         assert answer(chat(url, PROMPTS[0])) == reference[PROMPTS[0]]  # and it serves again
     finally:
         s.stop()
