@@ -221,8 +221,9 @@ def test_cuda_real_shapes(dtype):
     check_topk(case.run(kernels.indexer_topk), case, 1e-6 if dtype == torch.float32 else 1e-3)
 
 
-@gpu_test
-def test_cuda_fp8_keys_real_shapes():
+def _real_fp8_cases():
+    """V4-Flash's indexer shapes over lengths from empty to 64K: an FP8 pool and the bf16 case
+    holding its dequantized keys."""
     lengths = [0, 100, 512, 513, 3000, 8192, 20000, 65536]
     case = indexer_case(
         lengths,
@@ -234,7 +235,12 @@ def test_cuda_fp8_keys_real_shapes():
         device="cuda",
         max_pages=4096,
     )
-    fp8, dequantized = fp8_indexer_case(case)
+    return fp8_indexer_case(case)
+
+
+@gpu_test
+def test_cuda_fp8_keys_real_shapes():
+    fp8, dequantized = _real_fp8_cases()
     check_topk(fp8.run(kernels.indexer_topk), dequantized, 1e-3)
 
 
@@ -262,19 +268,8 @@ def test_cuda_graph_replay_follows_new_lengths():
 @gpu_test
 @pytest.mark.parametrize("programs_per_sm", [1, 2])
 def test_cuda_fp8_dot_with_context_config_real_shapes(programs_per_sm):
-    lengths = [0, 100, 512, 513, 3000, 8192, 20000, 65536]
-    case = indexer_case(
-        lengths,
-        topk=512,
-        heads=64,
-        head_dim=128,
-        page_size=64,
-        dtype=torch.bfloat16,
-        device="cuda",
-        max_pages=4096,
-    )
-    fp8, dequantized = fp8_indexer_case(case)
-    cfg = indexer.context_config(8, 4096 * 64, case.q.device, programs_per_sm=programs_per_sm)
+    fp8, dequantized = _real_fp8_cases()
+    cfg = indexer.context_config(8, 4096 * 64, fp8.q.device, programs_per_sm=programs_per_sm)
     cfg = replace(cfg, stages=3, fp8_dot=True)
     idx = fp8.run(lambda *a, **k: indexer.indexer_topk(*a, **k, config=cfg))
     check_topk(idx, rounded_queries(dequantized), 1e-3)
