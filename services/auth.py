@@ -51,5 +51,7 @@ class ClusterTokenCheck(grpc.aio.ServerInterceptor):
                 await self._reject(request, context)
                 yield  # pragma: no cover - abort raises
 
+            if handler.request_streaming:
+                return grpc.stream_stream_rpc_method_handler(reject_stream)
             return grpc.unary_stream_rpc_method_handler(reject_stream)
         return grpc.unary_unary_rpc_method_handler(self._reject)

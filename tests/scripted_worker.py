@@ -19,6 +19,7 @@ import httpx
 
 from engine.load import Load
 from services.auth import TOKEN_METADATA_KEY
+from services.decode.multiplex import CallContext, multiplex
 from services.registry import WorkerRecord, WorkerRegistration
 from services.rpc import grpc_api, pb
 
@@ -63,7 +64,7 @@ class ScriptedWorker(grpc_api.PrefillServicer, grpc_api.DecodeServicer):
     abort_seen: asyncio.Event = field(default_factory=asyncio.Event)
     decode_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def _check_token(self, context: grpc.aio.ServicerContext) -> None:
+    async def _check_token(self, context: CallContext) -> None:
         if dict(context.invocation_metadata()).get(TOKEN_METADATA_KEY) != TOKEN:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad cluster token")
 
@@ -100,7 +101,7 @@ class ScriptedWorker(grpc_api.PrefillServicer, grpc_api.DecodeServicer):
         return response
 
     async def Decode(
-        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DecodeRequest, context: CallContext
     ) -> AsyncIterator[pb.DecodeResponse]:
         await self._check_token(context)
         self.decode_requests.append(request)
@@ -125,6 +126,15 @@ class ScriptedWorker(grpc_api.PrefillServicer, grpc_api.DecodeServicer):
             prompt_tokens=len(request.prompt_token_ids), completion_tokens=1 + len(self.chunks)
         )
         yield pb.DecodeResponse(done=pb.DecodeDone(finish_reason=self.decode_finish, usage=usage))
+
+    async def DecodeStream(
+        self,
+        requests: AsyncIterator[pb.DecodeStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.DecodeStreamResponse]:
+        # the real worker's multiplexing over this script's Decode, as the router's calls go
+        async for message in multiplex(self.Decode, requests, context):
+            yield message
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext

@@ -11,9 +11,11 @@ Before the first pull from a prefill agent, the prefill worker's Describe (gRPC,
 address) gives its NIXL descriptor. The registry is not asked: while Redis is down a decode
 worker still pairs with a prefill worker it has not met (e.g. one restarted as a new agent).
 
-Every way out of a Decode call - done, error, the router cancelling the stream - leaves no
-pages behind: the request is aborted in the engine unless it finished there. A stream cancelled
-during its READ frees its pages only once the READ has ended: it writes into them until then.
+The router sends its requests over DecodeStream, which runs each as a Decode call would run
+(services/decode/multiplex.py). Every way out of a Decode call - done, error, the router
+cancelling the stream or the request - leaves no pages behind: the request is aborted in the
+engine unless it finished there. A call cancelled during its READ frees its pages only once the
+READ has ended: it writes into them until then.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from engine.request import KVPages, RequestError
 from engine.sampling_params import SamplingParams
 from services import connections
 from services.auth import token_metadata
+from services.decode.multiplex import CallContext, multiplex
 from services.rpc import grpc_api, pb
 from services.transfer import TransferError, TransferStats
 from services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
@@ -73,7 +76,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         grpc_api.add_DecodeServicer_to_server(self, server)
 
     async def Decode(
-        self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+        self, request: pb.DecodeRequest, context: CallContext
     ) -> AsyncIterator[pb.DecodeResponse]:
         w, rid, kv, start = self.w, request.request_id, request.kv, time.monotonic()
         if not rid or not request.HasField("kv") or not kv.address:
@@ -142,12 +145,20 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 else:  # (runs at once if the READ is over)
                     read.add_done_callback(lambda _: w.loop.call(lambda e: e.abort(rid)))
 
+    async def DecodeStream(
+        self,
+        requests: AsyncIterator[pb.DecodeStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.DecodeStreamResponse]:
+        async for message in multiplex(self.Decode, requests, context):
+            yield message
+
     async def _reserve(
         self,
         request: pb.DecodeRequest,
         params: SamplingParams,
         outputs: OutputQueue,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
     ) -> KVPages:
         """Pages for the request's KV; waits while the pools are full, up to the prefill lease."""
         w, rid = self.w, request.request_id
@@ -173,9 +184,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 )
             await asyncio.sleep(RESERVE_RETRY_S)
 
-    async def _pull(
-        self, rid: str, kv: pb.KVHandle, held: KVPages, context: grpc.aio.ServicerContext
-    ) -> None:
+    async def _pull(self, rid: str, kv: pb.KVHandle, held: KVPages, context: CallContext) -> None:
         """Claim, READ, Release; raises PullFailed unless the pages read were intact."""
         w = self.w
         prefill = self._prefill(kv.address)
@@ -261,7 +270,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         self,
         kv: pb.KVHandle,
         prefill: grpc_api.PrefillStub,
-        context: grpc.aio.ServicerContext,
+        context: CallContext,
         timeout_s: float,
     ) -> str:
         """The prefill worker's NIXL agent, loaded once per agent from the worker's Describe.

@@ -1,5 +1,5 @@
-"""gRPC clients to the workers: one cached channel per worker process, the cluster token,
-in-flight counts.
+"""gRPC clients to the workers: one cached channel per worker process (and on it one
+DecodeStream per decode worker), the cluster token, in-flight counts.
 
 Channels are created on first use (inside the event loop) and kept while the worker runs; gRPC
 reconnects them by itself, with a short backoff cap. A worker restarted at the same address
@@ -23,6 +23,8 @@ from services.connections import GrpcTLS, open_channel
 from services.registry import WorkerRecord
 from services.rpc import grpc_api, pb
 
+from .decode_stream import WorkerDecodeStream
+
 log = logging.getLogger(__name__)
 
 # An Abort waits at least this, longer for a worker whose steps are slow (a loaded host).
@@ -39,6 +41,7 @@ class WorkerClients:
         self.inflight: collections.Counter[str] = collections.Counter()
         # address -> (the start time of the worker it reaches, its channel and stubs)
         self._channels: dict[str, tuple[float, _Stubs]] = {}
+        self._decode_streams: dict[str, WorkerDecodeStream] = {}  # by address
         self._aborts: set[asyncio.Task[None]] = set()
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -60,6 +63,17 @@ class WorkerClients:
 
     def decode(self, worker: WorkerRecord) -> grpc_api.DecodeStub:
         return self._stubs(worker)[2]
+
+    def decode_stream(self, worker: WorkerRecord) -> WorkerDecodeStream:
+        """This router's DecodeStream to `worker`, opened on first use and after a break."""
+        channel = self._stubs(worker)[0]
+        stream = self._decode_streams.get(worker.address)
+        if stream is None or stream.broken or stream.channel is not channel:
+            if stream is not None:
+                stream.close()  # (a worker gone from that address: the channel closes anyway)
+            stream = WorkerDecodeStream(channel, self.metadata, worker.address)
+            self._decode_streams[worker.address] = stream
+        return stream
 
     @contextlib.contextmanager
     def busy(self, worker_id: str) -> Iterator[None]:
@@ -104,6 +118,9 @@ class WorkerClients:
         """Let pending aborts finish (bounded), then close every channel."""
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=ABORT_TIMEOUT_S)
+        for stream in self._decode_streams.values():
+            stream.close()
+        self._decode_streams.clear()
         for _, (channel, _, _) in self._channels.values():
             await channel.close()
         self._channels.clear()

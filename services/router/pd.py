@@ -1,10 +1,11 @@
-"""One request through the disaggregated path: Prefill on one worker, Decode stream on another.
+"""One request through the disaggregated path: Prefill on one worker, Decode on another.
 
 `PDFlow.generate` is an async generator of `Token` and `Finish` events, so streaming and
 non-streaming answers share one flow. Its cleanup runs however it ends (finish, error, the
 consumer closing it, cancellation) and never awaits, because it may run under cancellation:
-an unfinished Decode call is cancelled (the decode worker frees on cancellation), and a prefill
-worker that may still hold the request's KV gets an `Abort`.
+an unfinished Decode is cancelled (the decode worker frees on cancellation; the router's
+requests share a DecodeStream per worker, decode_stream.py), and a prefill worker that may
+still hold the request's KV gets an `Abort`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Collection
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -25,6 +26,7 @@ from services.rpc import pb
 
 from .clients import WorkerClients
 from .decode_room import DecodeRoom, Transit
+from .decode_stream import DecodeHandle
 from .errors import APIError, from_grpc, timeout_error, worker_failure
 from .metrics import RequestTimer
 from .selection import WorkerSelector
@@ -55,7 +57,6 @@ class Finish:
 
 
 Event = Token | Finish
-DecodeCall: TypeAlias = grpc.aio.UnaryStreamCall
 
 # Prefill statuses that mean the worker refused the request and holds nothing for it.
 _REFUSED = {
@@ -277,8 +278,9 @@ class PDFlow:
 
     async def _open_decode(
         self, worker: WorkerRecord, gen: Generation, first: pb.PrefillResponse
-    ) -> tuple[DecodeCall, pb.DecodeResponse]:
-        """Start the Decode stream and read its first message, so a dead worker fails here."""
+    ) -> tuple[DecodeHandle, pb.DecodeResponse]:
+        """Start the request on the worker's DecodeStream and read its first message, so a
+        dead worker fails here."""
         request = pb.DecodeRequest(
             request_id=gen.request_id,
             prompt_token_ids=gen.prompt_ids,
@@ -286,9 +288,7 @@ class PDFlow:
             sampling=gen.sampling,
             kv=first.kv,
         )
-        call = self._clients.decode(worker).Decode(
-            request, timeout=gen.remaining("before decode"), metadata=self._clients.metadata
-        )
+        call = self._clients.decode_stream(worker).start(request, gen.remaining("before decode"))
         try:
             return call, await call.read()
         except BaseException:
@@ -296,14 +296,14 @@ class PDFlow:
             raise
 
     @staticmethod
-    async def _drain(call: DecodeCall) -> None:
+    async def _drain(call: DecodeHandle) -> None:
         """Read to the end after `done`; bounded by the call's deadline."""
         with contextlib.suppress(grpc.aio.AioRpcError):
             while await call.read() is not grpc.aio.EOF:
                 pass
 
     async def _read(
-        self, call: DecodeCall, watch: _ReadWatch, worker: WorkerRecord, gen: Generation
+        self, call: DecodeHandle, watch: _ReadWatch, worker: WorkerRecord, gen: Generation
     ) -> pb.DecodeResponse:
         """The stream's next message. A worker that sends nothing for the stall timeout is
         abandoned (and skipped by new requests for a while): gRPC keepalive catches a dead or

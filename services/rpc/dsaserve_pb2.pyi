@@ -217,6 +217,46 @@ class DecodeResponse(_message.Message):
     error: DecodeError
     def __init__(self, chunk: _Optional[_Union[DecodeChunk, _Mapping]] = ..., done: _Optional[_Union[DecodeDone, _Mapping]] = ..., error: _Optional[_Union[DecodeError, _Mapping]] = ...) -> None: ...
 
+class DecodeStart(_message.Message):
+    __slots__ = ("request", "timeout_ms")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request: DecodeRequest
+    timeout_ms: int
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeStart
+    cancel: str
+    def __init__(self, start: _Optional[_Union[DecodeStart, _Mapping]] = ..., cancel: _Optional[str] = ...) -> None: ...
+
+class DecodeEnd(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class DecodeUpdate(_message.Message):
+    __slots__ = ("request_id", "response", "end")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: DecodeResponse
+    end: DecodeEnd
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ..., end: _Optional[_Union[DecodeEnd, _Mapping]] = ...) -> None: ...
+
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[DecodeUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

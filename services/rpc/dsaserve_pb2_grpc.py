@@ -376,6 +376,11 @@ class DecodeStub:
                 request_serializer=dsaserve__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=dsaserve__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/dsaserve.v1.Decode/DecodeStream',
+                request_serializer=dsaserve__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=dsaserve__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/dsaserve.v1.Decode/Abort',
                 request_serializer=dsaserve__pb2.AbortRequest.SerializeToString,
@@ -397,7 +402,15 @@ class DecodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """one request
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeStream(self, request_iterator, context):
+        """many
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -427,6 +440,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=dsaserve__pb2.DecodeRequest.FromString,
                     response_serializer=dsaserve__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=dsaserve__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=dsaserve__pb2.DecodeStreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -471,6 +489,33 @@ class Decode:
             '/dsaserve.v1.Decode/Decode',
             dsaserve__pb2.DecodeRequest.SerializeToString,
             dsaserve__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsaserve.v1.Decode/DecodeStream',
+            dsaserve__pb2.DecodeStreamRequest.SerializeToString,
+            dsaserve__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
