@@ -120,16 +120,30 @@ def mooncake_trace(path: str) -> list[Turn]:
 
 
 async def stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamRecord:
+    """One streamed chat request. A connection error before the response's head (the router
+    closing a kept-alive connection as the client reuses it, a race on a starved machine) is
+    retried once on a fresh connection, as the OpenAI SDK retries connection errors; the
+    record counts it (`retries`) and the report sums them."""
     record = StreamRecord(start=time.perf_counter())
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-            else:
-                async for line in resp.aiter_lines():
-                    record.feed(line, time.perf_counter())
-    except httpx.HTTPError as e:
-        record.error = f"{type(e).__name__}: {e}"
+    for attempt in range(2):
+        answered = False  # the response's head came: an error after it broke a stream under way
+        try:
+            async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+                answered = True
+                if resp.status_code != 200:
+                    record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                else:
+                    async for line in resp.aiter_lines():
+                        record.feed(line, time.perf_counter())
+        except httpx.TransportError as e:
+            if not answered and attempt == 0:
+                record.retries += 1
+                continue
+            where = "mid-stream" if answered else "before the response"
+            record.error = f"{type(e).__name__} {where}: {e}"
+        except httpx.HTTPError as e:
+            record.error = f"{type(e).__name__}: {e}"
+        break
     record.finish(time.perf_counter())
     return record
 
@@ -365,6 +379,7 @@ def summarize(
         "ok": len(ok),
         "streams_in_flight": in_flight([r for r, _ in records], duration),
         "errors": errors,
+        "retried_before_response": sum(r.retries for r, _ in records),
         "hung": sum(1 for r, _ in records if r.error and "Timeout" in r.error),
         "output_tokens_per_s": tokens / duration,
         "goodput": {
@@ -426,6 +441,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"cluster: {c['prefill']} prefill + {c['decode']} decode (simulated), {c['routers']} "
         f"routers, policy {c['policy']}",
         f"requests {q['requests']} ok {q['ok']} errors {q['errors']} hung {q['hung']} "
+        f"(retried before the response: {q.get('retried_before_response', 0)}) "
         f"pages back {q.get('pages_back')}; streams in flight: mean "
         f"{q['streams_in_flight']['mean']:.0f}, peak {q['streams_in_flight']['peak']}",
         f"output tokens/s {q['output_tokens_per_s']:.0f}; goodput "

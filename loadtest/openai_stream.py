@@ -55,6 +55,7 @@ class StreamRecord:
     text: list[str] = field(default_factory=list)  # the content, chunk by chunk
     error: str | None = None
     done: bool = False  # saw `data: [DONE]`
+    retries: int = 0  # connection errors before the response that the client retried
     _usage_tokens: int | None = None
     _last: float | None = None
 
