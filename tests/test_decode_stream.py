@@ -33,6 +33,8 @@ class ByRequestId(grpc_api.DecodeServicer):
         self.cancelled: set[str] = set()
         self.message_sizes: list[int] = []
         self.gate = asyncio.Event()
+        self.draining = asyncio.Event()  # the worker's `stopping`
+        self.mute = False  # read the router's requests, never answer (a wedged worker)
 
     async def Decode(
         self, request: pb.DecodeRequest, context: CallContext
@@ -60,7 +62,11 @@ class ByRequestId(grpc_api.DecodeServicer):
     async def DecodeStream(
         self, requests: AsyncIterator[pb.DecodeStreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.DecodeStreamResponse]:
-        async for message in multiplex(self.Decode, requests, context):
+        if self.mute:
+            async for _ in requests:
+                pass
+            return
+        async for message in multiplex(self.Decode, requests, context, self.draining):
             self.message_sizes.append(len(message.updates))
             yield message
 
@@ -169,7 +175,7 @@ async def test_cancel_and_deadline_end_the_request_at_the_worker(served) -> None
     held, timed = _start(stream, "hold-1"), _start(stream, "hold-2", timeout_s=0.2)
     other = _start(stream, "hold-3")
     assert await _status(timed) == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "hold-2" in servicer.cancelled  # its cleanup ran
+    await _until(lambda: "hold-2" in servicer.cancelled, "its cleanup to run at the worker")
     held.cancel()
     await _until(lambda: "hold-1" in servicer.cancelled, "the cancel to reach the worker")
     assert "hold-3" not in servicer.cancelled
@@ -200,3 +206,60 @@ async def test_a_stream_without_the_cluster_token_is_refused(served) -> None:
     stream = _stream(channel, token="wrong")
     assert await _status(_start(stream, "ok-1")) == grpc.StatusCode.UNAUTHENTICATED
     assert stream.broken
+
+
+@pytest.mark.asyncio
+async def test_the_routers_deadline_holds_against_a_worker_that_never_answers(served) -> None:
+    servicer, _, channel = served
+    servicer.mute = True
+    stream = _stream(channel)
+    handle = _start(stream, "ok-1", timeout_s=0.3)
+    assert await _status(handle) == grpc.StatusCode.DEADLINE_EXCEEDED
+    # a timeout past DecodeStart.timeout_ms's range is sent as its largest value
+    assert _start(stream, "ok-2", timeout_s=1e10) is not None
+    stream.close()
+
+
+@pytest.mark.asyncio
+async def test_a_stopping_worker_refuses_new_requests_and_ends_the_stream(served) -> None:
+    servicer, _, channel = served
+    stream = _stream(channel)
+    running = _start(stream, "gate-1")
+    await _until(lambda: len(servicer.gate._waiters or ()) == 1, "the request to wait")
+    servicer.draining.set()
+    assert await _status(_start(stream, "ok-1")) == grpc.StatusCode.UNAVAILABLE  # retryable
+    servicer.gate.set()
+    assert len(await _texts(running)) == 1  # what ran finishes
+    await _until(lambda: stream.broken, "the worker to end the stream")
+
+
+@pytest.mark.asyncio
+async def test_a_duplicate_request_id_is_refused_and_leaves_the_first_running(served) -> None:
+    servicer, _, channel = served
+    stream = _stream(channel)
+    first = _start(stream, "gate-1")
+    assert await _status(_start(stream, "gate-1")) == grpc.StatusCode.ALREADY_EXISTS
+    await _until(lambda: len(servicer.gate._waiters or ()) == 1, "the first to wait")
+    servicer.gate.set()
+    assert len(await _texts(first)) == 1
+    stream.close()
+
+
+@pytest.mark.asyncio
+async def test_a_request_cancelled_before_it_ran_lets_the_stream_end() -> None:
+    """A cancel read in the same turn as its start (the task never ran): the stream still ends
+    once the router closes its side (the request no longer counts as running)."""
+    servicer = ByRequestId()
+    start = pb.DecodeStreamRequest(
+        start=pb.DecodeStart(request=pb.DecodeRequest(request_id="hold-A"))
+    )
+
+    async def requests() -> AsyncIterator[pb.DecodeStreamRequest]:
+        yield start
+        yield pb.DecodeStreamRequest(cancel="hold-A")
+
+    async def serve() -> list[pb.DecodeStreamResponse]:
+        return [m async for m in multiplex(servicer.Decode, requests(), None)]  # type: ignore[arg-type]
+
+    messages = await asyncio.wait_for(serve(), WAIT_S)
+    assert [u for m in messages for u in m.updates] == []  # (the router let it go)

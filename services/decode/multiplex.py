@@ -61,9 +61,12 @@ async def multiplex(
     decode: PerRequest,
     requests: AsyncIterable[pb.DecodeStreamRequest],
     context: grpc.aio.ServicerContext,
+    draining: asyncio.Event | None = None,
 ) -> AsyncIterator[pb.DecodeStreamResponse]:
     """Serve one DecodeStream; ends when the router has closed its side and every request
-    has ended. If the stream goes (the router cancels it or dies), every request is cancelled."""
+    has ended, or once `draining` is set (the worker is shutting down: new requests are
+    refused UNAVAILABLE, which the router retries elsewhere) and every request has ended. If
+    the stream goes (the router cancels it or dies), every request is cancelled."""
     outbox: asyncio.Queue[pb.DecodeUpdate | None] = asyncio.Queue()  # None: the stream is over
     running: dict[str, asyncio.Task[None]] = {}
     request_context = RequestContext(context)
@@ -82,30 +85,52 @@ async def multiplex(
         except Exception as e:  # a bug in one request must not end the others
             log.exception("decode of %s failed", rid)
             end = _end(rid, grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
-        finally:
-            running.pop(rid, None)
         outbox.put_nowait(end)  # (not after a cancel: the router has let the request go)
 
-    async def read() -> None:
-        try:
-            async for message in requests:
-                kind = message.WhichOneof("kind")
-                if kind == "start":
-                    rid = message.start.request.request_id
-                    if rid in running:
-                        outbox.put_nowait(
-                            _end(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is running")
-                        )
-                    else:
-                        running[rid] = asyncio.create_task(run(message.start))
-                elif kind == "cancel" and (task := running.get(message.cancel)) is not None:
-                    task.cancel()
-            while running:  # the router sends nothing more: end after the last request
-                await asyncio.wait(set(running.values()))
-        finally:
-            outbox.put_nowait(None)
+    def started(rid: str, task: asyncio.Task[None]) -> None:
+        running[rid] = task
+        # (a callback, not run's own cleanup: a task cancelled before its first step runs none)
+        task.add_done_callback(lambda _: running.pop(rid, None))
 
-    reader = asyncio.create_task(read())
+    async def all_ended() -> None:
+        while running:
+            await asyncio.wait(set(running.values()))
+        outbox.put_nowait(None)
+
+    async def read() -> None:
+        async for message in requests:
+            kind = message.WhichOneof("kind")
+            if kind == "start":
+                rid = message.start.request.request_id
+                if draining is not None and draining.is_set():
+                    outbox.put_nowait(
+                        _end(rid, grpc.StatusCode.UNAVAILABLE, "the decode worker is stopping")
+                    )
+                elif rid in running:
+                    outbox.put_nowait(
+                        _end(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is running")
+                    )
+                else:
+                    started(rid, asyncio.create_task(run(message.start)))
+            elif kind == "cancel" and (task := running.get(message.cancel)) is not None:
+                task.cancel()
+        await all_ended()  # the router sends nothing more: end after the last request
+
+    async def drain() -> None:
+        assert draining is not None
+        await draining.wait()
+        await all_ended()
+
+    helpers = [asyncio.create_task(read())]
+    if draining is not None:
+        helpers.append(asyncio.create_task(drain()))
+
+    def helper_done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            outbox.put_nowait(None)  # a broken request stream (or a bug) ends this stream too
+
+    for helper in helpers:
+        helper.add_done_callback(helper_done)
     try:
         while (update := await outbox.get()) is not None:
             updates = [update]
@@ -118,8 +143,11 @@ async def multiplex(
             yield pb.DecodeStreamResponse(updates=updates)
             if update is None:
                 break
-        reader.result()  # (done by now) re-raises a broken request stream
+        for helper in helpers:  # re-raise what broke it, if anything did
+            if helper.done() and not helper.cancelled() and (error := helper.exception()):
+                raise error
     finally:
-        reader.cancel()
+        for helper in helpers:
+            helper.cancel()
         for task in list(running.values()):
             task.cancel()  # each runs its Decode's cleanup: no pages stay behind

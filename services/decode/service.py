@@ -150,7 +150,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         requests: AsyncIterator[pb.DecodeStreamRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[pb.DecodeStreamResponse]:
-        async for message in multiplex(self.Decode, requests, context):
+        async for message in multiplex(self.Decode, requests, context, self.w.stopping):
             yield message
 
     async def _reserve(

@@ -22,6 +22,7 @@ import grpc
 from services.rpc import grpc_api, pb
 
 log = logging.getLogger(__name__)
+MAX_TIMEOUT_MS = (1 << 32) - 1  # DecodeStart.timeout_ms is a uint32 (~49.7 days)
 
 # what a handle queues (a string: grpc.aio.EOFType exists only in grpc's type stubs)
 _Item: TypeAlias = "pb.DecodeResponse | grpc.aio.EOFType | grpc.aio.AioRpcError"
@@ -40,21 +41,23 @@ def _status(end: pb.DecodeEnd) -> grpc.aio.EOFType | grpc.aio.AioRpcError:
 
 
 class DecodeHandle:
-    """One request on a worker's DecodeStream."""
+    """One request on a worker's DecodeStream. Its deadline is the router's too (one timer,
+    as the call's own timeout was): a worker that never answers cannot hold a read past it."""
 
-    __slots__ = ("request_id", "_stream", "_items", "_ended")
+    __slots__ = ("request_id", "_stream", "_items", "_ended", "_timer")
 
-    def __init__(self, request_id: str, stream: WorkerDecodeStream) -> None:
+    def __init__(self, request_id: str, stream: WorkerDecodeStream, timeout_s: float) -> None:
         self.request_id = request_id
         self._stream = stream
         self._items: asyncio.Queue[_Item] = asyncio.Queue()
         self._ended = False  # the last item is queued: nothing to cancel at the worker
+        self._timer = asyncio.get_running_loop().call_later(timeout_s, self._expire)
 
     async def read(self) -> pb.DecodeResponse | grpc.aio.EOFType:
         item = await self._items.get()
         if isinstance(item, grpc.aio.AioRpcError):
             self._items.put_nowait(item)  # (a later read raises it again, as a call's would)
-            raise item
+            raise rpc_error(item.code(), item.details() or "")  # (a fresh one: no shared traceback)
         if item is grpc.aio.EOF:
             self._items.put_nowait(item)
         return item
@@ -63,6 +66,7 @@ class DecodeHandle:
         """Stop the request at the worker; a no-op once it has ended."""
         if not self._ended:
             self._ended = True
+            self._timer.cancel()
             self._stream.cancel(self.request_id)
 
     def _put(self, item: _Item) -> None:
@@ -70,7 +74,15 @@ class DecodeHandle:
 
     def _end(self, item: grpc.aio.EOFType | grpc.aio.AioRpcError) -> None:
         self._ended = True
+        self._timer.cancel()
         self._items.put_nowait(item)
+
+    def _expire(self) -> None:
+        if not self._ended:
+            self.cancel()
+            self._items.put_nowait(
+                rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            )
 
 
 class WorkerDecodeStream:
@@ -90,9 +102,17 @@ class WorkerDecodeStream:
     def start(self, request: pb.DecodeRequest, timeout_s: float) -> DecodeHandle:
         """Start `request` on the worker; it ends DEADLINE_EXCEEDED after `timeout_s`."""
         assert not self.broken
-        handle = self._handles[request.request_id] = DecodeHandle(request.request_id, self)
-        start = pb.DecodeStart(request=request, timeout_ms=max(1, round(timeout_s * 1000)))
-        self._outgoing.put_nowait(pb.DecodeStreamRequest(start=start))
+        rid = request.request_id
+        handle = DecodeHandle(rid, self, timeout_s)
+        if rid in self._handles:  # (the router's ids are unique: a bug, refused here alone)
+            handle._end(rpc_error(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is running"))
+            return handle
+        timeout_ms = min(max(1, round(timeout_s * 1000)), MAX_TIMEOUT_MS)
+        message = pb.DecodeStreamRequest(
+            start=pb.DecodeStart(request=request, timeout_ms=timeout_ms)
+        )
+        self._handles[rid] = handle
+        self._outgoing.put_nowait(message)
         return handle
 
     def cancel(self, request_id: str) -> None:
@@ -110,6 +130,7 @@ class WorkerDecodeStream:
 
     async def _read(self) -> None:
         handles = self._handles
+        error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the decode worker ended the stream")
         try:
             async for message in self._call:
                 for update in message.updates:
@@ -121,19 +142,23 @@ class WorkerDecodeStream:
                     else:
                         del handles[update.request_id]
                         handle._end(_status(update.end))
-            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the decode worker ended the stream")
         except grpc.aio.AioRpcError as e:
             error = e
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.CANCELLED, "the router closed the stream")
-        self.broken = True
-        if handles:
-            log.warning(
-                "decode stream to %s broke (%s) with %d requests on it",
-                self.address,
-                error.code().name,
-                len(handles),
-            )
-        for handle in handles.values():
-            handle._end(error)
-        handles.clear()
+        except Exception as e:  # (a bug, or a message gRPC could not decode)
+            log.exception("decode stream to %s failed", self.address)
+            error = rpc_error(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            self.broken = True
+            self.close()  # (ends the request generator; a no-op on a call already over)
+            if handles:
+                log.warning(
+                    "decode stream to %s broke (%s) with %d requests on it",
+                    self.address,
+                    error.code().name,
+                    len(handles),
+                )
+            for handle in handles.values():
+                handle._end(error)
+            handles.clear()

@@ -126,6 +126,11 @@ def from_grpc(error: grpc.aio.AioRpcError, role: str, address: str) -> APIError:
         )
     elif error.code() == grpc.StatusCode.UNAVAILABLE:
         message = f"The {role} worker is unavailable; retry the request."
+    elif error.code() == grpc.StatusCode.UNIMPLEMENTED:
+        message = (
+            f"The {role} worker does not serve this call: it runs another dsaserve release; "
+            "upgrade the workers before the routers."
+        )
     elif error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the worker's words on the request
         message = f"{role} worker: {error.details()}"
     else:

@@ -153,6 +153,8 @@ class Worker:
             )
         self.ready = threading.Event()
         self._stop: asyncio.Event | None = None  # set by serve()
+        # Set once serve() begins to stop: open DecodeStreams refuse new requests and end.
+        self.stopping = asyncio.Event()
 
     async def in_nixl_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         return await asyncio.wrap_future(self.nixl_submit(fn, *args, **kwargs))
@@ -208,6 +210,7 @@ class Worker:
         tasks.append(asyncio.create_task(self._watch_engine(stop)))
         await stop.wait()
         log.info("%s worker %s stopping", self.role, self.worker_id)
+        self.stopping.set()
         self.ready.clear()
         await registration.stop()  # leave routing first
         if publisher is not None:
