@@ -9,7 +9,7 @@ end must run the request's cleanup at the worker.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -27,9 +27,11 @@ WAIT_S = 10.0
 class ByRequestId(grpc_api.DecodeServicer):
     """Decode behaviour from the request id's prefix: `ok-N[-i]` sends N chunks and done,
     `bad` aborts INVALID_ARGUMENT, `boom` raises, `hold` waits until cancelled, `gate` sends
-    one chunk once `gate` is set. Records what was cancelled and each message's size."""
+    one chunk once `gate` is set. Records what started (`gate` requests are waiting on it by
+    then: nothing awaits between), what was cancelled and each message's size."""
 
     def __init__(self) -> None:
+        self.started: set[str] = set()
         self.cancelled: set[str] = set()
         self.message_sizes: list[int] = []
         self.gate = asyncio.Event()
@@ -41,6 +43,7 @@ class ByRequestId(grpc_api.DecodeServicer):
     ) -> AsyncIterator[pb.DecodeResponse]:
         rid = request.request_id
         kind, *fields = rid.split("-")
+        self.started.add(rid)
         try:
             if kind == "bad":
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{rid} is bad")
@@ -111,9 +114,9 @@ async def _status(handle: DecodeHandle) -> grpc.StatusCode:
     return failed.value.code()
 
 
-async def _until(condition: object, what: str) -> None:
+async def _until(condition: Callable[[], object], what: str) -> None:
     for _ in range(int(WAIT_S / 0.01)):
-        if callable(condition) and condition():
+        if condition():
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"timed out waiting for {what}")
@@ -142,7 +145,7 @@ async def test_a_step_for_many_requests_is_one_message(served) -> None:
     servicer, _, channel = served
     stream = _stream(channel)
     handles = [_start(stream, f"gate-{i}") for i in range(40)]
-    await _until(lambda: len(servicer.gate._waiters or ()) == 40, "40 requests waiting")
+    await _until(lambda: len(servicer.started) == 40, "40 requests waiting")
     servicer.message_sizes.clear()
     servicer.gate.set()
     for handle in handles:
@@ -191,8 +194,7 @@ async def test_a_broken_stream_fails_every_request_on_it(served) -> None:
     servicer, server, channel = served
     stream = _stream(channel)
     handles = [_start(stream, f"hold-{i}") for i in range(5)]
-    await _until(lambda: len(servicer.message_sizes) == 0 and stream._handles, "requests started")
-    await asyncio.sleep(0.1)
+    await _until(lambda: len(servicer.started) == 5, "the five to start at the worker")
     await server.stop(grace=None)  # the worker goes away
     codes = {await _status(h) for h in handles}
     assert codes <= {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}, codes
@@ -216,7 +218,8 @@ async def test_the_routers_deadline_holds_against_a_worker_that_never_answers(se
     handle = _start(stream, "ok-1", timeout_s=0.3)
     assert await _status(handle) == grpc.StatusCode.DEADLINE_EXCEEDED
     # a timeout past DecodeStart.timeout_ms's range is sent as its largest value
-    assert _start(stream, "ok-2", timeout_s=1e10) is not None
+    _start(stream, "ok-2", timeout_s=1e10)  # (raised ValueError before the clamp)
+    assert "ok-2" in stream._handles
     stream.close()
 
 
@@ -225,7 +228,7 @@ async def test_a_stopping_worker_refuses_new_requests_and_ends_the_stream(served
     servicer, _, channel = served
     stream = _stream(channel)
     running = _start(stream, "gate-1")
-    await _until(lambda: len(servicer.gate._waiters or ()) == 1, "the request to wait")
+    await _until(lambda: servicer.started == {"gate-1"}, "the request to wait")
     servicer.draining.set()
     assert await _status(_start(stream, "ok-1")) == grpc.StatusCode.UNAVAILABLE  # retryable
     servicer.gate.set()
@@ -239,7 +242,7 @@ async def test_a_duplicate_request_id_is_refused_and_leaves_the_first_running(se
     stream = _stream(channel)
     first = _start(stream, "gate-1")
     assert await _status(_start(stream, "gate-1")) == grpc.StatusCode.ALREADY_EXISTS
-    await _until(lambda: len(servicer.gate._waiters or ()) == 1, "the first to wait")
+    await _until(lambda: servicer.started == {"gate-1"}, "the first to wait")
     servicer.gate.set()
     assert len(await _texts(first)) == 1
     stream.close()

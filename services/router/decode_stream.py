@@ -33,11 +33,13 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def _status(end: pb.DecodeEnd) -> grpc.aio.EOFType | grpc.aio.AioRpcError:
     if end.code == grpc.StatusCode.OK.value[0]:
         return grpc.aio.EOF
-    code = next((c for c in grpc.StatusCode if c.value[0] == end.code), grpc.StatusCode.UNKNOWN)
-    return rpc_error(code, end.details)
+    return rpc_error(_STATUS_CODES.get(end.code, grpc.StatusCode.UNKNOWN), end.details)
 
 
 class DecodeHandle:
