@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.request import RequestError
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.request import RequestError
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import PROMPTS, assert_all_free, drain
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

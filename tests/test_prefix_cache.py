@@ -12,15 +12,15 @@ import torch
 
 from bench.compare import rel_err
 from bench.numerics import BOS, heldout_windows
-from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv.allocator import PageAllocator
-from engine.llm_engine import LLMEngine
-from engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
-from engine.prefix_cache.block_hash import block_hashes, cache_salt
-from engine.prefix_cache.checkpoint import CopyPlan
-from engine.request import RequestOutput, Status
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.kv.allocator import PageAllocator
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
+from dsaserve.engine.prefix_cache.block_hash import block_hashes, cache_salt
+from dsaserve.engine.prefix_cache.checkpoint import CopyPlan
+from dsaserve.engine.request import RequestOutput, Status
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import assert_all_free, byte_ids, drain, move_staged
 from tests.release_reference import ENGINE, TOKENS, release_ids
 
