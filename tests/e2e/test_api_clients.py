@@ -211,9 +211,9 @@ def test_anthropic_sdk_messages(stack, model) -> None:
 
 def test_openai_responses(stack, model) -> None:
     """responses.create whole, streamed and continued by previous_response_id, on real workers.
-    (The Agents SDK's tool loop runs against scripted workers, tests/test_router_responses.py:
-    it treats a reply cut by max_output_tokens as an error, and this random-weight model ends
-    none by itself.)"""
+    (The Agents SDK's tool loop runs against scripted workers,
+    tests/services/test_router_responses.py: it treats a reply cut by max_output_tokens as an
+    error, and this random-weight model ends none by itself.)"""
     import openai
 
     with openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0) as client:

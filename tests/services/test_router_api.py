@@ -26,10 +26,10 @@ from dsaserve.engine.load import Load
 from dsaserve.engine.text.tokenizer import Tokenizer
 from dsaserve.services.registry import WorkerRecord, WorkerRegistration
 from dsaserve.services.router.settings import RouterSettings
+from tests import REPO_ROOT
 from tests.conftest import free_port
 from tests.scripted_worker import TOKEN
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-router-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
