@@ -26,7 +26,7 @@ from dsaserve.engine.text.chat.constraint import (
     reply_grammar,
     tool_schemas,
 )
-from dsaserve.engine.text.chat.tokens import DSML, EOS, PARAMETER_CLOSE, THINK_END
+from dsaserve.engine.text.chat.tokens import DSML, EOS, THINK_END
 from dsaserve.engine.text.grammar import GrammarCompiler, GrammarError
 from dsaserve.engine.text.tokenizer import Tokenizer
 from tests.engine_cases import assert_all_free, drain
@@ -102,7 +102,7 @@ def test_every_reply_the_grammar_allows_parses_into_what_was_asked(
     the constrained part is complete."""
     tokenizer = release_tokenizer
     (eos,) = tokenizer.eos_token_ids
-    close = tokenizer.encode(PARAMETER_CLOSE)
+    close = tokenizer.encode(V4_DSML.parameter_close)
     constraint = CONSTRAINTS[name]
     grammar = reply_grammar(constraint, compiler, dialect, thinking)
     assert grammar is not None

@@ -395,6 +395,7 @@ def test_router_image_has_no_torch() -> None:
         "pydantic",
         "httpx",
         "llguidance",  # structured outputs: the router compiles grammars (no torch needed)
+        "deepseek-recipe",  # DeepSeek-V4.1's chat format (engine.text.chat.recipe)
     }
     assert all(re.fullmatch(r"\d+(\.\d+)+", v) for v in pins.values()), pins
     router = (DEPLOY / "Dockerfile.router").read_text()

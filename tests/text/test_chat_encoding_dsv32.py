@@ -205,7 +205,7 @@ def test_an_earlier_tool_loop_renders_as_chat() -> None:
           {"role": "tool", "content": "r"}, {"role": "tool", "content": "s"}], "messages[3]",
          "must answer a tool call"),
         ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]",
-         "only text parts"),
+         "images are not served"),
     ],
 )  # fmt: skip
 def test_conversations_the_format_cannot_express_name_the_field(messages, where, message) -> None:

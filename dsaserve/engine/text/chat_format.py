@@ -1,12 +1,17 @@
 """How a checkpoint turns an OpenAI chat into prompt text, without torch.
 
 A checkpoint with a chat template (`chat_template.jinja`, or `chat_template` in
-tokenizer_config.json) renders it, as transformers and vLLM do. The DeepSeek-V4 and V3.2 releases
-ship none: their `encoding/encoding_dsv4.py` and `encoding_dsv32.py` are the formats, so a V4
+tokenizer_config.json) renders it, as transformers and vLLM do. The DeepSeek releases ship none:
+V4's `encoding/encoding_dsv4.py` and V3.2's `encoding_dsv32.py` are their formats, so a V4
 checkpoint (config.json `model_type: deepseek_v4`) without a template uses
-`engine.text.chat.encode_messages`, a V3.2 one (`deepseek_v32`) `encode_messages_dsv32`. Anything
+`engine.text.chat.encode_messages`, a V3.2 one (`deepseek_v32`) `encode_messages_dsv32`, and a
+V4.1 one (`deepseek_v41`) DeepSeek's own prompt library (`engine.text.chat.recipe`). Anything
 else has no chat format, and says so when asked to render one. Each format also says how its
-model writes tool calls (`dialect`: the DSML block's name, which the reply parser reads).
+model writes tool calls (`dialect`: the DSML tags, which the reply parser reads).
+
+A request's reasoning effort reaches a format as OpenAI names it (`ChatOptions`), and each
+format maps it onto its own levels: V4's release encoder has two (nothing, or its "max"
+paragraph for xhigh and max), V4.1's library four numbers, V3.2 none.
 
 The router (tokenizing requests) and `dsaserve generate --chat` both call `chat_format`, so
 a chat becomes the same prompt wherever it is rendered.
@@ -21,20 +26,35 @@ from typing import Any, Protocol
 
 from dsaserve.engine.model_dir import read_config
 from dsaserve.engine.text.chat import ChatEncodingError, encode_messages
-from dsaserve.engine.text.chat.dsml import V4_DSML, V32_DSML, Dialect
+from dsaserve.engine.text.chat.dsml import V4_DSML, V32_DSML, V41_DSML, Dialect
 from dsaserve.engine.text.chat.encoding_dsv32 import encode_messages_dsv32
+from dsaserve.engine.text.chat.recipe import render_v41
 from dsaserve.engine.text.chat.tokens import LATEST_REMINDER, THINK_END, THINK_START
 from dsaserve.engine.text.template import ChatTemplateError
 from dsaserve.engine.text.tokenizer import Tokenizer
 
 V4_MODEL_TYPE = "deepseek_v4"
 V32_MODEL_TYPE = "deepseek_v32"
+V41_MODEL_TYPE = "deepseek_v41"
 # The V4 encoder's own arguments that a request may set through `chat_template_kwargs`
 # (besides the thinking switch, which `ChatOptions.thinking` carries).
 V4_KWARGS = ("thinking", "enable_thinking", "drop_thinking")
 V32_KWARGS = ("thinking", "enable_thinking")  # (V3.2's only drops reasoning it never renders)
+V41_KWARGS = V32_KWARGS  # (the library keeps or drops earlier reasoning by its own rule)
 # How each family writes tool calls, also under a template of the checkpoint's own.
-DIALECTS = {V4_MODEL_TYPE: V4_DSML, V32_MODEL_TYPE: V32_DSML}
+DIALECTS = {V4_MODEL_TYPE: V4_DSML, V32_MODEL_TYPE: V32_DSML, V41_MODEL_TYPE: V41_DSML}
+# OpenAI's reasoning efforts; "none" turns thinking off and reaches no format.
+REASONING_EFFORTS = ("minimal", "low", "medium", "high", "xhigh", "max")
+# OpenAI's efforts -> the V4 release encoder's (None: nothing; "max": its paragraph after BOS),
+# as DeepSeek's API maps them; a template reads these as `reasoning_effort`.
+V4_EFFORTS: Mapping[str, str] = {
+    "minimal": "high",
+    "low": "high",
+    "medium": "high",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
 
 
 @dataclass(frozen=True)
@@ -42,8 +62,8 @@ class ChatOptions:
     """How to render one chat, beyond its messages and tools."""
 
     thinking: bool = False  # open the reply in reasoning (V4: thinking mode, ending `<think>`)
-    # The V4 encoder's: None, "high" or "max" (in thinking mode); a template reads it as
-    # `reasoning_effort` when set.
+    # OpenAI's level (one of REASONING_EFFORTS; None: the format's default), read in thinking
+    # mode only; each format maps it (module docstring)
     reasoning_effort: str | None = None
     # More template variables (a request's `chat_template_kwargs`); the V4 encoder takes only
     # V4_KWARGS.
@@ -82,6 +102,8 @@ def chat_format(model_dir: str | os.PathLike, tokenizer: Tokenizer) -> ChatForma
         return V4Chat()
     if model_type == V32_MODEL_TYPE:
         return V32Chat()
+    if model_type == V41_MODEL_TYPE:
+        return V41Chat()
     return TemplateChat(tokenizer, V4_DSML)  # no template: says so on every render
 
 
@@ -118,8 +140,8 @@ class TemplateChat:
             "thinking": options.thinking,
             "enable_thinking": options.thinking,
         }
-        if options.reasoning_effort is not None:
-            variables["reasoning_effort"] = options.reasoning_effort
+        if options.thinking and options.reasoning_effort is not None:
+            variables["reasoning_effort"] = V4_EFFORTS[options.reasoning_effort]
         return self._tokenizer.apply_chat_template(
             list(messages),
             add_generation_prompt=add_generation_prompt,
@@ -145,10 +167,11 @@ class V4Chat:
         drop_thinking = options.variables.get("drop_thinking", True)
         if not isinstance(drop_thinking, bool):
             raise ChatEncodingError("chat_template_kwargs.drop_thinking", "must be a boolean")
+        effort = options.reasoning_effort
         return encode_messages(
             messages,
             thinking=options.thinking,
-            reasoning_effort=options.reasoning_effort if options.thinking else None,
+            reasoning_effort=V4_EFFORTS[effort] if options.thinking and effort else None,
             tools=tools,
             drop_thinking=drop_thinking,
         )
@@ -172,6 +195,31 @@ class V32Chat:
     ) -> str:
         _check_release_options(self.name, V32_KWARGS, options, add_generation_prompt)
         return encode_messages_dsv32(messages, thinking=options.thinking, tools=tools)
+
+
+class V41Chat:
+    """DeepSeek-V4.1's format, rendered by DeepSeek's `deepseek-recipe` (engine.text.chat
+    .recipe): its numeric reasoning effort (first turn only) and spaced DSML tags."""
+
+    name = "the DeepSeek-V4.1 encoder"
+    renders_tools = True
+    dialect = V41_DSML
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        options: ChatOptions = ChatOptions(),
+        add_generation_prompt: bool = True,
+    ) -> str:
+        _check_release_options(self.name, V41_KWARGS, options, add_generation_prompt)
+        return render_v41(
+            messages,
+            thinking=options.thinking,
+            reasoning_effort=options.reasoning_effort,
+            tools=tools,
+        )
 
 
 def _check_release_options(

@@ -10,11 +10,12 @@ Thinking (the V4 encoder's thinking mode; `thinking` and `enable_thinking` for a
    must agree);
 3. else the router's `--default-thinking` (off unless set).
 
-`reasoning_effort`, OpenAI's values onto DeepSeek-V4's two levels (as DeepSeek's own API maps
-them): "none" -> thinking off; "minimal", "low", "medium", "high" -> thinking, effort "high"
-(the encoder's default, which adds nothing to the prompt); "xhigh" and DeepSeek's "max" ->
-thinking, effort "max" (the release's fixed reasoning-effort paragraph after BOS). A
-`reasoning_effort` that contradicts an explicit thinking switch is a 400.
+`reasoning_effort`: "none" -> thinking off; any other of OpenAI's values (and DeepSeek's "max")
+-> thinking on at that effort, which the chat format maps onto its own levels (engine.text
+.chat_format: DeepSeek-V4's two, "minimal" to "high" adding nothing to the prompt and "xhigh"
+and "max" the release's fixed reasoning-effort paragraph after BOS; DeepSeek-V4.1's numbers,
+from DeepSeek's library; DeepSeek-V3.2 has one level). A `reasoning_effort` that contradicts an
+explicit thinking switch is a 400.
 
 `tool_choice`:
 
@@ -31,26 +32,21 @@ A reply reads tool calls only where tools are offered: without them, DSML markup
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from dsaserve.engine.text.chat.constraint import ReplyConstraint, tool_schemas
 from dsaserve.engine.text.chat.dsml import Dialect
-from dsaserve.engine.text.chat_format import ChatFormat, ChatOptions, opens_reasoning
+from dsaserve.engine.text.chat_format import (
+    REASONING_EFFORTS,
+    ChatFormat,
+    ChatOptions,
+    opens_reasoning,
+)
 from dsaserve.services.router.api.errors import APIError
 from dsaserve.services.router.api.schemas import ChatPromptFields, NamedToolChoice
 
-# OpenAI reasoning_effort -> (thinking, the V4 encoder's effort).
-EFFORTS: Mapping[str, tuple[bool, str | None]] = {
-    "none": (False, None),
-    "minimal": (True, "high"),
-    "low": (True, "high"),
-    "medium": (True, "high"),
-    "high": (True, "high"),
-    "xhigh": (True, "max"),
-    "max": (True, "max"),
-}
+EFFORTS = ("none", *REASONING_EFFORTS)  # what a request may send
 _SWITCHES = ("thinking", "enable_thinking")
 _EFFORT_KWARG = "reasoning_effort"  # chat_template_kwargs' spelling of the request's field
 
@@ -120,7 +116,8 @@ def chat_prompt(
 
 
 def _thinking(request: ChatPromptFields, default: bool) -> tuple[bool, str | None]:
-    """(thinking, the encoder's reasoning effort) for a request; see the module docstring."""
+    """(thinking, the reasoning effort the format reads) for a request; see the module
+    docstring."""
     kwargs: dict[str, Any] = request.chat_template_kwargs or {}
     switches = {name: kwargs[name] for name in _SWITCHES if name in kwargs}
     for name, value in switches.items():
@@ -138,9 +135,8 @@ def _thinking(request: ChatPromptFields, default: bool) -> tuple[bool, str | Non
         )
     explicit = next(iter(switches.values()), None)
     requested_effort = _requested_effort(request.reasoning_effort, kwargs.get(_EFFORT_KWARG))
-    implied, effort = (None, None)
-    if requested_effort is not None:
-        implied, effort = EFFORTS[requested_effort]
+    implied = None if requested_effort is None else requested_effort != "none"
+    effort = requested_effort if implied else None
     if explicit is not None and implied is not None and explicit != implied:
         raise APIError(
             400,

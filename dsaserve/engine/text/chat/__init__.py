@@ -2,8 +2,9 @@
 (reasoning, content, DSML tool calls) back into OpenAI fields, whole or streamed.
 
 `encoding_dsv4` and `encoding_dsv32` write prompts the way the V4 and V3.2 releases'
-`encoding/encoding_dsv*.py` do, from the turns `messages` reads; `dsml` writes and reads tool
-calls (a `Dialect` a family) and reads completions; `tokens` names the special-token strings.
+`encoding/encoding_dsv*.py` do, from the turns `messages` reads; `recipe` has DeepSeek's own
+library (`deepseek-recipe`) write V4.1's; `dsml` writes and reads tool calls (a `Dialect` a
+family) and reads completions; `tokens` names the special-token strings.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dsaserve.engine.text.chat.dsml import (
     V4_DSML,
     V32_DSML,
+    V41_DSML,
     ContentDelta,
     Dialect,
     Event,
@@ -30,6 +32,7 @@ __all__ = [
     "ChatEncodingError",
     "V4_DSML",
     "V32_DSML",
+    "V41_DSML",
     "ContentDelta",
     "Dialect",
     "Event",

@@ -37,14 +37,7 @@ from typing import Any
 import llguidance
 
 from dsaserve.engine.text.chat.dsml import Dialect
-from dsaserve.engine.text.chat.tokens import (
-    DSML,
-    INVOKE_CLOSE,
-    INVOKE_OPEN,
-    PARAMETER_CLOSE,
-    THINK_END,
-)
-from dsaserve.engine.text.chat.tokens import PARAMETER_OPEN as PARAM_OPEN
+from dsaserve.engine.text.chat.tokens import DSML, THINK_END
 from dsaserve.engine.text.grammar import GrammarCompiler, GrammarError
 
 # Keywords that leave a string parameter plain text (the release's string="true" form).
@@ -107,13 +100,13 @@ def reply_grammar(
     (its `param` the request field at fault) for a schema or a format it cannot constrain."""
     if not constraint.constrains(opens_reasoning):
         return None
-    g = _Writer(compiler)
+    g = _Writer(compiler, dialect)
     body = []
     if constraint.json is not None and not constraint.calls_required:
         body.append(g.json(constraint.json.schema, constraint.json.strict, constraint.json.param))
     if constraint.tools:
         calls = " | ".join(g.invoke(tool, constraint.calls_required) for tool in constraint.tools)
-        g.rules += [f"invoke: {calls}", f"STRING_VALUE: NODSML {_lit(PARAMETER_CLOSE)}"]
+        g.rules += [f"invoke: {calls}", f"STRING_VALUE: NODSML {_lit(dialect.parameter_close)}"]
         invokes = "invoke" if constraint.single_call else 'invoke ("\\n" invoke)*'
         opening, closing = _lit(f"\n\n{dialect.open}\n"), _lit(f"\n{dialect.close}")
         if constraint.json is None and not constraint.calls_required:
@@ -143,8 +136,8 @@ def _lit(text: str) -> str:
 class _Writer:
     """Rules of one grammar, named as they are made."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
-        self._compiler = compiler
+    def __init__(self, compiler: GrammarCompiler, dialect: Dialect) -> None:
+        self._compiler, self._dialect = compiler, dialect
         self.rules: list[str] = []
 
     def reasoning(self, budget: int | None) -> str:
@@ -181,7 +174,7 @@ class _Writer:
         """The rule name of one call of `tool`; its arguments follow the schema where the tool
         is strict or the call is forced, any parameters otherwise."""
         name = f"call_{len(self.rules)}"
-        head = _lit(f'{INVOKE_OPEN} name="{tool.name}">\n')
+        head = _lit(f'{self._dialect.invoke_open} name="{tool.name}">\n')
         schema = tool.parameters
         if schema is None:
             params = _lit("\n")  # no arguments, as the encoder writes such a call
@@ -191,7 +184,7 @@ class _Writer:
             params = "any_parameter*"
             if not any(rule.startswith("any_parameter:") for rule in self.rules):
                 self.rules.append(f"any_parameter: {self._any_parameter()}")
-        self.rules.append(f"{name}: {head} {params} {_lit(INVOKE_CLOSE)}")
+        self.rules.append(f"{name}: {head} {params} {_lit(self._dialect.invoke_close)}")
         return name
 
     def _parameters(self, schema: Mapping[str, Any], tool: ToolSchema) -> str:
@@ -210,21 +203,23 @@ class _Writer:
                 raise GrammarError(
                     f'{where}: a parameter name cannot hold " < > or a newline', param=tool.param
                 )
-            opening = f'{PARAM_OPEN} name="{key}" string='
+            opening = f'{self._dialect.parameter_open} name="{key}" string='
             if sub.get("type") == "string" and set(sub) <= _PLAIN_STRING_KEYS:
                 value = f"{_lit(opening + _TRUE)} STRING_VALUE"
             else:
                 json_value = self.json({**sub, **defs}, tool.strict, where)
-                value = f"{_lit(opening + _FALSE)} {json_value} {_lit(PARAMETER_CLOSE)}"
+                close = _lit(self._dialect.parameter_close)
+                value = f"{_lit(opening + _FALSE)} {json_value} {close}"
             rule = f"param_{len(self.rules)}"
             self.rules.append(f'{rule}: {value} "\\n"')
             parts.append(rule if key in required else f"{rule}?")
         return " ".join(parts)
 
     def _any_parameter(self) -> str:
-        opening = _lit(f'{PARAM_OPEN} name="')
+        opening = _lit(f'{self._dialect.parameter_open} name="')
         string = _lit(f'" string={_TRUE}') + " STRING_VALUE"
-        value = _lit(f'" string={_FALSE}') + f" %json {{}} {_lit(PARAMETER_CLOSE)}"
+        close = _lit(self._dialect.parameter_close)
+        value = _lit(f'" string={_FALSE}') + f" %json {{}} {close}"
         return f'{opening} /[^"<>\\n]+/ ({string} | {value}) "\\n"'
 
 

@@ -13,12 +13,14 @@ What the model writes after a V4 prompt (see encoding_dsv4), and how the release
     </｜DSML｜tool_calls>]<｜end▁of▁sentence｜>
 
 DeepSeek-V3.2 writes the same grammar with `function_calls` for the block's name (its release's
-`encoding_dsv32.py`); a `Dialect` names the block, and everything here takes one (V4's by
-default). The reasoning part exists in thinking mode only (the prompt already ends with
-`<think>`). The blank line before the block belongs to neither content nor calls. A call's
-`arguments` are the JSON text `{"KEY": VALUE, ...}` with the release's separators: a
-string="true" value becomes a JSON string, a string="false" value is inserted as the JSON it
-already is.
+`encoding_dsv32.py`), DeepSeek-V4.1 with a space after the marker and `calls` for the block's
+name (`<｜DSML｜ calls>`, `<｜DSML｜ invoke ...>`, `<｜DSML｜ parameter ...>`: what DeepSeek's
+`deepseek-recipe` renders and parses); a `Dialect` names the block and the separator, and
+everything here takes one (V4's by default). The reasoning part exists in thinking mode only
+(the prompt already ends with `<think>`). The blank line before the block belongs to neither
+content nor calls. A call's `arguments` are the JSON text `{"KEY": VALUE, ...}` with the
+release's separators: a string="true" value becomes a JSON string, a string="false" value is
+inserted as the JSON it already is.
 
 The release raises on anything else; a server cannot, so `StreamParser` reads the same grammar
 but recovers, and says so instead of raising:
@@ -48,35 +50,49 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from dsaserve.engine.text.chat.tokens import (
-    DSML,
-    EOS,
-    INVOKE_CLOSE,
-    INVOKE_OPEN,
-    PARAMETER_CLOSE,
-    PARAMETER_OPEN,
-    THINK_END,
-    THINK_START,
-)
+from dsaserve.engine.text.chat.tokens import DSML, EOS, THINK_END, THINK_START
 
 
 @dataclass(frozen=True)
 class Dialect:
-    """The name of a family's tool-call block: `<｜DSML｜{block}>` ... `</｜DSML｜{block}>`."""
+    """How a family writes its DSML tags: `<｜DSML｜{sep}{block}>` ... `</｜DSML｜{sep}{block}>`
+    around `<｜DSML｜{sep}invoke ...>` and `<｜DSML｜{sep}parameter ...>` tags."""
 
     block: str
+    sep: str = ""  # between the marker and the tag's name (V4.1: one space)
+
+    def tag(self, name: str, closing: bool = False) -> str:
+        """A tag's text up to its name: `<｜DSML｜invoke`, `</｜DSML｜ parameter`, ..."""
+        return f"<{'/' if closing else ''}{DSML}{self.sep}{name}"
 
     @property
     def open(self) -> str:
-        return f"<{DSML}{self.block}>"
+        return self.tag(self.block) + ">"
 
     @property
     def close(self) -> str:
-        return f"</{DSML}{self.block}>"
+        return self.tag(self.block, closing=True) + ">"
+
+    @property
+    def invoke_open(self) -> str:  # followed by ' name="...">'
+        return self.tag("invoke")
+
+    @property
+    def invoke_close(self) -> str:
+        return self.tag("invoke", closing=True) + ">"
+
+    @property
+    def parameter_open(self) -> str:  # followed by ' name="..." string="true|false">'
+        return self.tag("parameter")
+
+    @property
+    def parameter_close(self) -> str:
+        return self.tag("parameter", closing=True) + ">"
 
 
 V4_DSML = Dialect("tool_calls")
 V32_DSML = Dialect("function_calls")
+V41_DSML = Dialect("calls", sep=" ")
 
 
 def tool_calls_block(calls: Sequence[tuple[str, Mapping[str, Any]]], dialect: Dialect) -> str:
@@ -93,10 +109,13 @@ def tool_calls_block(calls: Sequence[tuple[str, Mapping[str, Any]]], dialect: Di
             text = value if is_string else json.dumps(value, ensure_ascii=False)
             flag = "true" if is_string else "false"
             parameters.append(
-                f'{PARAMETER_OPEN} name="{key}" string="{flag}">{text}{PARAMETER_CLOSE}'
+                f'{dialect.parameter_open} name="{key}" string="{flag}">{text}'
+                f"{dialect.parameter_close}"
             )
         invokes.append(
-            f'{INVOKE_OPEN} name="{name}">\n' + "\n".join(parameters) + f"\n{INVOKE_CLOSE}"
+            f'{dialect.invoke_open} name="{name}">\n'
+            + "\n".join(parameters)
+            + f"\n{dialect.invoke_close}"
         )
     return f"\n\n{dialect.open}\n" + "\n".join(invokes) + f"\n{dialect.close}"
 
@@ -194,14 +213,16 @@ def _markers(dialect: Dialect | None) -> dict[_State, tuple[str, ...]]:
         plain = (THINK_END, THINK_START, EOS)
         return {state: plain if state in _TEXT_STATES else () for state in _State}
     opening, closing = dialect.open, dialect.close
+    invoke, invoke_end = dialect.invoke_open, dialect.invoke_close
+    param, param_end = dialect.parameter_open, dialect.parameter_close
     markers = {
         _State.REASONING: (THINK_END, "\n\n" + opening, opening, THINK_START, EOS),
         _State.CONTENT: ("\n\n" + _TOOL_START, _TOOL_START, THINK_END, THINK_START, EOS),
-        _State.BLOCK: (opening, INVOKE_OPEN, closing, EOS),
+        _State.BLOCK: (opening, invoke, closing, EOS),
         _State.INVOKE_HEAD: (">", "<"),
-        _State.INVOKE_BODY: (PARAMETER_OPEN, INVOKE_CLOSE, INVOKE_OPEN, closing, EOS),
+        _State.INVOKE_BODY: (param, invoke_end, invoke, closing, EOS),
         _State.PARAM_HEAD: (">", "<"),
-        _State.PARAM_VALUE: (PARAMETER_CLOSE, PARAMETER_OPEN, INVOKE_CLOSE, closing, EOS),
+        _State.PARAM_VALUE: (param_end, param, invoke_end, closing, EOS),
         _State.DONE: (),
     }
     markers[_State.AFTER_BLOCK] = markers[_State.CONTENT]
@@ -377,27 +398,34 @@ class StreamParser:
                 self._start_call(head)
             else:
                 self._start_param(head)
-        elif self._dialect is not None and marker == self._dialect.open:
+        else:
+            self._on_tag(state, marker)
+
+    def _on_tag(self, state: _State, marker: str) -> None:
+        """A DSML tag inside a tool-call block (only watched for where tools were offered)."""
+        dialect = self._dialect
+        assert dialect is not None
+        if marker == dialect.open:
             pass  # the block's opening tag (or a repeated one): nothing to do
-        elif marker == INVOKE_OPEN:
+        elif marker == dialect.invoke_open:
             if state is not _State.BLOCK:
                 self._malformed = True  # the previous invoke was never closed
             self._end_call()
             self._state = _State.INVOKE_HEAD
-        elif marker == PARAMETER_OPEN:
+        elif marker == dialect.parameter_open:
             if state is _State.PARAM_VALUE:
                 self._malformed = True  # the previous parameter was never closed
             self._close_param()
             self._state = _State.PARAM_HEAD
-        elif marker == PARAMETER_CLOSE:
+        elif marker == dialect.parameter_close:
             self._close_param()
             self._state = _State.INVOKE_BODY
-        elif marker == INVOKE_CLOSE:
+        elif marker == dialect.invoke_close:
             if state is _State.PARAM_VALUE:
                 self._malformed = True
             self._end_call()
             self._state = _State.BLOCK
-        elif self._dialect is not None and marker == self._dialect.close:
+        elif marker == dialect.close:
             if state is not _State.BLOCK:
                 self._malformed = True
             self._end_call()

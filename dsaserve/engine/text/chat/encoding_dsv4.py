@@ -59,6 +59,7 @@ from dsaserve.engine.text.chat.messages import (
     ToolResult,
     Turn,
     User,
+    check_answerable,
     read_messages,
     read_tools,
 )
@@ -135,20 +136,15 @@ def encode_messages(
             "reasoning_effort",
             f"must be one of 'high', 'max' or null for this model, got {reasoning_effort!r}",
         )
-    turns = _merge_tool_results(read_messages(messages))
+    read = read_messages(messages)
+    check_answerable(read)
+    turns = _merge_tool_results(read)
     functions = read_tools(tools)
     if functions:
         if isinstance(turns[0], System):
             turns[0].tools = functions
         else:
             turns.insert(0, System("", functions))
-    answered = next((t for t in reversed(turns) if not isinstance(t, Reminder)), None)
-    if not isinstance(answered, User):
-        raise ChatEncodingError(
-            f"messages[{len(messages) - 1}]",
-            "the conversation must end with a user or tool message (or latest_reminder messages "
-            "after one); this model is only asked to answer after one",
-        )
     _sort_tool_results(turns)
     # With tools the release keeps every turn's reasoning: tool loops need it.
     drop = drop_thinking and not functions

@@ -15,6 +15,11 @@ from typing import Any
 # OpenAI's roles, and the V4 release's `latest_reminder` (a reminder the model reads late in the
 # conversation, where it weighs most).
 _ROLES = ("system", "developer", "user", "assistant", "tool", "latest_reminder")
+IMAGE_PARTS = ("image_url", "input_image", "image")  # OpenAI's, the Responses API's, Anthropic's
+IMAGES_NOT_SERVED = (
+    "images are not served here: no vision model runs (DeepSeek-V4.1's vision tower is not "
+    "loaded); send text only"
+)
 
 
 class ChatEncodingError(ValueError):
@@ -70,6 +75,18 @@ def read_messages(messages: Sequence[Mapping[str, Any]]) -> list[Turn | ToolResu
     return [_read_message(f"messages[{i}]", message) for i, message in enumerate(messages)]
 
 
+def check_answerable(turns: Sequence[Turn | ToolResult]) -> None:
+    """Raise ChatEncodingError unless the chat ends with a user or tool message (or reminders
+    after one): DeepSeek's models are only asked to answer after one."""
+    answered = next((t for t in reversed(turns) if not isinstance(t, Reminder)), None)
+    if not isinstance(answered, User | ToolResult):
+        raise ChatEncodingError(
+            f"messages[{len(turns) - 1}]",
+            "the conversation must end with a user or tool message (or latest_reminder messages "
+            "after one); this model is only asked to answer after one",
+        )
+
+
 def _read_message(where: str, message: Mapping[str, Any]) -> Turn | ToolResult:
     if not isinstance(message, Mapping):
         raise ChatEncodingError(where, f"must be an object, got {type(message).__name__}")
@@ -116,6 +133,8 @@ def _text(where: str, content: Any, joiner: str) -> str:
         )
     texts = []
     for j, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
+            raise ChatEncodingError(f"{where}[{j}]", IMAGES_NOT_SERVED)
         if not isinstance(part, Mapping) or part.get("type") != "text":
             raise ChatEncodingError(
                 f"{where}[{j}]", f"only text parts are supported, got {part!r:.60}"

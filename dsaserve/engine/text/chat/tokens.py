@@ -11,7 +11,9 @@ BOS/EOS is U+2581 LOWER ONE EIGHTH BLOCK ("▁"). Strings as the release's
     THINK_START      <think>
     THINK_END        </think>
     DSML             ｜DSML｜                   no "<": tags are "<" + DSML + "tool_calls>" etc.
+                                               (V4.1: "<" + DSML + " calls>"; dsml.Dialect)
     LATEST_REMINDER  <｜latest_reminder｜>      a release-internal role; unreachable from the API
+    SYSTEM           <｜System｜>               DeepSeek-V4.1 only: opens its system prompt
 
 A tokenizer for this format (the real one, or a tiny test one) needs these as added tokens. In the
 released tokenizer they are single tokens: BOS 0, EOS 1, <｜User｜> 128803, <｜Assistant｜> 128804,
@@ -35,16 +37,10 @@ EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
+SYSTEM = "<｜System｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 DSML = "｜DSML｜"
-
-# DSML tags as the model writes them (a tool-call block's name is the family's: engine.text.chat
-# .dsml.Dialect; V4's `tool_calls`, V3.2's `function_calls`).
-INVOKE_OPEN = f"<{DSML}invoke"  # followed by ' name="...">'
-INVOKE_CLOSE = f"</{DSML}invoke>"
-PARAMETER_OPEN = f"<{DSML}parameter"  # followed by ' name="..." string="true|false">'
-PARAMETER_CLOSE = f"</{DSML}parameter>"
 
 TOOL_RESULT_OPEN = "<tool_result>"
 TOOL_RESULT_CLOSE = "</tool_result>"

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from dsaserve.engine.sampling_params import MAX_LOGPROBS
+from dsaserve.engine.text.chat.messages import IMAGE_PARTS, IMAGES_NOT_SERVED
 from dsaserve.services.router.api import fields
 from dsaserve.services.router.api.fields import NoOp
 from dsaserve.services.rpc import pb
@@ -284,6 +285,8 @@ class ChatMessage(_Body):
     def _text_only(cls, content: object) -> object:
         # Before validation, so an image part is named as such, not as a malformed text part.
         for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                raise ValueError(IMAGES_NOT_SERVED)
             if isinstance(part, dict) and part.get("type") != "text":
                 raise ValueError(
                     f"only text content parts are supported, got type {part.get('type')!r}"
