@@ -207,7 +207,7 @@ class GlueStep:
         target = (
             pool.groups[group].index_k[layer] if kind == "index" else pool.groups[group].kv[layer]
         )
-        trash = pool.index_trash_slot() if kind == "index" else pool.trash_slot(group)
+        trash = pool.index_trash_slot(group) if kind == "index" else pool.trash_slot(group)
         feats = ring[0].shape[-1]
         pos = self.inp.positions[:D]
         rows = kernels.CompressorRows(

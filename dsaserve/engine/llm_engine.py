@@ -319,7 +319,13 @@ class LLMEngine:
             chunks, step = [], self.config.max_num_batched_tokens
             for start in range(0, len(token_ids), step):
                 part = token_ids[start : start + step]
-                span = RowSpan(start=start, num_rows=len(part), slab=req.slab_row, token_ids=part)
+                span = RowSpan(
+                    start=start,
+                    num_rows=len(part),
+                    slab=req.slab_row,
+                    token_ids=part,
+                    lookback=req.lookback(start, self.pool.cfg.token_lookback),
+                )
                 self._agree(True)
                 chunks.append(self.runner.forward_all_rows([span], num_decode=0))
             return torch.cat(chunks)

@@ -63,9 +63,9 @@ def get_field(
 FP8_BLOCK = 128  # the DeepSeek releases' FP8 weight block (128 x 128) and activation group
 
 
-def check_fp8_quantization(qc: Any) -> None:
-    """Raise ConfigError unless `quantization_config` is the one FP8 format the kernels implement,
-    the DeepSeek releases': e4m3 weights with ue8m0 (power-of-two) 128 x 128 block scales and
+def check_fp8_quantization(qc: Any, block: int = FP8_BLOCK) -> None:
+    """Raise ConfigError unless `quantization_config` is the FP8 format of the DeepSeek releases:
+    e4m3 weights with ue8m0 (power-of-two) block x block scales (V4 and V3.2: 128; V4.1: 32) and
     dynamic activation scales. Fields a checkpoint leaves out take the release's values."""
     require(isinstance(qc, dict), "quantization_config", "must be an object")
     release = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
@@ -78,27 +78,30 @@ def check_fp8_quantization(qc: Any) -> None:
         "quantization_config.scale_fmt",
         f"must be 'ue8m0' (power-of-two scales), got {qc.get('scale_fmt')!r}",
     )
-    block = qc.get("weight_block_size")
+    got = qc.get("weight_block_size")
     require(
-        block is not None and list(block) == [FP8_BLOCK, FP8_BLOCK],
+        got is not None and list(got) == [block, block],
         "quantization_config.weight_block_size",
-        f"must be [{FP8_BLOCK}, {FP8_BLOCK}], got {block!r}",
+        f"must be [{block}, {block}], got {got!r}",
     )
 
 
 def check_split(
-    size: int, counts: Sequence[tuple[str, int]], fp8_blocks: Sequence[tuple[str, int]] = ()
+    size: int,
+    counts: Sequence[tuple[str, int]],
+    fp8_blocks: Sequence[tuple[str, int]] = (),
+    block: int = FP8_BLOCK,
 ) -> None:
     """Raise ConfigError unless `size` tensor-parallel ranks split every (name, count) of
     `counts` evenly and, where the split holds, every (name, per-rank count) of `fp8_blocks`
-    (dims of FP8 weights kept quantized) falls on the FP8 block grid."""
+    (dims of FP8 weights kept quantized) falls on the FP8 block grid of `block`."""
     problems = [f"{what} ({n}) is not divisible by {size}" for what, n in counts if n % size]
     if not problems:
         problems = [
-            f"{what} ({n} per rank) is not a multiple of the FP8 block ({FP8_BLOCK}), so ranks "
+            f"{what} ({n} per rank) is not a multiple of the FP8 block ({block}), so ranks "
             "would share a block scale"
             for what, n in fp8_blocks
-            if n % FP8_BLOCK
+            if n % block
         ]
     if problems:
         raise ConfigError(

@@ -123,6 +123,14 @@ class Request:
             + self.output_token_ids[: max(0, start + n - p)]
         )
 
+    def lookback(self, start: int, depth: int) -> tuple[int, ...]:
+        """The `depth` tokens before position `start` (fewer at the sequence's start): what a
+        chunk from `start` reads of the tokens before it (RowSpan.lookback). Known on the host
+        whenever `start` is scheduled: only the newest token may be in flight, and a chunk
+        starts at it at the latest."""
+        first = max(0, start - depth)
+        return tuple(self.tokens(first, start - first))
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight

@@ -158,6 +158,7 @@ class ModelRunner:
             + [(req, 1 + len(req.draft_token_ids)) for req in batch.verify]
             + batch.prefill
         )
+        depth = self.pool.cfg.token_lookback
         spans = [
             RowSpan(
                 req.num_computed,
@@ -165,6 +166,8 @@ class ModelRunner:
                 req.slab_row,
                 req.tokens(req.num_computed, n - len(drafts)) + drafts,
                 batch.captures.get(req.request_id, ()),
+                req.lookback(req.num_computed, depth),
+                batch.anchors.get(req.request_id),
             )
             for req, n in work
             for drafts in [req.draft_token_ids if req in batch.verify else []]
@@ -340,6 +343,9 @@ class _DecodeGraph:
             max_position=runner.max_context,
             num_decode=bs,
         )
+        depth = pool.cfg.token_lookback
+        if depth:
+            self.inputs.lookback = torch.full((bs, depth), -1, dtype=torch.int64, device=dev)
         forward = lambda: runner.model(pool, self.inputs, arange)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -366,6 +372,11 @@ class _DecodeGraph:
             buf[n:].fill_(pad)
         resolve_sampled(inp.token_ids[:n], sampled)
         inp.req_past.copy_(inp.positions)
+        if inp.lookback is not None:
+            depth = inp.lookback.shape[1]
+            rows = [[-1] * (depth - len(s.lookback)) + list(s.lookback) for s in spans]
+            inp.lookback[:n].copy_(to_device(rows, torch.int64, inp.lookback.device))
+            inp.lookback[n:].fill_(-1)
         self.graph.replay()
         return self.logits[:n]
 

@@ -33,6 +33,8 @@ class ScheduledBatch:
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, rows this step)
     copies: CopyPlan = field(default_factory=CopyPlan)  # pages to copy before the step
     captures: dict[str, tuple[Capture, ...]] = field(default_factory=dict)  # request id ->
+    # request id -> RowSpan.anchors of its chunk (a family with a prefill halo only)
+    anchors: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.verify or self.prefill)
@@ -141,7 +143,20 @@ class Scheduler:
             captures = self.cache.plan_captures(req, req.num_computed, n, batch.copies)
             if captures:
                 batch.captures[req.request_id] = captures
+        halo = self.pool.cfg.prefill_halo
+        if halo and req.params.prompt_logprobs is None:  # (every prompt row's logits: all rows)
+            batch.anchors[req.request_id] = self._anchors(req, req.num_computed, n + halo)
         return n
+
+    def _anchors(self, req: Request, start: int, n: int) -> tuple[int, ...]:
+        """Where in (start, start + n] the state of `req` must be exact: where it samples (its
+        known tokens' end) and where the prefix cache may checkpoint it (positions the cache
+        decides from the request alone, so a later chunk's captures were anchors of the chunks
+        before it)."""
+        ends = {req.num_tokens} if start < req.num_tokens <= start + n else set()
+        if self.cache is not None:
+            ends.update(self.cache.capture_positions(req, start, n))
+        return tuple(sorted(a for a in ends if a <= req.num_tokens))  # (later ones are decoded)
 
     def _admit(self, req: Request, hit: Hit | None, copies: CopyPlan) -> bool:
         """Give a waiting request its pages, resumed from `hit` (the copies it needs planned)."""

@@ -40,11 +40,26 @@ class RowSpan:
     slab: int  # the request's slab row
     token_ids: list[int]  # the tokens at those positions
     captures: tuple[Capture, ...] = ()  # checkpoints of the prefix cache inside this chunk
+    # the KVModel.token_lookback tokens before `start` (fewer at the sequence's start), oldest
+    # first: what the family's rows read of the request's earlier tokens (V4.1's n-grams)
+    lookback: tuple[int, ...] = ()
+    # positions (> start, up to KVModel.prefill_halo past the chunk) after which the request's
+    # state must be exact: where it samples, checkpoints, its prompt's end; a family with a
+    # halo computes only the rows they need. None: every row (a decode row, prompt logprobs)
+    anchors: tuple[int, ...] | None = None
 
     def __reduce__(self) -> tuple:
         # Pickled as its fields (half the time of a dataclass's default): rank 0 of a
         # tensor-parallel group sends every step's spans to the other ranks.
-        return RowSpan, (self.start, self.num_rows, self.slab, self.token_ids, self.captures)
+        return RowSpan, (
+            self.start,
+            self.num_rows,
+            self.slab,
+            self.token_ids,
+            self.captures,
+            self.lookback,
+            self.anchors,
+        )
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,7 @@ class Segment:
     slab: int
     req: int  # index of the request in the step
     captures: tuple[Capture, ...] = ()  # where its compressors also keep their rings (checkpoint)
+    anchors: tuple[int, ...] | None = None  # RowSpan.anchors
 
 
 @dataclass
@@ -73,6 +89,9 @@ class StepInputs:
     max_position: int
     num_decode: int  # rows [0, num_decode) are single-token decode rows
     segments: list[Segment] = field(default_factory=list)
+    # [B, KVModel.token_lookback] int64: each request's tokens before its first row of the step,
+    # the newest last, -1 before its sequence's start (None: the family reads none)
+    lookback: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -94,6 +113,8 @@ def build_step_inputs(
     req_past: list[int] = []
     req_row0: list[int] = []
     slabs: list[int] = []
+    depth = pool.cfg.token_lookback
+    lookback: list[list[int]] = []
     row = 0
     for b, span in enumerate(spans):
         start, n, slab, toks = span.start, span.num_rows, span.slab, span.token_ids
@@ -108,7 +129,9 @@ def build_step_inputs(
         req_row0.append(row)
         slabs.append(slab)
         if b >= num_decode:
-            segments.append(Segment(row, start, n, slab, b, span.captures))
+            segments.append(Segment(row, start, n, slab, b, span.captures, span.anchors))
+        if depth:
+            lookback.append([-1] * (depth - len(span.lookback)) + list(span.lookback))
         row += n
 
     def t(x: list[int]) -> torch.Tensor:
@@ -125,6 +148,7 @@ def build_step_inputs(
         max_position=max(positions, default=0),
         num_decode=num_decode,
         segments=segments,
+        lookback=to_device(lookback, torch.int64, device) if depth else None,
     )
 
 

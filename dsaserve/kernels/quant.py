@@ -237,12 +237,18 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _blockwise_gemm(
-    xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, chunk: int
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    chunk: int,
+    act_block: int = FP8_BLOCK,
 ) -> torch.Tensor:
     """sum over K chunks (in order) of fp32(exact chunk dot) * x_scale * w_scale, in fp32.
 
-    xq [M, K] fp32 values of fp8 codes, x_scale [M, K/128] fp32, w [N, K] fp32 code values,
-    w_scale [N, K/chunk] fp32 (per output row and chunk). Returns fp32 [M, N]."""
+    xq [M, K] fp32 values of fp8 codes, x_scale [M, K/act_block] fp32 (act_block a multiple of
+    chunk), w [N, K] fp32 code values, w_scale [N, K/chunk] fp32 (per output row and chunk).
+    Returns fp32 [M, N]."""
     m, k = xq.shape
     n = w.shape[0]
     # [C, M, N]: each chunk's sum of exact products, rounded once to fp32
@@ -251,7 +257,7 @@ def _blockwise_gemm(
         xq.double().view(m, k // chunk, chunk),
         w.double().view(n, k // chunk, chunk),
     ).float()
-    xs = x_scale.repeat_interleave(FP8_BLOCK // chunk, -1).t()  # [C, M]
+    xs = x_scale.repeat_interleave(act_block // chunk, -1).t()  # [C, M]
     acc = torch.zeros(m, n, dtype=torch.float32, device=xq.device)
     for c in range(k // chunk):  # the release's order: one chunk after the other, fp32
         acc += parts[c] * xs[c][:, None] * w_scale[:, c][None, :]
@@ -263,32 +269,37 @@ def fp8_linear_reference(
     weight: torch.Tensor,
     scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    block: int = FP8_BLOCK,
 ) -> torch.Tensor:
     """The release's linear() on an FP8 weight: x [..., K] -> [..., N] out_dtype (bf16 in the
     release; fp32 for the partial sums of a layer whose K is split across ranks).
 
-    weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] e8m0 (K % 128 == 0)."""
+    weight [N, K] float8_e4m3fn, scale [ceil(N/block), K/block] e8m0 (K % block == 0); the
+    activations are quantized per `block` values too (V4 and V3.2: 128; V4.1: 32)."""
     n, k = weight.shape
     assert x.shape[-1] == k, f"x {tuple(x.shape)} vs weight {tuple(weight.shape)}"
-    assert tuple(scale.shape) == (-(-n // FP8_BLOCK), k // FP8_BLOCK), tuple(scale.shape)
-    xq, xs = act_quant_reference(x.reshape(-1, k))
-    ws = ue8m0_to_float(scale).repeat_interleave(FP8_BLOCK, 0)[:n]  # [N, K/128]
-    y = _blockwise_gemm(xq.float(), ue8m0_to_float(xs), weight.float(), ws, FP8_BLOCK)
+    assert tuple(scale.shape) == (-(-n // block), k // block), tuple(scale.shape)
+    xq, xs = act_quant_reference(x.reshape(-1, k), block)
+    ws = ue8m0_to_float(scale).repeat_interleave(block, 0)[:n]  # [N, K/block]
+    y = _blockwise_gemm(xq.float(), ue8m0_to_float(xs), weight.float(), ws, block, block)
     return y.to(out_dtype).view(*x.shape[:-1], n)
 
 
 def fp4_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, act_block: int = FP8_BLOCK
 ) -> torch.Tensor:
     """The release's linear() on an FP4 weight: x [..., K] -> bf16 [..., N].
 
-    weight [N, K/2] int8 (packed e2m1), scale [N, K/32] e8m0 (K % 128 == 0)."""
+    weight [N, K/2] int8 (packed e2m1), scale [N, K/32] e8m0 (K % act_block == 0); the
+    activations are quantized to FP8 per `act_block` values (V4: 128; V4.1: 32)."""
     n, k = weight.shape[0], 2 * weight.shape[1]
     assert x.shape[-1] == k, f"x {tuple(x.shape)} vs FP4 weight of {k} inputs"
     assert tuple(scale.shape) == (n, k // FP4_BLOCK), tuple(scale.shape)
-    xq, xs = act_quant_reference(x.reshape(-1, k))
+    xq, xs = act_quant_reference(x.reshape(-1, k), act_block)
     w = e2m1_decode(unpack_fp4(weight))  # [N, K] code values
-    y = _blockwise_gemm(xq.float(), ue8m0_to_float(xs), w, ue8m0_to_float(scale), FP4_BLOCK)
+    y = _blockwise_gemm(
+        xq.float(), ue8m0_to_float(xs), w, ue8m0_to_float(scale), FP4_BLOCK, act_block
+    )
     return y.to(torch.bfloat16).view(*x.shape[:-1], n)
 
 
@@ -301,6 +312,7 @@ def fp4_experts_reference(
     w2: torch.Tensor,
     s2: torch.Tensor,
     swiglu_limit: float,
+    act_block: int = FP8_BLOCK,
 ) -> torch.Tensor:
     """The release's routed experts (MoE.forward's expert loop, Expert.forward) -> fp32 [T, H].
 
@@ -309,7 +321,8 @@ def fp4_experts_reference(
     Per expert e and its rows: gate, up = bf16(fp4 linear) each; h = silu(min(gate, L)) *
     clamp(up, -L, L) in fp32 (no clamp when L <= 0), times the routing weight, cast to bf16;
     out = bf16(fp4 linear(h, w2)); y (fp32) += out, experts in ascending id order. Ids outside
-    [0, E) add nothing (experts held by other ranks under expert parallelism)."""
+    [0, E) add nothing (experts held by other ranks under expert parallelism). act_block: the
+    activations' FP8 groups (V4: 128; V4.1: 32)."""
     inter = w13.shape[1] // 2
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(expert_ids).tolist():
@@ -317,13 +330,13 @@ def fp4_experts_reference(
             continue
         tok, slot = torch.where(expert_ids == e)
         xe = x[tok]
-        gate = fp4_linear_reference(xe, w13[e, :inter], s13[e, :inter]).float()
-        up = fp4_linear_reference(xe, w13[e, inter:], s13[e, inter:]).float()
+        gate = fp4_linear_reference(xe, w13[e, :inter], s13[e, :inter], act_block).float()
+        up = fp4_linear_reference(xe, w13[e, inter:], s13[e, inter:], act_block).float()
         if swiglu_limit > 0:
             up = up.clamp(-swiglu_limit, swiglu_limit)
             gate = gate.clamp(max=swiglu_limit)
         h = weights[tok, slot, None].float() * (torch.nn.functional.silu(gate) * up)
-        y[tok] += fp4_linear_reference(h.to(x.dtype), w2[e], s2[e]).float()
+        y[tok] += fp4_linear_reference(h.to(x.dtype), w2[e], s2[e], act_block).float()
     return y
 
 

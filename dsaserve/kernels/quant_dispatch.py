@@ -25,15 +25,18 @@ def fp8_linear(
     weight: torch.Tensor,
     scale: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
+    block: int = quant.FP8_BLOCK,
 ) -> torch.Tensor:
     """The release's linear() on an FP8 weight: x [..., K] -> [..., N] out_dtype (the release
     writes bf16; fp32 keeps the partial sums of a layer split along K for a cross-rank sum).
 
-    weight [N, K] float8_e4m3fn, scale [ceil(N/128), K/128] float8_e8m0fnu; details in
-    kernels.fp8_gemm."""
+    weight [N, K] float8_e4m3fn, scale [ceil(N/block), K/block] float8_e8m0fnu, activations
+    quantized per `block` too; details in kernels.fp8_gemm. The Triton kernel takes the V4 and
+    V3.2 releases' 128 x 128 blocks only; other blocks (V4.1's 32) run the exact reference."""
     if uses_triton(x):
+        assert block == quant.FP8_BLOCK, f"the FP8 GEMM kernel takes {quant.FP8_BLOCK}-blocks"
         return fp8_gemm.fp8_linear(x, weight, scale, out_dtype=out_dtype)
-    return quant.fp8_linear_reference(x, weight, scale, out_dtype)
+    return quant.fp8_linear_reference(x, weight, scale, out_dtype, block)
 
 
 def fp8_experts(
@@ -64,12 +67,21 @@ def fp4_experts(
     swiglu_limit: float,
     *,
     narrow_scales: bool = False,
+    act_block: int = quant.FP8_BLOCK,
 ) -> torch.Tensor:
     """Routed FP4 experts -> fp32 [T, H]; layout and semantics in kernels.fp4_moe. Expert ids
     outside [0, E) add nothing (under expert parallelism: the experts of other ranks). Where the
     Gluon kernels run (kernels.backend.uses_gluon) and take the shapes, kernels.hopper.fp4_moe;
     narrow_scales (every scale byte <= 128: kernels.quant.narrow_fp4_scales) lets it pick its
-    exact bf16 decode for prefill-sized batches."""
+    exact bf16 decode for prefill-sized batches. act_block: the activations' FP8 groups; the
+    kernels quantize per 128 (V4's release), other groups (V4.1's 32) run the exact reference."""
+    if act_block != quant.FP8_BLOCK:
+        assert not uses_triton(x), (
+            f"the FP4 expert kernels quantize activations per {quant.FP8_BLOCK}"
+        )
+        return quant.fp4_experts_reference(
+            x, expert_ids, weights, w13, s13, w2, s2, swiglu_limit, act_block
+        )
     if uses_gluon(x):
         from dsaserve.kernels.hopper import fp4_moe as hopper_moe
 

@@ -95,6 +95,20 @@ class KVModel(Protocol):
     @property
     def max_position_embeddings(self) -> int: ...
 
+    @property
+    def kv_cache_dtypes(self) -> tuple[str, ...]: ...  # what --kv-cache-dtype may store
+
+    @property
+    def prefill_halo(self) -> int:
+        """How many rows before a position whose state must be exact (a prompt's end, a prefix
+        checkpoint) the family's prefill must compute in every layer; 0: it computes every row.
+        The scheduler tells each chunk those positions up to this far past its end (RowSpan
+        .anchors)."""
+        ...
+
+    @property
+    def token_lookback(self) -> int: ...  # tokens before a chunk its rows read (RowSpan.lookback)
+
     def kv_groups(self) -> tuple[LayerGroup, ...]:
         """The pool groups, in pool order, each with its layers in order."""
         ...
@@ -114,6 +128,11 @@ def check_kv_cache_dtype(model: KVModel, kv_cache_dtype: str, page_size: int) ->
         return
     if kv_cache_dtype != "fp8":
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    if kv_cache_dtype not in model.kv_cache_dtypes:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype} is not served for {model.family} (its KV formats "
+            "are not implemented here): use --kv-cache-dtype auto"
+        )
     if model.head_dim not in (KV_DIM, V32_DIM) or model.rope_dim != KV_ROPE:
         raise ValueError(
             f"--kv-cache-dtype fp8 stores DeepSeek-V4's {KV_DIM}-wide KV rows ({KV_DIM - KV_ROPE} "

@@ -242,10 +242,9 @@ class KVPool:
     def trash_slot(self, group: str) -> int:
         return self.entry_slot_base(group) + self.scratch_rows
 
-    def index_trash_slot(self) -> int:
-        """The trash row of every `index_k[layer]` (one group's layers keep index keys)."""
-        indexed = next(g for g in self.groups.values() if g.index_k)
-        return indexed.num_pages * self.page_size
+    def index_trash_slot(self, group: str) -> int:
+        """The trash row of every `index_k[layer]` of `group`."""
+        return self.groups[group].num_pages * self.page_size
 
     def pages_of(self, t: torch.Tensor, num_pages: int) -> torch.Tensor:
         """The first num_pages pages of a layer's pool `t` (kv or index_k), viewed as [pages,

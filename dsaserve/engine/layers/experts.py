@@ -39,15 +39,18 @@ class GatedMLP(torch.nn.Module):
         fp8: bool,
         limit: float | None = None,
         split: TensorParallel | None = None,
+        block: int = FP8_BLOCK,
     ) -> None:
+        """block: an FP8 checkpoint's weight block and activation group."""
         super().__init__()
-        self.w1 = (
-            column_parallel(linear(hidden, inter, fp8)) if split else linear(hidden, inter, fp8)
-        )
-        self.w2 = linear(inter, hidden, fp8, row_parallel=split)
-        self.w3 = (
-            column_parallel(linear(hidden, inter, fp8)) if split else linear(hidden, inter, fp8)
-        )
+
+        def up() -> torch.nn.Module:
+            layer = linear(hidden, inter, fp8, block=block)
+            return column_parallel(layer) if split else layer
+
+        self.w1 = up()
+        self.w2 = linear(inter, hidden, fp8, row_parallel=split, block=block)
+        self.w3 = up()
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from dsaserve.engine.model_dir import ConfigError, read_config
 FAMILIES = {
     "deepseek_v4": "dsaserve.engine.models.deepseek_v4",
     "deepseek_v32": "dsaserve.engine.models.deepseek_v32",
+    "deepseek_v41": "dsaserve.engine.models.deepseek_v41",
 }
 
 

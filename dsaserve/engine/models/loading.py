@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from dsaserve.engine.model_dir import ConfigError
 from dsaserve.engine.parallel.group import TensorParallel
-from dsaserve.kernels.quant import dequantize_fp4, dequantize_fp8_blocks
+from dsaserve.kernels.quant import FP8_BLOCK, dequantize_fp4, dequantize_fp8_blocks
 
 log = logging.getLogger(__name__)
 
@@ -160,11 +160,14 @@ def load_checkpoint(
     skip: Callable[[str], bool],
     num_experts: int,
     tie_word_embeddings: bool,
+    fp8_block: int = FP8_BLOCK,
 ) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`, or raise WeightsError.
 
     target: a checkpoint name -> where it goes; skip: names read by nobody (copies of shared
-    tensors); num_experts: routed experts a stacked-experts parameter holds in the checkpoint."""
+    tensors, parts not served); num_experts: routed experts a stacked-experts parameter holds in
+    the checkpoint; fp8_block: its FP8 weights' block (a weight dequantized at load may also have
+    the releases' 128-blocks: DeepSeek-V4.1's wo_a)."""
     files = checkpoint_files(model_dir)
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
@@ -174,7 +177,7 @@ def load_checkpoint(
             if len(model.mtp):
                 log.info("the checkpoint has no MTP tensors: its MTP layers are not loaded")
             model.mtp = torch.nn.ModuleList()
-        loader = _Loader(model, keys, target, skip)
+        loader = _Loader(model, keys, target, skip, fp8_block)
         total = sum(os.path.getsize(f) for f in files)
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="loading weights", disable=total < 2**30
@@ -203,8 +206,9 @@ class _Loader:
         keys: dict,
         target: Callable[[str], Target],
         skip: Callable[[str], bool],
+        fp8_block: int,
     ) -> None:
-        self.tp, self.target, self.skip = model.tp, target, skip
+        self.tp, self.target, self.skip, self.fp8_block = model.tp, target, skip, fp8_block
         # parameters and persistent buffers (not the tables a module computes, as RoPE's)
         self.state: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
         self.keys = keys  # checkpoint name -> the open file holding it
@@ -264,7 +268,8 @@ class _Loader:
             raw_scale = self.keys[scale_key].get_tensor(scale_key)
             read = tensor.numel() * tensor.element_size() + raw_scale.nbytes
             try:
-                tensor = self._part(_dequantize(tensor, as_e8m0(raw_scale)), dim)
+                scale = as_e8m0(raw_scale)
+                tensor = self._part(_dequantize(tensor, scale, self.fp8_block), dim)
             except (AssertionError, ValueError) as e:
                 self.problems["wrong format"].append(f"{key}: {e}")
                 return read
@@ -358,10 +363,13 @@ def as_e8m0(scale: torch.Tensor) -> torch.Tensor:
     return scale
 
 
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 values of an FP8 block-scaled or FP4 (int8 pairs) weight."""
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """fp32 values of an FP8 block-scaled (`block`-blocks, or 128 where the scale's shape says
+    so) or FP4 (int8 pairs) weight."""
     if codes.dtype == torch.float8_e4m3fn:
-        return dequantize_fp8_blocks(codes, scale)
+        n, k = codes.shape
+        fits = [b for b in (block, FP8_BLOCK) if tuple(scale.shape) == (-(-n // b), -(-k // b))]
+        return dequantize_fp8_blocks(codes, scale, fits[0] if fits else block)
     if codes.dtype in (torch.int8, torch.uint8, _FP4_X2):
         return dequantize_fp4(codes.view(torch.int8), scale)
     raise ValueError(f"{codes.dtype} with a scale is neither FP8 e4m3 nor FP4")

@@ -14,6 +14,8 @@ PARTS: dict[str, str | None] = {
     "schedule": None,  # the scheduler picks the step's rows (host only)
     "inputs": None,  # the step's input tensors (positions, slab rows, token ids)
     "embed": None,  # token embedding
+    "engram": None,  # V4.1's Engram: n-gram hashes, its table rows mixed into the streams
+    "engram_lookup": "engram",  # the table rows: its device cache, else host memory
     "mhc": None,  # hyper-connection mixes before and after each sublayer
     "attention": None,  # projections, norm + RoPE, index lists, output projection
     "compressor": "attention",  # the CSA / HCA compressor of the layer's KV

@@ -9,6 +9,8 @@ generation_config.json), so the tiny model exercises the same loading and chat-t
 The release-format tiny model's variant (`release=True`) is the V4 release's tokenizer in
 miniature: also `｜DSML｜` 262 and `<｜latest_reminder｜>` 263, and no chat
 template (the release ships none; its prompts come from `engine.text.chat.encode_messages`).
+DeepSeek-V4.1's (`v41=True`, release's with it) adds `<｜System｜>` 264, which opens its system
+turn.
 """
 
 from __future__ import annotations
@@ -82,7 +84,11 @@ PLAY_CHAT_TEMPLATE = r"""{%- set ns = namespace(system='') -%}
 
 
 def write_byte_tokenizer(
-    out_dir: str | os.PathLike, *, chat_template: str = CHAT_TEMPLATE, release: bool = False
+    out_dir: str | os.PathLike,
+    *,
+    chat_template: str = CHAT_TEMPLATE,
+    release: bool = False,
+    v41: bool = False,
 ) -> int:
     """Write the byte-level tokenizer's files into `out_dir`; return its vocab size.
 
@@ -94,7 +100,9 @@ def write_byte_tokenizer(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    backend = _build_backend(CONTROL_TOKENS + RELEASE_TOKENS if release else CONTROL_TOKENS)
+    release = release or v41
+    control = CONTROL_TOKENS + RELEASE_TOKENS if release else CONTROL_TOKENS
+    backend = _build_backend(control + (v4.SYSTEM,) if v41 else control)
     bos_id, eos_id = backend.token_to_id(BOS_TOKEN), backend.token_to_id(EOS_TOKEN)
     (out / "tokenizer.json").write_text(backend.to_str(pretty=True) + "\n", encoding="utf-8")
     template = {} if release else {"chat_template": chat_template}

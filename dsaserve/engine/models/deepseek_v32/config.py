@@ -122,6 +122,10 @@ class ModelConfig:
     def needs_scratch_rows(self) -> bool:
         return False  # a row goes to its own slot before attention and never moves
 
+    kv_cache_dtypes = ("auto", "fp8")
+    prefill_halo = 0  # (every row is computed)
+    token_lookback = 0
+
     def kv_groups(self) -> tuple[LayerGroup, ...]:
         """One group: every layer keeps each token's latent row and its indexer key."""
         return (LayerGroup(KV_GROUP, tuple(range(self.num_layers)), ratio=1, indexed=True),)

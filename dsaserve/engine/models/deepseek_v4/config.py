@@ -20,6 +20,7 @@ from typing import Any
 from dsaserve.engine.kv.layout import LayerGroup, Ring
 from dsaserve.engine.layers.rope import RopeSpec
 from dsaserve.engine.model_dir import (
+    FP8_BLOCK,
     check_fp8_quantization,
     check_split,
     get_field,
@@ -43,11 +44,13 @@ MODEL_TYPE = "deepseek_v4"
 class Quantization:
     """How a quantized checkpoint stores its linear weights (the release's formats).
 
-    FP8 e4m3 weights with one ue8m0 scale per 128x128 block (`<name>.scale`); routed experts
-    either FP4 (e2m1 pairs in int8 [out, in/2], one ue8m0 scale per 32 inputs) or FP8 like the
-    rest. Norms, router, head, embeddings and compressor projections stay dense."""
+    FP8 e4m3 weights with one ue8m0 scale per block x block tile (`<name>.scale`), activations
+    quantized per `block` values; routed experts either FP4 (e2m1 pairs in int8 [out, in/2], one
+    ue8m0 scale per 32 inputs) or FP8 like the rest. Norms, router, head, embeddings and
+    compressor projections stay dense. (DeepSeek-V4.1's format is this one with 32-blocks.)"""
 
     expert_dtype: str  # "fp4" | "fp8"
+    block: int = FP8_BLOCK
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,10 @@ class ModelConfig:
     def needs_scratch_rows(self) -> bool:
         return True  # a step's rows attend before they persist to the window ring
 
+    kv_cache_dtypes = ("auto", "fp8")
+    prefill_halo = 0  # (every row is computed)
+    token_lookback = 0
+
     def kv_layout_fields(self) -> dict[str, object]:
         fields: dict[str, object] = {
             "layer_types": list(self.layer_types),
@@ -226,7 +233,9 @@ def _mlp_layer_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
     return tuple([HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash))
 
 
-def _rope_specs(raw: dict[str, Any]) -> tuple[RopeSpec, RopeSpec]:
+def rope_specs(raw: dict[str, Any]) -> tuple[RopeSpec, RopeSpec]:
+    """(the sliding layers' plain table, the compressed layers' table: YaRN where configured),
+    as DeepSeek-V4 and V4.1 read `rope_theta`, `compress_rope_theta` and the rope scaling."""
     theta = float(get_field(raw, "rope_theta", 10000.0, (int, float)))
     compress_theta = float(get_field(raw, "compress_rope_theta", 160000.0, (int, float)))
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
@@ -344,7 +353,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
 
     eos = raw.get("eos_token_id", 1)
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    rope_main, rope_compress = _rope_specs(raw)
+    rope_main, rope_compress = rope_specs(raw)
     return ModelConfig(
         vocab_size=get_field(raw, "vocab_size", 129280, int),
         hidden_size=hidden,

@@ -33,7 +33,9 @@ class Indexer(torch.nn.Module):
         compressed entries (-1 = none); kernels.sparse_indices maps them to slots."""
         pool, inp = step.pool, step.inp
         keys = pool.groups["csa"].index_k[self.layer]  # [slots, Di], or FP8 pages
-        self.compressor(x, step, pool.index_ring[self.layer], keys, "csa", pool.index_trash_slot())
+        self.compressor(
+            x, step, pool.index_ring[self.layer], keys, "csa", pool.index_trash_slot("csa")
+        )
         n = x.shape[0]
         cos, sin = step.rope("compress")
         q, weights, lengths = kernels.indexer_query(

@@ -15,14 +15,47 @@ each pair sent to its expert's owner and back (engine.parallel.expert_parallel).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from dsaserve import kernels
 from dsaserve.engine.layers.experts import GatedMLP, RoutedExperts
-from dsaserve.engine.models.deepseek_v4.config import HASH_MOE, ModelConfig, Quantization
+from dsaserve.engine.models.deepseek_v4.config import HASH_MOE, Quantization
 from dsaserve.engine.parallel.group import SINGLE, TensorParallel, shard_experts
-from dsaserve.kernels.quant import FP4_BLOCK, narrow_fp4_scales
+from dsaserve.kernels.quant import FP4_BLOCK, FP8_BLOCK, narrow_fp4_scales
+
+
+class MoEConfig(Protocol):
+    """What the MoE reads of a family's config (DeepSeek-V4's; V4.1's routes the same way, with
+    no hash-routed layers)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @property
+    def num_experts_per_tok(self) -> int: ...
+
+    @property
+    def moe_intermediate_size(self) -> int: ...
+
+    @property
+    def routed_scaling_factor(self) -> float: ...
+
+    @property
+    def scoring_func(self) -> str: ...
+
+    @property
+    def swiglu_limit(self) -> float: ...
+
+    def mlp_kind(self, layer: int) -> str: ...
 
 
 class Fp4Experts(torch.nn.Module):
@@ -35,7 +68,10 @@ class Fp4Experts(torch.nn.Module):
     exist in another format. Arithmetic: the release's Expert.forward (FP8 activations, the
     routing weight applied to h before w2, outputs summed in fp32)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float) -> None:
+    def __init__(
+        self, num_experts: int, hidden: int, inter: int, limit: float, act_block: int = FP8_BLOCK
+    ) -> None:
+        """act_block: the activations' FP8 groups (the release's linear(): V4 128, V4.1 32)."""
         super().__init__()
 
         def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
@@ -46,7 +82,7 @@ class Fp4Experts(torch.nn.Module):
         self.s13 = param(num_experts, 2 * inter, hidden // FP4_BLOCK, dtype=e8m0)
         self.w2 = param(num_experts, hidden, inter // 2, dtype=torch.int8)
         self.s2 = param(num_experts, hidden, inter // FP4_BLOCK, dtype=e8m0)
-        self.limit = limit
+        self.limit, self.act_block = limit, act_block
         self.narrow_scales = False  # set once the weights are in (note_scales)
 
     def note_scales(self) -> None:
@@ -68,6 +104,7 @@ class Fp4Experts(torch.nn.Module):
             self.s2,
             self.limit,
             narrow_scales=self.narrow_scales,
+            act_block=self.act_block,
         )
 
 
@@ -75,7 +112,7 @@ class Gate(torch.nn.Module):
     tid2eid: torch.Tensor  # hashed: [vocab, k] int64 (a buffer)
     bias: torch.Tensor  # scored: [experts] fp32 (a buffer)
 
-    def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
+    def __init__(self, cfg: MoEConfig, hashed: bool) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         if hashed:  # frozen token-id -> experts table; the scores still weight the experts
@@ -108,7 +145,7 @@ class Gate(torch.nn.Module):
 class MoE(torch.nn.Module):
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: MoEConfig,
         layer: int,
         quant: Quantization | None = None,
         tp: TensorParallel = SINGLE,
@@ -123,13 +160,18 @@ class MoE(torch.nn.Module):
         self.expert_range = (self.first_expert, stop)
         experts: Fp4Experts | RoutedExperts
         if quant is not None and quant.expert_dtype == "fp4":
-            experts = Fp4Experts(stop - self.first_expert, cfg.hidden_size, inter, limit)
+            experts = Fp4Experts(
+                stop - self.first_expert, cfg.hidden_size, inter, limit, quant.block
+            )
         else:
             experts = RoutedExperts(stop - self.first_expert, cfg.hidden_size, inter, limit)
         for param in experts.parameters():
             shard_experts(param, self.first_expert, stop)
         self.experts = experts
-        self.shared_experts = GatedMLP(cfg.hidden_size, inter, fp8=quant is not None, limit=limit)
+        block = FP8_BLOCK if quant is None else quant.block
+        self.shared_experts = GatedMLP(
+            cfg.hidden_size, inter, fp8=quant is not None, limit=limit, block=block
+        )
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x, token_ids)

@@ -186,7 +186,7 @@ def make_tiny_model(
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name.startswith("rope_tables."):
             continue
-        tensors[_release_name(name)] = _init(name, t, gen, raw)
+        tensors[release_name(name)] = _init(name, t, gen, raw)
     tensors = split_experts(tensors, raw["moe_intermediate_size"])
     if release:
         tensors["head.weight"][tokens:] *= PAD_HEAD_GAIN
@@ -208,8 +208,9 @@ def _init(name: str, t: torch.Tensor, gen: torch.Generator, raw: dict) -> torch.
     return random_value(name, t, gen)
 
 
-def _release_name(name: str) -> str:
-    """Our parameter name -> DeepSeek's release name (the inverse of weights.py's renames)."""
+def release_name(name: str) -> str:
+    """Our parameter name -> DeepSeek's release name (the inverse of weights.py's renames; V4.1
+    names its tensors alike)."""
     for ours, theirs in (
         (".hc_attn.", ".hc_attn_"),
         (".hc_ffn.", ".hc_ffn_"),
