@@ -183,6 +183,8 @@ class ResponsesRequest(_Body):
     previous_response_id: Text | None = None
     reasoning: Reasoning | None = None
     text: TextOptions | None = None
+    # vLLM's (as on chat): in thinking mode, the most tokens the reasoning may take
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
     metadata: dict[str, Text] | None = None
     include: list[Literal["reasoning.encrypted_content"]] | None = None  # (nothing to add)
     truncation: Literal["disabled"] | None = None
@@ -213,6 +215,7 @@ class ResponsesRequest(_Body):
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
+            "thinking_token_budget": self.thinking_token_budget,
         }
         body |= {k: v for k, v in optional.items() if v is not None}
         if self.tools:
