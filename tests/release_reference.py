@@ -66,11 +66,13 @@ def fp4_values(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float64 [out, in] of an FP8 (128x128 blocks) or FP4 (1x32 groups) weight."""
+    """float64 [out, in] of an FP8 (128x128 blocks, or DeepSeek-V4.1's 32x32: the scale's shape
+    tells) or FP4 (1x32 groups) weight."""
     s = ue8m0_values(scale)
     if codes.dtype == torch.float8_e4m3fn:
         n, k = codes.shape
-        s = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+        b = next(b for b in (128, 32) if s.shape == (-(-n // b), -(-k // b)))
+        s = s.repeat_interleave(b, 0)[:n].repeat_interleave(b, 1)[:, :k]
         return e4m3_values(codes) * s
     return fp4_values(codes) * s.repeat_interleave(32, -1)
 
@@ -89,9 +91,10 @@ def dequantized_checkpoint(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def act_quant(x: torch.Tensor) -> torch.Tensor:
-    """The release's act_quant (per 128 values, ue8m0 scale), returned dequantized in float64."""
-    groups = x.float().unflatten(-1, (-1, 128))
+def act_quant(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The release's act_quant (per `block` values: V4's 128, V4.1's 32; ue8m0 scale), returned
+    dequantized in float64."""
+    groups = x.float().unflatten(-1, (-1, block))
     amax = groups.abs().amax(-1, keepdim=True).clamp(min=1e-4)
     # scale = 2^ceil(log2(amax * fp32(1/448))), the product in fp32 as the release forms it
     mantissa, exponent = torch.frexp(amax * torch.tensor(1 / 448, dtype=torch.float32))
@@ -100,9 +103,9 @@ def act_quant(x: torch.Tensor) -> torch.Tensor:
     return (e4m3_values(codes) * scale).flatten(-2)
 
 
-def release_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def release_linear(x: torch.Tensor, weight: torch.Tensor, block: int = 128) -> torch.Tensor:
     """linear() on a quantized weight (given dequantized, float64 [out, in]) -> bf16."""
-    return (act_quant(x) @ weight.double().t()).float().to(torch.bfloat16)
+    return (act_quant(x, block) @ weight.double().t()).float().to(torch.bfloat16)
 
 
 def release_experts(
@@ -113,15 +116,16 @@ def release_experts(
     w3: list[torch.Tensor],
     w2: list[torch.Tensor],
     limit: float,
+    block: int = 128,
 ) -> torch.Tensor:
     """MoE.forward's routed-expert loop with Expert.forward -> fp32 [T, hidden]."""
     y = torch.zeros(x.shape, dtype=torch.float32)
     for e in torch.unique(expert_ids).tolist():
         tok, slot = torch.where(expert_ids == e)
-        gate = release_linear(x[tok], w1[e]).float().clamp(max=limit)
-        up = release_linear(x[tok], w3[e]).float().clamp(-limit, limit)
+        gate = release_linear(x[tok], w1[e], block).float().clamp(max=limit)
+        up = release_linear(x[tok], w3[e], block).float().clamp(-limit, limit)
         h = weights[tok, slot, None].float() * (F.silu(gate) * up)
-        y[tok] += release_linear(h.to(x.dtype), w2[e]).float()
+        y[tok] += release_linear(h.to(x.dtype), w2[e], block).float()
     return y
 
 
@@ -129,22 +133,28 @@ def _dequantized(raw: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return dequantize(raw[f"{name}.weight"], raw[f"{name}.scale"])
 
 
-def _emulate(model, raw, name: str, args: list[torch.Tensor]) -> torch.Tensor:
+def _emulate(model, raw, name: str, args: list[torch.Tensor], block: int) -> torch.Tensor:
     """What the release computes for one call of the quantized layer `name`."""
     if not name.endswith(".experts"):
-        return release_linear(args[0], _dequantized(raw, name))
+        return release_linear(args[0], _dequantized(raw, name), block)
     module = model.get_submodule(name)
     experts = range(module.w13.shape[0])
     w1, w3, w2 = (
         [_dequantized(raw, f"{name}.{e}.{w}") for e in experts] for w in ("w1", "w3", "w2")
     )
-    return release_experts(*args, w1, w3, w2, module.limit)
+    return release_experts(*args, w1, w3, w2, module.limit, block)
 
 
-def assert_layers_compute_the_release(llm: LLM, raw: dict[str, torch.Tensor]) -> None:
+def assert_layers_compute_the_release(
+    llm: LLM,
+    raw: dict[str, torch.Tensor],
+    block: int = 128,
+    kinds: frozenset[str] = frozenset({"wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3", "experts"}),
+) -> None:
     """Record every quantized layer's input and output through a 300-token prefill and a few
     decode steps (eager: hooks see no graph replays), then hold each output to the emulation
-    of the release on the same input: relative error < 2e-3. Both sides round an fp32 result
+    of the release on the same input (its FP8 blocks and activation groups of `block` values;
+    `kinds`: the layers that must be seen): relative error < 2e-3. Both sides round an fp32 result
     to bf16, and sums that differ in their last fp32 bits round a bf16 ulp (2^-8) apart now and
     then: 1.06e-3 on the H200 for one layer; a wrong scale block or a missed clamp is >= 1e-2."""
     model, calls = llm.engine.model, []
@@ -161,10 +171,11 @@ def assert_layers_compute_the_release(llm: LLM, raw: dict[str, torch.Tensor]) ->
     finally:
         for h in hooks:
             h.remove()
-    kinds = {name.rsplit(".", 1)[-1] for name, _, _ in calls}
-    assert kinds >= {"wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3", "experts"}, kinds
+    seen = {name.rsplit(".", 1)[-1] for name, _, _ in calls}
+    assert seen >= kinds, seen
     errors: dict[str, float] = {}
     for name, args, got in calls:
-        errors[name] = max(errors.get(name, 0.0), rel_err(got, _emulate(model, raw, name, args)))
+        want = _emulate(model, raw, name, args, block)
+        errors[name] = max(errors.get(name, 0.0), rel_err(got, want))
     worst = max(errors, key=errors.get)
     assert errors[worst] < 2e-3, (worst, errors[worst])
