@@ -197,6 +197,8 @@ class ReferenceV41:
         self.eps = cfg["rms_norm_eps"]
         self.hashes = EngramHashes(cfg, model_dir / "tokenizer.json") if cfg.get(
             "engram_layer_ids") else None  # fmt: skip
+        tokenizer = BackendTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.tokens = tokenizer.get_vocab_size(with_added_tokens=True)  # (rows past it: padding)
         rope = cfg.get("rope_scaling") or {}
         self.yarn = (
             rope.get("original_max_position_embeddings", 0),
@@ -209,7 +211,8 @@ class ReferenceV41:
         return self.w[name]
 
     def logits(self, ids: list[int]) -> torch.Tensor:
-        """model.py:Transformer.forward at start_pos 0, every row's logits: [T, vocab]."""
+        """model.py:Transformer.forward at start_pos 0, every row's logits: [T, vocab] (the
+        tokenizer's tokens: what a server scores)."""
         cfg, n = self.cfg, self.cfg["hc_mult"]
         t = len(ids)
         h = self.weight("embed.weight")[torch.tensor(ids)]  # [T, D]
@@ -224,9 +227,11 @@ class ReferenceV41:
                 h = self.engram(p + "engram.", h, hashes[:, cfg["engram_layer_ids"].index(i)])
             h, pre_mix = self.block(i, p, h, pre_mix, shared)
         h = (pre_mix.unsqueeze(-1) * h).sum(1)  # Block.hc_pre with the last FFN's mix
-        return rms_norm(h, self.weight("norm.weight"), self.eps) @ self.weight("head.weight").t()
+        logits = rms_norm(h, self.weight("norm.weight"), self.eps) @ self.weight("head.weight").t()
+        return logits[:, : self.tokens]
 
     def greedy(self, ids: list[int], steps: int) -> list[int]:
+        """The most likely token each step, among the tokenizer's (a padded row is no token)."""
         out = list(ids)
         for _ in range(steps):
             out.append(int(self.logits(out)[-1].argmax()))

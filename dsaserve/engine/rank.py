@@ -123,7 +123,13 @@ def build_runner(
     runner = ModelRunner(model, pool, device, max_context, channel, host)
     # (speculative steps keep the streams the draft head reads: eager)
     graphs = not config.enforce_eager and spec is None
-    if device.type == "cuda" and graphs and dtype is torch.bfloat16 and not tp.ep:
+    if (
+        device.type == "cuda"
+        and graphs
+        and dtype is torch.bfloat16
+        and not tp.ep
+        and model.cuda_graphs
+    ):
         # (torch's grouped GEMM of other dtypes syncs with the host on CUDA, and so do the
         # expert-parallel all-to-alls' sizes: eager there)
         sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]

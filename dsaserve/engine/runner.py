@@ -21,6 +21,7 @@ collectives meet inside the model. Graphs are captured on every rank in the same
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -44,9 +45,15 @@ class Model(Protocol):
     """What the runner asks of a family's model (engine.models: `build_model`)."""
 
     tp: TensorParallel  # its rank's place in the group
+    cuda_graphs: bool  # whether a decode step may be captured (it reads nothing back to the host)
 
     def __call__(self, pool: KVPool, inputs: StepInputs, rows: torch.Tensor) -> torch.Tensor:
         """One step over `inputs`: fp32 logits of `rows` [len(rows), vocab]."""
+        ...
+
+    def counters(self) -> Mapping[str, tuple[str, int]]:
+        """Cumulative counts of the model's own that a worker exports (name -> (help, value));
+        read from another thread (the metrics scrape)."""
         ...
 
 

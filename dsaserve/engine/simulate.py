@@ -61,6 +61,10 @@ class SimulatedModel(torch.nn.Module):
     """What the runner asks of a model (engine.runner.Model), computing nothing."""
 
     tp = SINGLE
+    cuda_graphs = False  # (it sleeps on the host)
+
+    def counters(self) -> dict[str, tuple[str, int]]:
+        return {}
 
     def __init__(self, cost: CostModel, vocab_size: int, token_id: int) -> None:
         super().__init__()

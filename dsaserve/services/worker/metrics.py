@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
@@ -22,10 +22,12 @@ class WorkerMetrics:
         load: Callable[[], Load],
         cache: Callable[[], CacheStats],
         spec: SpecDecodeStats | None = None,
+        model: Callable[[], Mapping[str, tuple[str, int]]] | None = None,
     ) -> None:
         """load: the engine's load after its last step; cache: its prefix cache's counts (read
         on the scraping thread: plain ints the engine thread only adds to); spec: speculative
-        decoding's counters (None: off)."""
+        decoding's counters (None: off); model: the model's own counters (engine.runner.Model
+        .counters: V4.1's Engram lookups and device-cache hits)."""
         self.registry = r = CollectorRegistry()
         labels = {"role": role}
         for name, doc, field in (
@@ -77,6 +79,8 @@ class WorkerMetrics:
         r.register(PrefixCacheCollector(role, cache))
         if spec is not None:
             r.register(SpecDecodeCollector(role, spec))
+        if model is not None:
+            r.register(ModelCollector(role, model))
         self.role = role
 
     def fail(self, cause: str) -> None:
@@ -110,6 +114,19 @@ class PrefixCacheCollector:
             ),
         ):
             family = CounterMetricFamily(name, doc, labels=["role"])
+            family.add_metric([self._role], value)
+            yield family
+
+
+class ModelCollector:
+    """A model's own counters (engine.runner.Model.counters) as dsaserve_<name>_total."""
+
+    def __init__(self, role: str, counters: Callable[[], Mapping[str, tuple[str, int]]]) -> None:
+        self._role, self._counters = role, counters
+
+    def collect(self) -> Iterator[Metric]:
+        for name, (doc, value) in self._counters().items():
+            family = CounterMetricFamily(f"dsaserve_{name}", doc, labels=["role"])
             family.add_metric([self._role], value)
             yield family
 

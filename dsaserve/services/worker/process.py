@@ -126,6 +126,7 @@ class Worker:
             self.loop.load,
             lambda: cache.stats if cache is not None else CacheStats(),
             self.engine.speculator.stats if self.engine.speculator is not None else None,
+            self.engine.model.counters,
         )
         bind_ucx_to(self.advertise_host)
         # NIXL is not thread-safe: one thread makes every call on the agent.

@@ -76,6 +76,8 @@ class MTPLayer(Block):
 
 
 class DeepseekV32(torch.nn.Module):
+    cuda_graphs = True
+
     def __init__(
         self, cfg: ModelConfig, quant: Quantization | None = None, tp: TensorParallel = SINGLE
     ) -> None:
@@ -94,6 +96,9 @@ class DeepseekV32(torch.nn.Module):
         self.rope_tables = torch.nn.ModuleDict(
             {"main": RotaryTable(cfg.rope, cfg.qk_rope_head_dim)}
         )
+
+    def counters(self) -> dict[str, tuple[str, int]]:
+        return {}  # (nothing beyond the engine's own)
 
     @torch.inference_mode()
     def forward(self, pool: KVPool, inputs: StepInputs, logit_rows: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,8 @@ from dsaserve.engine.step import StepInputs, StepState
 
 
 class DeepseekV4(torch.nn.Module):
+    cuda_graphs = True
+
     def __init__(
         self, cfg: ModelConfig, quant: Quantization | None = None, tp: TensorParallel = SINGLE
     ) -> None:
@@ -51,6 +53,9 @@ class DeepseekV4(torch.nn.Module):
                 "compress": RotaryTable(cfg.rope_compress, cfg.rope_dim),
             }
         )
+
+    def counters(self) -> dict[str, tuple[str, int]]:
+        return {}  # (nothing beyond the engine's own)
 
     @torch.inference_mode()
     def forward(self, pool: KVPool, inputs: StepInputs, logit_rows: torch.Tensor) -> torch.Tensor:

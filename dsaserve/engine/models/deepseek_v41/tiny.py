@@ -7,8 +7,8 @@ source; then three layers that keep only their window (the decoder: bounded repl
 one an index source scoring inside the candidates and one reusing its picks. Engram on the
 sliding layer and on a source. Small windows, a small top-k and blocks that real prompts
 exceed, >= 16 indexer heads. The byte-level tokenizer with V4.1's chat tokens (its normalized
-vocabulary sets `engram_compressed_vocab_size`), no chat template (V4.1 chats render through
-deepseek-recipe).
+vocabulary sets `engram_compressed_vocab_size`; the model's vocabulary padded past it to a
+multiple of 16, as the release's), no chat template (V4.1 chats render through deepseek-recipe).
 
 Two formats:
 - `dense`: fp32 weights in one model.safetensors; the Engram tables in their one format (FP8
@@ -131,9 +131,10 @@ def make_tiny_model(
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = write_byte_tokenizer(out, v41=True)
+    tokens = write_byte_tokenizer(out, v41=True)
     backend = BackendTokenizer.from_file(str(out / "tokenizer.json"))
-    text = text_config(vocab) | {
+    # padded past the tokenizer, as the release's (129,280 rows): ranks split it evenly
+    text = text_config(-(-tokens // 16) * 16) | {
         "engram_compressed_vocab_size": max(compressed_token_map(backend)) + 1
     }
     text |= overrides or {}

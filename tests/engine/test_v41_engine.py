@@ -1,0 +1,97 @@
+"""DeepSeek-V4.1 in the engine's machinery: its pools (the layers with a window only, each ratio's
+KV sources with their entries and index keys), a prefilled request moved to another engine (as a
+PD handoff moves it: the tokens come with the request, so Engram's n-grams at the first decode
+step read the prompt's last tokens), preemption under a small KV budget, synchronous steps, and
+two tensor-parallel ranks (processes over gloo) against the independent reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.compare import rel_err
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.kv.layout import SLAB
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v41.tiny import make_tiny_model
+from dsaserve.engine.sampling_params import SamplingParams
+from tests.engine_cases import check_moved_request_decodes_as_if_never_moved
+from tests.reference_v41 import ReferenceV41
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+ENGINE = dict(max_num_batched_tokens=37, page_size=8, kv_cache_memory_bytes=32 << 20)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("v41_engine"), seed=4)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path) -> ReferenceV41:
+    return ReferenceV41(tiny)
+
+
+def test_pools_keep_windows_apart_from_the_sources_entries(tiny: Path) -> None:
+    llm = LLM(tiny, **ENGINE)
+    pool, cfg = llm.engine.pool, llm.engine.model_config
+    assert {g: (p.layers, p.ratio) for g, p in pool.groups.items()} == {
+        "swa": ((0, 2, 5, 6, 7), 0),
+        "comp2": ((1, 3), 2),
+        "comp1": ((4,), 1),
+    }
+    assert all(set(p.index_k) == set(p.layers) for g, p in pool.groups.items() if p.ratio)
+    # a ratio-2 source keeps its last two positions' raw projections; ratio 1 nothing
+    assert set(pool.comp_ring) == {1, 3} and pool.comp_ring[1][0].shape[1:] == (2, cfg.head_dim)
+    assert pool.layout()["family"] == "deepseek_v41"
+
+
+@pytest.mark.parametrize("via", ["staging", "pages"])
+def test_a_prefilled_request_decodes_on_another_engine_as_if_never_moved(
+    tiny: Path, reference: ReferenceV41, via: str
+) -> None:
+    prompt = ids(53, 5)
+    config = EngineConfig(**ENGINE)
+    got = check_moved_request_decodes_as_if_never_moved(
+        tiny, config, prompt, via, {"swa", "comp2", "comp1", SLAB}
+    )
+    assert got == reference.greedy(prompt, 6)
+
+
+def test_preempted_requests_recompute_to_the_same_tokens(tiny: Path, reference: ReferenceV41):
+    """A budget that holds a few of the requests at once: the scheduler preempts and the
+    recomputed prefills (prompt and generated tokens, anchored at their end) decode on."""
+    prompts = [ids(n, 40 + n) for n in (60, 45, 70, 33, 52, 66)]
+    longer = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    small = {**ENGINE, "kv_cache_memory_bytes": 300 << 10, "max_num_seqs": 4}
+    llm = LLM(tiny, **small, enable_prefix_caching=False)  # (168 tokens a group)
+    got = [r.token_ids for r in llm.generate(prompts, longer)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == [reference.greedy(p, longer.max_tokens) for p in prompts]
+
+
+def test_synchronous_steps_decode_the_same_tokens(tiny: Path, reference: ReferenceV41) -> None:
+    prompts = [ids(n, 60 + n) for n in (3, 38, 81)]
+    llm = LLM(tiny, **ENGINE, async_scheduling=False)
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == [
+        reference.greedy(p, GREEDY.max_tokens) for p in prompts
+    ]
+
+
+@pytest.mark.e2e  # two ranks, each a process
+def test_two_ranks_compute_what_the_reference_computes(tiny: Path, reference: ReferenceV41):
+    """Query heads and output groups by rank, routed experts in ranges, the vocabulary in
+    halves; windows, entries, indexer, Engram and its tables whole on every rank."""
+    prompts = [ids(n, 80 + n) for n in (1, 40, 90)]
+    token_ids = ids(100, 9)
+    with LLM(tiny, tensor_parallel_size=2, **ENGINE) as two:
+        assert [r.token_ids for r in two.generate(prompts, GREEDY)] == [
+            reference.greedy(p, GREEDY.max_tokens) for p in prompts
+        ]
+        assert rel_err(two.score(token_ids), reference.logits(token_ids)) < 1e-4
