@@ -1,5 +1,6 @@
 """`dsaserve make-tiny-model DIR`: write a tiny random checkpoint of a served family (every layer
-kind of DeepSeek-V4 by default; `--model-type deepseek_v32` for DeepSeek-V3.2)."""
+kind of DeepSeek-V4 by default; `--model-type deepseek_v32` for DeepSeek-V3.2,
+`deepseek_v41` for DeepSeek-V4.1)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ class MakeTinyModelSettings:
     format: str = setting(
         "dense",
         "dense: fp32 weights in one file; release: the family's published layout (V4: FP8 "
-        "linears, FP4 experts, ue8m0 scales; V3.2: FP8 weights with fp32 weight_scale_inv), "
-        "sharded, an MTP layer, a padded vocabulary",
+        "linears, FP4 experts, ue8m0 scales, an MTP layer; V3.2: FP8 weights with fp32 "
+        "weight_scale_inv, an MTP layer; V4.1: text_config nested, 32x32 FP8 blocks, FP4 "
+        "experts, FP8 Engram tables, the parts not served), sharded, a padded vocabulary",
         choices=FORMATS,
     )
 

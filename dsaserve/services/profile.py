@@ -66,8 +66,10 @@ def run(s: ProfileSettings) -> None:
     try:
         # What the checkpoint allows, before minutes of loading it.
         cfg = models.family(model).ModelConfig.from_dir(model)
-        if cfg.family != "deepseek_v4":  # the floors and parts of engine.profile are V4's
-            raise ConfigError(f"profiles DeepSeek-V4 checkpoints only; {model} is {cfg.family}")
+        if cfg.family not in ("deepseek_v4", "deepseek_v41"):  # (engine.profile's floors)
+            raise ConfigError(
+                f"profiles DeepSeek-V4 and V4.1 checkpoints only; {model} is {cfg.family}"
+            )
         max_len = s.engine.max_model_len or cfg.max_position_embeddings
         history.check(s.concurrency, s.context, steps_run(s.steps), max_len, s.engine)
         # Before the engine claims its KV memory (a measurement allocates 8 GiB).

@@ -161,9 +161,9 @@ def test_a_family_the_profile_does_not_know_is_refused(tmp_path, capsys):
     model = make_v32(tmp_path / "v32")
     with pytest.raises(SystemExit) as e:
         cli_main(["profile", "--model", str(model)])
-    assert "profiles DeepSeek-V4 checkpoints only" in str(e.value) and "deepseek_v32" in str(
+    assert "profiles DeepSeek-V4 and V4.1 checkpoints only" in str(
         e.value
-    )
+    ) and "deepseek_v32" in str(e.value)
 
 
 @pytest.mark.parametrize(
@@ -434,6 +434,32 @@ def test_attention_floors_match_a_hand_calculation(tiny):
     # three CSA layers, 25 keys of 32 fp32 each per query, 16 heads of 32 scoring them
     assert cells["indexer_topk", "indexer"] == Work(
         bytes=3 * n * 25 * 32 * 4, flops=3 * n * 25 * 2 * 16 * 32
+    )
+
+
+def test_v41_attention_floors_match_a_hand_calculation():
+    """DeepSeek-V4.1's tiny shapes at position 100 (101 tokens visible): every layer's window
+    of 8 rows; the compressed layers' top-8 of their source's entries (ratio 2: 50 visible,
+    ratio 1: 101); the index sources' keys: layers 1 and 3 and the candidate source 4 score all
+    they see, layer 6 only its 3 candidate blocks of 4."""
+    from dsaserve.engine.models.deepseek_v41 import ModelConfig as V41Config
+    from dsaserve.engine.models.deepseek_v41 import build_model as build_v41
+    from dsaserve.engine.models.deepseek_v41.tiny import text_config
+
+    text = text_config(272) | {"engram_layer_ids": []}
+    cfg = V41Config.from_hf({"model_type": "deepseek_v41", "text_config": text})
+    model = build_v41(cfg, torch.float32, torch.device("cpu"))
+    kv_cfg = KVCacheConfig(memory_bytes=8 << 20, max_num_seqs=4, max_num_batched_tokens=64)
+    pool = KVPool(cfg, kv_cfg, dtype=torch.float32, device=torch.device("cpu"))
+    n, context = 3, 100
+    cells = attention_work(model, pool, n, context)
+    rows = 8 * 8 + 3 * 8 + 4 * 8
+    assert cells["sparse_mla", "attention"] == Work(
+        bytes=n * rows * 64 * 4, flops=n * rows * 4 * 4 * 64
+    )
+    keys = 50 + 50 + 101 + 12
+    assert cells["indexer_topk", "indexer"] == Work(
+        bytes=n * keys * 32 * 4, flops=n * keys * 2 * 16 * 32
     )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine.models.deepseek_v4.model import DeepseekV4
+from dsaserve.engine.models.deepseek_v41.model import DeepseekV41
 from dsaserve.engine.profile import history
 from dsaserve.engine.profile.capture import profile_steps, sync
 from dsaserve.engine.profile.floors import decode_work
@@ -42,7 +43,7 @@ def profile_decode(
     """`step` runs one decode step of `concurrency` requests at about `context` tokens of
     context (each call one token further) on `runner`; it is called `steps_run(steps)` times."""
     device, model = runner.device, runner.model
-    assert isinstance(model, DeepseekV4), "the profile knows DeepSeek-V4's parts (floors)"
+    assert isinstance(model, DeepseekV4 | DeepseekV41), "the profile knows V4's and V4.1's floors"
     for _ in range(WARMUP_STEPS):
         step()
     # Back to back, as served: with async scheduling a step's host work overlaps the one

@@ -1,5 +1,5 @@
-"""The least work a DeepSeek-V4 decode step must do, per (model part, kernel class), and its
-floor in time on a given device: max(bytes / copy bandwidth, FLOPs / matmul rate).
+"""The least work a DeepSeek-V4 (or V4.1) decode step must do, per (model part, kernel class),
+and its floor in time on a given device: max(bytes / copy bandwidth, FLOPs / matmul rate).
 
 What is counted, for n requests each with `context` tokens in the cache, on this rank's shard:
 
@@ -14,9 +14,14 @@ What is counted, for n requests each with `context` tokens in the cache, on this
 - the indexer's keys of every visible compressed entry (`indexer_topk`, class indexer), read
   once per query, 2 * index_heads * index_head_dim FLOPs per key.
 
-Norms, RoPE, mixes, sampling, communication and activations are not modelled: their classes
-get no floor. Each part's floor is the sum of its cells' floors; the floors of consecutive
-kernels add, so the sum over all cells is a floor of the step.
+DeepSeek-V4.1: every layer's window rows, the top-k entries of its KV source on compressed
+layers, and on each index source the keys it must score: every visible entry for the candidate
+source (and for the ratio-2 ones), the candidate blocks' for the later ones.
+
+Norms, RoPE, mixes, sampling, communication, activations and V4.1's Engram table rows (read
+from host memory or its device cache) are not modelled: their classes get no floor. Each part's
+floor is the sum of its cells' floors; the floors of consecutive kernels add, so the sum over
+all cells is a floor of the step.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dsaserve.engine.kv.pool import KVPool
 from dsaserve.engine.models.deepseek_v4.config import CSA, HCA, SLIDING
 from dsaserve.engine.models.deepseek_v4.model import DeepseekV4
 from dsaserve.engine.models.deepseek_v4.moe import MoE
+from dsaserve.engine.models.deepseek_v41.model import DeepseekV41
 from dsaserve.engine.profile.hardware import Hardware
 
 _SCALE_DTYPES = (getattr(torch, "float8_e8m0fnu", None),)
@@ -85,6 +91,8 @@ def param_part(name: str) -> str | None:
         return "compressor" if ".attn.compressor." in name else "attention"
     if sub in ("hc_attn", "hc_ffn"):
         return "mhc"
+    if sub == "engram":  # (its q_weight and k_weight weigh the gate elementwise)
+        return None if name.endswith(("q_weight", "k_weight")) else "engram"
     return "moe" if sub == "ffn" else None
 
 
@@ -114,7 +122,9 @@ def _add(cells: Cells, key: tuple[str, str], work: Work) -> None:
     cells[key] = cells.get(key, Work()) + work
 
 
-def weight_work(model: DeepseekV4, n: int, experts: Sequence[ExpertLoad] | None = None) -> Cells:
+def weight_work(
+    model: DeepseekV4 | DeepseekV41, n: int, experts: Sequence[ExpertLoad] | None = None
+) -> Cells:
     """The weights' work of a decode step of n rows. experts: per MoE layer (model order), the
     experts hit and pairs on this rank; None: expected under uniform routing."""
     cfg, cells = model.cfg, Cells()
@@ -152,8 +162,10 @@ def row_bytes(pool: KVPool) -> dict[tuple[int, str], float]:
     return out
 
 
-def attention_work(model: DeepseekV4, pool: KVPool, n: int, context: int) -> Cells:
+def attention_work(model: DeepseekV4 | DeepseekV41, pool: KVPool, n: int, context: int) -> Cells:
     """The KV rows and indexer keys a decode step's queries read, at position `context`."""
+    if isinstance(model, DeepseekV41):
+        return _attention_work_v41(model, pool, n, context)
     cfg, cells = model.cfg, Cells()
     slot_bytes = row_bytes(pool)
     heads = model.tp.local(cfg.num_heads)
@@ -184,8 +196,43 @@ def attention_work(model: DeepseekV4, pool: KVPool, n: int, context: int) -> Cel
     return cells
 
 
+def _attention_work_v41(model: DeepseekV41, pool: KVPool, n: int, context: int) -> Cells:
+    cfg, cells = model.cfg, Cells()
+    slot_bytes = row_bytes(pool)
+    heads = model.tp.local(cfg.num_heads)
+    seen = context + 1
+    candidates = cfg.candidate_topk_blocks * cfg.candidate_block_size
+    for layer in range(cfg.num_layers):
+        reads = [(min(cfg.sliding_window, seen), layer)]  # (rows, the layer whose pool)
+        ratio = cfg.compress_ratio(layer)
+        if ratio:
+            source = cfg.kv_source_of(layer)
+            entries = seen // ratio
+            reads.append((min(cfg.index_topk, entries), source))
+            if layer in cfg.index_sources:
+                scored = min(entries, candidates) if cfg.uses_candidates(layer) else entries
+                _add(
+                    cells,
+                    ("indexer_topk", "indexer"),
+                    Work(
+                        bytes=n * scored * slot_bytes[source, "index_k"],
+                        flops=2.0 * n * scored * cfg.index_n_heads * cfg.index_head_dim,
+                    ),
+                )
+        for rows, pool_layer in reads:
+            _add(
+                cells,
+                ("sparse_mla", "attention"),
+                Work(
+                    bytes=n * rows * slot_bytes[pool_layer, "kv"],
+                    flops=4.0 * n * rows * heads * cfg.head_dim,
+                ),
+            )
+    return cells
+
+
 def decode_work(
-    model: DeepseekV4,
+    model: DeepseekV4 | DeepseekV41,
     pool: KVPool,
     n: int,
     context: int,
