@@ -230,11 +230,17 @@ class ReferenceV41:
         logits = rms_norm(h, self.weight("norm.weight"), self.eps) @ self.weight("head.weight").t()
         return logits[:, : self.tokens]
 
-    def greedy(self, ids: list[int], steps: int) -> list[int]:
-        """The most likely token each step, among the tokenizer's (a padded row is no token)."""
+    def greedy(self, ids: list[int], steps: int, allowed: list[int] | None = None) -> list[int]:
+        """The most likely token each step, among the tokenizer's (a padded row is no token), or
+        among `allowed` (vLLM's allowed_token_ids)."""
         out = list(ids)
         for _ in range(steps):
-            out.append(int(self.logits(out)[-1].argmax()))
+            last = self.logits(out)[-1]
+            if allowed is not None:
+                last = torch.full_like(last, -torch.inf).index_copy(
+                    0, torch.tensor(allowed), last[allowed]
+                )
+            out.append(int(last.argmax()))
         return out[len(ids) :]
 
     # ---------------------------------------------------------------- Block

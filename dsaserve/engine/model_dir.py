@@ -28,6 +28,13 @@ def read_config(model_dir: str | os.PathLike) -> dict[str, Any]:
     return raw
 
 
+def language_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The language model's fields of a config.json: its `text_config` where nested (a vision
+    -language checkpoint, as DeepSeek-V4.1's), else the config itself."""
+    text = raw.get("text_config")
+    return text if isinstance(text, dict) else raw
+
+
 def model_identity(model_dir: str | os.PathLike) -> str:
     """What tells this checkpoint's weights from another's without reading them: its config and
     the names and sizes of its weight files (the prefix cache salts its hashes with it)."""

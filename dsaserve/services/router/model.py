@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from dsaserve.engine.model_dir import language_config
 from dsaserve.engine.sampling_params import ContextLengthError, resolve_max_tokens
 from dsaserve.engine.text.chat.tokens import THINK_END
 from dsaserve.engine.text.chat_format import ChatEncodingError, ChatFormat, chat_format
@@ -54,7 +55,7 @@ class ServedModel:
         config_path = os.path.join(model_dir, "config.json")
         try:
             with open(config_path) as f:
-                config = json.load(f)
+                config = language_config(json.load(f))
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot read the model config {config_path}: {e}") from e
         context_length = config.get("max_position_embeddings")

@@ -42,6 +42,7 @@ from dsaserve.engine.model_dir import (
     check_fp8_quantization,
     check_split,
     get_field,
+    language_config,
     read_config,
     require,
 )
@@ -365,7 +366,7 @@ def _quantization(raw: dict[str, Any]) -> Quantization | None:
 def _parse(top: dict[str, Any]) -> ModelConfig:
     model_type = top.get("model_type")
     require(model_type == MODEL_TYPE, "model_type", f"must be {MODEL_TYPE!r}, got {model_type!r}")
-    raw = dict(top.get("text_config") or top)
+    raw = dict(language_config(top))
     n = get_field(raw, "num_hidden_layers", None, int)
     require(n >= 1, "num_hidden_layers", "must be >= 1")
     require(
