@@ -57,7 +57,7 @@ def compressed_token_map(backend: BackendTokenizer) -> list[int]:
     for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
         text = backend.decode([token_id], skip_special_tokens=False)
         if "\ufffd" in text:  # part of a UTF-8 character: nothing to normalize
-            key = backend.id_to_token(token_id)
+            key = backend.id_to_token(token_id) or text
         else:
             key = normalizer.normalize_str(text) or text
         lookup.append(keys.setdefault(key, len(keys)))

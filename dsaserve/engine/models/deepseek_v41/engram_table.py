@@ -145,15 +145,15 @@ def open_table(
     (None: the checkpoint has none)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        with open(index) as text:
+            weight_map: dict[str, str] = json.load(text)["weight_map"]
     else:
         files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
         weight_map = {}
         for file in files:
-            with open(os.path.join(model_dir, file), "rb") as f:
-                (size,) = struct.unpack("<Q", f.read(8))
-                weight_map |= dict.fromkeys(json.loads(f.read(size)), file)
+            with open(os.path.join(model_dir, file), "rb") as raw:
+                (size,) = struct.unpack("<Q", raw.read(8))
+                weight_map |= dict.fromkeys(json.loads(raw.read(size)), file)
     weight = f"{prefix}.weight"
     scale = next((f"{prefix}{s}" for s in SCALE_SUFFIXES if f"{prefix}{s}" in weight_map), None)
     if weight not in weight_map or scale is None:

@@ -63,7 +63,8 @@ class DeepseekV41(torch.nn.Module):
         self.mtp = torch.nn.ModuleList()  # (no MTP layer: what the loader looks for)
 
     def engrams(self) -> list[Engram]:
-        return [cast(Block, b).engram for b in self.layers if cast(Block, b).engram is not None]
+        """The Engram modules, layer by layer."""
+        return [e for b in self.layers if (e := cast(Block, b).engram) is not None]
 
     def counters(self) -> Mapping[str, tuple[str, int]]:
         """Cumulative counts the worker exports (name -> (help, value)): Engram's lookups and
