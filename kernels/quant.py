@@ -236,6 +236,11 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- the release's linear() and Expert arithmetic -----------------------------------------------
 
 
+# Bytes of float64 chunk sums _blockwise_gemm holds at once: [C, M, N] whole at a 2048-row
+# prefill of a 7168 x 18432 layer is 17 GB, which ran an 80 GB GPU out of memory mid-bench
+BLOCK_SUMS_BYTES = 1 << 28
+
+
 def _blockwise_gemm(
     xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, chunk: int
 ) -> torch.Tensor:
@@ -245,16 +250,18 @@ def _blockwise_gemm(
     w_scale [N, K/chunk] fp32 (per output row and chunk). Returns fp32 [M, N]."""
     m, k = xq.shape
     n = w.shape[0]
-    # [C, M, N]: each chunk's sum of exact products, rounded once to fp32
-    parts = torch.einsum(
-        "mck,nck->cmn",
-        xq.double().view(m, k // chunk, chunk),
-        w.double().view(n, k // chunk, chunk),
-    ).float()
+    chunks = k // chunk
     xs = x_scale.repeat_interleave(FP8_BLOCK // chunk, -1).t()  # [C, M]
+    xd = xq.double().view(m, chunks, chunk)
+    wd = w.double().view(n, chunks, chunk)
     acc = torch.zeros(m, n, dtype=torch.float32, device=xq.device)
-    for c in range(k // chunk):  # the release's order: one chunk after the other, fp32
-        acc += parts[c] * xs[c][:, None] * w_scale[:, c][None, :]
+    step = max(1, BLOCK_SUMS_BYTES // (8 * m * n))  # chunks whose sums are formed at once
+    for c0 in range(0, chunks, step):
+        # [c, M, N]: each chunk's sum of exact products, rounded once to fp32
+        parts = torch.einsum("mck,nck->cmn", xd[:, c0 : c0 + step], wd[:, c0 : c0 + step]).float()
+        for i, c in enumerate(range(c0, min(c0 + step, chunks))):
+            # the release's order: one chunk after the other, fp32
+            acc += parts[i] * xs[c][:, None] * w_scale[:, c][None, :]
     return acc
 
 
