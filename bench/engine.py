@@ -1,4 +1,4 @@
-"""H200 benchmark of the engine's decode step on a V4-Flash-width model slice (or a
+"""GPU benchmark of the engine's decode step on a V4-Flash-width model slice (or a
 DeepSeek-V3.2-width one: --model-type deepseek_v32).
 
     python -m bench.engine --out bench/results/h200-engine.json
@@ -360,16 +360,21 @@ class Bench:
             r.output_token_ids.append(t)
 
     def decode_tokens_per_s(self, n: int, context: int, steps: int) -> tuple[float, float]:
+        # Only these n requests may run: one left behind by an earlier phase widens every step
+        # (65 rows at c=64: past the largest graph, so each step ran eagerly, 5x slower)
+        assert not self.scheduler.running, f"{len(self.scheduler.running)} requests left running"
         reqs = self.requests(n, context)
-        for _ in range(3):
-            self.decode_step()
-        _sync(self.dev)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            self.decode_step()  # ends in the sampler's host sync
-            times.append(time.perf_counter() - t0)
-        self.release(reqs)
+        try:
+            for _ in range(3):
+                self.decode_step()
+            _sync(self.dev)
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                self.decode_step()  # ends in the sampler's host sync
+                times.append(time.perf_counter() - t0)
+        finally:
+            self.release(reqs)
         step_s = statistics.median(times)
         return n / step_s, step_s * 1e3
 
@@ -395,16 +400,19 @@ def check_against_reference(bench: Bench, context: int, prefill: int) -> dict:
     out["decode_graph_vs_reference_rel_err"] = _rel_err(decode_logits(bench, reqs), ref)
     bench.release(reqs)
     [r] = bench.requests(1, 0)
-    r.prompt_token_ids = torch.randint(
-        0, bench.cfg.vocab_size, (prefill,), generator=torch.Generator().manual_seed(3)
-    ).tolist()
-    assert bench.scheduler.try_allocate(r, prefill + 1)
-    spec = [RowSpan(0, prefill, r.slab, r.prompt_token_ids)]
-    inp = build_step_inputs(bench.pool, spec, 0, bench.dev)
-    last = torch.tensor([prefill - 1], device=bench.dev)
-    with kernels.use_backend("reference"):
-        ref, ref_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
-    got, got_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
+    try:  # (a check that fails must not leave its request in the scheduler's running list)
+        r.prompt_token_ids = torch.randint(
+            0, bench.cfg.vocab_size, (prefill,), generator=torch.Generator().manual_seed(3)
+        ).tolist()
+        assert bench.scheduler.try_allocate(r, prefill + 1)
+        spec = [RowSpan(0, prefill, r.slab, r.prompt_token_ids)]
+        inp = build_step_inputs(bench.pool, spec, 0, bench.dev)
+        last = torch.tensor([prefill - 1], device=bench.dev)
+        with kernels.use_backend("reference"):
+            ref, ref_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
+        got, got_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
+    finally:
+        bench.release([r])
     out[f"prefill_{prefill}_vs_reference_rel_err"] = _rel_err(got, ref)
     # Where the two paths part: a jump at one layer kind is a bug, steady growth is bf16
     # rounding amplified through the random model.
@@ -412,7 +420,6 @@ def check_against_reference(bench: Bench, context: int, prefill: int) -> dict:
         f"{kind}: {_rel_err(a, b):.4f}"
         for kind, a, b in zip(layer_labels(bench.cfg), got_layers, ref_layers, strict=True)
     ]
-    bench.release([r])
     return out
 
 
@@ -652,7 +659,8 @@ def summarize(result: dict) -> None:
 def print_table(result: dict) -> None:
     hw = result["hardware"]
     machine = (
-        f"H200: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
+        f"{hw['name']}: copy {hw['copy_GBps']:.0f} GB/s, "
+        f"bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
         if hw
         else "smoke run on the CPU (times mean nothing)"
     )
