@@ -59,6 +59,7 @@ import torch
 
 import kernels
 from bench import naive
+from bench.fake_quant import family, layer_labels
 from bench.flash_widths import FLASH_WIDTHS
 from bench.harness import write_record
 from bench.v32_widths import V32_WIDTHS
@@ -144,19 +145,9 @@ LAYERS = [
 V32_LAYERS = ["dense", "sparse", "sparse", "sparse"]  # (mlp_layer_types)
 
 
-def family(model_type: str) -> Any:
-    """The engine.models package of a family (engine.models.FAMILIES)."""
-    return importlib.import_module(FAMILIES[model_type])
-
-
 def slice_config(num_experts: int, smoke: bool = False, model_type: str = V4) -> Any:
     """The slice's ModelConfig, of the family's type."""
     return family(model_type).ModelConfig.from_hf(slice_hf_config(num_experts, smoke, model_type))
-
-
-def layer_labels(cfg: Any) -> list[str]:
-    """A label per layer of a slice (the per-layer errors)."""
-    return list(cfg.layer_types if cfg.family == V4 else cfg.mlp_layer_types)
 
 
 def slice_hf_config(num_experts: int, smoke: bool = False, model_type: str = V4) -> dict:
@@ -206,20 +197,30 @@ def write_slice(
 def random_model(cfg: Any, dev: torch.device, tp: TensorParallel = SINGLE) -> Model:
     """Random bf16 weights (this rank's shard under tensor parallelism)."""
     model = family(cfg.family).build_model(cfg, torch.bfloat16, dev, tp=tp)
-    gen = torch.Generator(dev).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
-            elif not name.endswith("scale") and "norm" not in name:
-                p.normal_(0, 0.1, generator=gen)
-        for layer in model.layers:
-            gate = getattr(layer.ffn, "gate", None)  # (V3.2's dense layers have none)
-            if getattr(gate, "hashed", False):  # V4's token-id hash: a table, not weights
-                gate.tid2eid.copy_(
-                    torch.randint(0, cfg.num_experts, gate.tid2eid.shape, device=dev, generator=gen)
-                )
+    fill_random(model, torch.Generator(dev).manual_seed(0))
     return model
+
+
+@torch.no_grad()
+def fill_random(model: Any, gen: torch.Generator, skip: frozenset[str] = frozenset()) -> None:
+    """Random values in every parameter but `skip`'s: matrices normal with std fan_in^-0.5,
+    vectors with std 0.1 (norms and scales as built); hash routers' token tables random."""
+    for name, p in model.named_parameters():
+        if name in skip:
+            continue
+        if p.dim() >= 2:
+            p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
+        elif not name.endswith("scale") and "norm" not in name:
+            p.normal_(0, 0.1, generator=gen)
+    for layer in model.layers:
+        gate = getattr(layer.ffn, "gate", None)  # (V3.2's dense layers have none)
+        if getattr(gate, "hashed", False):  # V4's token-id hash: a table, not weights
+            experts = model.cfg.num_experts
+            gate.tid2eid.copy_(
+                torch.randint(
+                    0, experts, gate.tid2eid.shape, device=gate.tid2eid.device, generator=gen
+                )
+            )
 
 
 # The formats each family's release stores: V4's FP8 linears and FP4 experts, V3.2's FP8 linears
@@ -292,10 +293,14 @@ class Bench:
         dev: torch.device,
         tp: TensorParallel = SINGLE,
         channel: Channel | None = None,
+        model: Any = None,
+        graph_sizes: list[int] = GRAPH_SIZES,
     ) -> None:
-        """tp, channel: this rank's group and, on rank 0, its line to the others (bench.tp)."""
+        """tp, channel: this rank's group and, on rank 0, its line to the others (bench.tp);
+        model: the weights to run (None: random bf16 ones); graph_sizes: the decode batch sizes
+        captured as CUDA graphs."""
         self.cfg, self.dev, self.max_context = cfg, dev, cfg.max_position_embeddings
-        self.channel = channel
+        self.channel, self.graph_sizes = channel, graph_sizes
         self.pool = KVPool(
             cfg,
             KVCacheConfig(
@@ -313,7 +318,7 @@ class Bench:
             for t in list(group.kv.values()) + list(group.index_k.values()):
                 t.normal_(0, 1, generator=gen)
         self.scheduler = Scheduler(self.pool, 8192)
-        self.use(random_model(cfg, dev, tp))
+        self.use(random_model(cfg, dev, tp) if model is None else model)
 
     def use(self, model: Any) -> None:
         """Run `model` from now on, on the same pool (its layout does not depend on the weights),
@@ -321,7 +326,7 @@ class Bench:
         self.model = model
         self.runner = ModelRunner(model, self.pool, self.dev, self.max_context, self.channel)
         if self.dev.type == "cuda":
-            self.runner.capture_decode_graphs(GRAPH_SIZES)
+            self.runner.capture_decode_graphs(self.graph_sizes)
 
     def requests(self, n: int, context: int) -> list[Request]:
         """n requests that have `context` tokens computed and one sampled token to decode next."""
