@@ -1,4 +1,4 @@
-"""Automatic prefix caching in the engine (engine.kv.prefix_cache): a request resumed from the
+"""Automatic prefix caching in the engine (engine.prefix_cache.cache): a request resumed from the
 cache computes what it computes from zero (fp32 logits within 1e-5, the same greedy tokens) at
 every kind of boundary of V4's KV state, reuses what the issue promises, and leaves nothing
 behind however the pools, the scheduler and the requests treat it."""
@@ -15,10 +15,10 @@ from bench.numerics import BOS, heldout_windows
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.kv.allocator import PageAllocator
-from engine.kv.block_hash import block_hashes, cache_salt
-from engine.kv.checkpoint import CopyPlan
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
+from engine.prefix_cache.block_hash import block_hashes, cache_salt
+from engine.prefix_cache.checkpoint import CopyPlan
 from engine.request import RequestOutput, Status
 from engine.sampling_params import SamplingParams
 from tests.engine_cases import assert_all_free, byte_ids, drain, move_staged
@@ -358,22 +358,22 @@ def test_a_resumed_prefill_only_request_moves_to_a_decode_engine_like_any_other(
     alone = LLMEngine(tiny, EngineConfig(enable_prefix_caching=False))
     want = [t for o in _run(alone, "r", prompt, params) for t in o.new_token_ids]
     prefill = LLMEngine(tiny)
-    prefill.add_request("warm", x, params, hold_for_s=30.0)
+    prefill.add_request("warm", x, params, prefill_only=True)
     drain(prefill)
-    assert prefill.release("warm")
-    prefill.add_request("r", prompt, params, hold_for_s=30.0)
+    assert prefill.handoff.release("warm")
+    prefill.add_request("r", prompt, params, prefill_only=True)
     (out,) = drain(prefill)["r"]
     assert out.cached_tokens == 150
-    held = prefill.stage("r")
+    held = prefill.handoff.stage("r")
     decode = LLMEngine(tiny, EngineConfig(enable_prefix_caching=False))
-    reserved = decode.reserve("r", prompt, out.new_token_ids[0], params)
+    reserved = decode.handoff.reserve("r", prompt, out.new_token_ids[0], params)
     assert reserved is not None
     (blocks,) = held.pages.values()
     move_staged(prefill.pool, blocks, decode.pool, decode.pool.unpacker(reserved.pages))
-    decode.join("r")
+    decode.handoff.join("r")
     got = out.new_token_ids + [t for o in drain(decode)["r"] for t in o.new_token_ids]
     assert got == want
-    assert prefill.release("r")
+    assert prefill.handoff.release("r")
     assert_all_free(prefill)
     assert_all_free(decode)
 

@@ -20,7 +20,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .errors import APIError
+from services.router.api.errors import APIError
 
 log = logging.getLogger(__name__)
 
