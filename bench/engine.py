@@ -204,7 +204,8 @@ def random_model(cfg: Any, dev: torch.device, tp: TensorParallel = SINGLE) -> Mo
 @torch.no_grad()
 def fill_random(model: Any, gen: torch.Generator, skip: frozenset[str] = frozenset()) -> None:
     """Random values in every parameter but `skip`'s: matrices normal with std fan_in^-0.5,
-    vectors with std 0.1 (norms and scales as built); hash routers' token tables random."""
+    vectors with std 0.1 (norms and scales as built); hash routers' token tables random
+    distinct experts per token."""
     for name, p in model.named_parameters():
         if name in skip:
             continue
@@ -215,12 +216,14 @@ def fill_random(model: Any, gen: torch.Generator, skip: frozenset[str] = frozens
     for layer in model.layers:
         gate = getattr(layer.ffn, "gate", None)  # (V3.2's dense layers have none)
         if getattr(gate, "hashed", False):  # V4's token-id hash: a table, not weights
-            experts = model.cfg.num_experts
-            gate.tid2eid.copy_(
-                torch.randint(
-                    0, experts, gate.tid2eid.shape, device=gate.tid2eid.device, generator=gen
-                )
+            # distinct experts per token, as the release's tables (a repeated one would run
+            # twice in the kernels and once in the release's loop: bench.release_numerics
+            # saw its hash layers 2.5x over the floor from that alone)
+            vocab, k = gate.tid2eid.shape
+            draws = torch.rand(
+                vocab, model.cfg.num_experts, device=gate.tid2eid.device, generator=gen
             )
+            gate.tid2eid.copy_(draws.argsort(dim=1)[:, :k])
 
 
 # The formats each family's release stores: V4's FP8 linears and FP4 experts, V3.2's FP8 linears

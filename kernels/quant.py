@@ -316,7 +316,10 @@ def fp4_experts_reference(
     Per expert e and its rows: gate, up = bf16(fp4 linear) each; h = silu(min(gate, L)) *
     clamp(up, -L, L) in fp32 (no clamp when L <= 0), times the routing weight, cast to bf16;
     out = bf16(fp4 linear(h, w2)); y (fp32) += out, experts in ascending id order. Ids outside
-    [0, E) add nothing (experts held by other ranks under expert parallelism)."""
+    [0, E) add nothing (experts held by other ranks under expert parallelism). Every (token,
+    slot) pair adds, an expert id repeated in a token's row too (as the kernels and the dense
+    experts sum them; the release's `y[idx] +=` would keep one, but its routers never repeat
+    an expert)."""
     inter = w13.shape[1] // 2
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(expert_ids).tolist():
@@ -330,7 +333,7 @@ def fp4_experts_reference(
             up = up.clamp(-swiglu_limit, swiglu_limit)
             gate = gate.clamp(max=swiglu_limit)
         h = weights[tok, slot, None].float() * (torch.nn.functional.silu(gate) * up)
-        y[tok] += fp4_linear_reference(h.to(x.dtype), w2[e], s2[e]).float()
+        y.index_add_(0, tok, fp4_linear_reference(h.to(x.dtype), w2[e], s2[e]).float())
     return y
 
 
@@ -350,7 +353,8 @@ def fp8_experts_reference(
     [E, H/128, I/128]. Per expert e and its rows: gate, up = bf16(fp8 linear) each; h =
     silu(gate) * up in fp32, cast to bf16 (the release's dtype); out = bf16(fp8 linear(h, w2));
     y (fp32) += out * routing weight, experts in ascending id order. Ids outside [0, E) add
-    nothing (experts held by other ranks under expert parallelism)."""
+    nothing (experts held by other ranks under expert parallelism); a repeated id adds per
+    slot, as in fp4_experts_reference."""
     inter, blocks = w13.shape[1] // 2, w13.shape[1] // 2 // FP8_BLOCK
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(expert_ids).tolist():
@@ -362,5 +366,5 @@ def fp8_experts_reference(
         up = fp8_linear_reference(xe, w13[e, inter:], s13[e, blocks:]).float()
         h = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
         out = fp8_linear_reference(h, w2[e], s2[e]).float()
-        y[tok] += out * weights[tok, slot, None].float()
+        y.index_add_(0, tok, out * weights[tok, slot, None].float())
     return y
