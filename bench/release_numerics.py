@@ -15,8 +15,8 @@ whole models):
    each linear of V4-Flash and DeepSeek-V3.2 at 1, 64 and 2048 rows; the FP4 routed experts
    (Triton, and Gluon on sm_90 with either decode) and V3.2's FP8 experts (Triton) at 1, 64 and
    2048 tokens; act_quant bit for bit. Reported: relative error and the largest error in bf16
-   ulps of the reference (a GEMM rounds its fp32 sum to bf16 once: <= 0.5 ulp plus fp32
-   order; an expert's intermediate bf16 and act_quant steps can move more).
+   ulps at its row's largest value (a GEMM rounds its fp32 sum to bf16 once: <= 0.5 plus
+   fp32 order; an expert's intermediate bf16 and act_quant steps can move more).
 2. slice: the V4-Flash-width slice (6 layers, 16 experts) and the V3.2-width one (4 layers) of
    bench/engine.py, random weights quantized to the release's formats; a 2048-token prompt and
    4 decode rows through the GPU path, the GPU path with the Triton kernels only, and plain torch
@@ -46,6 +46,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,14 +115,17 @@ DEMO_PROMPTS, DEMO_STEPS = 8, 128
 
 
 def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """The largest |got - ref| in units of one bf16 ulp at the reference's magnitude."""
-    _, exp = torch.frexp(ref.float())
-    ulp = torch.ldexp(torch.ones_like(ref, dtype=torch.float32), exp - 8)  # 8 bits of mantissa
-    return ((got.float() - ref.float()).abs() / ulp).max().item()
+    """The largest |got - ref| of each row in units of one bf16 ulp at that row's largest
+    |ref| (a bf16 output rounded once from the exact sum is within 0.5; an element's own ulp
+    would blow up where a sum cancels to near zero)."""
+    ref2, got2 = ref.float().flatten(0, -2), got.float().flatten(0, -2)  # [rows, N]
+    _, exp = torch.frexp(ref2.abs().amax(-1, keepdim=True))
+    ulp = torch.ldexp(torch.ones_like(exp, dtype=torch.float32), exp - 8)  # 8 mantissa bits
+    return ((got2 - ref2).abs() / ulp).max().item()
 
 
 def error_row(got: torch.Tensor, ref: torch.Tensor, **fields: Any) -> dict:
-    return {**fields, "rel_err": rel_err(got, ref), "max_bf16_ulps": bf16_ulps(got, ref)}
+    return {**fields, "rel_err": rel_err(got, ref), "max_row_bf16_ulps": bf16_ulps(got, ref)}
 
 
 def check_linears(dev: torch.device, smoke: bool) -> list[dict]:
@@ -366,88 +370,120 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def demo_llm(model_dir: Path, device: str, dtype: str, quantized: bool | None = None) -> LLM:
+def demo_llm(model_dir: Path, device: str, dtype: str, quantized: bool | None, eager: bool) -> LLM:
     return LLM(
         model_dir,
         device=device,
         dtype=dtype,
         quantized_compute=quantized,
+        enforce_eager=eager,
         max_num_batched_tokens=1024,
         max_num_seqs=16,
         kv_cache_memory_bytes=(1 << 30) if device == "cuda" else (64 << 20),
     )
 
 
-CPU_RUNS = ("fp32 CPU", "fp32 CPU, padded widths", "fp32 CPU, release weights dequantized")
+@dataclass(frozen=True)
+class DemoRun:
+    path: Path
+    device: str
+    dtype: str
+    quantized: bool | None  # None: the engine's default for the dtype
+    backend: str | None = None  # kernels.use_backend for the whole run (None: the dispatch)
+    judged_by: str | None = None  # the CPU run whose greedy tokens this one is held to
+
+
+FP32_CPU = "fp32 CPU"
 CPU_RELEASE = "release CPU fake-quant (fp32)"
+CPU_RUNS = (FP32_CPU, "fp32 CPU, padded widths", "fp32 CPU, release weights dequantized")
+GREEDY_REFERENCES = (FP32_CPU, CPU_RELEASE)  # whose greedy tokens a CPU record keeps
+
+
+def demo_runs(tmp: Path, release_dir: Path, cpu: bool, gpu: bool) -> dict[str, DemoRun]:
+    runs: dict[str, DemoRun] = {}
+    if cpu:
+        runs |= {
+            FP32_CPU: DemoRun(DEMO_MODEL_DIR, "cpu", "float32", None),
+            # the padding's own cost (none but the q norm's eps)
+            "fp32 CPU, padded widths": DemoRun(
+                release_demo_model(tmp / "padded", quantize=False), "cpu", "float32", None
+            ),
+            # the weights' formats alone: dequantized at load, activations not quantized
+            "fp32 CPU, release weights dequantized": DemoRun(release_dir, "cpu", "float32", False),
+            # and with the release's activation quantization: its whole arithmetic
+            CPU_RELEASE: DemoRun(release_dir, "cpu", "float32", True),
+        }
+    if gpu:
+        runs |= {
+            "bf16 GPU": DemoRun(DEMO_MODEL_DIR, "cuda", "bfloat16", None, judged_by=FP32_CPU),
+            "release GPU (bf16)": DemoRun(
+                release_dir, "cuda", "bfloat16", True, judged_by=CPU_RELEASE
+            ),
+            # the floor: the release's arithmetic in plain torch, bf16, on the GPU (eager: the
+            # reference experts read their routing back to the host)
+            "release GPU, torch bf16 (floor)": DemoRun(
+                release_dir, "cuda", "bfloat16", True, backend="reference", judged_by=CPU_RELEASE
+            ),
+        }
+    return runs
 
 
 def check_demo(dev: torch.device, smoke: bool, cpu_record: dict | None = None) -> dict:
     """Bits per byte of the demo model and its release-format conversion, CPU and (on a GPU
-    run) GPU. cpu_record: the CPU half of an earlier run on the same windows (this phase's
-    record from `--device cpu`), so a GPU lease need not spend its minutes on CPU scoring."""
+    run) GPU; each GPU run's greedy continuations held to its CPU twin's. cpu_record: the CPU
+    half of an earlier run on the same windows (this phase's record from `--device cpu`), so a
+    GPU lease need not spend its minutes on CPU scoring."""
     windows = heldout_windows(SMOKE_DEMO_WINDOWS if smoke else DEMO_WINDOWS)
     starts = [[BOS, *w[:64]] for w in heldout_windows(DEMO_PROMPTS, 256)]
     steps = 8 if smoke else DEMO_STEPS
     greedy = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
     out: dict = {"windows": len(windows), "window_bytes": len(windows[0]), "steps": steps}
+    out["bpb"], out["greedy_tokens"] = {}, {}
     if cpu_record is not None:
         for key in ("windows", "window_bytes", "steps"):
             assert cpu_record[key] == out[key], (key, cpu_record[key], out[key])
         out["bpb"] = {k: cpu_record["bpb"][k] for k in (*CPU_RUNS, CPU_RELEASE)}
-        out["cpu_release_tokens"] = cpu_record["cpu_release_tokens"]
-    else:
-        out["bpb"] = {}
+        out["greedy_tokens"] = {k: cpu_record["greedy_tokens"][k] for k in GREEDY_REFERENCES}
     with tempfile.TemporaryDirectory() as tmp:
         release_dir = release_demo_model(Path(tmp) / "release")
-        runs: dict[str, tuple[Path, str, str, bool | None]] = {}
-        if cpu_record is None:
-            runs |= {
-                "fp32 CPU": (DEMO_MODEL_DIR, "cpu", "float32", None),
-                # the padding's own cost (none but the q norm's eps)
-                "fp32 CPU, padded widths": (
-                    release_demo_model(Path(tmp) / "padded", quantize=False),
-                    "cpu",
-                    "float32",
-                    None,
-                ),
-                # the weights' formats alone: dequantized at load, activations not quantized
-                "fp32 CPU, release weights dequantized": (release_dir, "cpu", "float32", False),
-                # and with the release's activation quantization: its whole arithmetic
-                CPU_RELEASE: (release_dir, "cpu", "float32", True),
-            }
-        if dev.type == "cuda":
-            runs["bf16 GPU"] = (DEMO_MODEL_DIR, "cuda", "bfloat16", None)
-            runs["release GPU (bf16)"] = (release_dir, "cuda", "bfloat16", True)
-        for name, (path, device, dtype, quantized) in runs.items():
+        runs = demo_runs(Path(tmp), release_dir, cpu_record is None, dev.type == "cuda")
+        for name, run in runs.items():
             t0 = time.perf_counter()
-            llm = demo_llm(path, device, dtype, quantized)
-            out["bpb"][name] = bits_per_byte(llm.score, windows)
-            if name == CPU_RELEASE:
-                out["cpu_release_tokens"] = [r.token_ids for r in llm.generate(starts, greedy)]
-            elif name.startswith("release"):
-                got = [r.token_ids for r in llm.generate(starts, greedy)]
-                out[f"{name} vs {CPU_RELEASE}"] = _agreement(
-                    llm, starts, out["cpu_release_tokens"], got
+            with kernels.use_backend(run.backend):
+                llm = demo_llm(
+                    run.path, run.device, run.dtype, run.quantized, run.backend is not None
                 )
+                out["bpb"][name] = bits_per_byte(llm.score, windows)
+                if name in GREEDY_REFERENCES or run.judged_by:
+                    tokens = [r.token_ids for r in llm.generate(starts, greedy)]
+                if name in GREEDY_REFERENCES:
+                    out["greedy_tokens"][name] = tokens
+                if run.judged_by:
+                    want = out["greedy_tokens"][run.judged_by]
+                    out[f"{name} vs {run.judged_by}"] = _agreement(llm, starts, want, tokens)
             llm.close()
             print(f"demo {name}: {out['bpb'][name]:.4f} bpb ({time.perf_counter() - t0:.0f} s)")
     bpb = out["bpb"]
-    base = bpb["fp32 CPU"]
-    out["rel_to_fp32_cpu"] = {k: v / base - 1 for k, v in bpb.items()}
+    out["rel_to_fp32_cpu"] = {k: v / bpb[FP32_CPU] - 1 for k, v in bpb.items()}
     if "release GPU (bf16)" in bpb:
         out["release_gpu_vs_cpu_fake_quant"] = bpb["release GPU (bf16)"] / bpb[CPU_RELEASE] - 1
     return out
 
 
 def _agreement(llm: LLM, starts: list, want: list[list[int]], got: list[list[int]]) -> dict:
-    """Greedy continuations against the reference's: equal share, first divergence, and the
-    argmax given the reference's prefix (no cascade after one near-tie)."""
+    """Greedy continuations against the reference's: equal share, first divergence, the argmax
+    given the reference's prefix (no cascade after one near-tie), and where that argmax differs
+    how far the reference's token lies behind it in these logits (a near-tie: a small gap)."""
     same = total = 0
+    gaps: list[float] = []
     for prompt, seq in zip(starts, want, strict=True):
-        logits = llm.score([*prompt, *seq[:-1]]).float().cpu()[len(prompt) - 1 :]
-        same += int((logits.argmax(-1) == torch.tensor(seq)).sum())
+        logits = llm.score([*prompt, *seq[:-1]]).float().cpu()[len(prompt) - 1 :]  # [len, V]
+        wanted = torch.tensor(seq)
+        hit = logits.argmax(-1) == wanted
+        same += int(hit.sum())
         total += len(seq)
+        miss = (~hit).nonzero().flatten()
+        gaps += (logits[miss].max(-1).values - logits[miss, wanted[miss]]).tolist()
     return {
         "greedy_agreement": greedy_agreement(got, want),
         "first_divergence": [
@@ -455,6 +491,7 @@ def _agreement(llm: LLM, starts: list, want: list[list[int]], got: list[list[int
             for g, w in zip(got, want, strict=True)
         ],
         "teacher_forced_agreement": same / total,
+        "teacher_forced_misses_logit_gap": sorted(round(g, 4) for g in gaps),
     }
 
 
@@ -522,7 +559,7 @@ def print_summary(result: dict) -> None:
             where = r.get("layer", "") + (f" M={r['M']}" if "M" in r else f" T={r['tokens']}")
             print(
                 f"  {r['kernel']:28s} {r.get('model', ''):13s} {where:20s} "
-                f"rel {r['rel_err']:.2e}  max {r['max_bf16_ulps']:.2f} bf16 ulps"
+                f"rel {r['rel_err']:.2e}  max {r['max_row_bf16_ulps']:.2f} bf16 ulps of the row"
             )
     for key in ("slice v4", "slice v32"):
         if key not in result:
@@ -543,8 +580,13 @@ def print_summary(result: dict) -> None:
         for name, v in d["bpb"].items():
             print(f"  {name:32s} {v:.4f}  ({d['rel_to_fp32_cpu'][name] * 100:+.2f}% vs fp32 CPU)")
         for k, v in d.items():
-            if k.endswith(f"vs {CPU_RELEASE}"):
-                print(f"  {k}: {v}")
+            if " vs " in k and isinstance(v, dict):
+                gaps = v["teacher_forced_misses_logit_gap"]
+                print(
+                    f"  {k}: teacher-forced argmax {v['teacher_forced_agreement']:.3f} "
+                    f"(misses' logit gap max {max(gaps, default=0):.3f}), free-running greedy "
+                    f"{v['greedy_agreement']:.3f}, first divergence {v['first_divergence']}"
+                )
 
 
 if __name__ == "__main__":
