@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from engine.kv.layout import KVCacheConfig
-from engine.kv.pool import KVPool
-from engine.layers.experts import Fp8Experts
-from engine.layers.fp8_linear import Fp8Linear
-from engine.models import FAMILIES
-from engine.models.deepseek_v4.moe import Fp4Experts
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.step import RowSpan, build_step_inputs
+from dsaserve.engine.kv.layout import KVCacheConfig
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.layers.experts import Fp8Experts
+from dsaserve.engine.layers.fp8_linear import Fp8Linear
+from dsaserve.engine.models import FAMILIES
+from dsaserve.engine.models.deepseek_v4.moe import Fp4Experts
+from dsaserve.engine.request import Request
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.scheduler import Scheduler
+from dsaserve.engine.step import RowSpan, build_step_inputs
 
 QUANTIZED = (Fp8Linear, Fp4Experts, Fp8Experts)
 

@@ -30,15 +30,19 @@ from typing import Any
 
 import torch
 
+# (first: before triton is imported, on a CPU it turns Triton's interpreter on)
+from dsaserve.kernels import env  # noqa: F401
+
+# isort: split
 from bench.engine import RELEASE_QUANTIZATION, SMOKE_WIDTHS, V4, Bench, family, fill_random
 from bench.harness import write_record
-from engine.kv.layout import bytes_per_token
-from engine.layers.fp8_linear import Fp8Linear
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.moe import Fp4Experts
-from engine.profile import hardware
-from engine.profile.decode import profile_decode
-from engine.profile.report import format_table
+from dsaserve.engine.kv.layout import bytes_per_token
+from dsaserve.engine.layers.fp8_linear import Fp8Linear
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.moe import Fp4Experts
+from dsaserve.engine.profile import hardware
+from dsaserve.engine.profile.decode import profile_decode
+from dsaserve.engine.profile.report import format_table
 
 CONTEXT, SMOKE_CONTEXT = 8192, 64
 CONCURRENCY, SMOKE_CONCURRENCY = (1, 16, 64, 256), (1, 4)

@@ -53,7 +53,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-import kernels
+# (first: before triton is imported, on a CPU it turns Triton's interpreter on)
+from dsaserve.kernels import env  # noqa: F401
+
+# isort: split
 from bench.engine import V4, V32, random_model, release_model, slice_config
 from bench.fake_quant import (
     OnePrompt,
@@ -66,13 +69,14 @@ from bench.fake_quant import (
 from bench.harness import write_record
 from bench.numerics import BOS, bits_per_byte, greedy_agreement, heldout_windows
 from bench.quant import random_fp8
-from engine import models
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.llm import LLM
-from engine.models.deepseek_v4.tiny import release_names, save_release
-from engine.sampling_params import SamplingParams
-from kernels import quant
-from kernels.quant import FP8_BLOCK
+from dsaserve import kernels
+from dsaserve.engine import models
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v4.tiny import release_names, save_release
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.kernels import quant
+from dsaserve.kernels.quant import FP8_BLOCK
 
 # The FP8 linears (N, K) of each family at its real widths (shared/reference/v4-release.md;
 # bench/v32_widths.py): attention projections, the indexer's query, shared / dense experts

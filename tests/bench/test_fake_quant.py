@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from bench.fake_quant import OnePrompt, compare, layer_labels, reference_model
-from engine import models
-from engine.llm import LLM
+from dsaserve.engine import models
+from dsaserve.engine.llm import LLM
 from tests.release_reference import ENGINE, release_ids
 
 POOL_BYTES = 32 << 20
