@@ -343,9 +343,9 @@ class Bench:
                 text=None,
                 eos_token_ids=frozenset(),
             )
-            assert self.scheduler.try_allocate(r, context + 1), (
-                "KV pool too small for the benchmark"
-            )
+            if not self.scheduler.try_allocate(r, context + 1):
+                self.release(reqs)  # (a failed allocation holds nothing: no pages are left)
+                raise AssertionError(f"KV pool too small for {n} requests of {context} tokens")
             r.num_computed, r.output_token_ids, r.status = context, [11], Status.RUNNING
             self.scheduler.running.append(r)
             self.scheduler.requests[r.request_id] = r

@@ -36,7 +36,14 @@ from dsaserve.kernels import env  # noqa: F401
 # isort: split
 from bench.engine import RELEASE_QUANTIZATION, SMOKE_WIDTHS, V4, Bench, family, fill_random
 from bench.harness import write_record
-from dsaserve.engine.kv.layout import bytes_per_token
+from dsaserve.engine.kv.layout import (
+    KVBudgetError,
+    KVCacheConfig,
+    bytes_per_token,
+    plan_pages,
+    ring_pages,
+    staging_block_bytes,
+)
 from dsaserve.engine.layers.fp8_linear import Fp8Linear
 from dsaserve.engine.models.deepseek_v4.config import ModelConfig
 from dsaserve.engine.models.deepseek_v4.moe import Fp4Experts
@@ -47,6 +54,7 @@ from dsaserve.engine.profile.report import format_table
 CONTEXT, SMOKE_CONTEXT = 8192, 64
 CONCURRENCY, SMOKE_CONCURRENCY = (1, 16, 64, 256), (1, 4)
 MAX_EXPERTS = 128
+PAGE = 64  # bench.engine.Bench's page size
 MARGIN_BYTES = 8 << 30  # graphs' pools, activations, the profiler, the sampler
 E2M1_RMS = math.sqrt(sum(v * v for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6)) / 8)  # random codes
 
@@ -108,9 +116,27 @@ def random_release_model(cfg: ModelConfig, dev: torch.device) -> Any:
 
 
 def kv_budget(cfg: ModelConfig, concurrency: int, context: int) -> int:
-    """Bytes for `concurrency` requests of `context` tokens (and the steps run after it) in
-    bf16 pools, with room for the pools' fixed parts."""
-    return int(bytes_per_token(cfg, 2) * concurrency * (context + 64) * 1.25) + (1 << 30)
+    """The smallest budget (to 1/8) whose pool plan (engine.kv.layout.plan_pages, as
+    bench.engine.Bench's pool makes it) gives every group the pages of `concurrency` requests
+    of `context` tokens and the steps run after them: window rings, compressed entries, the
+    pool's fixed parts and its staging share."""
+    kv = KVCacheConfig(memory_bytes=0, page_size=PAGE, max_num_seqs=concurrency)
+    tokens = context + 64
+    need = {
+        g.name: concurrency
+        * (ring_pages(cfg, PAGE) + (-(-tokens // g.ratio // PAGE) if g.ratio else 0))
+        for g in cfg.kv_groups()
+    }
+    block = staging_block_bytes(cfg, PAGE, 2)
+    budget = int(bytes_per_token(cfg, 2) * concurrency * tokens)
+    while True:
+        try:
+            pages, _ = plan_pages(cfg, dataclasses.replace(kv, memory_bytes=budget), 2, block)
+            if all(pages[g] >= n for g, n in need.items()):
+                return budget
+        except KVBudgetError:  # below the fixed costs
+            pass
+        budget += budget // 8
 
 
 def main() -> None:
