@@ -9,9 +9,9 @@ held-out windows, --max-tokens each): the mean acceptance length (tokens a verif
 1 + accepted drafts, vLLM's figure), the acceptance rate of each draft position, decode steps
 per output token (target forward steps after the prompt's, over the tokens after the first) and
 wall time per output token, each against K = 0 in the same run. Greedy tokens must equal K = 0's
-on the CPU (the run fails otherwise); in bf16 on a GPU their agreement is reported. Wall times on a CPU say little about a GPU (the MTP layer is a fifth
-of this model's layers, and a step's fixed costs dominate at this size): the steps are the
-figure that carries over.
+on the CPU (the run fails otherwise); in bf16 on a GPU their agreement is reported. Wall times
+on a CPU say little about a GPU (the MTP layer is a fifth of this model's layers, and a step's
+fixed costs dominate at this size): the steps are the figure that carries over.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def run(spec: dict | None, prompts: list[list[int]], max_tokens: int, device: st
             device=device,
             dtype="float32" if device == "cpu" else "bfloat16",
             max_num_seqs=4,
+            # (a fixed budget: the default share of free memory read 0 MiB on an H200 just after
+            # bench.full_depth's process had held 110 GB of it)
+            kv_cache_memory_bytes=1 << 30,
             enable_prefix_caching=False,
             speculative_config=json.dumps(spec) if spec else None,
         ),
