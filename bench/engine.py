@@ -325,10 +325,10 @@ class Bench:
 
     def use(self, model: Any) -> None:
         """Run `model` from now on, on the same pool (its layout does not depend on the weights),
-        with decode graphs captured for it on the GPU."""
+        with decode graphs captured for it on the GPU (where its decode steps may be)."""
         self.model = model
         self.runner = ModelRunner(model, self.pool, self.dev, self.max_context, self.channel)
-        if self.dev.type == "cuda":
+        if self.dev.type == "cuda" and model.cuda_graphs:
             self.runner.capture_decode_graphs(self.graph_sizes)
 
     def requests(self, n: int, context: int) -> list[Request]:
@@ -434,7 +434,10 @@ def check_against_reference(bench: Bench, context: int, prefill: int) -> dict:
 def _with_layer_outputs(model, pool, inp, rows) -> tuple[torch.Tensor, list[torch.Tensor]]:
     outputs: list[torch.Tensor] = []
     hooks = [
-        layer.register_forward_hook(lambda m, args, out: outputs.append(out.clone()))
+        # (a V4.1 layer returns its streams and the next sublayer's mHC weights)
+        layer.register_forward_hook(
+            lambda m, args, out: outputs.append((out[0] if isinstance(out, tuple) else out).clone())
+        )
         for layer in model.layers
     ]
     try:

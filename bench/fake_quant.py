@@ -54,7 +54,15 @@ def family(model_type: str) -> Any:
 
 
 def layer_labels(cfg: Any) -> list[str]:
-    """A label per layer of a model: its attention kind (V4) or its MLP kind (V3.2)."""
+    """A label per layer of a model: its attention kind (V4), its MLP kind (V3.2), its compress
+    ratio and role in CSA2 (V4.1: KV source, reader of one, window only)."""
+    if cfg.family == "deepseek_v41":
+        return [
+            "window"
+            if not cfg.compress_ratio(i)
+            else f"ratio {cfg.compress_ratio(i)} " + ("source" if i in cfg.kv_sources else "reader")
+            for i in range(cfg.num_layers)
+        ]
     return list(cfg.layer_types if cfg.family == "deepseek_v4" else cfg.mlp_layer_types)
 
 

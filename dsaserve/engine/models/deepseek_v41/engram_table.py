@@ -103,12 +103,17 @@ class EngramTable:
         (0: none)."""
         self.rows, self.dim = codes.shape
         self.codes, self.scales = device_view(codes, device), device_view(scales, device)
-        self.dtype, self.slots = dtype, slots
-        # slot `slots` is a dummy: lookups that insert nothing write there
-        self.tags = torch.full((slots + 1,), -1, dtype=torch.int64, device=device)
-        self.cache = torch.zeros(slots + 1, self.dim, dtype=dtype, device=device)
+        self.dtype, self.device = dtype, device
         self.lookups = torch.zeros((), dtype=torch.int64, device=device)
         self.hits = torch.zeros((), dtype=torch.int64, device=device)
+        self.set_cache(slots)
+
+    def set_cache(self, slots: int) -> None:
+        """An empty device cache of `slots` rows (0: every lookup reads the host's rows)."""
+        self.slots = slots
+        # slot `slots` is a dummy: lookups that insert nothing write there
+        self.tags = torch.full((slots + 1,), -1, dtype=torch.int64, device=self.device)
+        self.cache = torch.zeros(slots + 1, self.dim, dtype=self.dtype, device=self.device)
 
     def read(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [M] (on the device) of the table itself: [M, D] in the model dtype."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 
 import torch
 from tokenizers import Tokenizer as BackendTokenizer
@@ -87,28 +88,47 @@ def load_weights(model: DeepseekV41, model_dir: str | os.PathLike) -> None:
 
 def _attach_engram(model: DeepseekV41, model_dir: str) -> None:
     engram = model.cfg.engram
-    assert engram is not None and model.hasher is not None
-    param = next(model.parameters())
-    device, dtype = param.device, model.embed.weight.dtype
-    for layer, rows, module in zip(
-        engram.layer_ids, engram.num_embeddings, model.engrams(), strict=True
-    ):
+    assert engram is not None
+    tables = []
+    for layer in engram.layer_ids:
         prefix = f"layers.{layer}.engram.embed"
         table = open_table(model_dir, prefix) or open_table(model_dir, f"model.{prefix}")
         if table is None:
             raise WeightsError(f"checkpoint in {model_dir} has no Engram table {prefix}.weight")
-        codes, scales = table
+        tables.append(table)
+    backend = BackendTokenizer.from_str(Tokenizer.from_pretrained(model_dir).backend_json())
+    attach_engram(model, tables, compressed_token_map(backend))
+
+
+def attach_engram(
+    model: DeepseekV41,
+    tables: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    lookup: list[int],
+    cache_bytes: int | None = None,
+) -> None:
+    """Give each Engram layer its table, in host memory behind a device cache of `cache_bytes`
+    (None: DEVICE_CACHE_BYTES of the model's device type; 0: none), and the hasher its token
+    map; raise WeightsError / ConfigError where they disagree with the config.
+
+    tables: per Engram layer, host tensors codes [rows, head_dim] and scales [rows,
+    head_dim / 32], uint8 (e4m3 bits, ue8m0); lookup: the tokenizer's compressed map
+    (compressed_token_map). The loader passes the checkpoint's; bench.v41_slice synthetic ones."""
+    engram = model.cfg.engram
+    assert engram is not None and model.hasher is not None
+    param = next(model.parameters())
+    device, dtype = param.device, model.embed.weight.dtype
+    budget = DEVICE_CACHE_BYTES.get(device.type, 0) if cache_bytes is None else cache_bytes
+    for layer, rows, module, (codes, scales) in zip(
+        engram.layer_ids, engram.num_embeddings, model.engrams(), tables, strict=True
+    ):
         want = [(rows, engram.head_dim), (rows, engram.head_dim // 32)]
         if [tuple(codes.shape), tuple(scales.shape)] != want:
             raise WeightsError(
-                f"{prefix}: checkpoint {list(codes.shape)} / {list(scales.shape)}, the config "
-                f"says {want[0]} FP8 values with {want[1]} scales"
+                f"layers.{layer}.engram.embed: checkpoint {list(codes.shape)} / "
+                f"{list(scales.shape)}, the config says {want[0]} FP8 values with {want[1]} scales"
             )
-        row_bytes = engram.head_dim * dtype.itemsize
-        slots = cache_slots(rows, row_bytes, DEVICE_CACHE_BYTES.get(device.type, 0))
+        slots = cache_slots(rows, engram.head_dim * dtype.itemsize, budget)
         module.table = EngramTable(codes, scales, device, dtype, slots)
-    backend = BackendTokenizer.from_str(Tokenizer.from_pretrained(model_dir).backend_json())
-    lookup = compressed_token_map(backend)
     size = max(lookup) + 1
     if size != engram.compressed_vocab_size:
         raise ConfigError(
