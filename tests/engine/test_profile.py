@@ -154,6 +154,32 @@ def test_a_missing_model_directory_exits_with_an_error(tmp_path):
     assert f"--model {tmp_path / 'nowhere'}: no such directory" in run.stderr
 
 
+@pytest.mark.e2e  # dsaserve commands as processes
+def test_a_tiny_v41_checkpoint_made_and_profiled_by_the_commands(tmp_path):
+    """`dsaserve make-tiny-model --model-type deepseek_v41`, then `dsaserve profile` of it: each
+    of V4.1's parts takes time, Engram's lookups (its table rows) under a range of their own."""
+    model, out = tmp_path / "v41", tmp_path / "profile.json"
+    made = subprocess.run(
+        [sys.executable, "-m", "dsaserve.services.cli", "make-tiny-model", str(model)]
+        + ["--model-type", "deepseek_v41", "--format", "release"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert made.returncode == 0, made.stderr[-3000:]
+    run = _dsaserve(
+        "--model", str(model), "--concurrency", "2", "--context", "40", "--steps", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["setup"]["model"] == "v41"
+    for part in ("attention", "compressor", "indexer", "sparse_mla", "mhc", "moe", "head"):
+        assert report["parts"][part]["ms"] > 0, part
+    assert report["parts"]["engram"]["ms"] > 0 and report["parts"]["engram_lookup"]["ms"] > 0
+
+
 def test_a_family_the_profile_does_not_know_is_refused(tmp_path, capsys):
     """Its floors and parts are DeepSeek-V4's: a V3.2 checkpoint is refused before loading."""
     from dsaserve.engine.models.deepseek_v32.tiny import make_tiny_model as make_v32

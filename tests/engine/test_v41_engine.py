@@ -2,7 +2,8 @@
 KV sources with their entries and index keys), a prefilled request moved to another engine (as a
 PD handoff moves it: the tokens come with the request, so Engram's n-grams at the first decode
 step read the prompt's last tokens), preemption under a small KV budget, synchronous steps, and
-two tensor-parallel ranks (processes over gloo) against the independent reference."""
+two tensor-parallel ranks (processes over gloo) against the independent reference; what V4.1
+does not serve refused at start."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from bench.compare import rel_err
 from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.kv.layout import SLAB
 from dsaserve.engine.llm import LLM
+from dsaserve.engine.model_dir import ConfigError
 from dsaserve.engine.models.deepseek_v41.tiny import make_tiny_model
 from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import check_moved_request_decodes_as_if_never_moved
@@ -95,3 +97,25 @@ def test_two_ranks_compute_what_the_reference_computes(tiny: Path, reference: Re
             reference.greedy(p, GREEDY.max_tokens) for p in prompts
         ]
         assert rel_err(two.score(token_ids), reference.logits(token_ids)) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("option", "error", "message"),
+    [
+        (
+            {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+            ConfigError,
+            "the deepseek_v41 family's draft head is not run here",
+        ),
+        (
+            {"kv_cache_dtype": "fp8"},
+            ValueError,
+            "--kv-cache-dtype fp8 is not served for deepseek_v41",
+        ),
+    ],
+)
+def test_what_is_not_served_is_refused_at_start(tiny: Path, option, error, message) -> None:
+    """The DSpark head (no MTP layer to draft with) and V4.1's own KV formats are not served:
+    asking for them fails at start, saying so, rather than serving something else."""
+    with pytest.raises(error, match=message):
+        LLM(tiny, **ENGINE, **option)
