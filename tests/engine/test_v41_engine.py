@@ -2,8 +2,8 @@
 KV sources with their entries and index keys), a prefilled request moved to another engine (as a
 PD handoff moves it: the tokens come with the request, so Engram's n-grams at the first decode
 step read the prompt's last tokens), preemption under a small KV budget, synchronous steps, and
-two tensor-parallel ranks (processes over gloo) against the independent reference; what V4.1
-does not serve refused at start."""
+two tensor-parallel ranks and two data-parallel engines sharing the experts (processes over
+gloo) against the independent reference; what V4.1 does not serve refused at start."""
 
 from __future__ import annotations
 
@@ -97,6 +97,21 @@ def test_two_ranks_compute_what_the_reference_computes(tiny: Path, reference: Re
             reference.greedy(p, GREEDY.max_tokens) for p in prompts
         ]
         assert rel_err(two.score(token_ids), reference.logits(token_ids)) < 1e-4
+
+
+@pytest.mark.e2e  # two engines, each a process
+def test_two_engines_sharing_the_experts_decode_the_reference_tokens(
+    tiny: Path, reference: ReferenceV41
+) -> None:
+    """Expert parallelism over data-parallel engines: each engine its own requests and pools,
+    the routed experts split over both (dispatch/combine all-to-alls)."""
+    prompts = [ids(n, 100 + n) for n in (9, 70, 31)]
+    with LLM(tiny, data_parallel_size=2, enable_expert_parallel=True, **ENGINE) as two:
+        moe = next(m for m in two.engine.local.model.modules() if hasattr(m, "expert_range"))
+        assert moe.expert_range == (0, 4)  # engine 0 holds half of the 8 experts
+        assert [r.token_ids for r in two.generate(prompts, GREEDY)] == [
+            reference.greedy(p, GREEDY.max_tokens) for p in prompts
+        ]
 
 
 @pytest.mark.parametrize(

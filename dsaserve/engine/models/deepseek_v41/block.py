@@ -129,7 +129,7 @@ class Block(torch.nn.Module):
         row of the step -> both with the rows of `rows_out` updated (None: all rows); reads the
         rows of `rows_in`. hashes: the Engram ids [N, Engram layers, cols] (None: none)."""
         if rows_in is not None and not len(rows_in.index):
-            return streams, pre  # (no row of the step needs this layer)
+            return self._skip(streams, pre)  # (no row of the step needs this layer)
         take = (lambda t: t) if rows_in is None else (lambda t: t[rows_in.index])
         h = take(streams)
         if self.engram is not None:
@@ -140,7 +140,7 @@ class Block(torch.nn.Module):
             x = self.attn_norm(collapse(h, take(pre)))
         out = self.attn(x, step, shared, rows_in, rows_out)
         if rows_out is not None and not len(rows_out.index):
-            return streams, pre  # (its KV was all it had to compute)
+            return self._skip(streams, pre)  # (its KV was all it had to compute)
         if rows_out is not None:
             at = (
                 rows_out.index
@@ -164,3 +164,12 @@ class Block(torch.nn.Module):
             streams.index_copy(0, rows_out.index, h),
             pre.index_copy(0, rows_out.index, pre_ffn),
         )
+
+    def _skip(self, streams: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer none of whose outputs the step needs. Under expert parallelism the other
+        engines' ranks still meet this layer's MoE in its all-to-alls (their steps trim other
+        rows): it runs on no rows."""
+        if self.ffn.tp.ep is not None:
+            none = streams.new_empty(0, streams.shape[-1])  # [0, hidden]
+            self.ffn(none, torch.empty(0, dtype=torch.int64, device=streams.device))
+        return streams, pre
