@@ -24,7 +24,7 @@ import redis
 # triton (triton reads it once), or every Triton kernel a test launches on CPU fails.
 from dsaserve import kernels  # noqa: F401
 from dsaserve.services import redis_server as redis_launcher
-from tests.model_fixtures import release, tiny  # noqa: F401  (fixtures, shared with GPU runs)
+from tests.model_fixtures import family, release, tiny  # noqa: F401  (fixtures, shared with GPU runs)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
