@@ -140,9 +140,24 @@ def redis_url(redis_server: str) -> str:
     return redis_server
 
 
+@pytest.fixture(scope="module")
+def stack(
+    request: pytest.FixtureRequest, redis_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """The module's serving stack (workers and router as processes), healthy, as the module's
+    STACK (tests/serving_stack.py's StackSpec) describes it; by default one prefill worker, one
+    decode worker and a router on `tiny`. Stopped after the module."""
+    from tests.serving_stack import StackSpec, serving
+
+    spec: StackSpec = getattr(request.module, "STACK", StackSpec())
+    model = request.getfixturevalue(spec.model) if isinstance(spec.model, str) else spec.model
+    with serving(spec, model, redis_server, tmp_path_factory.mktemp("stack")) as s:
+        yield s
+
+
 @pytest.fixture
 def client(stack: Stack) -> Iterator[openai.OpenAI]:
-    """An OpenAI client of the module's serving stack (the e2e modules' `stack` fixture)."""
+    """An OpenAI client of the module's serving stack (`stack`)."""
     from tests.serving_stack import openai_client
 
     with openai_client(stack.url) as c:

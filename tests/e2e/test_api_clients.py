@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from dsaserve.engine.llm import LLM
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
-from tests.serving_stack import pd_stack, wait_all_kv_free
+from tests.serving_stack import StackSpec, wait_all_kv_free
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes
+
+STACK = StackSpec(model="release", db=5)  # (conftest's `stack`) in a registry of its own
 
 # A multiple-choice task of lm-eval's own kind, read from a local file.
 QUESTIONS = [
@@ -32,21 +33,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("clients") / "tiny-v4", fmt="release")
-
-
-@pytest.fixture(scope="module")
-def stack(model, redis_server, tmp_path_factory):
-    """One prefill worker, one decode worker and a router, in a registry of their own."""
-    registry = redis_server.rsplit("/", 1)[0] + "/5"
-    with pd_stack(model, registry, tmp_path_factory.mktemp("stack")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def llm(model: Path) -> LLM:
-    return LLM(model)
+def llm(release: Path) -> LLM:
+    return LLM(release)
 
 
 def _completion(stack, body: dict) -> dict:
@@ -61,7 +49,7 @@ def _prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 def test_lm_eval_loglikelihoods_equal_the_engines_score(
-    stack, model, llm, tmp_path, monkeypatch
+    stack, release, llm, tmp_path, monkeypatch
 ) -> None:
     """lm-eval's local-completions sends `echo: true, logprobs: 1, max_tokens: 1` with batched
     token-id prompts; each continuation's loglikelihood must be what one causal forward (fp32,
@@ -86,10 +74,10 @@ def test_lm_eval_loglikelihoods_equal_the_engines_score(
     }
     (tmp_path / "tiny_mc.yaml").write_text(json.dumps(task))
     lm = get_model("local-completions")(
-        model=model.name,
+        model=release.name,
         base_url=stack.url + "/v1/completions",
         tokenizer_backend="huggingface",
-        tokenizer=str(model),
+        tokenizer=str(release),
         batch_size=4,  # several prompts per request
         max_retries=1,
     )
@@ -115,13 +103,13 @@ def test_lm_eval_loglikelihoods_equal_the_engines_score(
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_vllm_completion_extensions(stack, model, llm, client) -> None:
+def test_vllm_completion_extensions(stack, release, llm, client) -> None:
     """Batched prompts (texts and token ids; one choice per prompt and n, prompt-major),
     `max_tokens: 0` with `echo`, `prompt_logprobs` on completions and chats, and
     `continuous_usage_stats` through the openai client: the numbers are the engine's own."""
     texts = ["It was the best", "of times"]
     ids = [llm.tokenizer.encode(t, add_special_tokens=True) for t in texts]
-    body = {"model": model.name, "prompt": texts, "n": 2, "max_tokens": 3, "temperature": 0}
+    body = {"model": release.name, "prompt": texts, "n": 2, "max_tokens": 3, "temperature": 0}
     batched = _completion(stack, body)
     assert [c["index"] for c in batched["choices"]] == [0, 1, 2, 3]
     assert batched["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
@@ -130,7 +118,7 @@ def test_vllm_completion_extensions(stack, model, llm, client) -> None:
 
     echoed = _completion(
         stack,
-        {"model": model.name, "prompt": texts[0], "max_tokens": 0, "echo": True, "logprobs": 2}
+        {"model": release.name, "prompt": texts[0], "max_tokens": 0, "echo": True, "logprobs": 2}
         | {"prompt_logprobs": 1},
     )["choices"][0]
     assert (echoed["text"], echoed["finish_reason"]) == (texts[0], "length")
@@ -161,7 +149,7 @@ def test_vllm_completion_extensions(stack, model, llm, client) -> None:
     assert len(chat["prompt_logprobs"]) == len(tokens) and chat["prompt_logprobs"][0] is None
 
     stream = client.chat.completions.create(
-        model=model.name,
+        model=release.name,
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=4,
         stream=True,
@@ -181,14 +169,14 @@ WEATHER = {
 }
 
 
-def test_anthropic_sdk_messages(stack, model) -> None:
+def test_anthropic_sdk_messages(stack, release) -> None:
     """The anthropic SDK's messages.create, whole and streamed, with a tool and thinking, on
     real workers: well-formed messages, usage that adds up, and the KV freed."""
     import anthropic
 
     with anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0) as client:
         request = {
-            "model": model.name,
+            "model": release.name,
             "max_tokens": 6,
             "system": "Be brief.",
             "messages": [{"role": "user", "content": "Weather in Lima?"}],
@@ -209,7 +197,7 @@ def test_anthropic_sdk_messages(stack, model) -> None:
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_openai_responses(stack, model) -> None:
+def test_openai_responses(stack, release) -> None:
     """responses.create whole, streamed and continued by previous_response_id, on real workers.
     (The Agents SDK's tool loop runs against scripted workers,
     tests/services/test_router_responses.py: it treats a reply cut by max_output_tokens as an
@@ -217,13 +205,13 @@ def test_openai_responses(stack, model) -> None:
     import openai
 
     with openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0) as client:
-        first = client.responses.create(model=model.name, input="Hi", max_output_tokens=4)
+        first = client.responses.create(model=release.name, input="Hi", max_output_tokens=4)
         assert first.status in ("completed", "incomplete") and first.output
         again = client.responses.create(
-            model=model.name, input="And?", previous_response_id=first.id, max_output_tokens=4
+            model=release.name, input="And?", previous_response_id=first.id, max_output_tokens=4
         )
         assert again.usage.input_tokens > first.usage.input_tokens
-        with client.responses.stream(model=model.name, input="Hi", max_output_tokens=4) as s:
+        with client.responses.stream(model=release.name, input="Hi", max_output_tokens=4) as s:
             kinds = [event.type for event in s]
         assert kinds[0] == "response.created" and kinds[-1] in (
             "response.completed",

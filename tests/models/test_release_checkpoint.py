@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from dsaserve import kernels
 from dsaserve.engine.model_dir import ConfigError
 from dsaserve.engine.models.deepseek_v4.config import CSA, MOE, SLIDING, ModelConfig
-from dsaserve.engine.models.deepseek_v4.tiny import FORMATS, make_tiny_model, tiny_config
+from dsaserve.engine.models.deepseek_v4.tiny import FORMATS, tiny_config
 from dsaserve.engine.models.deepseek_v4.weights import build_model, load_weights
 from dsaserve.engine.models.loading import WeightsError
 from dsaserve.services import cli
@@ -22,11 +22,6 @@ from tests.release_reference import dequantize, read_checkpoint
 
 INTER = 128  # the release tiny model's moe_intermediate_size
 EXPERTS = 8
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
 
 
 @pytest.fixture(scope="module")

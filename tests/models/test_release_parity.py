@@ -19,7 +19,6 @@ from transformers import DeepseekV4ForCausalLM
 
 from bench.compare import rel_err
 from dsaserve.engine.llm import LLM
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, hf_logits
 from tests.release_reference import (
@@ -34,11 +33,6 @@ from tests.release_reference import (
 pytestmark = pytest.mark.e2e  # the whole release-format model against HF and the release
 
 SEQ = 300  # HCA (rate 128): 2 entries; CSA (rate 4): 75 entries > index_topk 8
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
 
 
 @pytest.fixture(scope="module")
