@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from dsaserve.services.router.settings import RouterSettings
+    from tests.model_fixtures import Family
     from tests.scripted_worker import Serve
     from tests.serving_stack import Stack
 
@@ -142,11 +143,15 @@ def redis_url(redis_server: str) -> str:
 
 @pytest.fixture(scope="module")
 def stack(
-    request: pytest.FixtureRequest, redis_server: str, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    family: Family,  # noqa: F811  (the fixture, imported above)
+    redis_server: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
     """The module's serving stack (workers and router as processes), healthy, as the module's
     STACK (tests/serving_stack.py's StackSpec) describes it; by default one prefill worker, one
-    decode worker and a router on `tiny`. Stopped after the module."""
+    decode worker and a router on `tiny`. Stopped after the module, or before a test of another
+    family (its checkpoint is `family`'s)."""
     from tests.serving_stack import StackSpec, serving
 
     spec: StackSpec = getattr(request.module, "STACK", StackSpec())

@@ -8,6 +8,10 @@ family's own (indirect: `tiny` and `release` are then that family's checkpoints)
 between families in every module (the package, its tiny checkpoints, the HF reference) is
 `Family`'s; what one module expects of each family, that module's table keyed by the family's
 name. A new family is one more row of FAMILIES, and of those tables.
+
+pytest keeps one instance of a module fixture at a time: where a module runs some tests on the
+default family and others on another, the other family's come last (or every test names its
+family), or the default family's module fixtures (a serving stack...) are built twice.
 """
 
 from __future__ import annotations

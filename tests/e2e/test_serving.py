@@ -615,7 +615,7 @@ def check_no_secret_on_a_command_line(up_pid: int) -> None:
 
 @families("deepseek_v32")
 def test_a_prefill_worker_and_a_decode_worker_of_another_family_refuse_to_pair(
-    family, release, redis_url, tmp_path
+    family, release, private_redis, tmp_path
 ):
     """A V3.2 prefill worker and a V4 decode worker, both serving a model of one name: the
     router finds no decode worker that shares the prefill worker's KV layout and says so; handed
@@ -623,7 +623,7 @@ def test_a_prefill_worker_and_a_decode_worker_of_another_family_refuse_to_pair(
     held."""
     other = FAMILIES[DEFAULT_FAMILY]
     v4 = other.make_tiny_model(tmp_path / "v4" / release.name)
-    s = Stack(release, redis_url, tmp_path)
+    s = Stack(release, private_redis.url, tmp_path)  # (no other worker in its registry)
     try:
         prefill = s.worker("prefill")
         decode = s.worker("decode", "--model", str(v4))
