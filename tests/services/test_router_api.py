@@ -105,6 +105,8 @@ async def test_malformed_json_is_400(http: httpx.AsyncClient) -> None:
             "text",
         ),
         ({"temperature": 3.5}, "temperature", "2"),
+        ({"temperature": False}, "temperature", "number"),  # a bool is no number on the wire
+        ({"presence_penalty": True}, "presence_penalty", "number"),
         ({"max_tokens": 0}, "max_tokens", "1"),
         ({"stream_options": {"include_usage": True}}, None, "stream"),
     ],

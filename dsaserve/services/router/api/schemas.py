@@ -21,6 +21,7 @@ from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     Tag,
     ValidationInfo,
@@ -116,8 +117,8 @@ class _GenerationRequest(_Body):
 
     model: Text | None = None  # None = the one served model
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     # -1 and 0 both mean off (vLLM accepts both)
     top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
     seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
@@ -136,12 +137,12 @@ class _GenerationRequest(_Body):
     # vLLM's: each prompt token's logprob (the first: null) and this many alternatives
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # OpenAI's penalties and bias, vLLM's sampling extensions (dsaserve.engine.logits_processors)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[TokenIdKey, float] | None = None  # biases clamped to [-100, 100]
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[TokenIdKey, StrictFloat] | None = None  # biases clamped to [-100, 100]
     min_tokens: StrictInt = Field(default=0, ge=0, le=UINT32_MAX)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     bad_words: list[Annotated[Text, Field(min_length=1)]] | None = None
     allowed_token_ids: list[Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]] | None = Field(
         default=None, min_length=1
