@@ -270,7 +270,8 @@ async def live() -> dict[str, str]:
 )
 async def health(request: Request) -> JSONResponse:
     """200 while a prefill and a decode worker can serve; says whether Redis is reachable
-    (while it is not, the router serves with the workers it last saw)."""
+    (while it is not, the router serves with the workers it last saw), what it ignored there,
+    and how often the registry watcher restarted after an error."""
     st = _state(request)
     reason = st.selector.unavailable_reason()
     body: dict[str, Any] = {
@@ -281,6 +282,10 @@ async def health(request: Request) -> JSONResponse:
         "registry": {
             "up": st.watcher.up,
             "last_refresh_age_s": round(st.watcher.last_refresh_age_s(), 3),
+            # entries under worker keys that are no trusted record (forged, stale, malformed)
+            "ignored_entries": st.watcher.untrusted,
+            "watcher_restarts": st.watcher.restarts,
+            "watcher_last_error": st.watcher.last_error,
         },
     }
     if reason is not None:
