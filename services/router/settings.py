@@ -73,6 +73,14 @@ class RouterSettings:
         "seconds a client may send nothing in the middle of a request body; closed after",
         flag="--body-read-timeout",
     )
+    h11_max_incomplete_event_size: int = setting(
+        32 << 10,
+        "largest request head (request line and header fields) in bytes; 431 above (vLLM's "
+        "flag name)",
+    )
+    h11_max_header_count: int = setting(
+        100, "most header fields a request may carry; 431 above (vLLM's flag name)"
+    )
     max_connections: int | None = setting(
         None,
         "open HTTP connections at most; a new one above gets a 503 before it is read (default: "
@@ -143,6 +151,11 @@ class RouterSettings:
             (
                 self.header_read_timeout_s > 0 and self.body_read_timeout_s > 0,
                 "--header-read-timeout and --body-read-timeout must be positive",
+            ),
+            (
+                self.h11_max_incomplete_event_size >= 1024 and self.h11_max_header_count >= 16,
+                "--h11-max-incomplete-event-size must be >= 1024 and --h11-max-header-count "
+                ">= 16 (a client's ordinary headers must fit)",
             ),
             (
                 (self.max_connections or 0) >= 0,
