@@ -47,6 +47,7 @@ from .schemas import (
 from .selection import WorkerSelector
 from .settings import RouterSettings
 from .streaming import EventStream, OpenAIStream, answer
+from .tenancy import tenant_of
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,9 @@ _state = router_state
 
 
 async def _require_api_key(request: Request) -> None:
-    """Let the request through with a valid key (then `request.state.api_key` is that key)."""
-    request.state.api_key = None
+    """Let the request through with a valid key (then `request.state.api_key` is that key and
+    `request.state.tenant` its tenant, tenancy.py)."""
+    request.state.api_key = request.state.tenant = None
     keys = _state(request).settings.api_keys
     if not keys:
         return
@@ -145,6 +147,7 @@ async def _require_api_key(request: Request) -> None:
     # compare_digest on every key: the time taken must not reveal how much of a key matched.
     valid = [hmac.compare_digest(presented, key.encode()) for key in keys]
     request.state.api_key = next((k for k, ok in zip(keys, valid, strict=True) if ok), None)
+    request.state.tenant = tenant_of(request.state.api_key)
     if scheme.lower() != "bearer" or request.state.api_key is None:
         raise APIError(
             401,
