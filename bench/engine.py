@@ -74,8 +74,8 @@ from engine.parallel.channel import Channel
 from engine.parallel.group import SINGLE, TensorParallel
 from engine.profile import hardware
 from engine.profile.decode import profile_decode
+from engine.profile.ranges import profiled
 from engine.profile.report import format_table
-from engine.profiling import profiled
 from engine.request import Request, Status
 from engine.runner import Model, ModelRunner
 from engine.sampler import sample

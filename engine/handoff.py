@@ -18,7 +18,7 @@ import torch
 
 from engine.kv.layout import STAGING
 from engine.kv.pool import KVPool
-from engine.kv.prefix_cache import PrefixCache
+from engine.prefix_cache.cache import PrefixCache
 from engine.request import KVPages, Listener, Request, RequestError, Status
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams

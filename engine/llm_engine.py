@@ -32,18 +32,18 @@ import os
 import torch
 
 from engine import models
-from engine.checkpoint import model_identity
 from engine.config import EngineConfig
 from engine.handoff import Handoff
-from engine.kv.block_hash import cache_salt
 from engine.kv.layout import check_kv_cache_dtype
-from engine.kv.prefix_cache import PrefixCache
 from engine.load import Load
+from engine.model_dir import model_identity
 from engine.outputs import StepOutputs, request_output
 from engine.parallel.group import SINGLE
 from engine.parallel.launch import Followers
 from engine.parallel.lockstep import Lockstep
-from engine.profiling import profiled
+from engine.prefix_cache.block_hash import cache_salt
+from engine.prefix_cache.cache import PrefixCache
+from engine.profile.ranges import profiled
 from engine.rank import build_runner, device_of, follower_main, keeps_quantized, world_of
 from engine.request import Listener, Request, RequestError, RequestOutput
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens

@@ -20,7 +20,7 @@ import torch
 
 from engine.async_copy import ToHost, to_device
 from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
-from engine.profiling import profiled
+from engine.profile.ranges import profiled
 from engine.request import Request, RequestOutput, Status
 from engine.runner import ModelRunner, PromptRows
 from engine.sampler import sample

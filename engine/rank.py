@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 from engine import models
 from engine.config import EngineConfig
-from engine.kv.host_tier import HostTier
 from engine.kv.layout import KVCacheConfig, checkpoint_bytes, default_checkpoint_rows
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Channel
 from engine.parallel.group import TensorParallel
 from engine.parallel.launch import World, join_follower
+from engine.prefix_cache.host_tier import HostTier
 from engine.runner import Model, ModelRunner
 from engine.simulate import CostModel, SimulatedModel
 from engine.speculative.draft_head import check_loaded, draft_config

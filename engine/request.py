@@ -87,8 +87,8 @@ class Request:
     slab: int | None = None  # the request's slab row (its compressor rings, its page tables)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    # Prefix cache: hashes of its known tokens' whole blocks (engine.kv.block_hash), and the prompt
-    # tokens its first admission resumed from the cache (None until then)
+    # Prefix cache: hashes of its known tokens' whole blocks (engine.prefix_cache.block_hash),
+    # and the prompt tokens its first admission resumed from the cache (None until then)
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_tokens: int | None = None
     # where its tokens part from a cached prefix that no checkpoint of its marks: its prefill

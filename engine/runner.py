@@ -27,12 +27,12 @@ from typing import Any, Protocol, cast
 import torch
 
 from engine.async_copy import to_device
-from engine.kv.checkpoint import CopyPlan, capture_window_rows, run_copies
-from engine.kv.host_tier import HostTier
 from engine.kv.pool import KVPool
 from engine.parallel.channel import Call, Channel
 from engine.parallel.group import TensorParallel
-from engine.profiling import profiled
+from engine.prefix_cache.checkpoint import CopyPlan, capture_window_rows, run_copies
+from engine.prefix_cache.host_tier import HostTier
+from engine.profile.ranges import profiled
 from engine.request import Request
 from engine.scheduler import ScheduledBatch
 from engine.step import RowSpan, StepInputs, build_step_inputs

@@ -7,7 +7,7 @@ never stalls half way; a decode that needs a new page while the pools are full p
 the most recently admitted request (its KV is freed and recomputed later), so the pool
 filling up queues work instead of failing it.
 
-With a prefix cache (engine.kv.prefix_cache) a request is admitted at the deepest checkpoint it
+With a prefix cache (engine.prefix_cache.cache) a request is admitted at the deepest checkpoint it
 shares (or waits a step for one the current step computes), its prefill chunks leave
 checkpoints behind, and pages only the cache holds are evicted before anything waits or is
 preempted.
@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv.allocator import OutOfPages
-from engine.kv.checkpoint import Capture, CopyPlan
 from engine.kv.pool import KVPool
-from engine.kv.prefix_cache import Hit, PrefixCache
+from engine.prefix_cache.cache import Hit, PrefixCache
+from engine.prefix_cache.checkpoint import Capture, CopyPlan
 from engine.request import Request, Status
 
 

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 import torch
 
 from engine.async_copy import to_device
-from engine.kv.checkpoint import Capture
 from engine.kv.pool import KVPool
 from engine.layers.rope import RotaryTable
+from engine.prefix_cache.checkpoint import Capture
 
 T = TypeVar("T")
 

@@ -1,7 +1,7 @@
 """Which prefixes each prefill worker's cache holds: the worker publishes, the router indexes.
 
 A worker's prefix cache is a tree of token blocks, each named by a chained hash
-(engine.kv.block_hash). The worker appends what changes to a Redis stream of its own,
+(engine.prefix_cache.block_hash). The worker appends what changes to a Redis stream of its own,
 `dsaserve:kv-events:<worker_id>` (`CacheEventPublisher`): the blocks made and dropped since the
 last entry, every PUBLISH_S at most; a whole snapshot ("reset") at start, every RESET_S, and after
 any entry that could not be written; an empty entry every KEEPALIVE_S when nothing changes. Each
@@ -36,7 +36,7 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
-from engine.kv.block_hash import DIGEST_BYTES, block_hashes
+from engine.prefix_cache.block_hash import DIGEST_BYTES, block_hashes
 
 log = logging.getLogger(__name__)
 

@@ -51,9 +51,9 @@ def run(s: ProfileSettings) -> None:
     import torch
 
     from engine import models
-    from engine.checkpoint import ConfigError
     from engine.demo_model import DEMO_MODEL_DIR
     from engine.llm_engine import LLMEngine
+    from engine.model_dir import ConfigError
     from engine.profile import hardware, history
     from engine.profile.decode import profile_engine, steps_run
     from engine.profile.history import HistoryError

@@ -125,7 +125,7 @@ def visible_gpus() -> list[str]:
 
 def model_splits(model: str, engine: EngineConfig) -> Callable[[int], bool]:
     """Whether the model in `model`, run as `engine` says, splits over n ranks."""
-    from engine.checkpoint import ConfigError
+    from engine.model_dir import ConfigError
     from engine.models import family
     from engine.rank import keeps_quantized
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 import pytest
 import redis.asyncio as aioredis
 
-from engine.kv.block_hash import block_hashes, cache_salt
 from engine.llm_engine import LLMEngine
 from engine.load import Load
+from engine.prefix_cache.block_hash import block_hashes, cache_salt
 from engine.sampling_params import SamplingParams
 from services import kv_events
 from services.kv_events import CacheEvent, CacheEventPublisher, CacheIndex, stream_key

@@ -42,8 +42,8 @@ from engine.profile.floors import (
     weight_work,
 )
 from engine.profile.hardware import H200, Hardware, known
+from engine.profile.ranges import PARTS, profiled
 from engine.profile.report import Report, format_table
-from engine.profiling import PARTS, profiled
 from services.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import kernels
-from engine.checkpoint import ConfigError
+from engine.model_dir import ConfigError
 from engine.models.deepseek_v4.config import CSA, MOE, SLIDING, ModelConfig
 from engine.models.deepseek_v4.tiny import FORMATS, make_tiny_model, tiny_config
 from engine.models.deepseek_v4.weights import build_model, load_weights

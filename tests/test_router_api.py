@@ -870,10 +870,10 @@ async def test_router_binds_loopback_unless_told_and_warns_when_open(
 
 # The engine modules the router may import: engine.text and these torch-free leaves.
 ROUTER_ENGINE_MODULES = (
-    "engine.checkpoint",
+    "engine.model_dir",
     "engine.config",
-    "engine.kv",
-    "engine.kv.block_hash",
+    "engine.prefix_cache",
+    "engine.prefix_cache.block_hash",
     "engine.load",
     "engine.sampling_params",
     "engine.speculative",

@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import ConfigError
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.kv.layout import SLAB
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.model_dir import ConfigError
 from engine.request import RequestError
 from engine.sampler import probabilities
 from engine.sampling_params import SamplingParams

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from bench.compare import rel_err
-from engine.checkpoint import ConfigError
 from engine.config import EngineConfig
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.layers.experts import RoutedExperts
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.model_dir import ConfigError
 from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.weights import build_model, load_weights
 from engine.parallel.group import TensorParallel

@@ -15,8 +15,8 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
 )
 
 from engine import models
-from engine.checkpoint import ConfigError
 from engine.layers.rope import RotaryTable
+from engine.model_dir import ConfigError
 from engine.models.deepseek_v32.config import ModelConfig
 from engine.models.deepseek_v32.tiny import make_tiny_model, release_tiny_config, tiny_config
 from engine.models.deepseek_v32.weights import build_model, load_weights

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import ConfigError
+from engine.model_dir import ConfigError
 from engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from engine.models.deepseek_v4.tiny import make_tiny_model, release_tiny_config, tiny_config
 from engine.models.deepseek_v4.weights import build_model, load_weights

@@ -2,7 +2,7 @@
 
 A slab row is allocated, transferred and freed exactly like a page (of the group "slab"), so
 both use this one allocator. A page's references are a request's (its page table) or the prefix
-cache's (engine.kv.prefix_cache): one page may be in several requests' tables and in the cache at
+cache's (engine.prefix_cache.cache): one page may be in several requests' tables and in the cache at
 once, and returns to the free list when its last reference goes. The allocator counts the pages
 only the cache holds (`num_cached`): those are free for the asking, by an eviction.
 """

@@ -37,7 +37,7 @@ class KVCacheConfig:
     max_num_batched_tokens: int = 8192  # rows one forward step may compute (scratch rows)
     staging_bytes: int | None = None  # for staged requests (None: see STAGING_SHARE)
     kv_cache_dtype: str = "auto"  # "auto": rows in the model dtype; "fp8": kernels.kv_quant pages
-    # checkpoints of the prefix cache (engine.kv.prefix_cache): each a slab row past the
+    # checkpoints of the prefix cache (engine.prefix_cache.cache): each a slab row past the
     # requests' (compressor rings at a cached position) and a window ring's pages in every
     # group, a fixed cost of the budget
     checkpoint_rows: int = 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import kernels
-from engine.profiling import profiled
+from engine.profile.ranges import profiled
 from engine.step import StepState
 
 

@@ -21,7 +21,7 @@ import importlib
 import os
 from types import ModuleType
 
-from engine.checkpoint import ConfigError, read_config
+from engine.model_dir import ConfigError, read_config
 
 FAMILIES = {
     "deepseek_v4": "engine.models.deepseek_v4",

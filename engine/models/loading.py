@@ -35,7 +35,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.checkpoint import ConfigError
+from engine.model_dir import ConfigError
 from engine.parallel.group import TensorParallel
 from kernels.quant import dequantize_fp4, dequantize_fp8_blocks
 

@@ -11,7 +11,7 @@
     decode        all of it around a step function (`profile_decode`) or an LLMEngine
                   (`profile_engine`)
 
-The part names are the ranges of engine.profiling, which the model and the engine's step
+The part names are the ranges of engine.profile.ranges, which the model and the engine's step
 open. Modules are imported by name (`from engine.profile.decode import profile_engine`); this
 package's __init__ imports nothing, so the model can import the ranges without a cycle.
 """

@@ -3,7 +3,7 @@
 Pure functions over plain records (engine.profile.capture makes them from torch.profiler), so
 the rules are testable with synthetic events.
 
-Parts are the `engine.profiling` ranges (`PARTS`), plus OTHER (work outside every range) and
+Parts are the `engine.profile.ranges` ranges (`PARTS`), plus OTHER (work outside every range) and
 HOST (step time that no kernel (GPU) or op (CPU) covers: the device waiting for the host, or
 Python between ops). A kernel's part is, in this order of trust:
 
@@ -29,7 +29,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.profiling import PARTS, PREFIX
+from engine.profile.ranges import PARTS, PREFIX
 
 OTHER = "other"  # part: work outside every range
 HOST = "host"  # part and class: step time no kernel / op covers

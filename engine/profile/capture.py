@@ -25,7 +25,7 @@ from engine.profile.attribution import (
     range_part,
 )
 from engine.profile.floors import ExpertLoad
-from engine.profiling import PREFIX
+from engine.profile.ranges import PREFIX
 
 
 @dataclass

@@ -73,7 +73,7 @@ Cells = dict[tuple[str, str], Work]
 
 
 def param_part(name: str) -> str | None:
-    """The model part (engine.profiling range) a parameter is used in; None: not a step's
+    """The model part (engine.profile.ranges range) a parameter is used in; None: not a step's
     matmul (the embedding, a gather; the MTP layers, which a decode step does not run)."""
     m = _LAYER.match(name)
     if m is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-from engine.checkpoint import ConfigError
+from engine.model_dir import ConfigError
 from engine.speculative.config import SpeculativeConfig
 
 C = TypeVar("C")

@@ -28,7 +28,7 @@ import torch
 
 from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from engine.outputs import StepOutputs
-from engine.profiling import profiled
+from engine.profile.ranges import profiled
 from engine.request import Request, RequestOutput, Status
 from engine.runner import ModelRunner
 from engine.sampler import sample

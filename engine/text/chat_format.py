@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine.checkpoint import read_config
+from engine.model_dir import read_config
 from engine.text.chat import ChatEncodingError, encode_messages
 from engine.text.chat.dsml import V4_DSML, V32_DSML, Dialect
 from engine.text.chat.encoding_dsv32 import encode_messages_dsv32

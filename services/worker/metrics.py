@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 
-from engine.kv.prefix_cache import CacheStats
 from engine.load import Load
+from engine.prefix_cache.cache import CacheStats
 from engine.speculative.stats import SpecDecodeStats
 from services.metrics import E2E_BUCKETS
 

@@ -26,8 +26,8 @@ import grpc
 
 from engine.demo_model import DEMO_MODEL_DIR
 from engine.engine_loop import EngineLoop
-from engine.kv.prefix_cache import CacheStats
 from engine.llm_engine import LLMEngine
+from engine.prefix_cache.cache import CacheStats
 from services import connections
 from services.auth import ClusterTokenCheck
 from services.kv_events import CacheEventPublisher

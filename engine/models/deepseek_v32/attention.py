@@ -35,7 +35,7 @@ from engine.layers.parallel import column_parallel
 from engine.models.deepseek_v32.config import KV_GROUP, ModelConfig, Quantization
 from engine.models.deepseek_v32.indexer import Indexer
 from engine.parallel.group import SINGLE, TensorParallel, shard
-from engine.profiling import profiled
+from engine.profile.ranges import profiled
 from engine.step import StepState
 
 

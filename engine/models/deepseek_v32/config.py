@@ -19,7 +19,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.checkpoint import (
+from engine.kv.layout import LayerGroup, Ring
+from engine.layers.rope import RopeSpec
+from engine.model_dir import (
     FP8_BLOCK,
     check_fp8_quantization,
     check_split,
@@ -27,8 +29,6 @@ from engine.checkpoint import (
     read_config,
     require,
 )
-from engine.kv.layout import LayerGroup, Ring
-from engine.layers.rope import RopeSpec
 
 MODEL_TYPE = "deepseek_v32"
 DENSE, SPARSE = "dense", "sparse"  # HF's mlp_layer_types: a dense MLP or the MoE

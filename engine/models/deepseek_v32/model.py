@@ -31,7 +31,7 @@ from engine.models.deepseek_v32.attention import Attention
 from engine.models.deepseek_v32.config import KV_GROUP, ModelConfig, Quantization
 from engine.models.deepseek_v32.moe import feed_forward
 from engine.parallel.group import SINGLE, TensorParallel
-from engine.profiling import profiled
+from engine.profile.ranges import profiled
 from engine.step import StepInputs, StepState
 
 

@@ -29,7 +29,7 @@ from engine.models.deepseek_v4.compressor import Compressor
 from engine.models.deepseek_v4.config import CSA, SLIDING, ModelConfig, Quantization
 from engine.models.deepseek_v4.indexer import Indexer
 from engine.parallel.group import SINGLE, TensorParallel, shard
-from engine.profiling import profiled
+from engine.profile.ranges import profiled
 from engine.step import StepState
 
 

@@ -11,7 +11,7 @@ from engine.models.deepseek_v4.config import ModelConfig, Quantization
 from engine.models.deepseek_v4.mhc import HyperConnection
 from engine.models.deepseek_v4.moe import MoE
 from engine.parallel.group import SINGLE, TensorParallel
-from engine.profiling import profiled
+from engine.profile.ranges import profiled
 from engine.step import StepState
 
 

@@ -92,7 +92,7 @@ class Compressor(torch.nn.Module):
                 req = torch.full_like(windows, seg.req)
                 step.pool.write(target, step.entry_slots(group, req, windows), entries)
             # Keep the newest ring rows for windows that close in later steps; a checkpoint
-            # inside the chunk keeps the ring as of its position (engine.kv.checkpoint).
+            # inside the chunk keeps the ring as of its position (engine.prefix_cache.checkpoint).
             for end, row in ((e, seg.slab), *((c.position, c.slab) for c in seg.captures)):
                 keep = torch.arange(max(s, end - rows), end, device=x.device)
                 ring_kv[row, keep.remainder(rows)] = kv[chunk][keep - s]

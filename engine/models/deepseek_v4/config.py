@@ -17,15 +17,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.checkpoint import (
+from engine.kv.layout import LayerGroup, Ring
+from engine.layers.rope import RopeSpec
+from engine.model_dir import (
     check_fp8_quantization,
     check_split,
     get_field,
     read_config,
     require,
 )
-from engine.kv.layout import LayerGroup, Ring
-from engine.layers.rope import RopeSpec
 
 SLIDING, CSA, HCA = (
     "sliding_attention",

@@ -24,7 +24,7 @@ from engine.models.deepseek_v4.config import ModelConfig, Quantization
 from engine.models.deepseek_v4.mhc import HyperHead
 from engine.models.deepseek_v4.mtp import MTPLayer
 from engine.parallel.group import SINGLE, TensorParallel
-from engine.profiling import profiled
+from engine.profile.ranges import profiled
 from engine.step import StepInputs, StepState
 
 

@@ -1,6 +1,6 @@
 """A request's KV state at one position, as the prefix cache keeps it: how a step captures it and
 how a request is restored from it. The bookkeeping (which checkpoints exist, who shares which
-page) is engine.kv.prefix_cache's; this module moves the bytes.
+page) is engine.prefix_cache.cache's; this module moves the bytes.
 
 What resuming a request at position c needs, per pool group (engine.kv.pool):
 - the compressed entries of the windows closed before c: full entry pages are immutable once
@@ -28,8 +28,8 @@ import torch
 
 import kernels
 from engine.async_copy import to_device
-from engine.kv.host_tier import HostTier
 from engine.kv.pool import KVPool
+from engine.prefix_cache.host_tier import HostTier
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,8 @@ class Capture:
 @dataclass
 class CopyPlan:
     """What to copy before a step, in this order:
-    - saves: pages (and slab rows, group "slab") to the host tier's blocks (engine.kv.host_tier),
-      read before anything below writes into them;
+    - saves: pages (and slab rows, group "slab") to the host tier's blocks
+      (engine.prefix_cache.host_tier), read before anything below writes into them;
     - loads: host blocks into pages;
     - copies: pages into pages, in the order planned. A page written by an earlier copy is read
       through it (from that copy's source), so they run as one gather and one scatter that both

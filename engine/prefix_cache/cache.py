@@ -1,9 +1,10 @@
 """Automatic prefix caching: requests resume from the KV state of an earlier one with the same
 leading tokens, instead of computing it again.
 
-What is cached (engine.kv.checkpoint says why these are what resuming needs):
+What is cached (engine.prefix_cache.checkpoint says why these are what resuming needs):
 - a tree of token blocks (`Node`, B = the page size tokens each, named by the chained hashes of
-  engine.kv.block_hash and holding their tokens): node d is the prefix [0, d*B) of some request;
+  engine.prefix_cache.block_hash and holding their tokens): node d is the prefix [0, d*B) of
+  some request;
 - on the node whose prefix ends where an entry page closes (every P * ratio tokens of a compressed
   group), that full entry page, shared by reference with every request that resumes past it;
 - checkpoints (`Checkpoint`): a request's window ring and compressor rings at one position, copied
@@ -22,11 +23,12 @@ used checkpoint (made or resumed from) that no request is being restored from, t
 whose subtree no longer holds a checkpoint (its entry pages with it): a page a running request
 uses only loses the cache's reference. Nothing is evicted that the step being built captures.
 
-Host tier (`--kv-offloading-size`, engine.kv.host_tier): with one, an evicted checkpoint moves to
-pinned host memory instead of going (its ring pages, slab row and open pages packed into host
-blocks), and so do a node's full pages once no checkpoint on the device lies below it
-(`Node.device_below`); a hit on either brings it back into device pages first, in the step that
-resumes from it. Host memory runs out the same way: its least recently used checkpoint goes.
+Host tier (`--kv-offloading-size`, engine.prefix_cache.host_tier): with one, an evicted
+checkpoint moves to pinned host memory instead of going (its ring pages, slab row and open pages
+packed into host blocks), and so do a node's full pages once no checkpoint on the device lies
+below it (`Node.device_below`); a hit on either brings it back into device pages first, in the
+step that resumes from it. Host memory runs out the same way: its least recently used
+checkpoint goes.
 
 Timing: a checkpoint is registered when the step that computes it is scheduled, and its bytes
 are written on the engine's stream by that step; a request may resume from it from the next
@@ -51,11 +53,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine.kv.block_hash import block_hashes
-from engine.kv.checkpoint import Capture, CopyPlan
-from engine.kv.host_tier import HostTier
 from engine.kv.layout import SLAB, ring_elems
 from engine.kv.pool import KVPool
+from engine.prefix_cache.block_hash import block_hashes
+from engine.prefix_cache.checkpoint import Capture, CopyPlan
+from engine.prefix_cache.host_tier import HostTier
 from engine.request import Request
 
 
@@ -135,7 +137,7 @@ class PrefixCache:
         self._step = 0  # the step being scheduled
         self._plan = CopyPlan()  # its copies
         self._loaded: list[list[int]] = []  # host blocks its loads read (free from the next)
-        self._held: list[Node] = []  # nodes whose pages its copies read (pinned until the next)
+        self._pinned: list[Node] = []  # nodes whose pages its copies read (until the next step)
         # the state at a position is only the entries before it (module docstring)
         self.stateless = pool.ring_pages == 0 and ring_elems(pool.cfg) == 0
         self.stats = CacheStats()
@@ -152,8 +154,8 @@ class PrefixCache:
         restorable. Returns the plan its copies go into, which must run before it."""
         self._step += 1
         self._plan = CopyPlan()
-        held, self._held = self._held, []
-        for node in held:
+        pinned, self._pinned = self._pinned, []
+        for node in pinned:
             node.pins -= 1
             self._prune(node)
         if self.host is not None:  # the last plan read them: their blocks may be written again
@@ -268,7 +270,7 @@ class PrefixCache:
         if hit.checkpoint is not None:
             hit.checkpoint.pins += 1
         hit.node.pins += 1
-        self._held.append(hit.node)
+        self._pinned.append(hit.node)
 
     def unpin(self, hit: Hit) -> None:
         if hit.checkpoint is not None:
@@ -370,7 +372,7 @@ class PrefixCache:
         """Checkpoints of `req` inside its chunk [start, start + n) of this step: registered now
         (restorable after this step), their pages taken from the free ones or by evicting older
         checkpoints (skipped where neither gives room); plans the copy of the request's rings as
-        of `start`, which the step completes (engine.kv.checkpoint)."""
+        of `start`, which the step completes (engine.prefix_cache.checkpoint)."""
         pool = self.pool
         tokens = known_tokens(req)
         out = []
@@ -606,17 +608,17 @@ class PrefixCache:
 
     def take_events(self, snapshot: bool) -> tuple[list[bytes] | None, list[tuple[bytes, bool]]]:
         """What a router needs to know of the cache since the last call: (with `snapshot`, the
-        hash of every node held; else None) and every node made (True) or dropped (False) since,
+        hash of every node it holds; else None) and every node made (True) or dropped (False) since,
         in order. The first call starts the recording."""
         events, self.events = self.events or [], []
         if not snapshot:
             return None, events
-        held, stack = [], list(self.root.children.values())
+        hashes, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
-            held.append(node.hash)
+            hashes.append(node.hash)
             stack.extend(node.children.values())
-        return held, []
+        return hashes, []
 
 
 def known_tokens(req: Request) -> list[int]:
