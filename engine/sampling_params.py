@@ -31,6 +31,9 @@ class SamplingParams:
     # and the k likeliest alternatives at its place (vLLM's `prompt_logprobs`). The prompt is
     # then computed whole, never resumed from the prefix cache.
     prompt_logprobs: int | None = None
+    # The prefix-cache namespace (vLLM's `cache_salt`): the request resumes only from prefixes
+    # computed under the same salt (engine.prefix_cache.cache, "Namespaces"). None: the shared one.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

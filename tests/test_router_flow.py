@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from services.registry import WorkerRecord, seal, worker_key
 from services.router.settings import RouterSettings
+from services.router.tenancy import tenant_of
 from services.rpc import pb
 from tests.scripted_worker import MODEL, TOKEN, WAIT_S, Serve, sse_events
 
@@ -153,6 +154,27 @@ async def test_request_fields_reach_the_workers(serve: Serve, make_router: Any) 
         sent.prompt_token_ids
     )
     assert prefill.aborted == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("scope", [None, "global"])
+async def test_each_key_prefills_in_a_cache_namespace_of_its_own(
+    serve: Serve, make_router: Any, scope: str | None
+) -> None:
+    """By default (API keys: scope key) a request's cache_salt on the wire is its tenant, with
+    vLLM's cache_salt after it; with --prefix-cache-scope global only the request's own salt."""
+    prefill = await serve("prefill", "p1")
+    await serve("decode", "d1")
+    router = await make_router(api_keys=("key-a", "key-b"), prefix_cache_scope=scope)
+    for key, salt in (("key-a", None), ("key-a", "s"), ("key-b", None), ("key-b", "s")):
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        await router.openai(key).chat.completions.create(**CHAT, **extra)
+    sent = [
+        r.sampling.cache_salt if r.sampling.HasField("cache_salt") else None
+        for r in prefill.prefill_requests
+    ]
+    a, b = tenant_of("key-a"), tenant_of("key-b")
+    assert sent == ([a, f"{a}:s", b, f"{b}:s"] if scope is None else [None, "s", None, "s"])
 
 
 @pytest.mark.asyncio

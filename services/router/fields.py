@@ -62,7 +62,6 @@ GENERATION: Mapping[str, NoOp] = {
     "bad_words": EMPTY_LIST,
     "allowed_token_ids": NULL,
     "logits_processors": NULL,
-    "cache_salt": NULL,
     "kv_transfer_params": NULL,
     "vllm_xargs": NULL,
 }

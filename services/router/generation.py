@@ -26,6 +26,7 @@ from .pd import Generation
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .streaming import cancelled_on_disconnect
 from .structured import reply_grammar_of
+from .tenancy import cache_namespace
 
 if TYPE_CHECKING:
     from .app import RouterState
@@ -91,13 +92,14 @@ async def launch(
         await st.admission.acquire(arrival + timeout_s - time.monotonic())
         slots.callback(st.admission.release)
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        namespace = cache_namespace(request.state.tenant, body.cache_salt, st.settings.cache_by_key)
         generations = [
             Generation(
                 # Workers key requests by id: each choice is a request of its own there.
                 request_id=request_id if len(choices) == 1 else f"{request_id}-{i}",
                 prompt_ids=ids,
                 # max_tokens 0 (echo): the prompt's logprobs need one prefill step anyway
-                sampling=body.sampling(max(budget, 1), choice=i % body.n, grammar=grammar),
+                sampling=body.sampling(max(budget, 1), i % body.n, grammar, namespace),
                 deadline=arrival + timeout_s,
                 timeout_s=timeout_s,
                 timer=RequestTimer(st.metrics, arrival),

@@ -132,6 +132,8 @@ class _GenerationRequest(_Body):
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
     # vLLM's: each prompt token's logprob (the first: null) and this many alternatives
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: the prompt resumes only from prefixes cached under the same salt (and key)
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -179,16 +181,22 @@ class _GenerationRequest(_Body):
         return self.prompt_logprobs
 
     def sampling(
-        self, max_tokens: int, choice: int = 0, grammar: str | None = None
+        self,
+        max_tokens: int,
+        choice: int = 0,
+        grammar: str | None = None,
+        cache_salt: str | None = None,
     ) -> pb.SamplingParams:
-        """The wire sampling params of choice `choice` (`grammar`: the structured output's);
-        unset fields stay unset so the worker applies its defaults."""
+        """The wire sampling params of choice `choice` (`grammar`: the structured output's;
+        `cache_salt`: the prefix-cache namespace, tenancy.cache_namespace); unset fields stay
+        unset so the worker applies its defaults."""
         params = pb.SamplingParams(
             max_tokens=max_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             grammar=grammar,
+            cache_salt=cache_salt,
         )
         if (logprobs := self.logprobs_count()) is not None:
             params.logprobs = logprobs

@@ -41,6 +41,14 @@ class RouterSettings:
         "cache_aware: the most a worker's load (running + waiting + this router's calls) may "
         "exceed the least loaded worker's for a prefix it holds to still go there",
     )
+    prefix_cache_scope: str | None = setting(
+        None,
+        "who shares prefix-cache hits: key (a prompt resumes only from what requests with the "
+        "same API key computed, so its speed and cached_tokens tell nothing of other keys' "
+        "prompts) or global (every request; the only scope without API keys); default: key "
+        "when the router has API keys. A request's cache_salt (vLLM's field) partitions further",
+        choices=["global", "key"],
+    )
     max_inflight: int = setting(256, "requests running at once")
     max_queue: int = setting(1024, "requests waiting for a slot before 429s")
     max_queue_delay_s: float = setting(
@@ -145,6 +153,11 @@ class RouterSettings:
                 f"max_inflight_per_key must be >= 0, got {self.max_inflight_per_key}",
             ),
             (
+                self.prefix_cache_scope != "key" or bool(self.api_keys),
+                "--prefix-cache-scope key partitions the cache by --api-key; give the router "
+                "API keys",
+            ),
+            (
                 not self.max_inflight_per_key or bool(self.api_keys),
                 "max_inflight_per_key limits each --api-key; give the router API keys",
             ),
@@ -190,6 +203,11 @@ class RouterSettings:
         if self.max_connections is None:
             return self.max_inflight + self.max_queue + 256
         return self.max_connections
+
+    @property
+    def cache_by_key(self) -> bool:
+        """Whether each API key has a prefix-cache namespace of its own."""
+        return (self.prefix_cache_scope or ("key" if self.api_keys else "global")) == "key"
 
     @property
     def key_limit(self) -> int:

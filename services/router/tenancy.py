@@ -26,3 +26,12 @@ def tenant_of(api_key: str | None) -> str | None:
 def same_tenant(a: str | None, b: str | None) -> bool:
     """Whether two tenants (either may be None: no key) are one, in constant time."""
     return hmac.compare_digest((a or "").encode(), (b or "").encode())
+
+
+def cache_namespace(tenant: str | None, cache_salt: str | None, by_key: bool) -> str | None:
+    """The prefix-cache namespace of a request (SamplingParams.cache_salt on the wire): its
+    tenant's when the cache is partitioned by key, with its own `cache_salt` after it; None:
+    the shared one. (Under one scope no two pairs make one string: by key every request has a
+    tenant of 32 hex digits first, globally none has.)"""
+    parts = [part for part in (tenant if by_key else None, cache_salt) if part]
+    return ":".join(parts) if parts else None
