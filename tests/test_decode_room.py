@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from services.registry import Load, WorkerRecord
+from services.router.api.errors import APIError
 from services.router.decode_room import DecodeRoom
-from services.router.errors import APIError
 
 
 def decode_worker(used: int, running: int, total: int = 100) -> WorkerRecord:

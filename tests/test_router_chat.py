@@ -23,7 +23,7 @@ import pytest_asyncio
 from engine.text.chat import encode_messages
 from engine.text.chat.tokens import DSML as D
 from engine.text.tokenizer import Tokenizer
-from services.router.logprobs import CompletionLogprobs, TokenTexts
+from services.router.api.logprobs import CompletionLogprobs, TokenTexts
 from services.rpc import pb
 from tests.scripted_worker import MODEL, WAIT_S, Serve, chunk_ids, scripted_logprob, sse_events
 

@@ -17,7 +17,7 @@ import collections
 import itertools
 import time
 
-from .errors import APIError
+from services.router.api.errors import APIError
 
 
 class Admission:

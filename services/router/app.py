@@ -13,7 +13,6 @@ import hmac
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -23,45 +22,32 @@ from prometheus_client import CollectorRegistry
 from services.kv_events import CacheIndex
 from services.metrics import exposition
 from services.registry import ROLES, RegistryWatcher
-
-from . import anthropic, responses_api
-from .admission import Admission, KeyLimit
-from .body import LimitedRoute
-from .clients import WorkerClients
-from .decode_room import DecodeRoom
-from .errors import APIError, error_responses, install_handlers
-from .generation import launch, router_state
-from .logprobs import TokenTexts
-from .metrics import RequestCounter, RouterMetrics
-from .model import ServedModel
-from .pd import PDFlow
-from .response_store import ResponseStore
-from .responses import Reply
-from .schemas import (
+from services.router.admission import Admission, KeyLimit
+from services.router.api.anthropic import messages as anthropic
+from services.router.api.body import LimitedRoute
+from services.router.api.envelopes import Reply
+from services.router.api.errors import APIError, error_responses, install_handlers
+from services.router.api.logprobs import TokenTexts
+from services.router.api.responses import routes as responses_api
+from services.router.api.responses.store import ResponseStore
+from services.router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeRequest,
 )
-from .selection import WorkerSelector
-from .settings import RouterSettings
-from .streaming import EventStream, OpenAIStream, answer
-from .tenancy import tenant_of
-
-
-@dataclass(frozen=True)
-class RouterState:
-    settings: RouterSettings
-    model: ServedModel
-    metrics: RouterMetrics
-    watcher: RegistryWatcher
-    clients: WorkerClients
-    admission: Admission
-    key_limit: KeyLimit
-    selector: WorkerSelector
-    flow: PDFlow
-    responses: ResponseStore  # the Responses API's stored responses
+from services.router.api.streaming import EventStream, OpenAIStream, answer
+from services.router.clients import WorkerClients
+from services.router.decode_room import DecodeRoom
+from services.router.generation import launch
+from services.router.metrics import RequestCounter, RouterMetrics
+from services.router.model import ServedModel
+from services.router.pd import PDFlow
+from services.router.selection import WorkerSelector
+from services.router.settings import RouterSettings
+from services.router.state import RouterState, router_state
+from services.router.tenancy import tenant_of
 
 
 def create_app(settings: RouterSettings, rng: random.Random | None = None) -> FastAPI:

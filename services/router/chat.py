@@ -38,9 +38,8 @@ from typing import Any
 from engine.text.chat.constraint import ReplyConstraint, tool_schemas
 from engine.text.chat.dsml import Dialect
 from engine.text.chat_format import ChatFormat, ChatOptions, opens_reasoning
-
-from .errors import APIError
-from .schemas import ChatPromptFields, NamedToolChoice
+from services.router.api.errors import APIError
+from services.router.api.schemas import ChatPromptFields, NamedToolChoice
 
 # OpenAI reasoning_effort -> (thinking, the V4 encoder's effort).
 EFFORTS: Mapping[str, tuple[bool, str | None]] = {

@@ -26,16 +26,15 @@ from engine.text.chat import (
     ToolCallArguments,
     ToolCallStart,
 )
-
-from .chat import ChatPrompt
-from .logprobs import (
+from services.router.api.logprobs import (
     CompletionLogprobs,
     PromptLogprobs,
     TokenTexts,
     chat_entries,
     merge_completion_chunks,
 )
-from .pd import Finish, Token
+from services.router.chat import ChatPrompt
+from services.router.pd import Finish, Token
 
 JSON = dict[str, Any]
 

@@ -21,9 +21,8 @@ from engine.load import step_deadline
 from services.auth import token_metadata
 from services.connections import GrpcTLS, open_channel
 from services.registry import WorkerRecord
+from services.router.decode_stream import WorkerDecodeStream
 from services.rpc import grpc_api, pb
-
-from .decode_stream import WorkerDecodeStream
 
 log = logging.getLogger(__name__)
 

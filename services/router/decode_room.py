@@ -28,8 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from services.registry import WorkerRecord
-
-from .errors import APIError
+from services.router.api.errors import APIError
 
 RECHECK_S = 0.25  # a held prompt looks again this often (registry records change meanwhile)
 

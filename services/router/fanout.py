@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
 
-from .pd import Event
+from services.router.pd import Event
 
 Indexed = tuple[int, Event]
 

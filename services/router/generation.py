@@ -14,26 +14,19 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from .choices import ChatChoice, Choice, Echo, TextChoice
-from .fanout import Indexed, fan_in
-from .logprobs import PromptLogprobs, TokenTexts
-from .metrics import RequestTimer
-from .pd import Generation
-from .schemas import ChatCompletionRequest, CompletionRequest
-from .streaming import cancelled_on_disconnect
-from .structured import reply_grammar_of
-from .tenancy import cache_namespace
-
-if TYPE_CHECKING:
-    from .app import RouterState
-
-
-def router_state(request: Request) -> RouterState:
-    return request.app.state.router
+from services.router.api.logprobs import PromptLogprobs, TokenTexts
+from services.router.api.schemas import ChatCompletionRequest, CompletionRequest
+from services.router.api.streaming import cancelled_on_disconnect
+from services.router.choices import ChatChoice, Choice, Echo, TextChoice
+from services.router.fanout import Indexed, fan_in
+from services.router.metrics import RequestTimer
+from services.router.pd import Generation
+from services.router.state import router_state
+from services.router.structured import reply_grammar_of
+from services.router.tenancy import cache_namespace
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .settings import RouterSettings
+from services.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import logging
 
 import uvicorn
 
-from . import http_server
-from .app import create_app
-from .settings import RouterSettings
+from services.router import http_server
+from services.router.app import create_app
+from services.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,9 @@ from engine.text.chat_format import ChatEncodingError, ChatFormat, chat_format
 from engine.text.grammar import GrammarCompiler
 from engine.text.token_bound import min_tokens
 from engine.text.tokenizer import Tokenizer
-
-from .chat import ChatPrompt, chat_prompt
-from .errors import APIError
-from .schemas import ChatPromptFields, CompletionRequest
+from services.router.api.errors import APIError
+from services.router.api.schemas import ChatPromptFields, CompletionRequest
+from services.router.chat import ChatPrompt, chat_prompt
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,13 @@ import grpc
 
 from engine.load import step_deadline
 from services.registry import WorkerRecord
+from services.router.api.errors import APIError, from_grpc, timeout_error, worker_failure
+from services.router.clients import WorkerClients
+from services.router.decode_room import DecodeRoom, Transit
+from services.router.decode_stream import DecodeHandle
+from services.router.metrics import RequestTimer
+from services.router.selection import WorkerSelector
 from services.rpc import pb
-
-from .clients import WorkerClients
-from .decode_room import DecodeRoom, Transit
-from .decode_stream import DecodeHandle
-from .errors import APIError, from_grpc, timeout_error, worker_failure
-from .metrics import RequestTimer
-from .selection import WorkerSelector
 
 log = logging.getLogger(__name__)
 

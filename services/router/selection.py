@@ -19,9 +19,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from services.kv_events import CacheIndex
 from services.registry import ROLES, RegistryWatcher, Role, WorkerRecord
-
-from .errors import APIError
-from .policy import DEFAULT_BALANCE_BOUND, make_policy
+from services.router.api.errors import APIError
+from services.router.policy import DEFAULT_BALANCE_BOUND, make_policy
 
 
 class WorkerSelector:

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from engine.config import setting
 from services.connections import GrpcTLS
 from services.registry import DEFAULT_TTL_S
-
-from .policy import DEFAULT_BALANCE_BOUND, POLICIES
+from services.router.policy import DEFAULT_BALANCE_BOUND, POLICIES
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,10 @@ from dataclasses import replace
 from engine.text.chat import V4_DSML
 from engine.text.chat.constraint import JsonContent, ReplyConstraint, reply_grammar
 from engine.text.grammar import GrammarError
-
-from .chat import ChatPrompt
-from .errors import APIError
-from .model import ServedModel
-from .schemas import JsonObjectFormat, JsonSchemaFormat, ResponseFormat
+from services.router.api.errors import APIError
+from services.router.api.schemas import JsonObjectFormat, JsonSchemaFormat, ResponseFormat
+from services.router.chat import ChatPrompt
+from services.router.model import ServedModel
 
 _PARAM = "response_format"
 

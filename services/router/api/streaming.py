@@ -20,11 +20,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from .errors import APIError
-from .fanout import Indexed
-from .metrics import CLIENT_CLOSED
-from .pd import Event
-from .responses import Reply
+from services.router.api.envelopes import Reply
+from services.router.api.errors import APIError
+from services.router.fanout import Indexed
+from services.router.metrics import CLIENT_CLOSED
+from services.router.pd import Event
 
 log = logging.getLogger(__name__)
 

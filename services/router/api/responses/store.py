@@ -23,9 +23,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services import bounded_json
-
-from .errors import APIError
-from .tenancy import same_tenant
+from services.router.api.errors import APIError
+from services.router.tenancy import same_tenant
 
 log = logging.getLogger(__name__)
 

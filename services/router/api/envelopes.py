@@ -14,8 +14,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .choices import ChatChoice, Choice
-from .pd import Event, Finish
+from services.router.choices import ChatChoice, Choice
+from services.router.pd import Event, Finish
 
 JSON = dict[str, Any]
 

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .fields import unsupported_message
+from services.router.api.fields import unsupported_message
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
-from .errors import APIError
-from .metrics import CLIENT_CLOSED
+from services.router.api.errors import APIError
+from services.router.metrics import CLIENT_CLOSED
 
 
 class LimitedRoute(APIRoute):

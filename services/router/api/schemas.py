@@ -29,10 +29,9 @@ from pydantic import (
 )
 
 from engine.sampling_params import MAX_LOGPROBS
+from services.router.api import fields
+from services.router.api.fields import NoOp
 from services.rpc import pb
-
-from . import fields
-from .fields import NoOp
 
 MAX_STOP_STRINGS = 4
 UINT32_MAX = 2**32 - 1  # max_tokens on the wire

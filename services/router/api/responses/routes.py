@@ -35,12 +35,11 @@ from pydantic import (
     field_validator,
 )
 
-from . import fields
-from .body import LimitedRoute
-from .errors import APIError, error_responses
-from .generation import launch, router_state
-from .responses_output import ResponseWriter
-from .schemas import (
+from services.router.api import fields
+from services.router.api.body import LimitedRoute
+from services.router.api.errors import APIError, error_responses
+from services.router.api.responses.output import ResponseWriter
+from services.router.api.schemas import (
     UINT32_MAX,
     ChatCompletionRequest,
     FunctionName,
@@ -48,7 +47,9 @@ from .schemas import (
     Text,
     _Body,
 )
-from .streaming import EventStream, answer
+from services.router.api.streaming import EventStream, answer
+from services.router.generation import launch
+from services.router.state import router_state
 
 JSON = dict[str, Any]
 

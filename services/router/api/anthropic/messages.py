@@ -22,13 +22,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, ValidationError
 
-from .body import LimitedRoute
-from .choices import ChatChoice
-from .errors import APIError, error_responses
-from .generation import Launched, launch
-from .pd import Event, Finish
-from .schemas import UINT32_MAX, ChatCompletionRequest, FunctionName, Text, _Body
-from .streaming import EventStream, answer
+from services.router.api.body import LimitedRoute
+from services.router.api.errors import APIError, error_responses
+from services.router.api.schemas import UINT32_MAX, ChatCompletionRequest, FunctionName, Text, _Body
+from services.router.api.streaming import EventStream, answer
+from services.router.choices import ChatChoice
+from services.router.generation import Launched, launch
+from services.router.pd import Event, Finish
 
 JSON = dict[str, Any]
 PATH = "/v1/messages"

@@ -19,11 +19,11 @@ import time
 import uuid
 from typing import Any
 
-from .choices import ChatChoice
-from .errors import APIError
-from .generation import Launched
-from .pd import Event, Finish
-from .response_store import ResponseStore, StoredResponse
+from services.router.api.errors import APIError
+from services.router.api.responses.store import ResponseStore, StoredResponse
+from services.router.choices import ChatChoice
+from services.router.generation import Launched
+from services.router.pd import Event, Finish
 
 JSON = dict[str, Any]
 
