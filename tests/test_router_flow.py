@@ -178,6 +178,33 @@ async def test_each_key_prefills_in_a_cache_namespace_of_its_own(
 
 
 @pytest.mark.asyncio
+async def test_an_answer_over_the_prompt_entries_limit_is_refused_before_any_prefill(
+    serve: Serve, make_router: Any
+) -> None:
+    """echo + logprobs + prompt_logprobs over a batch of prompts: what the answer would carry is
+    counted from the prompts' lengths before any work; at the limit it goes on to prefill."""
+    prefill = await serve("prefill", "p1", prefill_finish=pb.FINISH_REASON_LENGTH)
+    await serve("decode", "d1")
+    router = await make_router(max_prompt_entries=600)
+    body = {"model": MODEL, "prompt": ["abcdefghij"] * 3, "max_tokens": 1, "echo": True}
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        # 2 x 3 prompts of 11 tokens (BOS + 10), each token 13: echo 1, logprobs 5 + 1, prompt 5 + 1
+        over = await http.post(
+            "/v1/completions", json=body | {"logprobs": 5, "prompt_logprobs": 5, "n": 2}
+        )
+        assert over.status_code == 400, over.text
+        error = over.json()["error"]
+        assert error["code"] == "too_many_prompt_entries" and error["param"] == "prompt_logprobs"
+        assert "858 entries" in error["message"] and "--max-prompt-entries" in error["message"]
+        assert prefill.prefill_requests == []
+        at = await http.post("/v1/completions", json=body | {"logprobs": 5, "prompt_logprobs": 5})
+        # 429 entries: on to the prefill worker (this scripted one sends no prompt logprobs,
+        # which is an error the router finds before its answer goes out)
+        assert at.status_code == 500 and at.json()["error"]["type"] == "server_error"
+        assert len(prefill.prefill_requests) == 3
+
+
+@pytest.mark.asyncio
 async def test_prefill_that_finishes_skips_decode(serve: Serve, make_router: Any) -> None:
     prefill = await serve("prefill", "p1", first_text="X", prefill_finish=pb.FINISH_REASON_LENGTH)
     decode = await serve("decode", "d1")

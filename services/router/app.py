@@ -200,7 +200,7 @@ async def _generate(
                 run.events, OpenAIStream(reply), request.state, slots.pop_all().close
             )
         try:
-            return await answer(run.events, reply.chunks, reply.answer, request)
+            return await answer(run.events, reply.feed, reply.answer_parts, request)
         finally:
             await run.events.aclose()
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from services.router.api.errors import APIError
 from services.router.api.logprobs import PromptLogprobs, TokenTexts
 from services.router.api.schemas import ChatCompletionRequest, CompletionRequest
 from services.router.api.streaming import cancelled_on_disconnect
@@ -78,6 +79,7 @@ async def launch(
                 for _ in range(body.n):
                     choices.append(TextChoice(len(choices), logprob_texts, echo, scored))
                     prompts.append(ids)
+        _check_prompt_entries(body, prompts, st.settings.max_prompt_entries)
         requested = body.requested_max_tokens()
         budgets = [st.model.max_tokens(len(ids), requested, prompt_param) for ids in prompts]
         timeout_s = st.settings.request_timeout_s
@@ -103,6 +105,33 @@ async def launch(
         events = await fan_in([st.flow.generate(gen) for gen in generations])
         prompt_tokens = sum(len(ids) for ids in prompts[:: body.n])
         return Launched(request_id, st.model.name, choices, events, prompt_tokens)
+
+
+def _check_prompt_entries(
+    body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], limit: int
+) -> None:
+    """A 400 before any work for a request whose answer would carry more than `limit` entries
+    about its prompts (prompt logprobs, echoed prompts and their logprobs, every generation's):
+    a small request could otherwise make the router and workers build an answer of gigabytes."""
+    per_token = body.prompt_entries_per_token()
+    entries = per_token * sum(len(ids) for ids in prompts)
+    if entries > limit:
+        asked = {
+            "prompt_logprobs": body.prompt_logprobs is not None,
+            "echo": getattr(body, "echo", False),
+            "logprobs": body.logprobs_count() is not None,
+            "n": body.n > 1,
+        }
+        fields = [name for name, given in asked.items() if given]
+        raise APIError(
+            400,
+            f"The answer would carry {entries} entries about the prompts ({', '.join(fields)}: "
+            f"{per_token} per prompt token, over {len(prompts)} generations of "
+            f"{sum(len(ids) for ids in prompts)} prompt tokens in all); at most {limit} per "
+            "request (--max-prompt-entries). Ask for fewer alternatives, prompts or choices.",
+            param=fields[0],
+            code="too_many_prompt_entries",
+        )
 
 
 def _prompt_logprobs(texts: TokenTexts, ids: list[int], k: int | None) -> PromptLogprobs | None:

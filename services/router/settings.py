@@ -69,6 +69,13 @@ class RouterSettings:
         "--max-inflight, so one key never also holds the queue others wait in; 0 = no limit)",
     )
     max_request_bytes: int = setting(8 << 20, "largest request body accepted; 413 above")
+    max_prompt_entries: int = setting(
+        1 << 19,
+        "most entries an answer may carry about its prompts, over all its generations (a prompt "
+        "token counts k + 1 with prompt_logprobs: k, and with echo 1, plus k + 1 with logprobs: "
+        "k), counted before any work; 400 above (the default fits 64 prompts of 2,048 tokens "
+        "echoed with logprobs 1, lm-eval's loglikelihood requests at their largest)",
+    )
     header_read_timeout_s: float = setting(
         10.0,
         "seconds a connection has to send a complete request head (from its opening or its "
@@ -172,6 +179,10 @@ class RouterSettings:
             (
                 (self.max_connections or 0) >= 0,
                 f"max_connections must be >= 0, got {self.max_connections}",
+            ),
+            (
+                self.max_prompt_entries >= 1,
+                f"max_prompt_entries must be >= 1, got {self.max_prompt_entries}",
             ),
             (
                 self.max_request_bytes >= 1,

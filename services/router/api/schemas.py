@@ -179,6 +179,11 @@ class _GenerationRequest(_Body):
         """Alternatives per prompt token the prefill worker should list (None: none)."""
         return self.prompt_logprobs
 
+    def prompt_entries_per_token(self) -> int:
+        """What the answer carries about each prompt token of each generation, in entries (a
+        logprob, an alternative, an echoed token): with `prompt_logprobs: k`, k + 1."""
+        return 0 if self.prompt_logprobs is None else self.prompt_logprobs + 1
+
     def sampling(
         self,
         max_tokens: int,
@@ -409,6 +414,11 @@ class CompletionRequest(_GenerationRequest):
             k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None
         ]
         return max(wanted, default=None)
+
+    def prompt_entries_per_token(self) -> int:
+        # echo: the token, and with logprobs: k its logprob and k alternatives
+        echoed = 0 if not self.echo else 1 + (0 if self.logprobs is None else self.logprobs + 1)
+        return super().prompt_entries_per_token() + echoed
 
     def prompts(self) -> list[str | list[int]]:
         """Every prompt of the request, in order."""
