@@ -47,11 +47,11 @@ from collections.abc import Callable
 import torch
 import triton
 
-import kernels
 from bench.harness import Env, attempt, ceilings, kernel_breakdown, timed, write_record
-from kernels import indexer, kv_quant, reference, sparse_mla
-from kernels.indexer import IndexerConfig
-from kernels.sparse_mla import DecodeConfig
+from dsaserve import kernels
+from dsaserve.kernels import indexer, kv_quant, reference, sparse_mla
+from dsaserve.kernels.indexer import IndexerConfig
+from dsaserve.kernels.sparse_mla import DecodeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,7 +505,7 @@ def phase_long_indexer(env: Env, sz: Sizes, result: dict, hw: dict, save: Callab
                 print_indexer(r)
             target = ctx == sz.contexts[-1] and b == target_b
             # (--smoke: the variants at the target shape only; their kernels' exactness at every
-            # shape is tests/test_kernels_indexer.py's)
+            # shape is tests/kernels/test_indexer.py's)
             for fmt, keys in pools.items() if target or not env.smoke else ():
                 for name, vcfg in indexer_variants(env, b, entries, fmt).items():
                     r = attempt(f"variant {name}", time_indexer, env, sz, hw, shape, fmt, keys,
