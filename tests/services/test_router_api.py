@@ -416,6 +416,7 @@ STRICT_PATTERN_TOOL = {
     "parameters": {"type": "object", "patternProperties": {"^x": {"type": "string"}}},
 }
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+SELF_REF = {"name": "loop", "schema": {"$ref": "#"}}  # (no value of it ends)
 
 
 @pytest.mark.parametrize(
@@ -445,6 +446,11 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
             {"tools": [{"type": "function", "function": STRICT_PATTERN_TOOL}]},
             "tools[0].function.parameters",
             "'patternProperties' is not supported",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": SELF_REF}},
+            "response_format.json_schema.schema",
+            "no finite instance: every value of '#' must contain another",
         ),
         ({"response_format": {"type": "json"}}, "response_format", ""),
         ({"reasoning_effort": "extreme"}, "reasoning_effort", "'max'"),

@@ -41,6 +41,7 @@ from dsaserve.services.router.api.streaming import EventStream, OpenAIStream, an
 from dsaserve.services.router.clients import WorkerClients
 from dsaserve.services.router.decode_room import DecodeRoom
 from dsaserve.services.router.generation import launch
+from dsaserve.services.router.grammars import GrammarBuilder
 from dsaserve.services.router.metrics import RequestCounter, RouterMetrics
 from dsaserve.services.router.model import ServedModel
 from dsaserve.services.router.pd import PDFlow
@@ -86,8 +87,9 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     )
     flow = PDFlow(selector, clients, s.stall_timeout_s, room)
     store = ResponseStore(s.redis_url, s.response_ttl_s)
+    grammars = GrammarBuilder(s.model_dir, s.grammar_compile_timeout_s, s.max_grammar_bytes)
     state = RouterState(
-        s, model, metrics, watcher, clients, admission, key_limit, selector, flow, store
+        s, model, metrics, watcher, clients, admission, key_limit, selector, flow, store, grammars
     )
 
     @asynccontextmanager
@@ -98,6 +100,7 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         try:
             yield
         finally:
+            await grammars.stop()
             if cache is not None:
                 await cache.stop()
             await watcher.stop()

@@ -68,10 +68,10 @@ async def launch(
             choices = [ChatChoice(i, prompt, logprob_texts, scored) for i in range(body.n)]
             prompts = [prompt_ids] * body.n
             grammar = await reply_grammar_of(
-                body.response_format, prompt, st.model, body.thinking_token_budget
+                body.response_format, prompt, st.grammars, body.thinking_token_budget
             )
         else:
-            grammar = await reply_grammar_of(body.response_format, None, st.model)
+            grammar = await reply_grammar_of(body.response_format, None, st.grammars)
             # Batched prompts: one choice per prompt and n, prompt-major (vLLM's order).
             for ids, text in await st.model.completion_prompts(body):
                 echo = Echo(text, ids, body.logprobs) if body.echo else None

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from dsaserve.engine.sampling_params import ContextLengthError, resolve_max_tokens
 from dsaserve.engine.text.chat_format import ChatEncodingError, ChatFormat, chat_format
-from dsaserve.engine.text.grammar import GrammarCompiler
 from dsaserve.engine.text.token_bound import min_tokens
 from dsaserve.engine.text.tokenizer import Tokenizer
 from dsaserve.services.router.api.errors import APIError
@@ -32,7 +31,6 @@ class ServedModel:
     chat_format: ChatFormat
     # Bounds a prompt's token count from its length (None: this tokenizer allows no bound).
     max_chars_per_token: int | None
-    grammars: GrammarCompiler  # structured outputs' grammars, checked before they are sent
     default_thinking: bool = False  # a chat that does not say renders in thinking mode
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -65,7 +63,6 @@ class ServedModel:
             tokenizer,
             chat_format(model_dir, tokenizer),
             tokenizer.max_chars_per_token(),
-            GrammarCompiler(tokenizer),
             default_thinking,
         )
 

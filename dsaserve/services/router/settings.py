@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from dsaserve.engine.config import setting
+from dsaserve.engine.text.chat.constraint import MAX_GRAMMAR_BYTES
 from dsaserve.services.connections import GrpcTLS
 from dsaserve.services.registry import DEFAULT_TTL_S
 from dsaserve.services.router.policy import DEFAULT_BALANCE_BOUND, POLICIES
@@ -100,6 +101,15 @@ class RouterSettings:
         "open HTTP connections at most; a new one above gets a 503 before it is read (default: "
         "--max-inflight + --max-queue + 256; 0 = no limit)",
     )
+    grammar_compile_timeout_s: float = setting(
+        1.5,
+        "seconds a structured output's grammar may take to build and compile (in a process of "
+        "its own, killed after); 400 above",
+        flag="--grammar-compile-timeout",
+    )
+    max_grammar_bytes: int = setting(
+        MAX_GRAMMAR_BYTES, "largest grammar a structured output may make, in bytes; 400 above"
+    )
     max_model_len: int | None = setting(
         None, "longest prompt + output (default: the model's max_position_embeddings)"
     )
@@ -179,6 +189,10 @@ class RouterSettings:
             (
                 (self.max_connections or 0) >= 0,
                 f"max_connections must be >= 0, got {self.max_connections}",
+            ),
+            (
+                self.grammar_compile_timeout_s > 0 and self.max_grammar_bytes >= 1,
+                "--grammar-compile-timeout and --max-grammar-bytes must be positive",
             ),
             (
                 self.max_prompt_entries >= 1,
