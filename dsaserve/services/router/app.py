@@ -215,7 +215,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     model = _state(request).model
     model.check_name(body.model)
     if isinstance(body, TokenizeChatRequest):
-        _, ids = await model.chat_ids(body, body.add_generation_prompt)
+        _, ids = await model.chat_ids(body)
     else:
         ids = await model.text_ids(body.prompt, body.add_special_tokens)
     texts = TokenTexts(model.tokenizer)

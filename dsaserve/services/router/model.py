@@ -76,19 +76,13 @@ class ServedModel:
                 code="model_not_found",
             )
 
-    async def chat_ids(
-        self, request: ChatPromptFields, add_generation_prompt: bool = True
-    ) -> tuple[ChatPrompt, list[int]]:
+    async def chat_ids(self, request: ChatPromptFields) -> tuple[ChatPrompt, list[int]]:
         """The chat's prompt and its ids. Rendering and tokenizing run off the event loop (long
         prompts take milliseconds of CPU), and a prompt that cannot fit the context is refused
         before it is tokenized at all."""
         try:
             prompt = await asyncio.to_thread(
-                chat_prompt,
-                request,
-                self.chat_format,
-                default_thinking=self.default_thinking,
-                add_generation_prompt=add_generation_prompt,
+                chat_prompt, request, self.chat_format, default_thinking=self.default_thinking
             )
             self._check_fits(prompt.text, "messages")
             # The prompt holds bos already (the template or encoder wrote it).

@@ -77,8 +77,6 @@ CHAT: Mapping[str, NoOp] = {
     "web_search_options": NULL,
     # vLLM's chat extensions, at their defaults
     "echo": FALSE,
-    "add_generation_prompt": NoOp((True,)),
-    "continue_final_message": FALSE,
     "add_special_tokens": FALSE,
     "documents": NULL,
     "chat_template": NULL,

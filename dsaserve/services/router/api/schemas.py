@@ -335,6 +335,27 @@ class ChatPromptFields(_Body):
     parallel_tool_calls: StrictBool | None = None
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the prompt ends with the assistant turn's opening (the reply is a new message)
+    add_generation_prompt: StrictBool = True
+    # vLLM's: the reply continues the final message, an assistant's text (a prefill)
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _what_is_continued(self) -> ChatPromptFields:
+        if not self.continue_final_message:
+            return self
+        last = self.messages[-1]
+        if last.role != "assistant" or last.tool_calls:
+            raise ValueError(
+                "continue_final_message continues an assistant's text: the last message must "
+                f"be an assistant message without tool calls, not a {last.role} message"
+            )
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError(
+                "add_generation_prompt and continue_final_message cannot both be true (the "
+                "reply either starts a new message or continues the last one)"
+            )
+        return self
 
     @field_validator("tools")
     @classmethod
@@ -378,6 +399,15 @@ class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
         if top and not info.data.get("logprobs"):
             raise ValueError("needs logprobs: true")
         return top
+
+    @model_validator(mode="after")
+    def _a_reply_has_its_turn(self) -> ChatCompletionRequest:
+        if not self.add_generation_prompt and not self.continue_final_message:
+            raise ValueError(
+                "add_generation_prompt: false is served only with continue_final_message: true "
+                "(a reply is a new assistant message or continues the last one)"
+            )
+        return self
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -454,7 +484,6 @@ class TokenizeChatRequest(ChatPromptFields):
     """vLLM's /tokenize of a chat: the prompt a chat completion would send to prefill."""
 
     model: Text | None = None
-    add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
 
 
