@@ -15,7 +15,9 @@ import time
 from dataclasses import dataclass, field
 
 from dsaserve.engine.sampling_params import ContextLengthError, resolve_max_tokens
+from dsaserve.engine.text.chat.tokens import THINK_END
 from dsaserve.engine.text.chat_format import ChatEncodingError, ChatFormat, chat_format
+from dsaserve.engine.text.grammar import GrammarCompiler
 from dsaserve.engine.text.token_bound import min_tokens
 from dsaserve.engine.text.tokenizer import Tokenizer
 from dsaserve.services.router.api.errors import APIError
@@ -31,6 +33,9 @@ class ServedModel:
     chat_format: ChatFormat
     # Bounds a prompt's token count from its length (None: this tokenizer allows no bound).
     max_chars_per_token: int | None
+    # The `</think>` token, where it is one special token (what ends a reasoning), as the
+    # grammars name it (engine.text.grammar: llguidance's view of the vocabulary)
+    think_end_id: int | None
     default_thinking: bool = False  # a chat that does not say renders in thinking mode
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -63,6 +68,8 @@ class ServedModel:
             tokenizer,
             chat_format(model_dir, tokenizer),
             tokenizer.max_chars_per_token(),
+            # (the compiler is let go at once: the router compiles in processes of its own)
+            GrammarCompiler(tokenizer).special_token(THINK_END),
             default_thinking,
         )
 
