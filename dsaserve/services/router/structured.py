@@ -35,6 +35,8 @@ async def reply_grammar_of(
     else:
         constraint = replace(prompt.calls, json=json, thinking_token_budget=thinking_token_budget)
         dialect, opens_reasoning = prompt.dialect, prompt.opens_reasoning
+    if not constraint.constrains(opens_reasoning):
+        return None  # (nothing to build: no grammar process is asked)
     try:
         grammar = await grammars.build(GrammarJob(constraint, dialect, opens_reasoning))
     except GrammarError as e:
