@@ -51,8 +51,14 @@ from dsaserve.services.router.state import RouterState, router_state
 from dsaserve.services.router.tenancy import tenant_of
 
 
-def create_app(settings: RouterSettings, rng: random.Random | None = None) -> FastAPI:
-    """Build the app; the registry watcher starts and stops with the app's lifespan."""
+def create_app(
+    settings: RouterSettings,
+    rng: random.Random | None = None,
+    *,
+    start_grammar_processes: bool = False,
+) -> FastAPI:
+    """Build the app; the registry watcher starts and stops with the app's lifespan, and so do
+    the grammar processes with `start_grammar_processes` (else with the first grammar)."""
     s = settings
     model = ServedModel.load(s.model_dir, s.served_model_name, s.max_model_len, s.default_thinking)
     metrics = RouterMetrics(CollectorRegistry())
@@ -97,6 +103,8 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         await watcher.start()
         if cache is not None:
             cache.start()
+        if start_grammar_processes:
+            grammars.start()
         try:
             yield
         finally:

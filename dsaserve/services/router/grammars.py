@@ -13,9 +13,10 @@ engine.text.schema_bounds refuses a schema with no finite instance. Results, gra
 refusals alike, are kept by the hash of the request's constraint (LRU), so a schema sent again
 costs nothing, a hostile one included.
 
-The children start with the first grammar a router is asked for (a router that never sees
-one runs none); each loads the tokenizer first (a fraction of a second) and takes no request
-before it is ready, so the budget only counts the compile. The workers compile the grammar again for
+The children start with the router (`start`, `dsaserve router`), or else with the first
+grammar asked for (an embedded router, the tests': one that never sees one runs none); each
+loads the tokenizer first (a fraction of a second) and takes no request before it is ready, so
+the budget only counts the compile. The workers compile the grammar again for
 their own engines, off their engines' threads (services.worker.process.compile_grammar).
 """
 
@@ -63,6 +64,12 @@ class GrammarBuilder:
         self._starting: set[asyncio.Task[None]] = set()
         self._results: OrderedDict[bytes, str | GrammarError | None] = OrderedDict()
 
+    def start(self) -> None:
+        """Start the processes (if they are not running yet)."""
+        if not self._children:
+            for _ in range(PROCESSES):
+                self._spawn()
+
     async def stop(self) -> None:
         for task in self._starting:
             task.cancel()
@@ -85,9 +92,7 @@ class GrammarBuilder:
         return result
 
     async def _compile(self, job: GrammarJob) -> str | GrammarError | None:
-        if not self._children:  # (the first grammar: start the processes)
-            for _ in range(PROCESSES):
-                self._spawn()
+        self.start()
         try:  # (every process busy with other requests' grammars, or starting)
             child = await asyncio.wait_for(self._idle.get(), WAIT_S)
         except TimeoutError:
