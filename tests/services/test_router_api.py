@@ -788,6 +788,8 @@ async def test_openapi_lists_the_error_responses_the_router_sends(
     # Unknown fields are refused, and the schema says so.
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False
+    # What a field takes is what the schema says it takes: `stop` a string, a list or null.
+    assert [t["type"] for t in chat["properties"]["stop"]["anyOf"]] == ["string", "array", "null"]
 
 
 # ---------------------------------------------------------------- /metrics

@@ -25,6 +25,7 @@ from pydantic import (
     StrictInt,
     Tag,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -38,6 +39,14 @@ MAX_STOP_STRINGS = 4
 UINT32_MAX = 2**32 - 1  # max_tokens on the wire
 INT32_MAX = 2**31 - 1  # top_k on the wire
 INT64 = 2**63  # OpenAI's seed is a signed 64-bit integer
+# What `stop` takes on the wire, as OpenAI's does (a validator below makes it a list)
+STOP_ON_THE_WIRE = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS},
+        {"type": "null"},
+    ]
+}
 SEED_SPAN = 2**63  # the worker takes seeds in [0, 2**63) (a torch generator's range)
 MAX_CHOICES = 16  # `n`: each choice is a generation of its own (fanout.py)
 MAX_PROMPTS = 64  # a completion's batch of prompts
@@ -122,7 +131,7 @@ class _GenerationRequest(_Body):
     # -1 and 0 both mean off (vLLM accepts both)
     top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
     seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
-    stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
+    stop: Annotated[list[Text], WithJsonSchema(STOP_ON_THE_WIRE)] = Field(default_factory=list)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]] = Field(
         default_factory=list
     )
