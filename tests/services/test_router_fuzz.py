@@ -53,6 +53,8 @@ OTHER_APIS = [
     "POST /v1/messages/count_tokens",
     "POST /v1/responses",
     "GET /v1/responses/{response_id}",
+    "GET /v1/responses/{response_id}/input_items",
+    "DELETE /v1/responses/{response_id}",
 ]
 EXAMPLES_PER_OTHER_API = 40
 CHECKS = [
