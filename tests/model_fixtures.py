@@ -30,7 +30,9 @@ class Family:
     """A model family as the tests meet it."""
 
     name: str  # the checkpoint's model_type: its package is dsaserve.engine.models.<name>
-    hf_reference: str  # the tests' module that builds HF transformers' model of it
+    # the tests' module that builds HF transformers' model of it (DeepSeek-V4.1, which
+    # transformers lacks: tests.reference_v41, an independent forward called as HF's models are)
+    hf_reference: str
 
     def __str__(self) -> str:
         return self.name
@@ -42,7 +44,8 @@ class Family:
 
     @property
     def tiny(self) -> ModuleType:
-        """The tiny random checkpoints: make_tiny_model, tiny_config, release_tiny_config."""
+        """The tiny random checkpoints: make_tiny_model, tiny_config (and V4's and V3.2's
+        release_tiny_config)."""
         return importlib.import_module(f"dsaserve.engine.models.{self.name}.tiny")
 
     @property
@@ -59,6 +62,7 @@ FAMILIES = {
     for f in (
         Family("deepseek_v4", "tests.hf_reference"),
         Family("deepseek_v32", "tests.hf_reference_v32"),
+        Family("deepseek_v41", "tests.reference_v41"),
     )
 }
 DEFAULT_FAMILY = "deepseek_v4"  # a test that names none
@@ -85,8 +89,9 @@ def tiny(family: Family, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def release(family: Family, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random checkpoint of the family in its release's layout (V4: FP8 and FP4 weights,
-    V3.2: FP8 with weight_scale_inv; an MTP layer, a padded vocabulary), one per module; served
-    under its directory's name, tiny-release-<family>."""
+    V3.2: FP8 with weight_scale_inv; an MTP layer, a padded vocabulary; V4.1: 32 x 32 FP8 blocks,
+    FP4 experts, FP8 Engram tables, the tensors it does not serve), one per module; served under
+    its directory's name, tiny-release-<family>."""
     return family.make_tiny_model(
         tmp_path_factory.mktemp("release") / f"tiny-release-{family}", fmt="release"
     )

@@ -14,6 +14,11 @@ source it restates (`model.py:Name`). What the release also does and this leaves
 
 `greedy` re-runs the whole prefix for every token: the release's decode branch computes the
 same function of the prefix, one row at a time.
+
+V4.1 as a family of tests/model_fixtures.py: this module stands where tests.hf_reference stands
+for the families transformers has (`VOCAB`, `make_hf_checkpoint`, a model called as HF's are).
+Its checkpoints are the engine's tiny writer's (random weights under the release's names): the
+writer is no model code, and this module reads what it wrote on its own.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -29,6 +35,9 @@ from safetensors import safe_open
 from tokenizers import Regex, normalizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from dsaserve.engine.models.deepseek_v41.tiny import make_tiny_model
+
+VOCAB = 265  # the tiny tokenizer's: the 256 bytes, the chat tokens, V4.1's <｜System｜>
 FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -243,6 +252,21 @@ class ReferenceV41:
             out.append(int(last.argmax()))
         return out[len(ids) :]
 
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cache: list[int] | None = None,
+        use_cache: bool = False,
+        position_ids: torch.Tensor | None = None,
+    ) -> SimpleNamespace:
+        """HF's causal-LM call, as tests.hf_reference's hf_logits and hf_greedy make it, so the
+        shared cases run this reference where they run HF's models: input_ids [1, T] -> `logits`
+        [1, T, tokens] of those rows, and a `cache` that is the tokens so far (each call runs
+        the whole sequence again; positions follow from it)."""
+        past = cache or []
+        ids = past + input_ids[0].tolist()
+        return SimpleNamespace(logits=self.logits(ids)[len(past) :][None], cache=ids)
+
     # ---------------------------------------------------------------- Block
 
     def hc_mixes(self, h: torch.Tensor, prefix: str):
@@ -452,3 +476,9 @@ class ReferenceV41:
             -1, top.indices, top.values > -torch.inf
         )
         return keep.repeat_interleave(size, dim=-1)[..., :width]
+
+
+def make_hf_checkpoint(path: Path, seed: int = 0) -> ReferenceV41:
+    """A tiny random V4.1 checkpoint written in `path` (no HF class exists: the release's
+    names) and the reference on it (tests/model_fixtures.Family's interface)."""
+    return ReferenceV41(make_tiny_model(path, seed=seed))

@@ -3,7 +3,9 @@ and HTTP, each service its own process, and the official OpenAI client; the modu
 prefill worker, one decode worker and a router) on the tiny V4 model. At the end, DeepSeek-V3.2's
 own: `dsaserve up` serving a tiny V3.2 checkpoint (the release's chat encoder: thinking into
 reasoning_content, DSML function_calls into tool_calls, /tokenize; a prompt sent again resumed
-from the prefix cache), and a V3.2 prefill worker that a V4 decode worker refuses to pair with."""
+from the prefix cache), and a V3.2 prefill worker that a V4 decode worker refuses to pair with;
+then DeepSeek-V4.1's: `dsaserve up` serving the independent reference's tokens, prefix-cache
+resumes, chats by deepseek-recipe, images refused; workers exporting Engram's counters."""
 
 from __future__ import annotations
 
@@ -27,23 +29,28 @@ import openai
 import pytest
 import redis
 
+from dsaserve.engine.text.chat_format import ChatOptions, V41Chat
 from dsaserve.services.auth import token_metadata
 from dsaserve.services.registry import unseal, worker_key
 from dsaserve.services.rpc import grpc_api, pb
 from tests import REPO_ROOT
 from tests.conftest import free_port
+from tests.engine_cases import byte_ids
 from tests.model_fixtures import DEFAULT_FAMILY, FAMILIES, families
+from tests.reference_v41 import ReferenceV41
 from tests.serving_stack import (
     FORECAST,
     START_TIMEOUT_S,
     TOKEN,
     Stack,
+    StackSpec,
     http_status,
     in_db,
     offline_generate,
     openai_client,
     refresh_age,
     router_health,
+    serving,
     wait_all_kv_free,
     wait_for,
     wait_for_a_refresh,
@@ -669,3 +676,98 @@ def test_a_prefill_worker_and_a_decode_worker_of_another_family_refuse_to_pair(
             wait_for(worker.all_kv_free, 30, f"{worker.name} to free every page and block")
     finally:
         s.stop()
+
+
+# ---------------------------------------------------------------- DeepSeek-V4.1's own (after
+# V3.2's: one family's module fixtures at a time)
+
+ASCII = list(range(32, 127))  # one byte token a character: a reply's text is its tokens
+
+
+@families("deepseek_v41")
+def test_dsaserve_up_serves_a_v41_checkpoint(family, release, tmp_path):
+    """`dsaserve up --model <a tiny V4.1 in the release's layout>`: the independent reference's
+    greedy tokens through the prefill/decode path (gRPC, the KV pulled over NIXL: Engram's
+    n-grams at the first decode step read the prompt's last tokens, which came with the
+    request), a prompt sent again resumed from the prefill worker's prefix cache, chats rendered
+    by DeepSeek's library as `dsaserve generate --chat` renders them, images refused."""
+    reference = ReferenceV41(release)
+    prompts = [byte_ids(n, 200 + n) for n in (7, 64, 150)]
+    want = [bytes(reference.greedy(p, 12, ASCII)).decode() for p in prompts]
+    offline = offline_generate(release, OSLO, 12, "--thinking")
+    port = free_port()
+    log = tmp_path / "up.log"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "dsaserve.services.cli", "up", "--model", str(release),
+         "--port", str(port), "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "64", "--api-key", "unused"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    url, model = f"http://127.0.0.1:{port}", release.name
+    try:
+
+        def healthy() -> bool:
+            assert up.poll() is None, log.read_text()[-3000:]
+            return http_status(url + "/health") == 200
+
+        wait_for(healthy, START_TIMEOUT_S, "dsaserve up to report healthy")
+        with openai_client(url) as c:
+            # token ids in, greedy among ASCII: prefilled in chunks of 64, decoded on the other
+            # worker
+            sampling = {"ignore_eos": True, "allowed_token_ids": ASCII}
+            for prompt, text in zip(prompts, want, strict=True):
+                res = c.completions.create(
+                    model=model, prompt=prompt, max_tokens=12, temperature=0, extra_body=sampling
+                )
+                assert res.choices[0].text == text
+            # sent again: resumed from the prefill worker's checkpoint at its end
+            again = c.completions.create(
+                model=model, prompt=prompts[-1], max_tokens=12, temperature=0, extra_body=sampling
+            )
+            assert again.choices[0].text == want[-1]
+            assert again.usage.prompt_tokens_details.cached_tokens == len(prompts[-1]) - 1
+            # a chat: DeepSeek's library renders it, as `dsaserve generate --chat` does
+            chat = c.chat.completions.create(
+                model=model, messages=OSLO, max_tokens=12, temperature=0,
+                extra_body={"chat_template_kwargs": {"thinking": True}},
+            )  # fmt: skip
+            message = chat.choices[0].message
+            assert (message.content or "") == offline["message"]["content"]
+            assert (getattr(message, "reasoning_content", None) or "") == offline["message"].get(
+                "reasoning_content", ""
+            )
+        auth = {"Authorization": "Bearer unused"}
+        rendered = httpx.post(
+            url + "/tokenize",
+            json={"model": model, "messages": OSLO, "reasoning_effort": "max"},
+            headers=auth,
+        ).json()["tokens"]
+        text = httpx.post(
+            url + "/detokenize", json={"model": model, "tokens": rendered}, headers=auth
+        ).json()["prompt"]
+        library = V41Chat().render(OSLO, options=ChatOptions(thinking=True, reasoning_effort="max"))
+        assert text == library and "Reasoning Effort: 100 " in text
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        refused = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": model, "messages": [{"role": "user", "content": [image]}]},
+            headers=auth,
+        )
+        assert refused.status_code == 400
+        assert "vision tower is not loaded" in refused.json()["error"]["message"]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+    assert up.returncode == 0, log.read_text()[-3000:]
+
+
+@families("deepseek_v41")
+def test_v41_workers_export_engram_lookups_and_cache_hits(family, release, redis_url, tmp_path):
+    with serving(StackSpec(), release, redis_url, tmp_path) as s:
+        with openai_client(s.url) as c:
+            for seed in range(3):
+                c.completions.create(model=release.name, prompt=byte_ids(40, seed), max_tokens=4)
+        for worker in (s.prefill, s.decode):
+            lookups = worker.counter("dsaserve_engram_lookups_total")
+            hits = worker.counter("dsaserve_engram_cache_hits_total")
+            assert lookups > 0 and 0 <= hits <= lookups, (worker.name, lookups, hits)

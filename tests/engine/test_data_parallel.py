@@ -18,6 +18,7 @@ from dsaserve.engine.llm import LLM
 from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import byte_ids
+from tests.model_fixtures import families
 
 pytestmark = pytest.mark.e2e  # two engines, each a process
 
@@ -72,3 +73,18 @@ def test_tensor_parallel_inside_each_data_parallel_rank_computes_what_one_comput
         got = four.generate(prompts, GREEDY)
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
         assert max(abs(a - b) for a, b in zip(_logprobs(got), _logprobs(want), strict=True)) < 1e-5
+
+
+# ---------------------------------------------------------------- DeepSeek-V4.1's own
+
+
+@families("deepseek_v41")
+def test_v41_engines_sharing_the_experts_decode_what_one_decodes(family, tiny):
+    """V4.1's prefill steps compute the decoder layers only on the rows their state needs, so
+    one engine's step may leave a layer no row while another's computes some: the layer still
+    meets the other engines in its MoE's all-to-alls (on no rows)."""
+    prompts = [byte_ids(n, 100 + n) for n in (9, 70, 31)]
+    want = LLM(tiny, **ENGINE).generate(prompts, GREEDY)
+    with LLM(tiny, data_parallel_size=2, enable_expert_parallel=True, **ENGINE) as two:
+        got = two.generate(prompts, GREEDY)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]

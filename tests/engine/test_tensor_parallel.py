@@ -1,5 +1,5 @@
 """Tensor parallelism on the CPU: two ranks (processes over gloo) against one, on each family's
-tiny models (DeepSeek-V4 and DeepSeek-V3.2).
+tiny models (DeepSeek-V4, DeepSeek-V3.2 and DeepSeek-V4.1).
 
 fp32 (the dense model, and the release-format model dequantized at load): the two ranks compute
 what one computes, up to the order of a few fp32 sums (V4's wo_b partial products, V3.2's
@@ -74,6 +74,16 @@ CASES = {
         kv_cache_memory_bytes=32 << 20,
         split=frozenset({"embed.weight", "head.weight", *_V32_SPLIT}),
         split_scales=frozenset({*_V32_SCALES, *_EXPERT_SCALES}),
+    ),
+    # as V4 (V4.1's attention and MoE are V4's); windows, entries, the indexers, Engram and
+    # its tables whole on every rank
+    "deepseek_v41": Case(
+        seq=SEQ,
+        prompts=(1, 9, 40, 130),
+        max_tokens=16,
+        kv_cache_memory_bytes=ENGINE["kv_cache_memory_bytes"],
+        split=frozenset({"embed.weight", "head.weight", "attn.attn_sink", "attn.wo_a", *_V4_SPLIT}),
+        split_scales=frozenset({"attn.wq_b.scale", "attn.wo_b.scale", *_EXPERT_SCALES}),
     ),
 }
 

@@ -1,9 +1,10 @@
 """DeepSeek-V4.1 in the engine's machinery: its pools (the layers with a window only, each ratio's
 KV sources with their entries and index keys), a prefilled request moved to another engine (as a
 PD handoff moves it: the tokens come with the request, so Engram's n-grams at the first decode
-step read the prompt's last tokens), preemption under a small KV budget, synchronous steps, and
-two tensor-parallel ranks and two data-parallel engines sharing the experts (processes over
-gloo) against the independent reference; what V4.1 does not serve refused at start."""
+step read the prompt's last tokens), preemption under a small KV budget and synchronous steps
+against the independent reference; what V4.1 does not serve refused at start. (Two
+tensor-parallel ranks: test_tensor_parallel.py; engines sharing the experts:
+test_data_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.compare import rel_err
 from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.kv.layout import SLAB
 from dsaserve.engine.llm import LLM
@@ -84,34 +84,6 @@ def test_synchronous_steps_decode_the_same_tokens(tiny: Path, reference: Referen
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == [
         reference.greedy(p, GREEDY.max_tokens) for p in prompts
     ]
-
-
-@pytest.mark.e2e  # two ranks, each a process
-def test_two_ranks_compute_what_the_reference_computes(tiny: Path, reference: ReferenceV41):
-    """Query heads and output groups by rank, routed experts in ranges, the vocabulary in
-    halves; windows, entries, indexer, Engram and its tables whole on every rank."""
-    prompts = [ids(n, 80 + n) for n in (1, 40, 90)]
-    token_ids = ids(100, 9)
-    with LLM(tiny, tensor_parallel_size=2, **ENGINE) as two:
-        assert [r.token_ids for r in two.generate(prompts, GREEDY)] == [
-            reference.greedy(p, GREEDY.max_tokens) for p in prompts
-        ]
-        assert rel_err(two.score(token_ids), reference.logits(token_ids)) < 1e-4
-
-
-@pytest.mark.e2e  # two engines, each a process
-def test_two_engines_sharing_the_experts_decode_the_reference_tokens(
-    tiny: Path, reference: ReferenceV41
-) -> None:
-    """Expert parallelism over data-parallel engines: each engine its own requests and pools,
-    the routed experts split over both (dispatch/combine all-to-alls)."""
-    prompts = [ids(n, 100 + n) for n in (9, 70, 31)]
-    with LLM(tiny, data_parallel_size=2, enable_expert_parallel=True, **ENGINE) as two:
-        moe = next(m for m in two.engine.local.model.modules() if hasattr(m, "expert_range"))
-        assert moe.expert_range == (0, 4)  # engine 0 holds half of the 8 experts
-        assert [r.token_ids for r in two.generate(prompts, GREEDY)] == [
-            reference.greedy(p, GREEDY.max_tokens) for p in prompts
-        ]
 
 
 @pytest.mark.parametrize(

@@ -1,14 +1,16 @@
 """The release-format checkpoint in the engine, for each family (DeepSeek-V4's FP8 linears and
 FP4 experts with ue8m0 scales, DeepSeek-V3.2's FP8 weights with their fp32 power-of-two
-weight_scale_inv), both ways it computes:
+weight_scale_inv, DeepSeek-V4.1's 32 x 32 FP8 blocks, FP4 experts and FP8 Engram rows), both
+ways it computes:
 
 - dequantized at load (float32, the CPU default), each family's: against HF transformers' model
-  (DeepseekV4ForCausalLM, DeepseekV32ForCausalLM) fed the independently dequantized weights,
-  logits and greedy tokens, the MTP layer loaded;
-- quantized (V4's own: the release's arithmetic, FP8 activations, block-scaled FP8 GEMMs, FP4
-  experts): every quantized layer's output against an independent emulation of the release's
-  linear() and Expert.forward on the same input, and how often its greedy choices agree with
-  the dequantized model's.
+  (DeepseekV4ForCausalLM, DeepseekV32ForCausalLM) fed the independently dequantized weights
+  (V4.1: tests/reference_v41.py, which dequantizes them itself), logits and greedy tokens, the
+  MTP layer loaded (V4.1's DSpark head is not);
+- quantized (V4's and V4.1's own: the release's arithmetic, FP8 activations, block-scaled FP8
+  GEMMs, FP4 experts): every quantized layer's output against an independent emulation of the
+  release's linear() and Expert.forward on the same input (V4.1: activations per 32 values), and
+  how often V4's greedy choices agree with the dequantized model's; a GPU refuses V4.1's.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from transformers import DeepseekV4ForCausalLM, PreTrainedModel
 
 from bench.compare import rel_err
 from dsaserve.engine.llm import LLM
+from dsaserve.engine.model_dir import ConfigError
 from dsaserve.engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, hf_logits
 from tests.hf_reference_v32 import dequantized_hf_model
 from tests.model_fixtures import families
+from tests.reference_v41 import ReferenceV41
 from tests.release_reference import (
     ENGINE,
     TOKENS,
@@ -60,12 +64,18 @@ class Case:
     batches: tuple[tuple[int, ...], ...]  # prompt lengths decoded greedily, a batch per case
     prompt_seed: Callable[[int], int]  # of a prompt of that length
     max_tokens: int
+    mtp_layers: int = 1  # loaded from the release (V4.1's DSpark head: not served)
 
 
 CASES = {
     "deepseek_v4": Case(_v4_hf, SEQ, 7, ((1,), (40,), (290,)), lambda n: n, 24),
     # the indexer picks 8 of up to 100 tokens; three prompts in one batch
     "deepseek_v32": Case(dequantized_hf_model, 100, 9, ((4, 90, 17),), lambda n: 200 + n, 16),
+    # the reference on the release checkpoint itself; prompts past the window, the halos and
+    # the candidate blocks, in one batch
+    "deepseek_v41": Case(
+        lambda release, _: ReferenceV41(release), 100, 9, ((3, 60, 130),), lambda n: n, 10, 0
+    ),
 }
 
 
@@ -93,7 +103,7 @@ def quantized(release):
 @families()
 def test_dequantized_logits_match_hf(family, hf, dequantized):
     case = CASES[family.name]
-    assert len(dequantized.engine.runner.model.mtp) == 1  # the MTP layer is loaded
+    assert len(dequantized.engine.runner.model.mtp) == case.mtp_layers
     ids = release_ids(case.seq, case.seed)
     # (score lists the tokenizer's vocabulary, or more; HF's logits every row of the embedding)
     err = rel_err(dequantized.score(ids)[:, :TOKENS], hf_logits(hf, ids)[:, :TOKENS])
@@ -160,3 +170,21 @@ def test_greedy_agreement_of_the_quantized_path(dequantized, quantized, release)
             f" logits rel. error {err:.3f}"
         )
     assert report["quantized"][0] > 0.4  # chance would be 0.4%
+
+
+# ---------------------------------------------------------------- DeepSeek-V4.1's own
+
+
+@families("deepseek_v41")
+def test_v41_quantized_layers_compute_the_release_arithmetic(quantized, raw):
+    """The CPU computes the release's arithmetic exactly: every FP8 linear and the FP4 experts
+    compute linear() with activations quantized per 32 values (V4's groups are 128)."""
+    kinds = frozenset({"wq_a", "wq_b", "wkv", "wo_b", "w1", "w2", "w3", "experts"})
+    assert_layers_compute_the_release(quantized, raw, block=32, kinds=kinds)
+
+
+@families("deepseek_v41")
+def test_a_gpu_refuses_v41s_quantized_compute_with_the_reason(family, release):
+    cfg = family.package.ModelConfig.from_dir(release)
+    with pytest.raises(ConfigError, match="--no-quantized-compute"):
+        family.package.build_model(cfg, torch.bfloat16, torch.device("cuda"), quantized=True)

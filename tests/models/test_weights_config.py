@@ -1,8 +1,10 @@
 """config.json parsing and checkpoint loading, for each family: fields this engine cannot serve
-named, sharded checkpoints, missing, unexpected and misshaped tensors listed, the family found
-by model_type; then V4's legacy names and HF's save_pretrained names, and V3.2's config in HF's
-names and the release's, its RoPE and softmax scale against HF's, its KV description and tensor
-parallel splits, and scales that are not ue8m0."""
+named (V4.1's: its CSA2 topology, Engram's fields, the DSpark head's trailing compress ratios,
+its 32 x 32 blocks), sharded checkpoints, missing, unexpected and misshaped tensors listed (what
+V4.1 does not serve skipped), the family found by model_type; then V4's legacy names and HF's
+save_pretrained names, and V3.2's config in HF's names and the release's, its RoPE and softmax
+scale against HF's, its KV description and tensor parallel splits, and scales that are not
+ue8m0."""
 
 from __future__ import annotations
 
@@ -20,7 +22,15 @@ from dsaserve.engine.models.deepseek_v4.tiny import release_tiny_config as v4_re
 from dsaserve.engine.models.loading import WeightsError
 from tests.model_fixtures import Family, families
 
-VOCAB = {"deepseek_v4": 262, "deepseek_v32": 264}  # the tiny tokenizers' (V3.2's: the release's)
+# the tiny models' vocabularies (V3.2's: its release tokenizer's; V4.1's: padded past its 265)
+VOCAB = {"deepseek_v4": 262, "deepseek_v32": 264, "deepseek_v41": 272}
+V41_QC = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+    "expert_dtype": "fp4",
+}
 RELEASE_QC = v4_release_config()["quantization_config"]
 
 
@@ -83,6 +93,33 @@ def _load(family: Family, path):
                 ),
                 ({"model_type": "deepseek_v3"}, "`model_type`: must be 'deepseek_v32'"),
                 ({"dtype": "fp8", "scale_fmt": None}, "`scale_fmt`: must be 'ue8m0'"),
+            ]
+        ),
+        *(
+            ("deepseek_v41", change, message)
+            for change, message in [
+                ({"model_type": "deepseek_v4"}, "`model_type`: must be 'deepseek_v41'"),
+                ({"num_key_value_heads": 8}, "`num_key_value_heads`"),
+                # the release's trailing entries are the DSpark head's: zeros, or refused
+                (
+                    {"compress_ratios": [0, 2, 2, 2, 1, 1, 1, 1, 2]},
+                    "`compress_ratios`: entries past the 8 layers",
+                ),
+                ({"compress_ratios": [0, 4, 4, 4, 1, 1, 1, 1]}, "entries must be 0, 1 or 2"),
+                ({"kv_source_layer_ids": [3, 4]}, "`kv_source_layer_ids`: layer 1 .ratio 2."),
+                ({"kv_source_layer_ids": [1, 3, 4, 5]}, "must also run an indexer"),
+                ({"candidate_topk_blocks": 1}, "`candidate_topk_blocks`"),
+                ({"num_experts_per_tok": 1}, "`num_experts_per_tok`: must be in"),
+                ({"engram_head_dim": 48}, "`engram_head_dim`: must be a multiple of 32"),
+                ({"engram_num_embeddings": [184]}, "`engram_num_embeddings`: needs one entry"),
+                (
+                    {"quantization_config": {**V41_QC, "weight_block_size": [128, 128]}},
+                    "`quantization_config.weight_block_size`: must be .32, 32.",
+                ),
+                (
+                    {"quantization_config": {**V41_QC, "expert_dtype": "fp8"}},
+                    "`quantization_config.expert_dtype`: must be 'fp4'",
+                ),
             ]
         ),
     ],
@@ -164,6 +201,26 @@ BROKEN = {
             "missing (1): layers.2.attn.indexer.k_norm.bias",
             "unexpected (1): model.layers.0.self_attn.extra.weight",
         ],
+    ),
+    "deepseek_v41": Broken(
+        {
+            "layers.1.attn.indexer.wk.weight": None,
+            "layers.2.ffn.experts.3.w3.weight": None,
+            "layers.0.attn.bogus.weight": torch.zeros(2),
+            "layers.0.attn.wkv.weight": torch.zeros(3, 3),
+            # not served: the DSpark head, the image tokens' routing bias, the vision tower
+            "mtp.0.attn.wq_a.weight": torch.zeros(1),
+            "layers.0.ffn.gate.bias_vl": torch.zeros(1),
+            "vision.patch_embed.proj.weight": torch.zeros(1),
+        },
+        [
+            "missing (2)",
+            "layers.1.attn.indexer.wk.weight",
+            "layers.2.ffn.experts.3.w3.weight",
+            "unexpected (1): layers.0.attn.bogus.weight",
+            "wrong shape (1): layers.0.attn.wkv.weight: checkpoint [3, 3], model expects [64, 64]",
+        ],
+        ["mtp", "bias_vl", "vision"],
     ),
 }
 

@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer as BackendTokenizer
 
 from dsaserve.engine.models.deepseek_v4.tiny import release_name
 from dsaserve.engine.models.deepseek_v41.config import FP8_BLOCK, EngramConfig, ModelConfig
-from dsaserve.engine.models.deepseek_v41.engram import bucket_primes, compressed_token_map
+from dsaserve.engine.models.deepseek_v41.engram import bucket_primes
 from dsaserve.engine.models.deepseek_v41.weights import build_model
 from dsaserve.engine.models.tiny_weights import (
     first_half_of_layers,
@@ -48,6 +47,9 @@ from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
 from dsaserve.kernels.quant import act_quant_reference, quantize_fp4, quantize_fp8_blocks
 
 FORMATS = ("dense", "release")
+# The byte tokenizer's ids once normalized (engram.compressed_token_map: its size is what every
+# Engram hash derives from; the loader refuses a config that says otherwise)
+COMPRESSED_VOCAB = 236
 
 _FP8_STORED = re.compile(
     r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
@@ -70,7 +72,7 @@ def text_config(vocab_size: int) -> dict[str, Any]:
         "head_dim": 64,
         "qk_rope_head_dim": 16,
         "q_lora_rank": 32,
-        "o_lora_rank": 16,
+        "o_lora_rank": 32,  # wo_b splits over two ranks on its 32-wide FP8 blocks
         "o_groups": 2,
         "hidden_act": "silu",
         "moe_intermediate_size": 32,
@@ -119,6 +121,31 @@ def text_config(vocab_size: int) -> dict[str, Any]:
     }
 
 
+def tiny_config(vocab_size: int) -> dict[str, Any]:
+    """The dense tiny model's config.json with its text_config's fields at the top level (read
+    alike: model_dir.language_config), so a test edits one of them as it edits V4's."""
+    return {**_sized(text_config(vocab_size)), "model_type": "deepseek_v41"}
+
+
+def _sized(text: dict[str, Any]) -> dict[str, Any]:
+    """text_config with Engram's compressed vocabulary and table sizes: each table exactly its
+    buckets, as the release's."""
+    text = {"engram_compressed_vocab_size": COMPRESSED_VOCAB} | text
+    if text.get("engram_layer_ids"):
+        layout = EngramConfig(
+            layer_ids=tuple(text["engram_layer_ids"]),
+            num_embeddings=(),
+            max_ngram_size=text["engram_max_ngram_size"],
+            n_heads=text["engram_n_heads"],
+            head_dim=text["engram_head_dim"],
+            vocab_size=text["engram_vocab_size"],
+            compressed_vocab_size=text["engram_compressed_vocab_size"],
+            pad_token_id=text["engram_pad_token_id"],
+        )
+        text["engram_num_embeddings"] = [sum(p) for p in bucket_primes(layout)]
+    return text
+
+
 def make_tiny_model(
     out_dir: str | os.PathLike,
     seed: int = 0,
@@ -132,24 +159,8 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokens = write_byte_tokenizer(out, v41=True)
-    backend = BackendTokenizer.from_file(str(out / "tokenizer.json"))
     # padded past the tokenizer, as the release's (129,280 rows): ranks split it evenly
-    text = text_config(-(-tokens // 16) * 16) | {
-        "engram_compressed_vocab_size": max(compressed_token_map(backend)) + 1
-    }
-    text |= overrides or {}
-    if text.get("engram_layer_ids"):  # each table exactly its buckets
-        layout = EngramConfig(
-            layer_ids=tuple(text["engram_layer_ids"]),
-            num_embeddings=(),
-            max_ngram_size=text["engram_max_ngram_size"],
-            n_heads=text["engram_n_heads"],
-            head_dim=text["engram_head_dim"],
-            vocab_size=text["engram_vocab_size"],
-            compressed_vocab_size=text["engram_compressed_vocab_size"],
-            pad_token_id=text["engram_pad_token_id"],
-        )
-        text["engram_num_embeddings"] = [sum(p) for p in bucket_primes(layout)]
+    text = _sized(text_config(-(-tokens // 16) * 16) | (overrides or {}))
     raw = _config(text, fmt)
     cfg = ModelConfig.from_hf(raw)
     model = build_model(cfg, torch.float32, torch.device("cpu"))
