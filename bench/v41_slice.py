@@ -45,7 +45,7 @@ import torch
 
 from bench.engine import Bench, check_against_reference
 from bench.fake_quant import layer_labels
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from dsaserve.engine.models.deepseek_v41.config import ModelConfig
 from dsaserve.engine.models.deepseek_v41.engram import bucket_primes
 from dsaserve.engine.models.deepseek_v41.engram_table import (
@@ -340,6 +340,7 @@ def main() -> None:
     steps = 2 if smoke else args.steps
     assert cfg.engram is not None
     result: dict[str, Any] = {
+        **prologue(dev),
         "hardware": hw.as_dict() if hw else {},
         "config": {
             "layers": layer_labels(cfg),
