@@ -33,6 +33,7 @@ the group (a data-parallel group is one failure domain, as a tensor-parallel one
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -124,6 +125,10 @@ class LLMEngine:
             self.close()
             raise
         self.model, self.pool = self.runner.model, self.runner.pool
+        # (what the budget holds: build_runner may have lowered it)
+        self.config = config = dataclasses.replace(
+            config, max_num_seqs=self.pool.kv_cfg.max_num_seqs
+        )
         self.max_model_len = self.runner.max_context
         self.prefix_cache = None
         if config.enable_prefix_caching:

@@ -288,13 +288,16 @@ def test_adaptive_draft_length_follows_acceptance_and_step_cost():
 
 
 def test_prefix_cache_hits_resume_the_mtp_layer_too():
-    """With the prefix cache on (the default), a prompt that resumes from a checkpoint gets the
-    MTP layer's state from it too: tokens as without speculation, and drafts accepted."""
+    """With every default (the prefix cache on, the default KV budget, which holds fewer
+    sequences with speculation's spare ring rows: max_num_seqs lowered, not a refusal), a
+    prompt that resumes from a checkpoint gets the MTP layer's state from it too: tokens as
+    without speculation, and drafts accepted."""
     shared = PROMPTS[0] + PROMPTS[1][1:]
     prompts = [shared, shared + PROMPTS[2][1:9]]
     params = SamplingParams(max_tokens=12, temperature=0)
-    plain = LLM(DEMO_MODEL_DIR, max_num_seqs=4)
-    spec = LLM(DEMO_MODEL_DIR, speculative_config=SPEC, max_num_seqs=4)
+    plain = LLM(DEMO_MODEL_DIR)
+    spec = LLM(DEMO_MODEL_DIR, speculative_config=SPEC)
+    assert 1 < spec.engine.config.max_num_seqs < plain.engine.config.max_num_seqs
     for prompt in prompts:  # one after the other: the second resumes from the first's
         want = plain.generate([prompt], params)[0].token_ids
         assert spec.generate([prompt], params)[0].token_ids == want

@@ -375,7 +375,8 @@ class PrefixCache:
         tokens = known_tokens(req)
         out = []
         rows = 0 if self.stateless else 1
-        for c in self.capture_positions(req, start, n):
+        # (deepest first: where rows run short, the prompt's end is what a repeat resumes from)
+        for c in reversed(self.capture_positions(req, start, n)):
             if c > len(tokens) or self._holds(req, tokens, c):
                 continue
             if not self.make_room(dict.fromkeys(pool.groups, pool.ring_pages), rows):
