@@ -1,8 +1,9 @@
 """Runs an LLMEngine on its own thread and streams its outputs to asyncio code.
 
 The engine is not thread-safe, so every change to it (new request, abort, reserve, join,
-release) is a command executed on the engine thread between two steps; callers get the
-result through a future. Each request carries its own listener (an `OutputQueue`), which the
+release) is a command executed on the engine thread between two steps: a call of one of the
+engine's methods (`loop.call(engine.abort, request_id)`); callers get the result through a
+future. Each request carries its own listener (an `OutputQueue`), which the
 engine calls with the request's outputs; the queue hands them to its event loop with
 `call_soon_threadsafe`, so services never block their event loop on the model.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import ParamSpec, TypeVar
 
 from engine.llm_engine import LLMEngine
 from engine.load import Load
@@ -25,6 +27,7 @@ from engine.request import RequestOutput
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
 IDLE_WAIT_S = 0.5  # how long an idle engine thread waits for a command before looking again
 # An idle engine of a data-parallel group steps this often (its peers may compute and need it;
 # a request that arrives while every engine idles waits up to this long for its first step).
@@ -49,7 +52,7 @@ class OutputQueue:
 class EngineLoop:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.Queue[tuple[Callable[[LLMEngine], object], Future]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[], object], Future]] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._load = engine.load()
@@ -61,7 +64,7 @@ class EngineLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
-        self._commands.put((lambda e: None, Future()))  # wake the thread
+        self._commands.put((lambda: None, Future()))  # wake the thread
         self._thread.join(timeout)
 
     @property
@@ -75,8 +78,9 @@ class EngineLoop:
 
     # ---------------------------------------------------------------- commands
 
-    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
-        """Run fn(engine) on the engine thread between steps.
+    def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        """Run fn(*args, **kwargs) (a method of the engine or of one of its parts) on the engine
+        thread between steps.
 
         The command runs even if nobody awaits its future any more (a cancelled RPC), so a
         cleanup sent this way (abort, release) always happens.
@@ -85,13 +89,13 @@ class EngineLoop:
         if not self.alive:
             fut.set_exception(RuntimeError(f"the engine thread is not running ({self.failure!r})"))
         else:
-            self._commands.put((fn, fut))
+            self._commands.put((functools.partial(fn, *args, **kwargs), fut))
         return fut
 
-    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Await fn(engine). Shielded: if the awaiting task is cancelled (its RPC was), the
-        command still runs, so an abort, release or claim is never lost half way."""
-        return await asyncio.shield(asyncio.wrap_future(self.call(fn)))
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Await `call(fn, ...)`. Shielded: if the awaiting task is cancelled (its RPC was), the
+        command still runs, so an abort or a release is never lost half way."""
+        return await asyncio.shield(asyncio.wrap_future(self.call(fn, *args, **kwargs)))
 
     async def stream(
         self, request_id: str, outputs: OutputQueue, interval: int = 1
@@ -101,17 +105,17 @@ class EngineLoop:
         the consumer stops early (a cancelled RPC), so nothing stays allocated."""
         finished = False
         try:
-            held: RequestOutput | None = None
+            pending: RequestOutput | None = None  # outputs not yet yielded, merged
             while not finished:
                 out = await outputs.get()
                 finished = out.finished
-                held = out if held is None else merge_outputs(held, out)
-                if finished or len(held.new_token_ids) >= interval:
-                    yield held
-                    held = None
+                pending = out if pending is None else merge_outputs(pending, out)
+                if finished or len(pending.new_token_ids) >= interval:
+                    yield pending
+                    pending = None
         finally:
             if not finished:
-                self.call(lambda e: e.abort(request_id))
+                self.call(self.engine.abort, request_id)
 
     # ---------------------------------------------------------------- thread
 
@@ -156,7 +160,7 @@ class EngineLoop:
             block = False
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(self.engine))
+                    fut.set_result(fn())
                 except Exception as e:  # handed to the caller
                     fut.set_exception(e)
 

@@ -1,4 +1,4 @@
-"""All state of one request inside an engine: tokens, KV ownership, sampling, text, lease, listener.
+"""All state of one request inside an engine: tokens, KV ownership, sampling, text, listener.
 
 The scheduler moves `Request` objects between its queues, the pool allocator fills their page
 tables, the runner reads them and the engine loop hands their outputs to their listener: one
@@ -68,9 +68,9 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens capped by the context length
     text: TextStream
     eos_token_ids: frozenset[int]
-    # Prefill-only (prefill worker): stop after the first token and keep the KV this many
-    # seconds for a reader; None for a request that decodes here.
-    hold_for_s: float | None = None
+    # Prefill-only (prefill worker): stop after the first token and keep the KV for a reader
+    # (engine.handoff)
+    prefill_only: bool = False
     # Called on the engine thread with each of this request's outputs (services stream them).
     listener: Listener | None = None
     output_token_ids: list[int] = field(default_factory=list)
@@ -94,7 +94,6 @@ class Request:
     # where its tokens part from a cached prefix that no checkpoint of its marks: its prefill
     # takes one there too (None: nowhere worth it)
     branch_point: int | None = None
-    lease_deadline: float | None = None  # HELD: time.monotonic() after which the KV is freed
     grammar: GrammarState | None = None  # structured output: where the output is in its grammar
     # params.prompt_logprobs: those of prompt tokens 1.. computed so far (a chunk at a time)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -108,10 +107,6 @@ class Request:
     def kv_pages(self) -> dict[str, list[int]]:
         """Its pages by pool group and its slab row under "slab" (as KVPages holds them)."""
         return {**self.page_tables, SLAB: [self.slab_row]}
-
-    @property
-    def prefill_only(self) -> bool:
-        return self.hold_for_s is not None
 
     def tokens(self, start: int, n: int) -> list[int]:
         """token_ids[start:start + n] without building the whole list (decode steps stay O(1));

@@ -110,16 +110,18 @@ def check_moved_request_decodes_as_if_never_moved(
     want = [t for o in drain(alone)["r"] for t in o.new_token_ids]
 
     prefill = LLMEngine(model, config)
-    prefill.add_request("r", prompt, params, hold_for_s=30.0)
+    prefill.add_request("r", prompt, params, prefill_only=True)
     (first,) = [t for o in drain(prefill)["r"] for t in o.new_token_ids]
-    held = prefill.stage("r") if via == "staging" else prefill.held_pages("r")
+    held = prefill.handoff.stage("r") if via == "staging" else prefill.handoff.held_pages("r")
     assert set(held.pages) == ({STAGING} if via == "staging" else groups)
 
     decode = LLMEngine(model, dataclasses.replace(config, max_num_seqs=3))  # other page counts
     for group in decode.pool.groups.values():  # other pages than the prefill engine's
         group.allocator.allocate(3)
     assert decode.pool.layout_hash() == prefill.pool.layout_hash()
-    reserved = decode.reserve("r", prompt, first, params, draft_token_ids=held.draft_token_ids)
+    reserved = decode.handoff.reserve(
+        "r", prompt, first, params, draft_token_ids=held.draft_token_ids
+    )
     if via == "staging":
         unpack = decode.pool.unpacker(reserved.pages)
         move_staged(prefill.pool, held.pages[STAGING], decode.pool, unpack)
@@ -127,10 +129,10 @@ def check_moved_request_decodes_as_if_never_moved(
         for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
             if src.group in held.pages:
                 dst.tensor[reserved.pages[dst.group]] = src.tensor[held.pages[src.group]]
-    decode.join("r")
+    decode.handoff.join("r")
     assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
     if alone.speculator is not None:  # drafts from the first decode step on, as never moved
         assert held.draft_token_ids and decode.speculator is not None
         assert decode.speculator.stats == alone.speculator.stats
-    assert prefill.release("r")
+    assert prefill.handoff.release("r")
     return want

@@ -5,8 +5,6 @@ seeded sampling, logprobs), and free everything."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from bench.async_scheduling import measure
@@ -131,39 +129,37 @@ def test_aborting_a_request_whose_token_is_in_flight_drops_that_token(tiny):
     assert_all_free(engine)
 
 
-def test_a_prefill_only_lease_starts_when_its_token_reaches_the_host(tiny):
-    """Held at launch (no later step may touch its KV), but its reader's lease runs from the
-    moment its first token is known (and sent on)."""
+def test_a_prefill_only_request_is_held_from_its_launch(tiny):
+    """Held at launch (no later step may touch its KV); its token comes out at the next step,
+    and the KV stays until its reader releases it (the lease is the worker's lease table's)."""
     engine = LLMEngine(tiny, EngineConfig(**ROOMY))
-    engine.add_request("p", list(range(40)), HELD, hold_for_s=5.0)
+    engine.add_request("p", list(range(40)), HELD, prefill_only=True)
     assert engine.step() == []  # launched: the token is still on the device
-    assert engine.load().held == 1 and engine.expire_leases(time.monotonic() + 3600) == []
+    assert engine.load().held == 1
     [out] = engine.step()
     assert out.finished and out.finish_reason is None and len(out.new_token_ids) == 1
-    assert engine.held_pages("p").num_tokens == 40
-    assert engine.expire_leases(time.monotonic()) == []
-    assert engine.expire_leases(time.monotonic() + 10.0) == ["p"]
+    assert engine.handoff.held_pages("p").num_tokens == 40
+    assert engine.step() == [] and engine.load().held == 1  # nothing frees it but a release
+    assert engine.handoff.release("p") and not engine.handoff.release("p")
     assert_all_free(engine)
     assert not engine.has_unfinished()
 
 
-def test_a_held_request_staged_or_claimed_before_its_token_lands_keeps_both(tiny):
-    """Between launch and completion a prefill-only request is already held: a stage or a
-    claim then is kept (the staged blocks freed if the token ends it, the claim's deadline not
-    shortened)."""
+def test_a_held_request_staged_before_its_token_lands_keeps_its_blocks(tiny):
+    """Between launch and completion a prefill-only request is already held: a stage then is
+    kept (the staged blocks freed if the token ends it)."""
     engine = LLMEngine(tiny, EngineConfig(**ROOMY))
     free_blocks = engine.pool.staging.allocator.num_free
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    engine.add_request("ends", list(range(40)), one, hold_for_s=5.0)
-    engine.add_request("read", list(range(30)), HELD, hold_for_s=5.0)
+    engine.add_request("ends", list(range(40)), one, prefill_only=True)
+    engine.add_request("read", list(range(30)), HELD, prefill_only=True)
     assert engine.step() == []  # both launched, held, tokens in flight
-    assert "staging" in engine.stage("ends").pages
-    deadline = engine.claim("read", hold_s=600.0, now=time.monotonic())
+    assert "staging" in engine.handoff.stage("ends").pages
     outs = {o.request_id: o for o in engine.step()}
     assert outs["ends"].finish_reason == "length" and outs["read"].finish_reason is None
     assert engine.pool.staging.allocator.num_free == free_blocks  # its blocks came back
-    assert engine.scheduler.requests["read"].lease_deadline == deadline
-    assert engine.release("read")
+    assert engine.handoff.held_pages("read").num_tokens == 30
+    assert engine.handoff.release("read")
     assert_all_free(engine)
     assert not engine.has_unfinished()
 

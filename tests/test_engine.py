@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 
@@ -233,46 +232,15 @@ def test_prefill_only_requests_hold_their_kv_until_released_or_aborted(tiny):
     engine = LLMEngine(tiny)
     for rid in ("released", "aborted"):
         engine.add_request(
-            rid, list(range(50)), SamplingParams(max_tokens=8, temperature=0), hold_for_s=30.0
+            rid, list(range(50)), SamplingParams(max_tokens=8, temperature=0), prefill_only=True
         )
     outputs = drain(engine)
     assert all(
         len(o) == 1 and o[0].finished and o[0].finish_reason is None for o in outputs.values()
     )
-    held = engine.held_pages("released")
+    held = engine.handoff.held_pages("released")
     assert held.num_tokens == 50 and held.pages["slab"] and engine.load().held == 2
     assert engine.load().free_pages < engine.load().total_pages
-    assert engine.release("released") and engine.abort("aborted")
-    assert engine.load().held == 0 and not engine.release("released")
-    assert_all_free(engine)
-
-
-def test_held_kv_is_freed_when_its_lease_runs_out(tiny):
-    engine = LLMEngine(tiny)
-    engine.add_request("short", list(range(40)), SamplingParams(max_tokens=8), hold_for_s=5.0)
-    engine.add_request("long", list(range(40)), SamplingParams(max_tokens=8), hold_for_s=60.0)
-    drain(engine)
-    start = time.monotonic()
-    assert engine.expire_leases(start) == []  # both leases still run
-    assert engine.expire_leases(start + 10.0) == ["short"]
-    with pytest.raises(KeyError):
-        engine.held_pages("short")
-    assert engine.load().held == 1 and engine.release("long")
-    assert_all_free(engine)
-
-
-def test_a_claim_keeps_held_kv_past_its_lease_and_release_says_if_it_stayed(tiny):
-    """The reader's protocol: Claim extends the hold over the READ; Release answers whether the
-    pages were held until then (a reader that was too slow learns it, never reads silently)."""
-    engine = LLMEngine(tiny)
-    for rid in ("read", "late"):
-        engine.add_request(rid, list(range(40)), SamplingParams(max_tokens=8), hold_for_s=5.0)
-    drain(engine)
-    now = time.monotonic()
-    deadline = engine.claim("read", hold_s=60.0, now=now)
-    assert deadline is not None and deadline >= now + 60.0
-    assert engine.expire_leases(now + 10.0) == ["late"]  # the claimed one outlives its lease
-    assert engine.claim("late", hold_s=60.0, now=now + 10.0) is None  # too late to claim
-    assert engine.release("read") is True  # intact: held until this release
-    assert engine.release("read") is False and engine.release("late") is False
+    assert engine.handoff.release("released") and engine.abort("aborted")
+    assert engine.load().held == 0 and not engine.handoff.release("released")
     assert_all_free(engine)

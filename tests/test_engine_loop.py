@@ -18,7 +18,7 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2
 
 async def _stream(loop: EngineLoop, rid: str, interval: int) -> list[RequestOutput]:
     outputs = OutputQueue()
-    await loop.run(lambda e: e.add_request(rid, byte_ids(20, 1), PARAMS, listener=outputs))
+    await loop.run(loop.engine.add_request, rid, byte_ids(20, 1), PARAMS, listener=outputs)
     return [out async for out in loop.stream(rid, outputs, interval)]
 
 

@@ -7,8 +7,6 @@ over NIXL, tests/test_staging_e2e.py through the whole stack).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -114,9 +112,9 @@ def test_a_request_staged_by_one_engine_decodes_on_another_as_if_never_moved(tin
     want = [t for o in drain(alone)["r"] for t in o.new_token_ids]
 
     prefill = LLMEngine(tiny, EngineConfig(max_num_batched_tokens=64))
-    prefill.add_request("r", prompt, params, hold_for_s=30.0)
+    prefill.add_request("r", prompt, params, prefill_only=True)
     (first,) = [t for o in drain(prefill)["r"] for t in o.new_token_ids]
-    held = prefill.stage("r")
+    held = prefill.handoff.stage("r")
     assert set(held.pages) == {STAGING} and held.num_tokens == len(prompt)
     assert prefill.load().free_pages < prefill.load().total_pages  # the blocks are held
     groups = prefill.pool.groups.values()  # its pages back, but what only the prefix cache holds
@@ -125,13 +123,13 @@ def test_a_request_staged_by_one_engine_decodes_on_another_as_if_never_moved(tin
     decode = LLMEngine(tiny, EngineConfig(kv_cache_memory_bytes=128 << 20, max_num_seqs=8))
     for group in decode.pool.groups.values():  # other pages than the prefill worker's
         group.allocator.allocate(3)
-    reserved = decode.reserve("r", prompt, first, params)
+    reserved = decode.handoff.reserve("r", prompt, first, params)
     move_staged(
         prefill.pool, held.pages[STAGING], decode.pool, decode.pool.unpacker(reserved.pages)
     )
-    decode.join("r")
+    decode.handoff.join("r")
     assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
-    assert prefill.release("r")
+    assert prefill.handoff.release("r")
     assert prefill.load().held == 0
     assert_all_free(prefill)
 
@@ -141,20 +139,19 @@ def test_staging_falls_back_to_pages_and_every_exit_frees_the_blocks(tiny) -> No
     staging = engine.pool.staging
     params = SamplingParams(max_tokens=4, temperature=0)
     for rid in ("a", "b", "c", "d"):
-        engine.add_request(rid, list(range(3, 60)), params, hold_for_s=5.0)
+        engine.add_request(rid, list(range(3, 60)), params, prefill_only=True)
     drain(engine)
-    need = -(-engine.pool.cells(engine.held_pages("a").pages).size // staging.cells_per_block)
+    handoff = engine.handoff
+    need = -(-engine.pool.cells(handoff.held_pages("a").pages).size // staging.cells_per_block)
     filler = staging.allocator.allocate(staging.num_free - 2 * need)  # room for two requests
-    assert set(engine.stage("a").pages) == set(engine.stage("b").pages) == {STAGING}
-    assert engine.stage("a") == engine.held_pages("a")  # staging twice is staging once
-    held_c = engine.stage("c")  # no room: it stays in its pages
+    assert set(handoff.stage("a").pages) == set(handoff.stage("b").pages) == {STAGING}
+    assert handoff.stage("a") == handoff.held_pages("a")  # staging twice is staging once
+    held_c = handoff.stage("c")  # no room: it stays in its pages
     assert set(held_c.pages) == {*engine.pool.groups, SLAB} and staging.num_free == 0
     staging.free(filler)
     assert engine.abort("a") and staging.num_free == len(filler) + need
-    now = time.monotonic()
-    assert engine.claim("b", 60.0, now) is not None
-    assert engine.expire_leases(now + 30.0) == ["c", "d"]  # in pages, or never staged
-    assert engine.release("b")
+    assert handoff.release("c") and handoff.release("d")  # in pages, or never staged
+    assert handoff.release("b")
     assert engine.load().held == 0 and staging.num_free == staging.num_total
     assert_all_free(engine)
 

@@ -12,6 +12,7 @@ import pytest
 
 from engine.config import EngineConfig
 from services.auth import token_metadata
+from services.prefill.leases import LeaseTable
 from services.prefill.service import PrefillService
 from services.rpc import grpc_api, pb
 from services.worker.process import Worker, now_ms
@@ -56,7 +57,7 @@ async def test_claims_are_answered_while_an_engine_step_is_slow(redis_url: str) 
             )
             assert held.HasField("kv")
         # A deliberately slow step: the engine thread is busy for SLOW_STEP_S.
-        slow = worker.loop.call(lambda e: time.sleep(SLOW_STEP_S))
+        slow = worker.loop.call(time.sleep, SLOW_STEP_S)
         claim = pb.ClaimRequest(request_id="r1", hold_ms=30_000)
         claimed = await stub.Claim(claim, metadata=metadata, timeout=CONTROL_TIMEOUT_S)
         assert claimed.lease_expires_unix_ms > 0
@@ -120,3 +121,20 @@ async def test_a_slow_workers_lease_follows_its_measured_step_time(
         assert lease_s > 10, lease_s  # 100 steps, not the 1 s floor
     worker.stop()
     await asyncio.wait_for(serving, 60)
+
+
+def test_a_lease_is_extended_by_claims_never_shortened_and_expires_once() -> None:
+    """The lease table alone decides how long held KV waits for its reader (the engine only
+    holds it until the worker releases it)."""
+    leases, now = LeaseTable(), 100.0
+    for rid in ("claimed", "idle", "late"):
+        leases.hold(rid, now + 5.0)
+    assert leases.claim("claimed", 60.0, now) == now + 60.0
+    assert leases.claim("claimed", 1.0, now) == now + 60.0  # a shorter claim keeps the longer
+    assert leases.claim("late", 60.0, now + 6.0) is None and "late" not in leases  # ran out
+    assert leases.expire(now + 30.0) == ["idle"]
+    assert leases.expire(now + 30.0) == []
+    assert leases.drop("claimed", now + 59.0)  # held until then: what it read is intact
+    assert not leases.drop("claimed", now + 59.0) and leases.claim("claimed", 1.0, now) is None
+    leases.hold("slow", now)
+    assert not leases.drop("slow", now + 1.0)  # its lease ended before the release

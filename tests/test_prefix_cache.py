@@ -358,22 +358,22 @@ def test_a_resumed_prefill_only_request_moves_to_a_decode_engine_like_any_other(
     alone = LLMEngine(tiny, EngineConfig(enable_prefix_caching=False))
     want = [t for o in _run(alone, "r", prompt, params) for t in o.new_token_ids]
     prefill = LLMEngine(tiny)
-    prefill.add_request("warm", x, params, hold_for_s=30.0)
+    prefill.add_request("warm", x, params, prefill_only=True)
     drain(prefill)
-    assert prefill.release("warm")
-    prefill.add_request("r", prompt, params, hold_for_s=30.0)
+    assert prefill.handoff.release("warm")
+    prefill.add_request("r", prompt, params, prefill_only=True)
     (out,) = drain(prefill)["r"]
     assert out.cached_tokens == 150
-    held = prefill.stage("r")
+    held = prefill.handoff.stage("r")
     decode = LLMEngine(tiny, EngineConfig(enable_prefix_caching=False))
-    reserved = decode.reserve("r", prompt, out.new_token_ids[0], params)
+    reserved = decode.handoff.reserve("r", prompt, out.new_token_ids[0], params)
     assert reserved is not None
     (blocks,) = held.pages.values()
     move_staged(prefill.pool, blocks, decode.pool, decode.pool.unpacker(reserved.pages))
-    decode.join("r")
+    decode.handoff.join("r")
     got = out.new_token_ids + [t for o in drain(decode)["r"] for t in o.new_token_ids]
     assert got == want
-    assert prefill.release("r")
+    assert prefill.handoff.release("r")
     assert_all_free(prefill)
     assert_all_free(decode)
 

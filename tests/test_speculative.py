@@ -325,7 +325,7 @@ def test_drafts_a_decode_engine_cannot_verify_are_refused():
     params = SamplingParams(max_tokens=8, temperature=0)
     for drafts in ([1, 2, 3], [-1], [engine.tokenizer.vocab_size]):
         with pytest.raises(RequestError, match="draft token ids"):
-            engine.reserve("r", PROMPTS[0], 65, params, draft_token_ids=drafts)
+            engine.handoff.reserve("r", PROMPTS[0], 65, params, draft_token_ids=drafts)
     assert "r" not in engine.scheduler.requests
     assert_all_free(engine)
 

@@ -130,20 +130,20 @@ def _decode_on_a_group_of_two(model, engine: dict, prompt: list[int], params) ->
     prefill engine's held pages, as the NIXL READ would); join hands every rank the KV. The
     tokens the two-rank decode engine generates."""
     prefill = LLMEngine(model, EngineConfig(**engine))
-    prefill.add_request("r", prompt, params, hold_for_s=60.0)
+    prefill.add_request("r", prompt, params, prefill_only=True)
     outputs: list = []
     while not outputs:  # a long prompt prefills in several chunks
         outputs = prefill.step()
     [first] = outputs
-    held = prefill.held_pages("r")
+    held = prefill.handoff.held_pages("r")
     decode = LLMEngine(model, EngineConfig(tensor_parallel_size=2, **engine))
     try:
         assert decode.pool.layout_hash() == prefill.pool.layout_hash()
-        pages = decode.reserve("r", prompt, first.new_token_ids[0], params)
+        pages = decode.handoff.reserve("r", prompt, first.new_token_ids[0], params)
         for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
             if src.group in held.pages:  # (its pages, not staging blocks: it was not staged)
                 dst.tensor[pages.pages[dst.group]] = src.tensor[held.pages[src.group]]
-        decode.join("r")
+        decode.handoff.join("r")
         tokens = list(first.new_token_ids)
         while decode.has_unfinished():
             tokens += [t for out in decode.step() for t in out.new_token_ids]

@@ -310,7 +310,7 @@ class KVPool:
         """The arena cells of a request's KV state in stream order: region by region (in
         `regions()` order), the request's pages in its page-table order. [n] int64.
 
-        pages: group -> page ids, the slab row under "slab" (as `LLMEngine.held_pages`); a
+        pages: group -> page ids, the slab row under "slab" (as `Handoff.held_pages`); a
         group left out adds nothing."""
         parts = []
         for group, (first, per) in self._page_cells.items():

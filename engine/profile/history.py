@@ -1,7 +1,7 @@
 """Synthetic history: requests that decode as if T tokens of context were already computed.
 
-Written the way a disaggregated decode worker receives a prefilled request (`LLMEngine.reserve`,
-a "transfer" into the reserved pages, `LLMEngine.join`), so no prefill runs and the requests
+Written the way a disaggregated decode worker receives a prefilled request (`Handoff.reserve`,
+a "transfer" into the reserved pages, `Handoff.join`), so no prefill runs and the requests
 are the engine's own: scheduled, grown, sampled and freed as any other. The transfer writes
 random values into the request's pages and slab row (KV rows, compressed entries, indexer keys,
 compressor rings): what a decode step costs does not depend on them. Regions whose dtype is not
@@ -31,7 +31,7 @@ def fill_random(
     pool: KVPool, pages: Mapping[str, Sequence[int]], generator: torch.Generator
 ) -> None:
     """Random values in these pages of every region (pages: group -> page ids, the slab row
-    under "slab", as `LLMEngine.reserve` returns them)."""
+    under "slab", as `Handoff.reserve` returns them)."""
     for region in pool.regions():
         ids = pages.get(region.group)
         if region.group == STAGING or not ids or region.tensor.dtype not in _RANDOM_DTYPES:
@@ -98,11 +98,11 @@ def add_decoding_requests(
     for i in range(n):
         request_id = f"profile-{i}"
         prompt = [first[(i + 1) % n]] * context
-        kv = engine.reserve(request_id, prompt, first[i], params)
+        kv = engine.handoff.reserve(request_id, prompt, first[i], params)
         if kv is None:  # (checked above: only a concurrent user of the engine gets here)
             raise HistoryError(f"no free KV pages for request {i} of {n}")
         fill_random(pool, kv.pages, generator)
-        engine.join(request_id)  # (on every rank of a tensor-parallel group)
+        engine.handoff.join(request_id)  # (on every rank of a tensor-parallel group)
         ids.append(request_id)
     return ids
 

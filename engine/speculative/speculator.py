@@ -27,10 +27,13 @@ import time
 import torch
 
 from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
-from engine.request import Request, Status
+from engine.outputs import StepOutputs
+from engine.profiling import profiled
+from engine.request import Request, RequestOutput, Status
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledBatch
 from engine.speculative.adaptive import DraftLength
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.stats import SpecDecodeStats
@@ -53,6 +56,34 @@ class Speculator:
         self.stats = SpecDecodeStats(spec.num_speculative_tokens)
         self.length = DraftLength(spec)
         runner.call("keep_draft_streams")
+
+    def step(self, batch: ScheduledBatch, outputs: StepOutputs) -> list[RequestOutput]:
+        """One speculative step: verify the drafts the batch carries, hand out what is
+        accepted, draft again. Waits for the device."""
+        t0 = time.perf_counter()
+        samplers, counts, logits, prompt_rows = self.runner.execute(batch)
+        with profiled("verify"):
+            outputs.mask_padded_vocab(logits)
+            if prompt_rows:
+                outputs.score_prompts(prompt_rows, logits[sum(counts) :])
+            verified = self.verify(samplers, counts, logits[: sum(counts)])  # (on the host)
+        rows = sum(s.num_rows for s in self.runner.last_step.spans)
+        self.length.time_target(rows, time.perf_counter() - t0)
+        k = self.choose(len(outputs.scheduler.running))
+        with profiled("draft"):
+            self.draft_first(samplers, counts, verified.tokens, k)
+        emitted = []
+        with profiled("outputs"):
+            for req, tokens, logprobs in zip(
+                samplers, verified.tokens, verified.logprobs, strict=True
+            ):
+                outputs.hold(req)  # (a prefill-only request's KV stays for its reader)
+                out = outputs.emit(req, tokens, logprobs)
+                if out is not None:
+                    emitted.append(out)
+        with profiled("draft"):
+            self.propose(k)
+        return emitted
 
     def verify(self, samplers: list[Request], counts: list[int], logits: torch.Tensor) -> Verified:
         """logits [sum(counts), V] of the samplers' rows (counts[i] = 1 + its drafts) -> what

@@ -101,15 +101,15 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         self.active.add(rid)
         try:
             outputs = OutputQueue()
-            held = await self._reserve(request, params, outputs, context)
+            reserved = await self._reserve(request, params, outputs, context)
             try:
-                await self._pull(rid, kv, held, context)
+                await self._pull(rid, kv, reserved, context)
             except PullFailed as e:
                 w.metrics.fail(e.cause)
                 log.warning("KV pull for %s from %s failed: %s", rid, kv.worker_id, e)
                 yield pb.DecodeResponse(error=pb.DecodeError(message=str(e), cause=e.cause))
                 return
-            await w.loop.run(lambda e: e.join(rid))
+            await w.loop.run(w.engine.handoff.join, rid)
             async for out in w.loop.stream(rid, outputs, self.stream_interval):
                 if out.finish_reason == "abort":
                     w.metrics.fail("aborted")
@@ -141,9 +141,9 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             if not finished:  # error, abort or a cancelled stream: free whatever we reserved
                 read = self.reads.pop(rid, None)
                 if read is None:
-                    w.loop.call(lambda e: e.abort(rid))
+                    w.loop.call(w.engine.abort, rid)
                 else:  # (runs at once if the READ is over)
-                    read.add_done_callback(lambda _: w.loop.call(lambda e: e.abort(rid)))
+                    read.add_done_callback(lambda _: w.loop.call(w.engine.abort, rid))
 
     async def DecodeStream(
         self,
@@ -167,14 +167,14 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         deadline = time.monotonic() + max(0.0, (request.kv.lease_expires_unix_ms - now_ms()) / 1000)
         while True:
             try:
-                held = await w.loop.run(
-                    lambda e: e.reserve(rid, prompt, first, params, outputs, drafts)
+                reserved = await w.loop.run(
+                    w.engine.handoff.reserve, rid, prompt, first, params, outputs, drafts
                 )
             except RequestError as e:
                 w.metrics.fail("invalid_request")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            if held is not None:
-                return held
+            if reserved is not None:
+                return reserved
             if time.monotonic() > deadline:
                 w.metrics.fail("no_kv_space")
                 await context.abort(
@@ -184,7 +184,9 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 )
             await asyncio.sleep(RESERVE_RETRY_S)
 
-    async def _pull(self, rid: str, kv: pb.KVHandle, held: KVPages, context: CallContext) -> None:
+    async def _pull(
+        self, rid: str, kv: pb.KVHandle, reserved: KVPages, context: CallContext
+    ) -> None:
         """Claim, READ, Release; raises PullFailed unless the pages read were intact."""
         w = self.w
         prefill = self._prefill(kv.address)
@@ -210,10 +212,10 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             ) from None
         remote = {g: list(p.ids) for g, p in kv.pages.items()}
         if STAGING in remote:
-            read = w.nixl_submit(self._pull_staged, peer, remote[STAGING], held)
+            read = w.nixl_submit(self._pull_staged, peer, remote[STAGING], reserved)
         else:
             read = w.nixl_submit(
-                w.transfer.read, peer, remote, held.pages, timeout_s=self.transfer_timeout
+                w.transfer.read, peer, remote, reserved.pages, timeout_s=self.transfer_timeout
             )
         self.reads[rid] = read
         try:
@@ -233,12 +235,12 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         w.metrics.transfer_bytes.inc(stats.bytes)
         w.metrics.transfer_seconds.observe(stats.seconds)
 
-    def _pull_staged(self, peer: str, blocks: list[int], held: KVPages) -> TransferStats:
+    def _pull_staged(self, peer: str, blocks: list[int], reserved: KVPages) -> TransferStats:
         """Pull staged KV into our reserved pages (on the NIXL thread). The pool's geometry is
         fixed and only these pages are written, which no step reads before the request joins,
         so this thread may use the engine's pool."""
         pool = self.w.engine.pool
-        unpack = pool.unpacker(held.pages)
+        unpack = pool.unpacker(reserved.pages)
         return self.w.transfer.pull(
             peer,
             STAGING,

@@ -16,14 +16,12 @@ authenticated link, so pairing needs no registry.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 
 import grpc
 
 from engine.engine_loop import OutputQueue
-from engine.llm_engine import LLMEngine
 from engine.load import step_deadline
 from engine.request import RequestError
 from services.rpc import grpc_api, pb
@@ -70,12 +68,12 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         self.active.add(rid)
         try:
             await w.loop.run(
-                lambda e: e.add_request(rid, prompt, params, hold_for_s=lease_s, listener=outputs)
+                w.engine.add_request, rid, prompt, params, prefill_only=True, listener=outputs
             )
             out = await outputs.get()
             held = None
             if out.finish_reason is None:  # packed for the reader's pull, if there is room
-                held = await w.loop.run(lambda e: e.stage(rid))
+                held = await w.loop.run(w.engine.handoff.stage, rid)
                 if rid in self.aborted:  # (the engine drops it at the abort's turn)
                     await context.abort(grpc.StatusCode.ABORTED, f"request {rid} was aborted")
                 self.leases.hold(rid, time.monotonic() + lease_s)
@@ -84,7 +82,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:  # the router gave up: nobody will read this KV
             self.leases.drop(rid, time.monotonic())
-            w.loop.call(lambda e: e.abort(rid))
+            w.loop.call(w.engine.abort, rid)
             raise
         finally:
             self.active.discard(rid)
@@ -137,7 +135,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         deadline = self.leases.claim(rid, hold_s, now)
         if deadline is None:
             if expired:  # (its lease ended before the sweep freed it)
-                self.w.loop.call(lambda e: e.release(rid))
+                self.w.loop.call(self.w.engine.handoff.release, rid)
             self.w.metrics.fail("claim_too_late")
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -151,7 +149,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
     ) -> pb.ReleaseResponse:
         rid = request.request_id
         intact = self.leases.drop(rid, time.monotonic())
-        self.w.loop.call(lambda e: e.release(rid))
+        self.w.loop.call(self.w.engine.handoff.release, rid)
         return pb.ReleaseResponse(intact=intact)
 
     def let_go(self, request_id: str) -> bool:
@@ -174,6 +172,6 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         while True:
             await asyncio.sleep(LEASE_CHECK_S)
             for rid in self.leases.expire(time.monotonic()):
-                w.loop.call(functools.partial(LLMEngine.release, request_id=rid))
+                w.loop.call(w.engine.handoff.release, rid)
                 log.warning("KV lease of %s ran out before a decode worker released it", rid)
                 w.metrics.fail("lease_expired")

@@ -65,7 +65,7 @@ class RoleService:
         # Answered at once, never behind an engine step: the engine aborts the request (and frees
         # its pages) at its next command drain.
         found = self.let_go(rid)
-        self.w.loop.call(lambda e: e.abort(rid))
+        self.w.loop.call(self.w.engine.abort, rid)
         return pb.AbortResponse(found=found)
 
     def let_go(self, request_id: str) -> bool:
@@ -243,7 +243,7 @@ class Worker:
             self.transfer.agent_name,  # one per process start
             cache.salt,
             cache.block,
-            lambda snapshot: self.loop.run(lambda e: cache.take_events(snapshot)),
+            lambda snapshot: self.loop.run(cache.take_events, snapshot),
         )
         publisher.start()
         return publisher
