@@ -46,7 +46,7 @@ from engine.parallel.launch import Followers
 from engine.parallel.lockstep import Lockstep
 from engine.profiling import profiled
 from engine.rank import build_runner, device_of, follower_main, keeps_quantized, world_of
-from engine.request import Listener, Request, RequestError, RequestOutput
+from engine.request import Listener, Request, RequestError, RequestOutput, Status
 from engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from engine.scheduler import Scheduler
 from engine.speculative.draft_head import draft_config
@@ -249,7 +249,14 @@ class LLMEngine:
         return True
 
     def _finish(self, req: Request, reason: str) -> None:
-        """End a request wherever it is; frees its pages, slab row and staging blocks."""
+        """End a request wherever it is; frees its pages, slab row and staging blocks. What one
+        that ran to its end computed stays in the prefix cache (`PrefixCache.keep`), copied on
+        the engine's stream before anything can write its pages again."""
+        cache = self.prefix_cache
+        if cache is not None and reason != "abort" and req.status is Status.RUNNING:
+            plan = cache.keep(req)
+            if plan:
+                self.runner.call("copy_pages", plan)
         self.scheduler.finish(req, reason)
         self.handoff.drop_staged(req.request_id)
 

@@ -80,8 +80,15 @@ def test_a_resumed_request_computes_what_it_computes_from_zero(served, length):
     engine, rec = served
     x, tail = release_ids(length, length), release_ids(6, 10_000 + length)
     assert _check_against_zero(engine, rec, f"first{length}", x) == 0
+    answer = torch.stack(rec.rows[f"first{length}"]).argmax(-1).tolist()
+    if tail[0] == answer[0]:  # (else it would resume inside the answer's state, below)
+        tail[0] = (tail[0] + 1) % TOKENS
     # the next turn extends the prompt: it resumes at its very end
     assert _check_against_zero(engine, rec, f"extends{length}", x + tail) == length
+    # the next turn of a conversation: the answer's state was kept when it ended, up to its
+    # last token (sampled, never computed)
+    turn = x + answer + tail
+    assert _check_against_zero(engine, rec, f"turn{length}", turn) == length + len(answer) - 1
     # sent again: one token short of the end (something must be computed to sample)
     assert _check_against_zero(engine, rec, f"again{length}", x) == length - 1
     # the last shared token differs: resumed one short, where that token is recomputed
@@ -200,9 +207,20 @@ def test_deepseek_v32_resumes_wherever_a_prompt_parts_from_a_cached_one(tmp_path
     assert [_check_against_zero(small, rec, f"p{i}", p) for i, p in enumerate(prompts)] == [0] * 6
     cache = small.prefix_cache
     assert cache is not None and cache.stats.evictions and not cache.stats.host_loads
+    first = [n for n in _nodes(cache.root) if n.end <= 144 and _on_path(n, prompts[0])]
+    assert len(first) == 18 and all(n.host is not None for n in first)  # (on the host tier)
     assert _check_against_zero(small, rec, "back", prompts[0] + turn) == 150
-    assert cache.stats.host_loads == 1
+    assert all(n.host is None and n.pages for n in first)  # (back on the device)
     assert_all_free(small)
+
+
+def _on_path(node, tokens: list[int]) -> bool:  # type: ignore[no-untyped-def]
+    """Whether `node`'s prefix is the start of `tokens`."""
+    while node.parent is not None:
+        if tuple(tokens[node.end - len(node.tokens) : node.end]) != node.tokens:
+            return False
+        node = node.parent
+    return True
 
 
 def _nodes(root):  # type: ignore[no-untyped-def]
@@ -231,7 +249,7 @@ def test_a_tiny_pool_evicts_and_still_answers_right(tiny):
         page_size=8,
         max_num_seqs=4,
         max_num_batched_tokens=64,
-        prefix_cache_checkpoint_memory_bytes=260_000,  # three checkpoints
+        prefix_cache_checkpoint_memory_bytes=440_000,  # five (answers leave some too)
     )
     plain = LLMEngine(tiny, EngineConfig(enable_prefix_caching=False, **tight))
     engine = LLMEngine(tiny, EngineConfig(**tight))
