@@ -130,15 +130,17 @@ class Handoff:
                 f"request {request_id!r} already finished at its first token ({reason})"
             )
         req.draft_token_ids = list(draft_token_ids)
-        plan = self.prefix_cache.begin_step() if self.prefix_cache else None
-        reserved = self.scheduler.reserve(req)
-        if plan:  # evictions to the host tier: read before the transfer writes the pages
+        cache = self.prefix_cache
+        plan = cache.begin_step() if cache else None
+        # (a conversation's earlier turns decoded here left their pages: the transfer skips them)
+        reused = self.scheduler.reserve(req, cache.lookup_pages(req) if cache else None)
+        if plan:  # evictions to and loads from the host tier, before the transfer writes
             self.runner.call("copy_pages", plan)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
-        if not reserved:
+        if reused is None:
             return None
-        return KVPages(pages=req.kv_pages(), num_tokens=len(prompt_token_ids))
+        return KVPages(req.kv_pages(), len(prompt_token_ids), reused_tokens=reused)
 
     def join(self, request_id: str) -> None:
         """The reserved request's KV has arrived (in rank 0's pools): decode it from the next

@@ -47,6 +47,9 @@ class KVPages:
     # speculative decoding: the MTP layer's drafts after the first token, which the reader's
     # first step verifies (the prefill worker drafts as a local engine does after a prefill)
     draft_token_ids: tuple[int, ...] = ()
+    # a transfer's target: the first tokens whose full entry pages it shares from its engine's
+    # prefix cache, which the transfer leaves alone (KVPool.missing)
+    reused_tokens: int = 0
 
 
 Listener = Callable[[RequestOutput], None]

@@ -63,13 +63,21 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def reserve(self, req: Request) -> bool:
-        """Give `req` pages for its prompt without scheduling it (a transfer will fill them)."""
-        if not self.try_allocate(req, req.num_tokens - 1):
-            return False
+    def reserve(self, req: Request, hit: Hit | None = None) -> int | None:
+        """Give `req` pages for its prompt without scheduling it (a transfer will fill them),
+        sharing the full entry pages of the prefix `hit` names where it can. Returns the tokens
+        whose pages it shares (the transfer fills the rest: KVPool.missing), None when the pools
+        are full."""
+        need = req.num_tokens - 1
+        if hit is not None and self._share(req, hit, need):
+            shared = hit.position
+        elif self.try_allocate(req, need):
+            shared = 0
+        else:
+            return None
         req.status = Status.RESERVED
         self.requests[req.request_id] = req
-        return True
+        return shared
 
     def join(self, req: Request) -> None:
         """A reserved request whose KV has arrived starts decoding."""
@@ -162,16 +170,21 @@ class Scheduler:
         return True
 
     def _resume(self, req: Request, hit: Hit, copies: CopyPlan) -> bool:
+        if not self._share(req, hit, req.num_tokens + self.draft_tokens):
+            return False
+        assert self.cache is not None
+        self.cache.restore(req, hit, copies)
+        return True
+
+    def _share(self, req: Request, hit: Hit, need: int) -> bool:
+        """Give `req` pages for `need` tokens, the full entry pages of `hit`'s prefix shared
+        (brought back from the host tier where they went); False if there is no room."""
         cache = self.cache
         assert cache is not None
         cache.pin(hit)  # (evictions that make room for it must not take it)
         try:
             shared = cache.shared_pages(hit) if cache.bring_back(hit) else None
-            need = req.num_tokens + self.draft_tokens
-            if shared is None or not self.try_allocate(req, need, shared):
-                return False
-            cache.restore(req, hit, copies)
-            return True
+            return shared is not None and self.try_allocate(req, need, shared)
         finally:
             cache.unpin(hit)
 

@@ -5,6 +5,7 @@ behind however the pools, the scheduler and the requests treat it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -21,7 +22,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
 from engine.request import RequestOutput, Status
 from engine.sampling_params import SamplingParams
-from tests.engine_cases import assert_all_free, byte_ids, drain, move_staged
+from tests.engine_cases import assert_all_free, byte_ids, drain, move, move_staged
 from tests.release_reference import ENGINE, TOKENS, release_ids
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -394,6 +395,48 @@ def test_a_resumed_prefill_only_request_moves_to_a_decode_engine_like_any_other(
     assert prefill.handoff.release("r")
     assert_all_free(prefill)
     assert_all_free(decode)
+
+
+@pytest.mark.parametrize("via", ["staging", "pages"])
+def test_a_conversations_next_turn_moves_only_its_new_pages_to_the_decode_engine(tiny, via):
+    """A decode engine keeps what a turn computed (prompt and answer) when it ends; the next
+    turn, prefilled elsewhere from the prefill engine's cache, shares those full pages there
+    and moves only the rest: the ring pages, the slab row and the entry pages past them. A
+    decode engine that lost the conversation (its cache emptied) takes everything. Answers
+    are those of an engine that never moved anything."""
+    config = EngineConfig(page_size=8, max_num_batched_tokens=64)
+    prefill, decode = LLMEngine(tiny, config), LLMEngine(tiny, config)
+    alone = LLMEngine(tiny, dataclasses.replace(config, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    pool, conversation, computed = decode.pool, byte_ids(300, 40), 0
+    for turn in range(4):
+        lost = turn == 3
+        if lost:
+            assert decode.prefix_cache is not None
+            decode.prefix_cache.clear()
+        want = [t for o in _run(alone, f"t{turn}", conversation, params) for t in o.new_token_ids]
+        prefill.add_request(f"t{turn}", conversation, params, prefill_only=True)
+        (out,) = drain(prefill)[f"t{turn}"]
+        held = prefill.handoff.stage(f"t{turn}") if via == "staging" else None
+        held = held or prefill.handoff.held_pages(f"t{turn}")
+        reserved = decode.handoff.reserve(f"t{turn}", conversation, out.new_token_ids[0], params)
+        assert reserved is not None
+        # the full pages of the previous turn's prompt and answer (all but the answer's last
+        # token, sampled and never computed), block by block
+        assert reserved.reused_tokens == (0 if lost else computed // 8 * 8)
+        moved = move(prefill.pool, held, pool, reserved)
+        shared = sum(
+            (reserved.reused_tokens // g.ratio) // 8 for g in pool.groups.values() if g.ratio
+        )
+        assert moved == sum(len(reserved.pages[g]) for g in pool.groups) - shared
+        decode.handoff.join(f"t{turn}")
+        got = out.new_token_ids + [t for o in drain(decode)[f"t{turn}"] for t in o.new_token_ids]
+        assert got == want
+        assert prefill.handoff.release(f"t{turn}")
+        computed = len(conversation) + len(got) - 1
+        conversation = conversation + got + byte_ids(40, 41 + turn)
+    for engine in (prefill, decode):
+        assert_all_free(engine)
 
 
 # ---------------------------------------------------------------- the pieces

@@ -229,6 +229,15 @@ class PrefixCache:
         best = max(candidates, key=lambda hit: hit.position)
         return best if best.position >= 1 else None
 
+    def lookup_pages(self, req: Request) -> Hit | None:
+        """Where a request whose state arrives from elsewhere (a transfer brings its rings,
+        slab row and open pages: a decode worker's) can share the full entry pages of its
+        prompt: the deepest cached node its prompt starts with (None: none)."""
+        node = self._walk(req, req.prompt_token_ids)
+        while node.parent is not None and node.step >= self._step:
+            node = node.parent
+        return None if node.parent is None else Hit(node.end, node)
+
     def shared_length(self, req: Request) -> int:
         """How many of `req`'s leading tokens some cached prefix shares (checkpoint or not)."""
         tokens = known_tokens(req)
