@@ -7,6 +7,12 @@ and the prefill worker reuses freed memory at once, so the pulled KV is used onl
 says it was held until the READ had finished; otherwise the request ends with a clear error
 (cause "lease_expired"), never with tokens computed from someone else's KV.
 
+A request whose prompt starts with a conversation this worker decoded before shares the full
+entry pages of that prefix from its prefix cache (`Handoff.reserve`) and pulls only the rest:
+the staged stream puts the newest pages first, so that is the stream's first blocks
+(KVPool.stream), or the pages past the shared ones. `dsaserve_kv_pulled_pages_total` and
+`dsaserve_kv_reused_pages_total` count both.
+
 Before the first pull from a prefill agent, the prefill worker's Describe (gRPC, at the handle's
 address) gives its NIXL descriptor. The registry is not asked: while Redis is down a decode
 worker still pairs with a prefill worker it has not met (e.g. one restarted as a new agent).
@@ -210,12 +216,17 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 "prefill_unreachable",
                 f"prefill worker {kv.worker_id} refused the claim: {e.details()}",
             ) from None
+        # Only what our cache does not hold (a conversation's earlier turns decoded here):
+        # the first blocks of a staged stream, or the pages past those.
+        pool, skip = w.engine.pool, reserved.reused_tokens
         remote = {g: list(p.ids) for g, p in kv.pages.items()}
+        ours = pool.missing(reserved.pages, skip)
         if STAGING in remote:
             read = w.nixl_submit(self._pull_staged, peer, remote[STAGING], reserved)
         else:
+            theirs = pool.missing(remote, skip)
             read = w.nixl_submit(
-                w.transfer.read, peer, remote, reserved.pages, timeout_s=self.transfer_timeout
+                w.transfer.read, peer, theirs, ours, timeout_s=self.transfer_timeout
             )
         self.reads[rid] = read
         try:
@@ -234,17 +245,22 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             )
         w.metrics.transfer_bytes.inc(stats.bytes)
         w.metrics.transfer_seconds.observe(stats.seconds)
+        pulled = sum(len(pages) for g, pages in ours.items() if g in pool.groups)
+        w.metrics.pulled_pages.inc(pulled)
+        w.metrics.reused_pages.inc(
+            sum(len(pages) for g, pages in reserved.pages.items() if g in pool.groups) - pulled
+        )
 
     def _pull_staged(self, peer: str, blocks: list[int], reserved: KVPages) -> TransferStats:
         """Pull staged KV into our reserved pages (on the NIXL thread). The pool's geometry is
         fixed and only these pages are written, which no step reads before the request joins,
         so this thread may use the engine's pool."""
         pool = self.w.engine.pool
-        unpack = pool.unpacker(reserved.pages)
+        unpack = pool.unpacker(reserved.pages, reserved.reused_tokens)
         return self.w.transfer.pull(
             peer,
             STAGING,
-            blocks,
+            blocks[: -(-unpack.nbytes // pool.staging.block_bytes)],  # (the stream's first part)
             pool.staging.ring,
             unpack.nbytes,
             unpack,

@@ -151,9 +151,12 @@ class PDFlow:
                 return
             decode_worker, (call, response) = await self._retry_once(
                 "decode",
-                lambda exclude: self._selector.decode(prefill_worker.layout_hash, exclude),
+                lambda exclude: self._selector.decode(
+                    prefill_worker.layout_hash, exclude, gen.prompt_ids
+                ),
                 lambda w: self._open_decode(w, gen, first),
             )
+            answer = [first.first_token_id]  # (what the decode worker keeps with the prompt)
             transit.leave()  # (its pages are reserved there: its records count them soon)
             # the stall bound: the worker's own steps, as it last reported them, or the flag
             stall_s = step_deadline(self._stall_timeout_s, STALL_STEPS, decode_worker.load.step_ms)
@@ -165,8 +168,10 @@ class PDFlow:
                         if isinstance(event, Finish):
                             finished = True
                             await self._drain(call)  # end the call cleanly, not by cancelling
+                            self._selector.decoded(decode_worker, gen.prompt_ids + answer)
                             yield event
                             return
+                        answer += event.token_ids
                         yield event
                         response = await self._read(call, watch, decode_worker, gen)
                 raise worker_failure(

@@ -35,15 +35,26 @@ class WorkerSelector:
         on_mark: Callable[[WorkerRecord, str], None] = lambda worker, reason: None,
         cache: CacheIndex | None = None,
         balance_bound: int = DEFAULT_BALANCE_BOUND,
+        decode_kv_threshold: float = 1.0,
     ) -> None:
-        """cache: what the prefill workers' prefix caches hold (for cache_aware)."""
+        """cache: what the workers' prefix caches hold (for cache_aware); decode_kv_threshold:
+        the share of a decode worker's KV pages in use above which a conversation's next turn
+        does not go to it for its cache."""
         self._watcher = watcher
         self._model = model
         self._inflight = inflight
         self._on_mark = on_mark
+        self._cache = cache
+
+        def room(worker: WorkerRecord) -> bool:
+            load = worker.load
+            used = load.total_pages - load.free_pages - load.cached_pages
+            return used <= decode_kv_threshold * load.total_pages
+
         # One policy state per role: round-robin over prefill workers must not skip decode ones.
         self._policies = {
-            role: make_policy(policy, rng, cache, balance_bound) for role in ("prefill", "decode")
+            "prefill": make_policy(policy, rng, cache, balance_bound),
+            "decode": make_policy(policy, rng, cache, balance_bound, room),
         }
         self._benched: dict[str, float] = {}  # worker id -> monotonic end of its cool-down
         # A 503 for want of workers lasts until at least the next registry refresh.
@@ -121,7 +132,12 @@ class WorkerSelector:
             raise self._unavailable()
         return self._choose("prefill", candidates, prompt)
 
-    def decode(self, layout_hash: str, exclude: Collection[str] = ()) -> WorkerRecord:
+    def decode(
+        self, layout_hash: str, exclude: Collection[str] = (), prompt: Sequence[int] = ()
+    ) -> WorkerRecord:
+        """A decode worker for a prompt prefilled on a worker of `layout_hash` (the policy may
+        route by its tokens: the decode worker holding a conversation's earlier turns pulls
+        only the new pages)."""
         candidates = [
             w
             for w in self.live("decode")
@@ -136,7 +152,13 @@ class WorkerSelector:
                 cause="no_worker",
                 retry_after_s=self.retry_after_s,
             )
-        return self._choose("decode", candidates)
+        return self._choose("decode", candidates, prompt)
+
+    def decoded(self, worker: WorkerRecord, tokens: Sequence[int]) -> None:
+        """`worker` decoded a generation to its end: these tokens (its prompt and answer) count
+        as cached there, as the worker keeps them, before it says so itself."""
+        if self._cache is not None:
+            self._cache.routed(worker.worker_id, tokens)
 
     def _unavailable(self) -> APIError:
         reason = (

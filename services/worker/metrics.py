@@ -62,6 +62,17 @@ class WorkerMetrics:
         self.transfer_bytes = Counter(
             "dsaserve_kv_transfer_bytes_total", "KV bytes pulled from prefill workers", registry=r
         )
+        self.pulled_pages = Counter(
+            "dsaserve_kv_pulled_pages_total",
+            "KV pages pulled from prefill workers (every pool group; slab rows not counted)",
+            registry=r,
+        )
+        self.reused_pages = Counter(
+            "dsaserve_kv_reused_pages_total",
+            "KV pages of pulled requests shared from this worker's prefix cache instead (a "
+            "conversation's earlier turns decoded here)",
+            registry=r,
+        )
         self.transfer_seconds = Histogram(
             "dsaserve_kv_transfer_seconds",
             "Duration of one KV pull",

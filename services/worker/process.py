@@ -113,11 +113,6 @@ class Worker:
         if role == "decode" and engine_config.kv_staging_memory_bytes is None:
             # A decode worker never holds a request for a reader: no staging blocks to keep.
             engine_config = dataclasses.replace(engine_config, kv_staging_memory_bytes=0)
-        if role == "decode" and engine_config.prefix_cache_checkpoint_memory_bytes is None:
-            # Nor does it compute prompts (they arrive computed): no checkpoints to keep.
-            engine_config = dataclasses.replace(
-                engine_config, prefix_cache_checkpoint_memory_bytes=0
-            )
         self.engine = LLMEngine(model_dir, engine_config)
         self.loop = EngineLoop(self.engine)
         cache = self.engine.prefix_cache
@@ -233,9 +228,10 @@ class Worker:
             self._stop.set()
 
     def _cache_publisher(self) -> CacheEventPublisher | None:
-        """A prefill worker tells routers what its prefix cache holds (services.kv_events)."""
+        """A worker tells routers what its prefix cache holds (services.kv_events): a prefill
+        worker's resumes prompts, a decode worker's the conversations it decoded."""
         cache = self.engine.prefix_cache
-        if self.role != "prefill" or cache is None:
+        if cache is None:
             return None
         publisher = CacheEventPublisher(
             self.settings.redis_url,
