@@ -24,13 +24,13 @@ import time
 import torch
 
 from bench.harness import write_record
-from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.llm_engine import LLMEngine
-from engine.profile import hardware, history
-from engine.profile.capture import sync
-from engine.profile.decode import profile_engine, steps_run
-from engine.profile.report import format_table
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.profile import hardware, history
+from dsaserve.engine.profile.capture import sync
+from dsaserve.engine.profile.decode import profile_engine, steps_run
+from dsaserve.engine.profile.report import format_table
 
 WARMUP = 3
 

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--placements", default="disagg,colocated")
     p.add_argument("--smoke", action="store_true", help="CPU, the tiny model, tiny lengths")
     a = p.parse_args(argv)
-    from engine.models.deepseek_v4.tiny import make_tiny_model
+    from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)

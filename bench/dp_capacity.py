@@ -21,11 +21,11 @@ import torch
 
 from bench.harness import write_record
 from bench.kv_cache_dtype import context_tokens
-from engine.kv.layout import KVCacheConfig
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.weights import build_model
-from engine.parallel.expert_parallel import ExpertParallel
-from engine.parallel.group import TensorParallel
+from dsaserve.engine.kv.layout import KVCacheConfig
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.weights import build_model
+from dsaserve.engine.parallel.expert_parallel import ExpertParallel
+from dsaserve.engine.parallel.group import TensorParallel
 
 RELEASE_QUANT = {
     "quant_method": "fp8",

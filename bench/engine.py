@@ -57,32 +57,32 @@ from typing import Any
 
 import torch
 
-import kernels
 from bench import naive
 from bench.flash_widths import FLASH_WIDTHS
 from bench.harness import write_record
 from bench.v32_widths import V32_WIDTHS
-from engine.kv.layout import KVCacheConfig
-from engine.kv.pool import KVPool
-from engine.layers.experts import Fp8Experts
-from engine.layers.fp8_linear import Fp8Linear
-from engine.models import FAMILIES
-from engine.models.deepseek_v4 import config as v4_config
-from engine.models.deepseek_v4.moe import Fp4Experts
-from engine.models.deepseek_v32 import config as v32_config
-from engine.parallel.channel import Channel
-from engine.parallel.group import SINGLE, TensorParallel
-from engine.profile import hardware
-from engine.profile.decode import profile_decode
-from engine.profile.report import format_table
-from engine.profiling import profiled
-from engine.request import Request, Status
-from engine.runner import Model, ModelRunner
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.step import RowSpan, build_step_inputs
-from kernels.quant import quantize_fp4, quantize_fp8_blocks
+from dsaserve import kernels
+from dsaserve.engine.kv.layout import KVCacheConfig
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.layers.experts import Fp8Experts
+from dsaserve.engine.layers.fp8_linear import Fp8Linear
+from dsaserve.engine.models import FAMILIES
+from dsaserve.engine.models.deepseek_v4 import config as v4_config
+from dsaserve.engine.models.deepseek_v4.moe import Fp4Experts
+from dsaserve.engine.models.deepseek_v32 import config as v32_config
+from dsaserve.engine.parallel.channel import Channel
+from dsaserve.engine.parallel.group import SINGLE, TensorParallel
+from dsaserve.engine.profile import hardware
+from dsaserve.engine.profile.decode import profile_decode
+from dsaserve.engine.profile.ranges import profiled
+from dsaserve.engine.profile.report import format_table
+from dsaserve.engine.request import Request, Status
+from dsaserve.engine.runner import Model, ModelRunner
+from dsaserve.engine.sampler import sample
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.scheduler import ScheduledBatch, Scheduler
+from dsaserve.engine.step import RowSpan, build_step_inputs
+from dsaserve.kernels.quant import quantize_fp4, quantize_fp8_blocks
 
 V4, V32 = v4_config.MODEL_TYPE, v32_config.MODEL_TYPE
 MAX_CONTEXT = 1 << 20  # V4-Flash's max_position_embeddings: the "configured maximum"

@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
-import kernels
 from bench.compare import rel_err
-from engine.kv.layout import KVCacheConfig
-from engine.kv.pool import KVPool
-from engine.layers.norm import RMSNorm
-from engine.layers.rope import RotaryTable
-from engine.models.deepseek_v4.attention import hca_width
-from engine.models.deepseek_v4.compressor import Compressor
-from engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
-from engine.models.deepseek_v4.mhc import HyperConnection
-from engine.models.deepseek_v4.tiny import tiny_config
-from engine.step import RowSpan, StepState, build_step_inputs
-from kernels import fused_reference
+from dsaserve import kernels
+from dsaserve.engine.kv.layout import KVCacheConfig
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.layers.norm import RMSNorm
+from dsaserve.engine.layers.rope import RotaryTable
+from dsaserve.engine.models.deepseek_v4.attention import hca_width
+from dsaserve.engine.models.deepseek_v4.compressor import Compressor
+from dsaserve.engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
+from dsaserve.engine.models.deepseek_v4.mhc import HyperConnection
+from dsaserve.engine.models.deepseek_v4.tiny import tiny_config
+from dsaserve.engine.step import RowSpan, StepState, build_step_inputs
+from dsaserve.kernels import fused_reference
 
 V4_FLASH = {  # V4-Flash's attention, compressor, indexer and mHC widths; one layer per kind
     "model_type": "deepseek_v4",

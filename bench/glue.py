@@ -37,11 +37,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-import kernels  # (before triton: on CPU, kernels.env picks the interpreter)
 from bench.fused_cases import GlueStep, Op, compare, model_config, paired
 from bench.harness import attempt, fmt, launches, time_ms_any, write_record
-from engine.models.deepseek_v4.config import CSA, HCA, SLIDING
-from engine.profile import hardware
+from dsaserve import kernels  # (before triton: on CPU, kernels.env picks the interpreter)
+from dsaserve.engine.models.deepseek_v4.config import CSA, HCA, SLIDING
+from dsaserve.engine.profile import hardware
 
 DEFAULT_OUT = "bench/results/h200-glue.json"
 REPEAT = 20  # calls per timed graph: back to back, as the kernels run inside a decode step

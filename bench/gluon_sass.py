@@ -52,7 +52,7 @@ def compile_gemm(block_t: int, stages: int, decode: str) -> Any:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.hopper import fp4_decode, fp4_gemm, moe_rows
+    from dsaserve.kernels.hopper import fp4_decode, fp4_gemm, moe_rows
 
     e, n, k = 4, 4096, 4096
     w = torch.empty(e, n, k // 2, dtype=torch.uint8)
@@ -82,7 +82,7 @@ def compile_gemm(block_t: int, stages: int, decode: str) -> Any:
 
 def compile_sparse_mla(dim: int, splits: int) -> Any:
     """The compiled sparse-MLA decode for rows `dim` wide (512: V4, 576: V3.2)."""
-    from kernels.hopper import sparse_mla
+    from dsaserve.kernels.hopper import sparse_mla
 
     batch, heads, num_idx = 2, 128, 2048
     q = torch.empty(batch, heads, dim, dtype=torch.bfloat16)
@@ -136,7 +136,7 @@ def report(compiled: Any, sass_out: str | None) -> str:
 
 
 def main() -> None:
-    from kernels.hopper.fp4_decode import DECODES
+    from dsaserve.kernels.hopper.fp4_decode import DECODES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", choices=("fp4_gemm", "sparse_mla"), default="fp4_gemm")

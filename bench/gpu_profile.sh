@@ -45,7 +45,7 @@ profile() {  # profile NAME SLICE_FORMAT
     echo "== dsaserve profile: $name weights, c=$CONCURRENCY, context $CONTEXT"
     # --max-num-seqs: graphs captured up to the concurrency only (capture time);
     # bfloat16 computes an FP8/FP4 checkpoint as the release does (--quantized-compute).
-    "$PYTHON" -m services.cli profile --model "$dir" --device "$DEVICE" --dtype bfloat16 \
+    "$PYTHON" -m dsaserve.services.cli profile --model "$dir" --device "$DEVICE" --dtype bfloat16 \
         --concurrency "$CONCURRENCY" --context "$CONTEXT" --steps "$STEPS" \
         --max-num-seqs "$CONCURRENCY" --json "$OUT/h200-profile-$name.json" || status=1
 }

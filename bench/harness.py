@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.profile import hardware
+from dsaserve.engine.profile import hardware
 
 BUDGET_MS = 200.0  # timed replays per measurement: about this long
 MAX_REPS = 200

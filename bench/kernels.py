@@ -27,12 +27,12 @@ import time
 import torch
 import triton
 
-import kernels
 from bench import long_context, naive
 from bench.harness import ceilings, kernel_breakdown, time_ms, write_record
-from kernels import indexer, sparse_mla
-from kernels.indexer import IndexerConfig
-from kernels.sparse_mla import DecodeConfig
+from dsaserve import kernels
+from dsaserve.kernels import indexer, sparse_mla
+from dsaserve.kernels.indexer import IndexerConfig
+from dsaserve.kernels.sparse_mla import DecodeConfig
 
 DEV = torch.device("cuda")
 ANCHOR_TORCH_V4_B64_MS = 0.120  # ../shared/reference/gpu-anchors.md, plain torch, same shape

@@ -30,18 +30,18 @@ import torch
 
 from bench.harness import write_record
 from bench.numerics import BOS, bits_per_byte, greedy_agreement, heldout_windows
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv.layout import (
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.kv.layout import (
     KVCacheConfig,
     KVModel,
     bytes_per_token,
     plan_pages,
     staging_block_bytes,
 )
-from engine.llm import LLM
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v32.config import ModelConfig as V32Config
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v32.config import ModelConfig as V32Config
+from dsaserve.engine.sampling_params import SamplingParams
 
 V4_FLASH = ModelConfig.from_hf({"model_type": "deepseek_v4"})  # HF's defaults: V4-Flash
 V32 = V32Config.from_hf({"model_type": "deepseek_v32"})  # HF's defaults: the release's 61 layers

@@ -47,11 +47,11 @@ from collections.abc import Callable
 import torch
 import triton
 
-import kernels
 from bench.harness import Env, attempt, ceilings, kernel_breakdown, timed, write_record
-from kernels import indexer, kv_quant, reference, sparse_mla
-from kernels.indexer import IndexerConfig
-from kernels.sparse_mla import DecodeConfig
+from dsaserve import kernels
+from dsaserve.kernels import indexer, kv_quant, reference, sparse_mla
+from dsaserve.kernels.indexer import IndexerConfig
+from dsaserve.kernels.sparse_mla import DecodeConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,11 +28,11 @@ import sys
 
 import torch
 
-import kernels  # noqa: F401  (before triton: on CPU, kernels.env picks the interpreter)
 from bench.harness import Env, attempt, ceilings, kernel_breakdown, timed, write_record
-from kernels import quant
-from kernels.fp4_moe import default_config as triton_config
-from kernels.fp4_moe import fp4_moe
+from dsaserve import kernels  # noqa: F401  (before triton: on CPU, kernels.env picks the interpreter)
+from dsaserve.kernels import quant
+from dsaserve.kernels.fp4_moe import default_config as triton_config
+from dsaserve.kernels.fp4_moe import fp4_moe
 
 ROTATE_BYTES = 192 << 20
 LIMIT = 10.0
@@ -74,7 +74,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def phase_check(dev: torch.device, result: dict) -> None:
-    from kernels.hopper import fp4_moe as hop
+    from dsaserve.kernels.hopper import fp4_moe as hop
 
     rows = []
 
@@ -160,8 +160,8 @@ def phase_check(dev: torch.device, result: dict) -> None:
 
 
 def phase_bench(dev: torch.device, result: dict) -> None:
-    from kernels.hopper import fp4_decode, fp4_gemm
-    from kernels.hopper import fp4_moe as hop
+    from dsaserve.kernels.hopper import fp4_decode, fp4_gemm
+    from dsaserve.kernels.hopper import fp4_moe as hop
 
     env = Env(dev, smoke=False, quick=True)
     hw = ceilings(dev)

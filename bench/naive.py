@@ -16,11 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import swap_kernels
-from kernels.kv_quant import keys_per_page
-from kernels.reference import indexer_scores, pick_topk
-from kernels.softmax import LOG2E, finalize, normalize, softmax_step
-from kernels.sparse_mla import check_decode_args
+from dsaserve.kernels.backend import swap_kernels
+from dsaserve.kernels.kv_quant import keys_per_page
+from dsaserve.kernels.reference import indexer_scores, pick_topk
+from dsaserve.kernels.softmax import LOG2E, finalize, normalize, softmax_step
+from dsaserve.kernels.sparse_mla import check_decode_args
 
 
 @triton.jit

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import kernels
 from bench.harness import write_record
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from dsaserve import kernels
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 BOS = 256  # the byte tokenizer's <｜begin▁of▁sentence｜>

@@ -34,10 +34,10 @@ import time
 import torch
 
 from bench.harness import fmt, write_record
-from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.sampling_params import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 SCENARIOS = ("first", "extends", "fresh")

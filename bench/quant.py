@@ -42,13 +42,13 @@ from collections.abc import Callable
 import torch
 import triton
 
-import kernels  # noqa: F401  (before triton: on CPU, kernels.env picks the interpreter)
 from bench.harness import Env, attempt, ceilings, fmt, kernel_breakdown, timed, write_record
-from kernels import fp8_gemm, quant
-from kernels.act_quant import act_quant
-from kernels.fp4_moe import MoeConfig, fp4_moe
-from kernels.fp4_moe import default_config as moe_default_config
-from kernels.fp8_gemm import GemmConfig, fp8_linear
+from dsaserve import kernels  # noqa: F401  (before triton: on CPU, kernels.env picks the interpreter)
+from dsaserve.kernels import fp8_gemm, quant
+from dsaserve.kernels.act_quant import act_quant
+from dsaserve.kernels.fp4_moe import MoeConfig, fp4_moe
+from dsaserve.kernels.fp4_moe import default_config as moe_default_config
+from dsaserve.kernels.fp8_gemm import GemmConfig, fp8_linear
 
 DEFAULT_OUT = "bench/results/h200-quant.json"
 ROTATE_BYTES = 192 << 20  # weight copies per timed unit in decode rows: well past the 50 MB L2
@@ -436,7 +436,7 @@ def moe_layer(env: Env, spec: dict) -> MoeLayer:
 
 def bf16_experts(env: Env, spec: dict, w13, s13, w2, s2) -> torch.nn.Module:
     """engine.layers.experts.RoutedExperts (torch._grouped_mm) holding the dequantized weights."""
-    from engine.layers.experts import RoutedExperts
+    from dsaserve.engine.layers.experts import RoutedExperts
 
     with torch.device("meta"):
         mod = RoutedExperts(spec["experts"], spec["hidden"], spec["inter"], spec["limit"])

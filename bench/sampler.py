@@ -17,8 +17,8 @@ import time
 import torch
 
 from bench.harness import write_record
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.sampler import sample
+from dsaserve.engine.sampling_params import SamplingParams
 
 VOCAB = 129280
 KINDS = {

@@ -28,7 +28,6 @@ import sys
 
 import torch
 
-import kernels
 from bench.harness import attempt, ceilings, kernel_breakdown, time_ms, write_record
 from bench.kernels import (
     POOL_SLOTS,
@@ -41,13 +40,14 @@ from bench.kernels import (
     torch_decode,
     triton_decode,
 )
-from kernels import reference
+from dsaserve import kernels
+from dsaserve.kernels import reference
 
 DEV = torch.device("cuda")
 
 
 def gluon_decode(splits: int | None):
-    from kernels.hopper import sparse_mla as hop
+    from dsaserve.kernels.hopper import sparse_mla as hop
 
     def run(q, kv, idx, lengths, sinks):
         return hop.sparse_mla_decode(
@@ -161,7 +161,7 @@ def phase_bench(result: dict) -> None:
             torch.cuda.empty_cache()
             pools[shape.dim] = torch.randn(POOL_SLOTS, shape.dim, device=DEV, dtype=torch.bfloat16)
         sets = decode_inputs(shape, pools[shape.dim])
-        from kernels.hopper import sparse_mla as hop
+        from dsaserve.kernels.hopper import sparse_mla as hop
 
         default = hop.default_splits(shape.batch, shape.heads, shape.num_idx, DEV)
         variants = [("torch", torch_decode), ("triton", triton_decode(None))]

@@ -21,10 +21,10 @@ import time
 
 from bench.harness import write_record
 from bench.numerics import BOS, heldout_windows
-from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.sampling_params import SamplingParams
 
 
 def run(spec: dict | None, prompts: list[list[int]], max_tokens: int) -> dict:

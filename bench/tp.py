@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from bench.engine import Bench, release_model, slice_config
 from bench.harness import write_record
-from engine.parallel.channel import Channel
-from engine.parallel.group import SINGLE, TensorParallel
-from engine.parallel.launch import Followers, World, join_follower
-from engine.rank import serve
+from dsaserve.engine.parallel.channel import Channel
+from dsaserve.engine.parallel.group import SINGLE, TensorParallel
+from dsaserve.engine.parallel.launch import Followers, World, join_follower
+from dsaserve.engine.rank import serve
 
 PHASES = ("bf16", "release")
 

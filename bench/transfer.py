@@ -59,8 +59,8 @@ import numpy as np
 import torch
 
 from bench.harness import write_record
-from engine.kv.allocator import PageAllocator
-from engine.kv.layout import (
+from dsaserve.engine.kv.allocator import PageAllocator
+from dsaserve.engine.kv.layout import (
     SLAB,
     STAGING,
     KVBudgetError,
@@ -68,9 +68,9 @@ from engine.kv.layout import (
     plan_pages,
     staging_block_bytes,
 )
-from engine.kv.pool import KVPool
-from engine.models.deepseek_v4.config import ModelConfig
-from services.transfer import KVTransfer, Region, nixl_binding
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.services.transfer import KVTransfer, Region, nixl_binding
 
 LAYERS, WINDOW, HEAD, INDEX_HEAD, PAGE = 43, 128, 512, 128, 64
 CSA_RATE, HCA_RATE = 4, 128

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from loadtest.bench_serving import describe
 from loadtest.openai_stream import StreamRecord, chat_payload
 from loadtest.prompts import make_prompt
@@ -153,7 +153,7 @@ class Cluster:
         self.log_dir = log_dir
         redis_port = _free_port()
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        cli = [sys.executable, "-m", "services.cli"]
+        cli = [sys.executable, "-m", "dsaserve.services.cli"]
         common = ["--redis-url", redis_url, "--model", cfg.model or str(DEMO_MODEL_DIR)]
         redis = ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
                  "--appendonly", "no"]  # fmt: skip

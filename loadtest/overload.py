@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from loadtest.openai_stream import chat_payload
 from loadtest.prompts import make_prompt
 from loadtest.soak import LocalStack

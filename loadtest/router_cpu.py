@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.simulate import CostModel
+from dsaserve.engine.simulate import CostModel
 from loadtest.bench_serving import describe
 from loadtest.cluster import Cluster, ClusterConfig
 from loadtest.prompts import make_prompt
@@ -331,7 +331,7 @@ def profiled_main(argv: Sequence[str]) -> int:
     """`--profiled PATH ARGS...`: `dsaserve ARGS...`, profiled by cProfile from SIGUSR1 on (so
     startup stays out), timed in CPU seconds (the process's: waiting in epoll counts nothing);
     the stats are written to PATH at exit. The event loop's thread is the one profiled."""
-    from services import cli
+    from dsaserve.services import cli
 
     profile = cProfile.Profile(time.process_time)
     signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
@@ -357,8 +357,8 @@ LAYERS = (
     ("socket writes", ("_socket.socket",)),
     ("json", ("/json/",)),
     ("prometheus_client", ("/prometheus_client/",)),
-    ("router (services/router)", ("services/router/",)),
-    ("reply parser (engine/text)", ("engine/text/",)),
+    ("router (services/router)", ("dsaserve/services/router/",)),
+    ("reply parser (engine/text)", ("dsaserve/engine/text/",)),
 )
 
 

@@ -136,7 +136,7 @@ class LocalStack:
         self.log_dir = log_dir
         redis_port, self.router_port = _free_port(), _free_port()
         self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        cli = [sys.executable, "-m", "services.cli"]
+        cli = [sys.executable, "-m", "dsaserve.services.cli"]
         common = ["--model", model, "--redis-url", self.redis_url, "--registry-ttl", "3"]
         self.procs: dict[str, Process] = {
             "redis": Process("redis", ["redis-server", "--port", str(redis_port), "--bind",
@@ -339,7 +339,7 @@ async def _run(cfg: SoakConfig, stack: LocalStack) -> dict[str, Any]:
 
 def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     """Start a stack, load it with faults, stop it; the report as a dict."""
-    from engine.demo_model import DEMO_MODEL_DIR
+    from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 
     log_dir = Path(cfg.log_dir or f"/tmp/dsaserve-soak-{os.getpid()}")
     log_dir.mkdir(parents=True, exist_ok=True)

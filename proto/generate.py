@@ -15,7 +15,7 @@ import sys
 from grpc_tools import protoc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-OUT = ROOT / "services" / "rpc"
+OUT = ROOT / "dsaserve" / "services" / "rpc"
 
 
 def generate(out: pathlib.Path) -> int:

@@ -178,9 +178,9 @@ def greedy_continuations(model_dir: Path, train_bytes: torch.Tensor, n: int, arg
     """n sequences [n, seq_len + 1]: bos, --mtp-prompt-bytes bytes of training text from random
     places, then the main model's greedy continuation by the engine (what drafts are verified
     against, and the text the drafts are made on)."""
-    from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
+    from dsaserve.engine.config import EngineConfig
+    from dsaserve.engine.llm_engine import LLMEngine
+    from dsaserve.engine.sampling_params import SamplingParams
 
     prompt = _prompt_bytes(args)
     new = args.seq_len - prompt  # tokens after bos + prompt, to seq_len + 1 in all
@@ -459,7 +459,7 @@ def record_acceptance(model_dir: Path, bench_json: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=str(REPO / "engine/assets/dsaserve-demo-v4"))
+    p.add_argument("--model", default=str(REPO / "dsaserve/engine/assets/dsaserve-demo-v4"))
     p.add_argument("--data", default=str(REPO / "data" / "tinyshakespeare.txt"))
     add_mtp_args(p, 900)
     p.add_argument("--batch-size", type=int, default=8)

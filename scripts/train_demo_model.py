@@ -49,7 +49,7 @@ except ImportError:  # loaded from the repository root (tests/test_train_demo_mo
     from scripts.demo_model_card import write_card, write_loss_png
     from scripts.demo_mtp import add_mtp_args, add_to_checkpoint, mtp_tensors, train_mtp
 
-from engine.text.byte_tokenizer import PLAY_CHAT_TEMPLATE, write_byte_tokenizer  # noqa: E402
+from dsaserve.engine.text.byte_tokenizer import PLAY_CHAT_TEMPLATE, write_byte_tokenizer  # noqa: E402
 
 BOS, EOS, VOCAB = (
     256,
@@ -430,7 +430,7 @@ def sample_text(
 
 def engine_check(out_dir: Path, hf_model, windows: list[bytes], device: torch.device) -> dict:
     """Score the export with dsaserve's engine (fp32, CPU) and HF (fp32) on the same windows."""
-    from engine.llm import LLM
+    from dsaserve.engine.llm import LLM
 
     t = time.monotonic()
     llm = LLM(

@@ -22,14 +22,14 @@ import redis
 
 # First of all: without CUDA, kernels.env must set TRITON_INTERPRET before any module imports
 # triton (triton reads it once), or every Triton kernel a test launches on CPU fails.
-import kernels  # noqa: F401
-from services import redis_server as redis_launcher
+from dsaserve import kernels  # noqa: F401
+from dsaserve.services import redis_server as redis_launcher
 from tests.model_fixtures import release, tiny  # noqa: F401  (fixtures, shared with GPU runs)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from services.router.settings import RouterSettings
+    from dsaserve.services.router.settings import RouterSettings
     from tests.scripted_worker import Serve
     from tests.serving_stack import Stack
 
@@ -155,7 +155,7 @@ def client(stack: Stack) -> Iterator[openai.OpenAI]:
 @pytest.fixture
 def router_model_dir(tmp_path: Path) -> Path:
     """A model dir the router can serve: config.json (64-token context) + the tiny tokenizer."""
-    from engine.text.byte_tokenizer import write_byte_tokenizer
+    from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
 
     model_dir = tmp_path / "tiny-router-model"
     write_byte_tokenizer(model_dir)
@@ -167,7 +167,7 @@ def router_model_dir(tmp_path: Path) -> Path:
 def v4_router_model_dir(tmp_path: Path) -> Path:
     """A V4 checkpoint as the router sees it: the release's tokenizer (every V4 marker, no chat
     template) and a deepseek_v4 config.json, so chats go through the release's encoder."""
-    from engine.text.byte_tokenizer import write_byte_tokenizer
+    from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
 
     model_dir = tmp_path / "tiny-v4-router-model"
     write_byte_tokenizer(model_dir, release=True)
@@ -198,8 +198,8 @@ async def start_router() -> AsyncIterator[Callable[[RouterSettings], Awaitable[R
     """Start routers on free ports inside the test's event loop (real HTTP via uvicorn)."""
     import uvicorn  # imported here so one broken service cannot stop every test from collecting
 
-    from services.router import http_server
-    from services.router.app import create_app
+    from dsaserve.services.router import http_server
+    from dsaserve.services.router.app import create_app
 
     running: list[tuple[uvicorn.Server, asyncio.Task[None]]] = []
     routers: list[RunningRouter] = []
@@ -252,7 +252,7 @@ async def make_router(
 ) -> Callable[..., Awaitable[RunningRouter]]:
     """`await make_router(model_dir=..., **settings)`: a router that sees the scripted workers
     (the tiny router model unless `model_dir` is given; the same served name either way)."""
-    from services.router.settings import RouterSettings
+    from dsaserve.services.router.settings import RouterSettings
     from tests.scripted_worker import MODEL, TOKEN
 
     async def make(model_dir: Path = router_model_dir, **config: object) -> RunningRouter:

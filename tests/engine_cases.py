@@ -8,14 +8,14 @@ from collections.abc import Callable
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv.layout import SLAB, STAGING
-from engine.kv.pool import KVPool
-from engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS
-from engine.llm_engine import LLMEngine
-from engine.request import KVPages, RequestOutput
-from engine.sampling_params import SamplingParams
-from kernels import kv_quant
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.kv.layout import SLAB, STAGING
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.request import KVPages, RequestOutput
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.kernels import kv_quant
 
 PROMPTS = [
     "The quick brown fox",

@@ -13,7 +13,7 @@ import os
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, PreTrainedModel
 
-from engine.text.byte_tokenizer import write_byte_tokenizer
+from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
 
 VOCAB = 262  # the tiny tokenizer's vocabulary
 

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
 
-from engine.text.byte_tokenizer import write_byte_tokenizer
-from kernels.quant import expand_blocks
+from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
+from dsaserve.kernels.quant import expand_blocks
 
 VOCAB = 264  # the byte tokenizer's vocabulary (release variant: V3.2 ships no template)
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-import kernels
-from kernels import kv_quant, quant
+from dsaserve import kernels
+from dsaserve.kernels import kv_quant, quant
 
 
 def gpu_test(fn):

@@ -12,7 +12,7 @@ import pytest
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random dense V4 checkpoint (engine.models.deepseek_v4.tiny), one per module."""
-    from engine.models.deepseek_v4.tiny import make_tiny_model
+    from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
@@ -20,6 +20,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random V4 checkpoint in the release's FP8/FP4 formats, one per module."""
-    from engine.models.deepseek_v4.tiny import make_tiny_model
+    from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from bench.compare import rel_err
-from engine.layers.fp8_linear import Fp8Linear
-from engine.llm import LLM
-from engine.models.deepseek_v4.moe import Fp4Experts
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.layers.fp8_linear import Fp8Linear
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v4.moe import Fp4Experts
+from dsaserve.engine.sampling_params import SamplingParams
 
 _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_TABLE = _MAGNITUDES + tuple(-v for v in _MAGNITUDES)  # codes 8-15: sign bit set (-0.0 too)

@@ -17,11 +17,11 @@ from typing import Any
 import grpc
 import httpx
 
-from engine.load import Load
-from services.auth import TOKEN_METADATA_KEY
-from services.decode.multiplex import CallContext, multiplex
-from services.registry import WorkerRecord, WorkerRegistration
-from services.rpc import grpc_api, pb
+from dsaserve.engine.load import Load
+from dsaserve.services.auth import TOKEN_METADATA_KEY
+from dsaserve.services.decode.multiplex import CallContext, multiplex
+from dsaserve.services.registry import WorkerRecord, WorkerRegistration
+from dsaserve.services.rpc import grpc_api, pb
 
 MODEL = "tiny-router-model"
 TOKEN = "secret-token"

@@ -21,8 +21,8 @@ import grpc
 import httpx
 import openai
 
-from services.auth import token_metadata
-from services.rpc import grpc_api, pb
+from dsaserve.services.auth import token_metadata
+from dsaserve.services.rpc import grpc_api, pb
 from tests.conftest import free_port
 
 TOKEN = "e2e-cluster-token"
@@ -160,7 +160,7 @@ def offline_generate(model: Path, messages: list[dict], max_tokens: int, *flags:
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "dsaserve.services.cli",
             "generate",
             "--model",
             str(model),
@@ -193,7 +193,7 @@ class Stack:
         log = self.workdir / f"{name}.log"
         env = {**os.environ, "DSASERVE_CLUSTER_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *argv],
+            [sys.executable, "-m", "dsaserve.services.cli", *argv],
             stdout=log.open("w"),
             stderr=subprocess.STDOUT,
             env=env,

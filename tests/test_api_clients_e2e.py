@@ -14,8 +14,8 @@ import httpx
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from tests.serving_stack import pd_stack, wait_all_kv_free
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes

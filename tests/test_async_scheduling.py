@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from bench.async_scheduling import measure
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput, Status
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.request import RequestOutput, Status
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import PROMPTS as ENGINE_PROMPTS
 from tests.engine_cases import assert_all_free, drain
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from bench.engine import slice_config, write_slice
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.e2e  # a bench run end to end (--smoke)
 

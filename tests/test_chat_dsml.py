@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from engine.text.chat import (
+from dsaserve.engine.text.chat import (
     ContentDelta,
     Event,
     ParsedMessage,

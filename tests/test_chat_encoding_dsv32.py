@@ -13,10 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from engine.text.byte_tokenizer import write_byte_tokenizer
-from engine.text.chat import V32_DSML, ChatEncodingError, encode_messages_dsv32, parse_completion
-from engine.text.chat_format import ChatOptions, V32Chat, chat_format
-from engine.text.tokenizer import Tokenizer
+from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
+from dsaserve.engine.text.chat import (
+    V32_DSML,
+    ChatEncodingError,
+    encode_messages_dsv32,
+    parse_completion,
+)
+from dsaserve.engine.text.chat_format import ChatOptions, V32Chat, chat_format
+from dsaserve.engine.text.tokenizer import Tokenizer
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.text.chat import ChatEncodingError, encode_messages
+from dsaserve.engine.text.chat import ChatEncodingError, encode_messages
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BOS = "<｜begin▁of▁sentence｜>"
@@ -322,5 +322,7 @@ def test_inputs_the_format_cannot_express(messages: list, kwargs: dict, param: s
 
 def test_package_does_not_import_torch() -> None:
     # The router imports this package and must start without torch.
-    code = "import sys, engine.text.chat; assert 'torch' not in sys.modules, 'torch imported'"
+    code = (
+        "import sys, dsaserve.engine.text.chat; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.text.byte_tokenizer import write_byte_tokenizer
-from engine.text.chat import ChatEncodingError, encode_messages
-from engine.text.chat.tokens import THINK_START
-from engine.text.chat_format import ChatOptions, V4Chat, chat_format, opens_reasoning
-from engine.text.template import ChatTemplateError
-from engine.text.tokenizer import Tokenizer
+from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
+from dsaserve.engine.text.chat import ChatEncodingError, encode_messages
+from dsaserve.engine.text.chat.tokens import THINK_START
+from dsaserve.engine.text.chat_format import ChatOptions, V4Chat, chat_format, opens_reasoning
+from dsaserve.engine.text.template import ChatTemplateError
+from dsaserve.engine.text.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]

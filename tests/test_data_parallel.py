@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 
 from bench.compare import rel_err
-from engine.config import EngineConfig
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import byte_ids
 
 pytestmark = pytest.mark.e2e  # two engines, each a process

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from services.registry import Load, WorkerRecord
-from services.router.decode_room import DecodeRoom
-from services.router.errors import APIError
+from dsaserve.services.registry import Load, WorkerRecord
+from dsaserve.services.router.api.errors import APIError
+from dsaserve.services.router.decode_room import DecodeRoom
 
 
 def decode_worker(used: int, running: int, total: int = 100) -> WorkerRecord:

@@ -15,10 +15,10 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from services.auth import ClusterTokenCheck, token_metadata
-from services.decode.multiplex import CallContext, multiplex
-from services.router.decode_stream import DecodeHandle, WorkerDecodeStream
-from services.rpc import grpc_api, pb
+from dsaserve.services.auth import ClusterTokenCheck, token_metadata
+from dsaserve.services.decode.multiplex import CallContext, multiplex
+from dsaserve.services.router.decode_stream import DecodeHandle, WorkerDecodeStream
+from dsaserve.services.rpc import grpc_api, pb
 
 TOKEN = "stream-token"
 WAIT_S = 10.0

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from bench.numerics import BOS, bits_per_byte, heldout_windows
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.e2e  # the shipped checkpoint, generating
 

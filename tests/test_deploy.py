@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services import settings
-from services.cli import COMMANDS, command_module
+from dsaserve.services import settings
+from dsaserve.services.cli import COMMANDS, command_module
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -686,7 +686,7 @@ def test_dashboard_is_provisionable() -> None:
 def test_dashboard_reads_what_the_router_exports() -> None:
     from prometheus_client import CollectorRegistry
 
-    from services.router.metrics import RouterMetrics
+    from dsaserve.services.router.metrics import RouterMetrics
 
     registry = CollectorRegistry()
     RouterMetrics(registry)
@@ -714,7 +714,7 @@ sys.meta_path.insert(0, _RouterImage())
 @pytest.mark.e2e  # a dsaserve command as a process
 def test_cli_help_lists_every_contract_flag(role: str) -> None:
     start = (
-        "from services.cli import main\n"
+        "from dsaserve.services.cli import main\n"
         f"sys.argv = ['dsaserve', {role!r}, '--help']\n"
         "sys.exit(main())"
     )

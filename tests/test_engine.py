@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from engine import models
-from engine.config import EngineConfig
-from engine.kv.layout import (
+from dsaserve.engine import models
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.kv.layout import (
     KVBudgetError,
     KVCacheConfig,
     checkpoint_bytes,
@@ -16,10 +16,10 @@ from engine.kv.layout import (
     scratch_bytes,
     sequence_bytes,
 )
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.request import RequestError
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.request import RequestError
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import PROMPTS, assert_all_free, byte_ids, drain
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)

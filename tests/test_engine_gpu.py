@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-import kernels
 from bench.compare import rel_err
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.step import RowSpan
+from dsaserve import kernels
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.step import RowSpan
 from tests.engine_cases import assert_all_free
 from tests.kernels_cases import gpu_test
 from tests.release_reference import (
@@ -105,7 +105,7 @@ def test_fp8_kv_cache_on_the_gpu_tracks_the_model_dtype_cache():
     held-out bits per byte stay within 1% of the bf16 cache's (0.02% on the CPU in fp32), and
     graph-replayed decode runs to its end and gives every page back."""
     from bench.numerics import BOS, bits_per_byte, heldout_windows
-    from engine.demo_model import DEMO_MODEL_DIR
+    from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 
     texts, starts = heldout_windows(4), [[BOS, *w[:64]] for w in heldout_windows(3, 256)]
     bpb = {}

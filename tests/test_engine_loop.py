@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop, OutputQueue
-from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.engine_loop import EngineLoop, OutputQueue
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.request import RequestOutput
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import byte_ids
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)

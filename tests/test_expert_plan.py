@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.parallel.expert_parallel import OwnerPlan
+from dsaserve.engine.parallel.expert_parallel import OwnerPlan
 
 
 def _routing(n: int, k: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

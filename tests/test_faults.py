@@ -19,10 +19,10 @@ import httpx
 import pytest
 import redis
 
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from services.auth import token_metadata
-from services.registry import unseal, worker_key
-from services.rpc import grpc_api, pb
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.services.auth import token_metadata
+from dsaserve.services.registry import unseal, worker_key
+from dsaserve.services.rpc import grpc_api, pb
 from tests.serving_stack import (
     TOKEN,
     Proc,
@@ -305,7 +305,7 @@ def test_an_exposed_plaintext_worker_says_so_and_serves_without_redis(model, tmp
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "dsaserve.services.cli",
             "prefill",
             "--model",
             str(model),

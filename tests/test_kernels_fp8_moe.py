@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from bench.compare import rel_err
-from kernels import quant
-from kernels.fp8_moe import fp8_moe, stack_fp8_experts
+from dsaserve import kernels
+from dsaserve.kernels import quant
+from dsaserve.kernels.fp8_moe import fp8_moe, stack_fp8_experts
 from tests.kernels_cases import fp8_moe_case, gpu_test, random_bf16
 
 

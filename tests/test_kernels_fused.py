@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from bench.fused_cases import GlueStep, Op, as_tuple, compare, model_config, written
+from dsaserve import kernels
 from tests.kernels_cases import gpu_test
 
 POSITIONS = [0, 3, 7, 15, 18, 47, 63, 100]  # tiny model: CSA rate 4, HCA rate 16, window 16
@@ -195,8 +195,8 @@ def test_fused_glue_replays_in_cuda_graphs():
 @pytest.fixture(scope="module")
 def demo():
     """The built-in demo model's widths: 512-wide KV rows with 64 RoPE dims, the FP8 format's."""
-    from engine.demo_model import DEMO_MODEL_DIR
-    from engine.models.deepseek_v4.config import ModelConfig
+    from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+    from dsaserve.engine.models.deepseek_v4.config import ModelConfig
 
     return ModelConfig.from_dir(DEMO_MODEL_DIR)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels  # noqa: F401  (picks the interpreter on CPU)
 from bench.compare import rel_err
-from kernels import hopper, quant
-from kernels.hopper import fp4_decode, fp4_gemm, moe_rows
-from kernels.hopper import fp4_moe as hop
+from dsaserve import kernels  # noqa: F401  (picks the interpreter on CPU)
+from dsaserve.kernels import hopper, quant
+from dsaserve.kernels.hopper import fp4_decode, fp4_gemm, moe_rows
+from dsaserve.kernels.hopper import fp4_moe as hop
 from tests.kernels_cases import gpu_test, moe_case
 
 LIMIT = 10.0

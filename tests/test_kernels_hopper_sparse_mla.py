@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from bench.compare import rel_err
-from kernels import hopper
+from dsaserve import kernels
+from dsaserve.kernels import hopper
 from tests.kernels_cases import decode_case
 
 needs_sm90 = pytest.mark.skipif(
@@ -34,7 +34,7 @@ def check(case, out, lse) -> None:
 
 
 def gluon(splits: int | None = None):
-    from kernels.hopper import sparse_mla as hop
+    from dsaserve.kernels.hopper import sparse_mla as hop
 
     def run(q, kv, indices, sm_scale, *, d_v, sinks, lengths):
         assert hop.supports(q, kv, d_v)

@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kernels
 from bench import naive
-from kernels import indexer, reference
-from kernels.indexer import IndexerConfig
-from kernels.quant import act_quant_reference, ue8m0_to_float
+from dsaserve import kernels
+from dsaserve.kernels import indexer, reference
+from dsaserve.kernels.indexer import IndexerConfig
+from dsaserve.kernels.quant import act_quant_reference, ue8m0_to_float
 from tests.kernels_cases import (
     IndexerCase,
     check_topk,

@@ -12,8 +12,8 @@ import struct
 import pytest
 import torch
 
-import kernels
-from kernels import kv_quant
+from dsaserve import kernels
+from dsaserve.kernels import kv_quant
 from tests.kernels_cases import gpu_test
 
 SENTINEL = 0xA5  # bytes no write may touch

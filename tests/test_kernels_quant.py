@@ -16,12 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels
 from bench.compare import rel_err
-from kernels import fp8_gemm, quant
-from kernels.act_quant import act_quant, fp4_to_e4m3
-from kernels.fp4_moe import MoeConfig, fp4_moe, stack_fp4_experts
-from kernels.fp8_gemm import GemmConfig, fp8_linear
+from dsaserve import kernels
+from dsaserve.kernels import fp8_gemm, quant
+from dsaserve.kernels.act_quant import act_quant, fp4_to_e4m3
+from dsaserve.kernels.fp4_moe import MoeConfig, fp4_moe, stack_fp4_experts
+from dsaserve.kernels.fp8_gemm import GemmConfig, fp8_linear
 from tests.kernels_cases import gpu_test, moe_case, random_bf16
 
 # convert.py's FP4_TABLE, transcribed: index = the 4-bit code
@@ -352,7 +352,7 @@ def test_fp4_moe_split_k_matches_release_experts_on_every_expert_range(split_k):
 
 
 def test_fp4_moe_splits_k_only_for_grids_too_small_to_fill_the_gpu():
-    from kernels.fp4_moe import default_config
+    from dsaserve.kernels.fp4_moe import default_config
 
     cpu = torch.device("cpu")
     assert default_config(6, 256, cpu).split_k == (8, 4)  # one token, top-6: 96 and 192 tiles

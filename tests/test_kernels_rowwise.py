@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from bench import naive
 from bench.compare import rel_err
-from kernels import mhc, reference, rowwise
+from dsaserve import kernels
+from dsaserve.kernels import mhc, reference, rowwise
 from tests.kernels_cases import gpu_test
 
 

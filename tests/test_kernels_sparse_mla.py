@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from bench import naive
 from bench.compare import rel_err
-from kernels import reference, sparse_mla
-from kernels.sparse_mla import DecodeConfig
+from dsaserve import kernels
+from dsaserve.kernels import reference, sparse_mla
+from dsaserve.kernels.sparse_mla import DecodeConfig
 from tests.kernels_cases import decode_case, fp8_decode_case, gpu_test
 
 # Tolerances (relative error): fp32 arithmetic lands far under 1e-5; bf16 operands of the PV

@@ -18,22 +18,22 @@ import httpx
 import pytest
 import torch
 
-import kernels
 from bench.kv_cache_dtype import step_logits
 from bench.numerics import BOS, heldout_windows
-from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv.layout import SLAB, KVCacheConfig, bytes_per_token
-from engine.kv.pool import KVPool
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from kernels import fused_reference, kv_quant
-from services import settings
-from services.auth import token_metadata
-from services.rpc import grpc_api, pb
-from services.transfer.layout import Region, describe, first_difference
+from dsaserve import kernels
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.kv.layout import SLAB, KVCacheConfig, bytes_per_token
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.kernels import fused_reference, kv_quant
+from dsaserve.services import settings
+from dsaserve.services.auth import token_metadata
+from dsaserve.services.rpc import grpc_api, pb
+from dsaserve.services.transfer.layout import Region, describe, first_difference
 from tests.engine_cases import check_moved_request_decodes_as_if_never_moved, fp8_round_trip
 from tests.serving_stack import TOKEN, Stack, offline_generate, wait_for
 

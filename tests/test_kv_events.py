@@ -10,14 +10,14 @@ from collections.abc import Callable
 import pytest
 import redis.asyncio as aioredis
 
-from engine.kv.block_hash import block_hashes, cache_salt
-from engine.llm_engine import LLMEngine
-from engine.load import Load
-from engine.sampling_params import SamplingParams
-from services import kv_events
-from services.kv_events import CacheEvent, CacheEventPublisher, CacheIndex, stream_key
-from services.registry import WorkerRecord
-from services.router.policy import CacheAware
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.load import Load
+from dsaserve.engine.prefix_cache.block_hash import block_hashes, cache_salt
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.services import kv_events
+from dsaserve.services.kv_events import CacheEvent, CacheEventPublisher, CacheIndex, stream_key
+from dsaserve.services.registry import WorkerRecord
+from dsaserve.services.router.policy import CacheAware
 from tests.conftest import PrivateRedis
 from tests.engine_cases import byte_ids, drain
 

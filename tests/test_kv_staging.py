@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.kv.allocator import OutOfPages
-from engine.kv.layout import SLAB, STAGING, KVCacheConfig
-from engine.kv.pool import KVPool
-from engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS, BlockAllocator
-from engine.llm_engine import LLMEngine
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.tiny import tiny_config
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.kv.allocator import OutOfPages
+from dsaserve.engine.kv.layout import SLAB, STAGING, KVCacheConfig
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS, BlockAllocator
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.tiny import tiny_config
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import assert_all_free, drain, move_staged
 
 CFG = ModelConfig.from_hf(tiny_config(300))

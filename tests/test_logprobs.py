@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.engine.sampling_params import SamplingParams
 
 
 def test_one_batch_serves_rows_with_different_widths() -> None:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from engine.kv.layout import KVCacheConfig
-from engine.kv.pool import KVPool
-from engine.layers.rope import inverse_frequencies
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.weights import build_model, load_weights
-from engine.step import RowSpan, StepState, build_step_inputs
+from dsaserve import kernels
+from dsaserve.engine.kv.layout import KVCacheConfig
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.layers.rope import inverse_frequencies
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.weights import build_model, load_weights
+from dsaserve.engine.step import RowSpan, StepState, build_step_inputs
 from tests.hf_reference import VOCAB, make_hf_checkpoint
 
 CSA_LAYER, HCA_LAYER = 1, 2

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from bench.compare import rel_err
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.hf_reference import VOCAB, hf_greedy, hf_logits, make_hf_checkpoint
 
 pytestmark = pytest.mark.e2e  # the whole model against HF transformers

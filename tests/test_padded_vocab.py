@@ -15,10 +15,10 @@ import sys
 import httpx
 import pytest
 
-from engine.llm import LLM
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from engine.request import RequestError
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.engine.request import RequestError
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.release_reference import TOKENS
 from tests.serving_stack import pd_stack
 
@@ -60,7 +60,7 @@ def test_offline_prompts_with_padded_ids_are_refused(release):
 
 def _cli(model, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "--model", str(model), *args],
+        [sys.executable, "-m", "dsaserve.services.cli", "generate", "--model", str(model), *args],
         capture_output=True,
         text=True,
         timeout=300,

@@ -10,13 +10,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.config import EngineConfig
-from services.auth import token_metadata
-from services.prefill.leases import LeaseTable
-from services.prefill.service import PrefillService
-from services.rpc import grpc_api, pb
-from services.worker.process import Worker, now_ms
-from services.worker.settings import PrefillSettings
+from dsaserve.engine.config import EngineConfig
+from dsaserve.services.auth import token_metadata
+from dsaserve.services.prefill.leases import LeaseTable
+from dsaserve.services.prefill.service import PrefillService
+from dsaserve.services.rpc import grpc_api, pb
+from dsaserve.services.worker.process import Worker, now_ms
+from dsaserve.services.worker.settings import PrefillSettings
 from tests.serving_stack import slow_profile
 
 TOKEN = "lease-token"

@@ -1,4 +1,4 @@
-"""Automatic prefix caching in the engine (engine.kv.prefix_cache): a request resumed from the
+"""Automatic prefix caching in the engine (engine.prefix_cache.cache): a request resumed from the
 cache computes what it computes from zero (fp32 logits within 1e-5, the same greedy tokens) at
 every kind of boundary of V4's KV state, reuses what the issue promises, and leaves nothing
 behind however the pools, the scheduler and the requests treat it."""
@@ -13,15 +13,15 @@ import torch
 
 from bench.compare import rel_err
 from bench.numerics import BOS, heldout_windows
-from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv.allocator import PageAllocator
-from engine.kv.block_hash import block_hashes, cache_salt
-from engine.kv.checkpoint import CopyPlan
-from engine.llm_engine import LLMEngine
-from engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
-from engine.request import RequestOutput, Status
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.kv.allocator import PageAllocator
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
+from dsaserve.engine.prefix_cache.block_hash import block_hashes, cache_salt
+from dsaserve.engine.prefix_cache.checkpoint import CopyPlan
+from dsaserve.engine.request import RequestOutput, Status
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import assert_all_free, byte_ids, drain, move, move_staged
 from tests.release_reference import ENGINE, TOKENS, release_ids
 

@@ -11,9 +11,9 @@ import concurrent.futures
 import httpx
 import pytest
 
-from engine.llm import LLM
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.engine.sampling_params import SamplingParams
 from loadtest import bench_serving
 from tests.serving_stack import Proc, Stack, openai_client, wait_all_kv_free, wait_for
 

@@ -15,13 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.kv.layout import KVCacheConfig
-from engine.kv.pool import KVPool
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.tiny import tiny_config
-from engine.models.deepseek_v4.weights import build_model
-from engine.profile import capture
-from engine.profile.attribution import (
+from dsaserve.engine.kv.layout import KVCacheConfig
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.tiny import tiny_config
+from dsaserve.engine.models.deepseek_v4.weights import build_model
+from dsaserve.engine.profile import capture
+from dsaserve.engine.profile.attribution import (
     HOST,
     OTHER,
     CpuOp,
@@ -31,8 +31,8 @@ from engine.profile.attribution import (
     attribute_device,
     kernel_class,
 )
-from engine.profile.capture import StepProfile
-from engine.profile.floors import (
+from dsaserve.engine.profile.capture import StepProfile
+from dsaserve.engine.profile.floors import (
     ExpertLoad,
     Work,
     _matmul_work,
@@ -41,10 +41,10 @@ from engine.profile.floors import (
     expected_expert_load,
     weight_work,
 )
-from engine.profile.hardware import H200, Hardware, known
-from engine.profile.report import Report, format_table
-from engine.profiling import PARTS, profiled
-from services.cli import main as cli_main
+from dsaserve.engine.profile.hardware import H200, Hardware, known
+from dsaserve.engine.profile.ranges import PARTS, profiled
+from dsaserve.engine.profile.report import Report, format_table
+from dsaserve.services.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _dsaserve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "profile", *args],
+        [sys.executable, "-m", "dsaserve.services.cli", "profile", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -159,7 +159,7 @@ def test_a_missing_model_directory_exits_with_an_error(tmp_path):
 
 def test_a_family_the_profile_does_not_know_is_refused(tmp_path, capsys):
     """Its floors and parts are DeepSeek-V4's: a V3.2 checkpoint is refused before loading."""
-    from engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
+    from dsaserve.engine.models.deepseek_v32.tiny import make_tiny_model as make_v32
 
     model = make_v32(tmp_path / "v32")
     with pytest.raises(SystemExit) as e:
@@ -401,7 +401,7 @@ def test_device_records_link_kernels_to_their_ops_and_read_the_annotations():
 
 def test_every_range_the_model_opens_is_a_known_part():
     names = set()
-    for path in (ROOT / "engine").rglob("*.py"):
+    for path in (ROOT / "dsaserve" / "engine").rglob("*.py"):
         names |= set(re.findall(r'profiled\("(\w+)"\)', path.read_text()))
     assert names and names <= set(PARTS)
     assert {"attention", "compressor", "indexer", "sparse_mla", "mhc", "moe", "head"} <= names

@@ -17,8 +17,8 @@ def test_generated_stubs_match_the_proto(tmp_path):
     for name in GENERATED:
         fresh, committed = (
             (tmp_path / name).read_text(),
-            (ROOT / "services" / "rpc" / name).read_text(),
+            (ROOT / "dsaserve" / "services" / "rpc" / name).read_text(),
         )
         assert fresh == committed, (
-            f"services/rpc/{name} is stale: run `python proto/generate.py` and commit"
+            f"dsaserve/services/rpc/{name} is stale: run `python proto/generate.py` and commit"
         )

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
-from services.registry import (
+from dsaserve.services.registry import (
     Load,
     RegistryWatcher,
     UntrustedRecord,
@@ -228,8 +228,8 @@ async def test_watcher_start_fails_fast_without_redis(unused_tcp_port: int) -> N
 _WORKER_SCRIPT = textwrap.dedent(
     """
     import asyncio, sys
-    from engine.load import Load
-    from services.registry import WorkerRecord, WorkerRegistration
+    from dsaserve.engine.load import Load
+    from dsaserve.services.registry import WorkerRecord, WorkerRegistration
 
     async def main():
         rec = WorkerRecord("killed", "decode", "127.0.0.1:1", "m", "L1", "agent-killed")

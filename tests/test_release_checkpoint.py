@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import kernels
-from engine.checkpoint import ConfigError
-from engine.models.deepseek_v4.config import CSA, MOE, SLIDING, ModelConfig
-from engine.models.deepseek_v4.tiny import FORMATS, make_tiny_model, tiny_config
-from engine.models.deepseek_v4.weights import build_model, load_weights
-from engine.models.loading import WeightsError
-from services import cli
-from services import make_tiny_model as make_tiny_model_command
+from dsaserve import kernels
+from dsaserve.engine.model_dir import ConfigError
+from dsaserve.engine.models.deepseek_v4.config import CSA, MOE, SLIDING, ModelConfig
+from dsaserve.engine.models.deepseek_v4.tiny import FORMATS, make_tiny_model, tiny_config
+from dsaserve.engine.models.deepseek_v4.weights import build_model, load_weights
+from dsaserve.engine.models.loading import WeightsError
+from dsaserve.services import cli
+from dsaserve.services import make_tiny_model as make_tiny_model_command
 from tests.release_reference import dequantize, read_checkpoint
 
 INTER = 128  # the release tiny model's moe_intermediate_size

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from transformers import DeepseekV4ForCausalLM
 
 from bench.compare import rel_err
-from engine.llm import LLM
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, hf_logits
 from tests.release_reference import (
     ENGINE,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from engine.text.chat.tokens import DSML as D
+from dsaserve.engine.text.chat.tokens import DSML as D
 from tests.scripted_worker import MODEL, WAIT_S, Scripted, Serve
 
 REASONING = "Two lookups."

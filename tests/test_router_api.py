@@ -22,10 +22,10 @@ import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.load import Load
-from engine.text.tokenizer import Tokenizer
-from services.registry import WorkerRecord, WorkerRegistration
-from services.router.settings import RouterSettings
+from dsaserve.engine.load import Load
+from dsaserve.engine.text.tokenizer import Tokenizer
+from dsaserve.services.registry import WorkerRecord, WorkerRegistration
+from dsaserve.services.router.settings import RouterSettings
 from tests.conftest import free_port
 from tests.scripted_worker import TOKEN
 
@@ -826,7 +826,7 @@ async def _startup_log(argv: list[str]) -> str:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli",
+        "dsaserve.services.cli",
         "router",
         *argv,
         stdout=asyncio.subprocess.DEVNULL,
@@ -870,25 +870,27 @@ async def test_router_binds_loopback_unless_told_and_warns_when_open(
 
 # The engine modules the router may import: engine.text and these torch-free leaves.
 ROUTER_ENGINE_MODULES = (
-    "engine.checkpoint",
-    "engine.config",
-    "engine.kv",
-    "engine.kv.block_hash",
-    "engine.load",
-    "engine.sampling_params",
-    "engine.speculative",
-    "engine.speculative.config",
+    "dsaserve.engine.model_dir",
+    "dsaserve.engine.config",
+    "dsaserve.engine.prefix_cache",
+    "dsaserve.engine.prefix_cache.block_hash",
+    "dsaserve.engine.load",
+    "dsaserve.engine.sampling_params",
+    "dsaserve.engine.speculative",
+    "dsaserve.engine.speculative.config",
 )
 
 
 def test_router_imports_without_torch() -> None:
     code = (
-        "import sys, services.router, services.router.main, services.registry, services.cli\n"
-        "from services.cli import build_parser; build_parser('router')\n"
+        "import sys, dsaserve.services.router, dsaserve.services.router.main\n"
+        "import dsaserve.services.registry, dsaserve.services.cli\n"
+        "from dsaserve.services.cli import build_parser; build_parser('router')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
-        f"allowed = ('engine', 'engine.text', *{ROUTER_ENGINE_MODULES!r})\n"
-        "engine = [m for m in sys.modules if m.split('.')[0] == 'engine']\n"
-        "beyond = [m for m in engine if m not in allowed and not m.startswith('engine.text.')]\n"
+        f"allowed = ('dsaserve.engine', 'dsaserve.engine.text', *{ROUTER_ENGINE_MODULES!r})\n"
+        "engine = [m for m in sys.modules if m.startswith('dsaserve.engine')]\n"
+        "beyond = [m for m in engine\n"
+        "          if m not in allowed and not m.startswith('dsaserve.engine.text.')]\n"
         "assert not beyond, f'the router imports torch-side engine modules: {beyond}'\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

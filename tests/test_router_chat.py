@@ -20,11 +20,11 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from engine.text.chat import encode_messages
-from engine.text.chat.tokens import DSML as D
-from engine.text.tokenizer import Tokenizer
-from services.router.logprobs import CompletionLogprobs, TokenTexts
-from services.rpc import pb
+from dsaserve.engine.text.chat import encode_messages
+from dsaserve.engine.text.chat.tokens import DSML as D
+from dsaserve.engine.text.tokenizer import Tokenizer
+from dsaserve.services.router.api.logprobs import CompletionLogprobs, TokenTexts
+from dsaserve.services.rpc import pb
 from tests.scripted_worker import MODEL, WAIT_S, Serve, chunk_ids, scripted_logprob, sse_events
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "weather in São Paulo?"}]}

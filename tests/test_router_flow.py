@@ -20,9 +20,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from services.registry import WorkerRecord, seal, worker_key
-from services.router.settings import RouterSettings
-from services.rpc import pb
+from dsaserve.services.registry import WorkerRecord, seal, worker_key
+from dsaserve.services.router.settings import RouterSettings
+from dsaserve.services.rpc import pb
 from tests.scripted_worker import MODEL, TOKEN, WAIT_S, Serve, sse_events
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}  # 5 prompt tokens

@@ -19,7 +19,7 @@ from schemathesis import checks
 from schemathesis.generation import GenerationMode
 from schemathesis.schemas import BaseSchema
 
-from engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from tests.serving_stack import Stack
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes, fuzzed

@@ -7,9 +7,16 @@ import random
 
 import pytest
 
-from engine.load import Load
-from services.registry import WorkerRecord
-from services.router.policy import POLICIES, LeastLoad, PowerOfTwo, RoundRobin, load_of, make_policy
+from dsaserve.engine.load import Load
+from dsaserve.services.registry import WorkerRecord
+from dsaserve.services.router.policy import (
+    POLICIES,
+    LeastLoad,
+    PowerOfTwo,
+    RoundRobin,
+    load_of,
+    make_policy,
+)
 
 
 def worker(worker_id: str, running: int = 0, waiting: int = 0) -> WorkerRecord:

@@ -14,7 +14,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from engine.text.chat.tokens import DSML as D
+from dsaserve.engine.text.chat.tokens import DSML as D
 from tests.scripted_worker import MODEL, Scripted, Serve
 
 REASONING = "Need the weather."

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.sampler import sample
+from dsaserve.engine.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5])
 DRAWS = 20_000

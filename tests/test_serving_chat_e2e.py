@@ -18,10 +18,10 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from engine.llm import LLM
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from engine.sampling_params import SamplingParams
-from engine.text.chat import tokens as v4
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.text.chat import tokens as v4
 from tests.serving_stack import FORECAST, pd_stack, wait_all_kv_free
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes
@@ -112,7 +112,7 @@ def test_completion_logprobs_equal_the_engines_own(stack, client, model, llm):
 
 def _offline_chat(model, messages, thinking: bool) -> dict:
     """`dsaserve generate --chat` in its own process, greedy: the parsed reply."""
-    argv = [sys.executable, "-m", "services.cli", "generate", "--model", str(model)]
+    argv = [sys.executable, "-m", "dsaserve.services.cli", "generate", "--model", str(model)]
     argv += ["--chat", json.dumps(messages), "--max-tokens", "24", "--temperature", "0"]
     argv += ["--json", "--ignore-eos"] + (["--thinking"] if thinking else [])
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120)

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.text.chat_format import chat_format
-from services.registry import worker_key
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.text.chat_format import chat_format
+from dsaserve.services.registry import worker_key
 from tests.conftest import free_port
 from tests.serving_stack import Stack, openai_client, wait_all_kv_free
 

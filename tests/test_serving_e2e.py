@@ -23,10 +23,10 @@ import openai
 import pytest
 import redis
 
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from services.auth import token_metadata
-from services.registry import unseal, worker_key
-from services.rpc import grpc_api, pb
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.services.auth import token_metadata
+from dsaserve.services.registry import unseal, worker_key
+from dsaserve.services.rpc import grpc_api, pb
 from tests.serving_stack import (
     TOKEN,
     Stack,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from services.registry import worker_key
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.services.registry import worker_key
 from tests.serving_stack import Stack, offline_generate, openai_client, wait_for
 
 pytestmark = pytest.mark.e2e  # workers of several ranks as processes

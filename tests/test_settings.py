@@ -6,10 +6,10 @@ import argparse
 
 import pytest
 
-from engine.config import EngineConfig
-from services import settings
-from services.router.settings import RouterSettings
-from services.worker.settings import DecodeSettings, PrefillSettings
+from dsaserve.engine.config import EngineConfig
+from dsaserve.services import settings
+from dsaserve.services.router.settings import RouterSettings
+from dsaserve.services.worker.settings import DecodeSettings, PrefillSettings
 
 
 def router_parser(environ: dict[str, str]) -> argparse.ArgumentParser:

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.simulate import CostModel
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.simulate import CostModel
 
 PROFILE = "bench/results/h200-engine-256.json"
 

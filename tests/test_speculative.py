@@ -12,17 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import ConfigError
-from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.kv.layout import SLAB
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.request import RequestError
-from engine.sampler import probabilities
-from engine.sampling_params import SamplingParams
-from engine.speculative.config import SpeculativeConfig
-from engine.speculative.verify import accepted_tokens, verify_rows
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.kv.layout import SLAB
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.model_dir import ConfigError
+from dsaserve.engine.request import RequestError
+from dsaserve.engine.sampler import probabilities
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.speculative.config import SpeculativeConfig
+from dsaserve.engine.speculative.verify import accepted_tokens, verify_rows
 from tests.engine_cases import (
     assert_all_free,
     check_moved_request_decodes_as_if_never_moved,
@@ -266,8 +266,8 @@ def test_seeded_requests_reproduce_and_logprobs_follow_accepted_tokens():
 def test_adaptive_draft_length_follows_acceptance_and_step_cost():
     """Rows nearly free (a weight-bound step): all K drafts; rows that cost as much as the
     step's fixed part and a low acceptance: none (SGLang's "MTP off at high concurrency")."""
-    from engine.speculative.adaptive import DraftLength
-    from engine.speculative.stats import SpecDecodeStats
+    from dsaserve.engine.speculative.adaptive import DraftLength
+    from dsaserve.engine.speculative.stats import SpecDecodeStats
 
     spec = SpeculativeConfig("mtp", 3, adaptive=True)
     cheap, dear = DraftLength(spec), DraftLength(spec)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.serving_stack import Stack, openai_client, wait_all_kv_free
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes

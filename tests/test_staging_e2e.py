@@ -11,7 +11,7 @@ import grpc
 import httpx
 import pytest
 
-from engine.kv.layout import (
+from dsaserve.engine.kv.layout import (
     SLAB,
     STAGING,
     KVBudgetError,
@@ -19,10 +19,10 @@ from engine.kv.layout import (
     plan_pages,
     staging_block_bytes,
 )
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.tiny import make_tiny_model
-from services.auth import token_metadata
-from services.rpc import grpc_api, pb
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
+from dsaserve.services.auth import token_metadata
+from dsaserve.services.rpc import grpc_api, pb
 from tests.serving_stack import TOKEN, Proc, Stack, wait_for
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes

@@ -13,22 +13,22 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.structured import Bitmask, apply_bitmask
-from engine.text.byte_tokenizer import write_byte_tokenizer
-from engine.text.chat import V4_DSML, V32_DSML, Dialect, parse_completion
-from engine.text.chat.constraint import (
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.structured import Bitmask, apply_bitmask
+from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
+from dsaserve.engine.text.chat import V4_DSML, V32_DSML, Dialect, parse_completion
+from dsaserve.engine.text.chat.constraint import (
     JsonContent,
     ReplyConstraint,
     reply_grammar,
     tool_schemas,
 )
-from engine.text.chat.tokens import DSML, EOS, PARAMETER_CLOSE, THINK_END
-from engine.text.grammar import GrammarCompiler, GrammarError
-from engine.text.tokenizer import Tokenizer
+from dsaserve.engine.text.chat.tokens import DSML, EOS, PARAMETER_CLOSE, THINK_END
+from dsaserve.engine.text.grammar import GrammarCompiler, GrammarError
+from dsaserve.engine.text.tokenizer import Tokenizer
 from tests.engine_cases import assert_all_free, drain
 
 ANSWER = {  # what pydantic writes for a model of a Literal, a bounded int and a bool

@@ -18,16 +18,16 @@ import pytest
 import torch
 
 from bench.compare import rel_err
-from engine.checkpoint import ConfigError
-from engine.config import EngineConfig
-from engine.demo_model import DEMO_MODEL_DIR
-from engine.layers.experts import RoutedExperts
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.weights import build_model, load_weights
-from engine.parallel.group import TensorParallel
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.layers.experts import RoutedExperts
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.model_dir import ConfigError
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.weights import build_model, load_weights
+from dsaserve.engine.parallel.group import TensorParallel
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import byte_ids
 from tests.release_reference import ENGINE, TOKENS, release_ids
 

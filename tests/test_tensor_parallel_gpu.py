@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from bench.compare import rel_err
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
-from engine.step import RowSpan
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.step import RowSpan
 from tests.engine_cases import assert_all_free, byte_ids
 from tests.release_reference import TOKENS, release_ids
 

@@ -15,12 +15,12 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.text.byte_tokenizer import BOS_TOKEN, EOS_TOKEN, write_byte_tokenizer
-from engine.text.chat import tokens as v4
-from engine.text.template import ChatTemplateError
-from engine.text.text_stream import IncrementalDetokenizer
-from engine.text.token_bound import min_tokens
-from engine.text.tokenizer import Tokenizer, byte_level_alphabet
+from dsaserve.engine.text.byte_tokenizer import BOS_TOKEN, EOS_TOKEN, write_byte_tokenizer
+from dsaserve.engine.text.chat import tokens as v4
+from dsaserve.engine.text.template import ChatTemplateError
+from dsaserve.engine.text.text_stream import IncrementalDetokenizer
+from dsaserve.engine.text.token_bound import min_tokens
+from dsaserve.engine.text.tokenizer import Tokenizer, byte_level_alphabet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = range(256, 262)
@@ -88,7 +88,7 @@ def test_tiny_tokenizer_is_small_and_byte_identical_across_runs(tmp_path: Path) 
     assert write_byte_tokenizer(tmp_path / "a") == 262
     # Another process with another hash seed must write the same bytes.
     result = _run_python(
-        "from engine.text.byte_tokenizer import write_byte_tokenizer as w; "
+        "from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer as w; "
         f"w({str(tmp_path / 'b')!r})",
         PYTHONHASHSEED="12345",
     )
@@ -484,9 +484,9 @@ def test_detokenizer_keeps_space_a_decoder_strips_from_the_first_token() -> None
 def test_tokenizer_never_imports_torch(tmp_path: Path) -> None:
     code = f"""
 import sys
-from engine.text.byte_tokenizer import write_byte_tokenizer
-from engine.text.text_stream import IncrementalDetokenizer
-from engine.text.tokenizer import Tokenizer
+from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
+from dsaserve.engine.text.text_stream import IncrementalDetokenizer
+from dsaserve.engine.text.tokenizer import Tokenizer
 write_byte_tokenizer({str(tmp_path)!r})
 tok = Tokenizer.from_pretrained({str(tmp_path)!r})
 detok = IncrementalDetokenizer(tok)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.e2e  # the training script, trained and served
 

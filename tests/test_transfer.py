@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.transfer import KVTransfer, Region, TransferError
+from dsaserve.services.transfer import KVTransfer, Region, TransferError
 
 pytestmark = pytest.mark.e2e  # NIXL transfers between two processes
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services import settings
-from services.up import Placement, UpSettings, place
+from dsaserve.services import settings
+from dsaserve.services.up import Placement, UpSettings, place
 
 EIGHT = [str(i) for i in range(8)]
 
@@ -66,9 +66,9 @@ def test_on_the_cpu_only_the_sizes_matter():
 def test_engine_flags_give_a_worker_the_same_engine_config():
     """What `dsaserve up` passes on parses back to the config it was given, switches that
     default on turned off by their --no- form."""
-    from engine.config import EngineConfig
-    from services.up import engine_flags
-    from services.worker.settings import WorkerSettings
+    from dsaserve.engine.config import EngineConfig
+    from dsaserve.services.up import engine_flags
+    from dsaserve.services.worker.settings import WorkerSettings
 
     given = EngineConfig(
         enable_prefix_caching=False,

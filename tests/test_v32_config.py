@@ -14,13 +14,17 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
     DeepseekV32RotaryEmbedding,
 )
 
-from engine import models
-from engine.checkpoint import ConfigError
-from engine.layers.rope import RotaryTable
-from engine.models.deepseek_v32.config import ModelConfig
-from engine.models.deepseek_v32.tiny import make_tiny_model, release_tiny_config, tiny_config
-from engine.models.deepseek_v32.weights import build_model, load_weights
-from engine.models.loading import WeightsError
+from dsaserve.engine import models
+from dsaserve.engine.layers.rope import RotaryTable
+from dsaserve.engine.model_dir import ConfigError
+from dsaserve.engine.models.deepseek_v32.config import ModelConfig
+from dsaserve.engine.models.deepseek_v32.tiny import (
+    make_tiny_model,
+    release_tiny_config,
+    tiny_config,
+)
+from dsaserve.engine.models.deepseek_v32.weights import build_model, load_weights
+from dsaserve.engine.models.loading import WeightsError
 
 YARN = {
     "rope_type": "yarn",

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
 from bench.compare import rel_err
-from engine.llm import LLM
-from engine.models.deepseek_v32.tiny import make_tiny_model
-from engine.sampling_params import SamplingParams
-from engine.step import RowSpan
+from dsaserve import kernels
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v32.tiny import make_tiny_model
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.step import RowSpan
 from tests.engine_cases import V32_WIDE, assert_all_free, byte_ids, fp8_round_trip
 from tests.kernels_cases import gpu_test
 

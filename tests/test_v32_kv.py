@@ -10,15 +10,15 @@ import dataclasses
 import pytest
 import torch
 
-import kernels
-from engine.config import EngineConfig
-from engine.kv.layout import SLAB, KVCacheConfig, bytes_per_token
-from engine.kv.pool import KVPool
-from engine.llm import LLM
-from engine.llm_engine import LLMEngine
-from engine.models.deepseek_v4.tiny import make_tiny_model as make_v4
-from engine.models.deepseek_v32.config import ModelConfig
-from engine.models.deepseek_v32.tiny import make_tiny_model
+from dsaserve import kernels
+from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.kv.layout import SLAB, KVCacheConfig, bytes_per_token
+from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.llm_engine import LLMEngine
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model as make_v4
+from dsaserve.engine.models.deepseek_v32.config import ModelConfig
+from dsaserve.engine.models.deepseek_v32.tiny import make_tiny_model
 from tests.engine_cases import (
     V32_WIDE,
     byte_ids,

@@ -13,14 +13,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from bench.compare import rel_err
-from engine.layers.experts import Fp8Experts
-from engine.layers.fp8_linear import Fp8Linear
-from engine.llm import LLM
-from engine.models.deepseek_v32.config import ModelConfig
-from engine.models.deepseek_v32.tiny import make_tiny_model
-from engine.models.deepseek_v32.weights import build_model, canonical_name, load_weights
-from engine.sampling_params import SamplingParams
-from kernels.quant import dequantize_fp8_blocks
+from dsaserve.engine.layers.experts import Fp8Experts
+from dsaserve.engine.layers.fp8_linear import Fp8Linear
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v32.config import ModelConfig
+from dsaserve.engine.models.deepseek_v32.tiny import make_tiny_model
+from dsaserve.engine.models.deepseek_v32.weights import build_model, canonical_name, load_weights
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.kernels.quant import dequantize_fp8_blocks
 from tests.hf_reference import hf_greedy, hf_logits
 from tests.hf_reference_v32 import VOCAB, dequantized_hf_model, make_hf_checkpoint
 

@@ -18,10 +18,10 @@ import httpx
 import pytest
 import redis
 
-from engine.models.deepseek_v4.tiny import make_tiny_model as make_v4
-from engine.models.deepseek_v32.tiny import make_tiny_model
-from services.auth import token_metadata
-from services.rpc import grpc_api, pb
+from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model as make_v4
+from dsaserve.engine.models.deepseek_v32.tiny import make_tiny_model
+from dsaserve.services.auth import token_metadata
+from dsaserve.services.rpc import grpc_api, pb
 from tests.conftest import free_port
 from tests.serving_stack import (
     FORECAST,
@@ -52,8 +52,8 @@ def test_dsaserve_up_serves_a_v32_checkpoint(model, tmp_path):
     port = free_port()
     log = tmp_path / "up.log"
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(port),
-         "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8",
+        [sys.executable, "-m", "dsaserve.services.cli", "up", "--model", str(model),
+         "--port", str(port), "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8",
          "--max-num-batched-tokens", "256", "--api-key", "unused"],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from bench.compare import rel_err
-from engine.llm import LLM
-from engine.models.deepseek_v32.config import ModelConfig
-from engine.models.deepseek_v32.tiny import make_tiny_model
-from engine.models.deepseek_v32.weights import build_model, load_weights
-from engine.parallel.group import TensorParallel
-from engine.sampling_params import SamplingParams
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.models.deepseek_v32.config import ModelConfig
+from dsaserve.engine.models.deepseek_v32.tiny import make_tiny_model
+from dsaserve.engine.models.deepseek_v32.weights import build_model, load_weights
+from dsaserve.engine.parallel.group import TensorParallel
+from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import byte_ids
 
 pytestmark = pytest.mark.e2e  # engines of two ranks, each rank a process

@@ -9,11 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoint import ConfigError
-from engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
-from engine.models.deepseek_v4.tiny import make_tiny_model, release_tiny_config, tiny_config
-from engine.models.deepseek_v4.weights import build_model, load_weights
-from engine.models.loading import WeightsError
+from dsaserve.engine.model_dir import ConfigError
+from dsaserve.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
+from dsaserve.engine.models.deepseek_v4.tiny import (
+    make_tiny_model,
+    release_tiny_config,
+    tiny_config,
+)
+from dsaserve.engine.models.deepseek_v4.weights import build_model, load_weights
+from dsaserve.engine.models.loading import WeightsError
 
 RELEASE_QC = release_tiny_config()["quantization_config"]
 

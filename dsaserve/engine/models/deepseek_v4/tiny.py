@@ -1,0 +1,234 @@
+"""Tiny random DeepSeek-V4 checkpoints (`dsaserve make-tiny-model`): every layer type, in a few
+MB, made in seconds.
+
+Random but deterministic weights (a fixed seed) under DeepSeek's release names (which HF
+transformers' loader also accepts), with the byte-level tokenizer. The text is noise; they
+exist to run the whole stack - sliding, CSA (with >= 16 indexer heads and an index_topk that
+real prompts exceed) and HCA layers, hash-routed and routed MoE - in tests and on any machine.
+The built-in model users meet is the trained one (engine/demo_model.py). Two formats:
+
+- `dense`: fp32 weights in one model.safetensors, a vocabulary exactly the tokenizer's.
+- `release`: the DeepSeek-V4-Flash release's layout in miniature (widths that are multiples of
+  its 128-wide blocks, HCA at its real rate 128): the config.json keys of the release
+  (`compress_ratios` with the MTP layer's entry, `quantization_config`, top-level
+  `expert_dtype`), FP8 e4m3 linears with ue8m0 128x128 block scales (`<name>.scale`, `wo_a`
+  included), FP4 routed experts (e2m1 pairs in int8, ue8m0 per 32), bf16 norms, router, head,
+  embeddings and compressor projections, fp32 mHC parameters, sinks and slot biases, an int64
+  hash table, one MTP layer (`mtp.0.*`), two shards behind model.safetensors.index.json, and
+  a vocabulary larger than its tokenizer. The head's rows past the tokenizer are scaled up so
+  that an engine which forgot to mask them would sample them nearly every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.weights import build_model
+from dsaserve.engine.models.tiny_weights import (
+    PAD_HEAD_GAIN,
+    first_half_of_layers,
+    quantize_fp8,
+    random_value,
+    save_shards,
+    split_experts,
+)
+from dsaserve.engine.text.byte_tokenizer import write_byte_tokenizer
+from dsaserve.kernels.quant import quantize_fp4
+
+FORMATS = ("dense", "release")
+RELEASE_VOCAB = 384  # model rows; the release-format tokenizer has 264 tokens
+
+# Stored FP8 in the release (the table in shared/reference/v4-release.md), wo_a included.
+_FP8_STORED = re.compile(
+    r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
+    r"|e_proj|h_proj)\.weight$"
+)
+_FP4_STORED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+# Stored fp32: mHC parameters, sinks, compressor slot biases, router biases.
+_FP32_STORED = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|\.gate\.bias)$")
+
+
+def _shared_fields() -> dict:
+    """The fields both tiny models write alike (mHC, indexer, norms, RoPE, routing scores); a
+    fresh dict each call, so a caller may edit its config's nested ones."""
+    return {
+        "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus",
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "index_n_heads": 16,
+        "index_head_dim": 32,
+        "index_topk": 8,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    }
+
+
+def tiny_config(vocab_size: int) -> dict:
+    """The dense tiny model's config.json."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 32,
+        "o_groups": 2,
+        "o_lora_rank": 16,
+        "sliding_window": 16,
+        "layer_types": [
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
+        ],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"],
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 32,
+        "swiglu_limit": 10.0,
+        **_shared_fields(),
+        "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "dtype": "float32",
+    }
+
+
+def release_tiny_config() -> dict:
+    """The release-format tiny model's config.json, in the release's own field names."""
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": RELEASE_VOCAB,
+        "hidden_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "qk_rope_head_dim": 16,
+        "q_lora_rank": 128,
+        "o_groups": 2,
+        "o_lora_rank": 128,  # wo_b splits over two ranks on its 128-wide FP8 blocks
+        "sliding_window": 16,
+        "compress_ratios": [0, 4, 128, 4, 128, 4, 0],  # six layers, then the MTP layer
+        "num_hash_layers": 2,
+        "num_nextn_predict_layers": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 128,
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "swiglu_limit": 10.0,
+        **_shared_fields(),
+        "tie_word_embeddings": False,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "torch_dtype": "bfloat16",
+        "expert_dtype": "fp4",
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "scale_fmt": "ue8m0",
+            "weight_block_size": [128, 128],
+        },
+    }
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    fmt: str = "dense",
+    overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a tiny checkpoint (config, weights, tokenizer) of format `fmt` (FORMATS) into
+    out_dir; returns its path. `overrides` replaces config.json fields (a random model of any
+    shape: bench/disagg.py writes a V4-Flash-width slice)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    release = fmt == "release"
+    tokens = write_byte_tokenizer(out, release=release)
+    raw = (release_tiny_config() if release else tiny_config(tokens)) | (overrides or {})
+    model = build_model(ModelConfig.from_hf(raw), torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("rope_tables."):
+            continue
+        tensors[_release_name(name)] = _init(name, t, gen, raw)
+    tensors = split_experts(tensors, raw["moe_intermediate_size"])
+    if release:
+        tensors["head.weight"][tokens:] *= PAD_HEAD_GAIN
+        in_first = first_half_of_layers(
+            raw["num_hidden_layers"], re.compile(r"layers\.(\d+)\."), "embed."
+        )
+        save_shards(_release_formats(tensors), out, in_first)
+    else:
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    return out
+
+
+def _init(name: str, t: torch.Tensor, gen: torch.Generator, raw: dict) -> torch.Tensor:
+    if name.endswith("tid2eid"):  # distinct experts per token, as a hash router assigns them
+        vocab, k = t.shape
+        draws = torch.rand(vocab, raw["n_routed_experts"], generator=gen)
+        return draws.argsort(dim=1)[:, :k].contiguous()
+    return random_value(name, t, gen)
+
+
+def _release_name(name: str) -> str:
+    """Our parameter name -> DeepSeek's release name (the inverse of weights.py's renames)."""
+    for ours, theirs in (
+        (".hc_attn.", ".hc_attn_"),
+        (".hc_ffn.", ".hc_ffn_"),
+        ("hc_head.", "hc_head_"),
+    ):
+        name = name.replace(ours, theirs)
+    return name + ".weight" if name.endswith(".attn.wo_a") else name
+
+
+def _release_formats(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 tensors -> the release's storage formats (quantized ones with `<name>.scale`)."""
+    out = {}
+    for name, t in tensors.items():
+        if _FP4_STORED.search(name):
+            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp4(t)
+        elif _FP8_STORED.search(name):
+            out[name], out[name.removesuffix(".weight") + ".scale"] = quantize_fp8(t, False)
+        elif t.dtype == torch.int64 or _FP32_STORED.search(name):
+            out[name] = t
+        else:
+            out[name] = t.to(torch.bfloat16)
+    return out

@@ -1,0 +1,41 @@
+"""`dsaserve make-tiny-model DIR`: write a tiny random checkpoint of a served family (every layer
+kind of DeepSeek-V4 by default; `--model-type deepseek_v32` for DeepSeek-V3.2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+
+from dsaserve.engine.config import setting
+from dsaserve.engine.models import FAMILIES
+
+FORMATS = ("dense", "release")  # each family's tiny.FORMATS, without importing torch
+
+
+@dataclass(frozen=True)
+class MakeTinyModelSettings:
+    """Tiny checkpoint"""
+
+    dir: str = setting(dataclasses.MISSING, "output directory", positional=True)
+    model_type: str = setting(
+        "deepseek_v4",
+        "the family (HF model_type) of the checkpoint",
+        choices=tuple(sorted(FAMILIES)),
+    )
+    seed: int = setting(0, "seed of the random weights")
+    format: str = setting(
+        "dense",
+        "dense: fp32 weights in one file; release: the family's published layout (V4: FP8 "
+        "linears, FP4 experts, ue8m0 scales; V3.2: FP8 weights with fp32 weight_scale_inv), "
+        "sharded, an MTP layer, a padded vocabulary",
+        choices=FORMATS,
+    )
+
+
+Settings = MakeTinyModelSettings
+
+
+def run(s: MakeTinyModelSettings) -> None:
+    tiny = importlib.import_module(f"{FAMILIES[s.model_type]}.tiny")
+    print(tiny.make_tiny_model(s.dir, seed=s.seed, fmt=s.format))

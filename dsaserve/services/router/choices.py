@@ -1,0 +1,233 @@
+"""One choice of an answer, built from its generation's events: streamed chunks and the whole.
+
+Streaming and non-streaming answers go through the same calls: every `Token` goes to `chunk`
+(the streamed choice, or None when it has nothing to show yet), the `Finish` to `finish`, and a
+whole answer is then `answer()`. So a chat reply is parsed once, by one `StreamParser`, however
+it is delivered: reasoning into `reasoning_content`, DSML tool calls into `tool_calls`, the
+rest into `content`, and no markup anywhere.
+
+Finish reasons: "length" when the reply was cut by max_tokens or the context (whatever was
+open stays open: reasoning, or a call with partial arguments); "tool_calls" when a reply that
+ended by itself holds tool calls, all complete; else "stop". A call that EOS cut short is no
+call: the whole answer leaves it out, and its reply finishes with "stop" (a client that trusts
+"tool_calls" never meets arguments that are not JSON).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsaserve.engine.text.chat import (
+    ContentDelta,
+    Event,
+    ReasoningDelta,
+    StreamParser,
+    ToolCallArguments,
+    ToolCallStart,
+)
+from dsaserve.services.router.api.logprobs import (
+    CompletionLogprobs,
+    PromptLogprobs,
+    TokenTexts,
+    chat_entries,
+    merge_completion_chunks,
+)
+from dsaserve.services.router.chat import ChatPrompt
+from dsaserve.services.router.pd import Finish, Token
+
+JSON = dict[str, Any]
+
+
+class ChatChoice:
+    def __init__(
+        self,
+        index: int,
+        prompt: ChatPrompt,
+        texts: TokenTexts | None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> None:
+        self.index = index
+        self._prompt = prompt
+        self._texts = texts  # None: no logprobs
+        self._prompt_logprobs = prompt_logprobs
+        # vLLM's prompt_logprobs, once the first token brought them (when asked)
+        self.prompt_logprobs: list[JSON | None] | None = None
+        self._parser = StreamParser(
+            prompt.opens_reasoning, dialect=prompt.dialect if prompt.offers_tools else None
+        )
+        self._logprobs: list[JSON] = []
+        self._finish_reason: str | None = None
+
+    def opening(self) -> JSON:
+        return self._choice({"role": "assistant", "content": ""}, None)
+
+    def chunk(self, token: Token) -> JSON | None:
+        if self._prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = self._prompt_logprobs.entries(token.prompt_logprobs)
+        events = self._parser.feed(token.text)
+        entries = self._entries(token)
+        delta = self._delta(events)
+        if not delta and not entries:
+            return None
+        return self._choice(delta, {"content": entries, "refusal": None} if entries else None)
+
+    def finish(self, finish: Finish) -> JSON:
+        delta = self._delta(self._parser.finish())
+        calls = self._calls()
+        self._finish_reason = finish.reason
+        if finish.reason == "stop" and calls and all(call.complete for call in calls):
+            self._finish_reason = "tool_calls"
+        return self._choice(delta, None, self._finish_reason)
+
+    def answer(self) -> JSON:
+        parsed = self._parser.message()
+        calls = self._calls()
+        message: JSON = {"role": "assistant", "content": parsed.content}
+        if calls and not parsed.content:
+            message["content"] = None  # OpenAI's shape of a reply that is only tool calls
+        if self._prompt.opens_reasoning:
+            message["reasoning_content"] = parsed.reasoning_content
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in calls
+            ]
+        logprobs = {"content": self._logprobs, "refusal": None} if self._texts else None
+        return {
+            "index": self.index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": self._finish_reason,
+        }
+
+    def _calls(self) -> tuple:
+        calls = self._parser.message().tool_calls
+        if self._finish_reason == "stop":
+            calls = tuple(call for call in calls if call.complete)
+        return (
+            calls if self._prompt.max_tool_calls is None else calls[: self._prompt.max_tool_calls]
+        )
+
+    def _entries(self, token: Token) -> list[JSON]:
+        if self._texts is None:
+            return []
+        entries = chat_entries(self._texts, token.token_ids, token.logprobs)
+        self._logprobs += entries
+        return entries
+
+    def _delta(self, events: list[Event]) -> JSON:
+        """One delta for the events of one chunk; a call's first fragment names it."""
+        delta: JSON = {}
+        calls: dict[int, JSON] = {}
+        limit = self._prompt.max_tool_calls
+        for event in events:
+            if isinstance(event, ReasoningDelta):
+                delta["reasoning_content"] = delta.get("reasoning_content", "") + event.text
+            elif isinstance(event, ContentDelta):
+                delta["content"] = delta.get("content", "") + event.text
+            elif limit is not None and event.index >= limit:
+                continue
+            elif isinstance(event, ToolCallStart):
+                calls[event.index] = {
+                    "index": event.index,
+                    "id": event.id,
+                    "type": "function",
+                    "function": {"name": event.name, "arguments": ""},
+                }
+            elif isinstance(event, ToolCallArguments):
+                call = calls.setdefault(
+                    event.index, {"index": event.index, "function": {"arguments": ""}}
+                )
+                call["function"]["arguments"] += event.fragment
+        if calls:
+            delta["tool_calls"] = list(calls.values())
+        return delta
+
+    def _choice(self, delta: JSON, logprobs: JSON | None, finish_reason: str | None = None) -> JSON:
+        return {
+            "index": self.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, written before its text (`echo`)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: int | None  # the request's `logprobs`: its tokens' then come first, the first null
+
+
+class TextChoice:
+    def __init__(
+        self,
+        index: int,
+        texts: TokenTexts | None,
+        echo: Echo | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
+    ) -> None:
+        self.index = index
+        self._logprobs = None if texts is None else CompletionLogprobs(texts)
+        self._echo = echo
+        self._prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs: list[JSON | None] | None = None  # vLLM's, when asked
+        self._started = False
+        self._texts: list[str] = []
+        self._chunks: list[JSON] = []
+        self._finish_reason: str | None = None
+
+    def opening(self) -> None:
+        return None
+
+    def chunk(self, token: Token) -> JSON | None:
+        text, parts = token.text, []
+        if not self._started:  # the first event brings what the prompt shows
+            self._started = True
+            if self._prompt_logprobs is not None:
+                self.prompt_logprobs = self._prompt_logprobs.entries(token.prompt_logprobs)
+            if self._echo is not None:
+                text = self._echo.text + text
+                if self._logprobs is not None:
+                    scored = [None, *token.prompt_logprobs]
+                    parts.append(
+                        self._logprobs.chunk(self._echo.token_ids, scored, self._echo.logprobs)
+                    )
+        self._texts.append(text)
+        logprobs = None
+        if self._logprobs is not None:
+            parts.append(self._logprobs.chunk(token.token_ids, token.logprobs))
+            logprobs = merge_completion_chunks(parts)
+            self._chunks.append(logprobs)
+        if not text and not (logprobs and logprobs["tokens"]):
+            return None
+        return self._choice(text, logprobs)
+
+    def finish(self, finish: Finish) -> JSON:
+        self._finish_reason = finish.reason
+        return self._choice("", None, finish.reason)
+
+    def answer(self) -> JSON:
+        logprobs = None if self._logprobs is None else merge_completion_chunks(self._chunks)
+        choice = self._choice("".join(self._texts), logprobs, self._finish_reason)
+        if self._prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs
+        return choice
+
+    def _choice(self, text: str, logprobs: JSON | None, finish_reason: str | None = None) -> JSON:
+        return {
+            "index": self.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
+
+
+Choice = ChatChoice | TextChoice
