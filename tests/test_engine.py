@@ -125,7 +125,7 @@ def test_max_num_seqs_is_lowered_to_what_the_budget_holds(tiny, caplog):
     cfg = models.family(tiny).ModelConfig.from_dir(tiny)
     ckpt = default_checkpoint_rows(cfg, kv, 4) * checkpoint_bytes(cfg, 4, 4)
     half = (kv.memory_bytes - scratch_bytes(cfg, kv, 4) - ckpt) // 2
-    with caplog.at_level(logging.INFO, logger="engine.rank"):
+    with caplog.at_level(logging.INFO, logger="dsaserve.engine.rank"):
         engine = LLMEngine(tiny, EngineConfig(**small))
     seqs = engine.config.max_num_seqs
     assert seqs == half // sequence_bytes(cfg, kv, 4) < 256
