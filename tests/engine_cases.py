@@ -92,20 +92,21 @@ def move_staged(
 
 
 def move(src: KVPool, held: KVPages, dst: KVPool, reserved: KVPages) -> int:
-    """What a decode worker's pull does, with copies for READs: the first part of the staged
-    stream, or the held pages, but the pages `reserved` shares from its engine's prefix cache
-    (KVPool.missing). Returns the pages moved (the slab row not counted)."""
+    """What a pull does, with copies for READs: the first part of the staged stream, or the
+    held pages, but the pages `reserved` shares from its engine's prefix cache (KVPool.missing),
+    into the first of the reserved pages (a borrowed prefix fills only some). Returns the pages
+    moved (the slab row not counted)."""
     skip = reserved.reused_tokens
-    ours = dst.missing(reserved.pages, skip)
     if STAGING in held.pages:
         unpack = dst.unpacker(reserved.pages, skip)
         blocks = held.pages[STAGING][: -(-unpack.nbytes // dst.staging.block_bytes)]
         move_staged(src, blocks, dst, unpack)
-    else:
-        theirs = src.missing(held.pages, skip)
-        for a, b in zip(src.regions(), dst.regions(), strict=True):
-            if a.group in theirs:
-                b.tensor[ours[b.group]] = a.tensor[theirs[a.group]]
+        return sum(len(p) for g, p in dst.missing(reserved.pages, skip).items() if g != SLAB)
+    theirs = src.missing(held.pages, skip)
+    ours = {g: p[: len(theirs[g])] for g, p in dst.missing(reserved.pages, skip).items()}
+    for a, b in zip(src.regions(), dst.regions(), strict=True):
+        if a.group in theirs:
+            b.tensor[ours[b.group]] = a.tensor[theirs[a.group]]
     return sum(len(pages) for group, pages in ours.items() if group != SLAB)
 
 

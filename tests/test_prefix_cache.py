@@ -398,42 +398,57 @@ def test_a_resumed_prefill_only_request_moves_to_a_decode_engine_like_any_other(
 
 
 @pytest.mark.parametrize("via", ["staging", "pages"])
-def test_a_conversations_next_turn_moves_only_its_new_pages_to_the_decode_engine(tiny, via):
-    """A decode engine keeps what a turn computed (prompt and answer) when it ends; the next
-    turn, prefilled elsewhere from the prefill engine's cache, shares those full pages there
-    and moves only the rest: the ring pages, the slab row and the entry pages past them. A
-    decode engine that lost the conversation (its cache emptied) takes everything. Answers
-    are those of an engine that never moved anything."""
+def test_a_conversations_next_turn_computes_and_moves_only_its_new_tokens(tiny, via):
+    """A decode engine keeps what a turn computed (prompt and answer) when it ends. The next
+    turn's prefill engine borrows that state (a loan: the decode engine's checkpoint restored
+    into pages it holds, pulled but for the pages the prefill engine's cache holds) and computes
+    only the new tokens; the decode engine shares the full pages it kept and moves only the rest
+    (the ring pages, the slab row and the entry pages past them). A decode engine that lost the
+    conversation (its cache emptied) lends nothing and takes everything. Answers are those of an
+    engine that never moved anything; every page comes back."""
     config = EngineConfig(page_size=8, max_num_batched_tokens=64)
     prefill, decode = LLMEngine(tiny, config), LLMEngine(tiny, config)
     alone = LLMEngine(tiny, dataclasses.replace(config, enable_prefix_caching=False))
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    pool, conversation, computed = decode.pool, byte_ids(300, 40), 0
+    pool, conversation, computed, last_prompt = decode.pool, byte_ids(300, 40), 0, 0
     for turn in range(4):
-        lost = turn == 3
+        rid, lost = f"t{turn}", turn == 3
         if lost:
             assert decode.prefix_cache is not None
             decode.prefix_cache.clear()
-        want = [t for o in _run(alone, f"t{turn}", conversation, params) for t in o.new_token_ids]
-        prefill.add_request(f"t{turn}", conversation, params, prefill_only=True)
-        (out,) = drain(prefill)[f"t{turn}"]
-        held = prefill.handoff.stage(f"t{turn}") if via == "staging" else None
-        held = held or prefill.handoff.held_pages(f"t{turn}")
-        reserved = decode.handoff.reserve(f"t{turn}", conversation, out.new_token_ids[0], params)
+        want = [t for o in _run(alone, rid, conversation, params) for t in o.new_token_ids]
+        have = prefill.loans.resume_position(conversation, params)
+        assert have == last_prompt
+        loan = decode.loans.lend("loan", conversation, have)
+        assert (loan is not None) == (0 < turn and not lost)
+        if loan is not None:
+            adopted = prefill.loans.adopt(rid, conversation, params, None, loan.num_tokens)
+            assert adopted is not None
+            move(decode.pool, loan, prefill.pool, adopted)
+            assert decode.handoff.release("loan")
+            prefill.loans.start(rid, loan.num_tokens)
+        else:
+            prefill.add_request(rid, conversation, params, prefill_only=True)
+        (out,) = drain(prefill)[rid]
+        # the previous turn's prompt and answer (but the answer's last token, sampled and never
+        # computed) when the decode engine kept them, else the previous prompt
+        assert out.cached_tokens == (have if lost or not turn else computed)
+        held = prefill.handoff.stage(rid) if via == "staging" else None
+        held = held or prefill.handoff.held_pages(rid)
+        reserved = decode.handoff.reserve(rid, conversation, out.new_token_ids[0], params)
         assert reserved is not None
-        # the full pages of the previous turn's prompt and answer (all but the answer's last
-        # token, sampled and never computed), block by block
+        # the full pages of what the decode engine kept, block by block
         assert reserved.reused_tokens == (0 if lost else computed // 8 * 8)
         moved = move(prefill.pool, held, pool, reserved)
         shared = sum(
             (reserved.reused_tokens // g.ratio) // 8 for g in pool.groups.values() if g.ratio
         )
         assert moved == sum(len(reserved.pages[g]) for g in pool.groups) - shared
-        decode.handoff.join(f"t{turn}")
-        got = out.new_token_ids + [t for o in drain(decode)[f"t{turn}"] for t in o.new_token_ids]
+        decode.handoff.join(rid)
+        got = out.new_token_ids + [t for o in drain(decode)[rid] for t in o.new_token_ids]
         assert got == want
-        assert prefill.handoff.release(f"t{turn}")
-        computed = len(conversation) + len(got) - 1
+        assert prefill.handoff.release(rid)
+        computed, last_prompt = len(conversation) + len(got) - 1, len(conversation)
         conversation = conversation + got + byte_ids(40, 41 + turn)
     for engine in (prefill, decode):
         assert_all_free(engine)

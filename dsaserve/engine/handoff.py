@@ -19,6 +19,7 @@ import torch
 from dsaserve.engine.kv.layout import STAGING
 from dsaserve.engine.kv.pool import KVPool
 from dsaserve.engine.prefix_cache.cache import PrefixCache
+from dsaserve.engine.prefix_cache.checkpoint import CopyPlan
 from dsaserve.engine.request import KVPages, Listener, Request, RequestError, Status
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.sampling_params import SamplingParams
@@ -34,8 +35,19 @@ class NewRequest(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
+        prefill_only: bool = False,
         listener: Listener | None = None,
     ) -> Request: ...
+
+
+def copy_now(runner: ModelRunner, plan: CopyPlan | None) -> None:
+    """Run the prefix cache's copies outside a step, and wait for the device: a transfer that
+    reads or writes these pages next does not wait for the engine's stream (nor for the steps
+    before, which may still write pages freed meanwhile)."""
+    if plan:
+        runner.call("copy_pages", plan)
+    if runner.device.type == "cuda":
+        torch.cuda.current_stream(runner.device).synchronize()
 
 
 class Handoff:
@@ -117,11 +129,6 @@ class Handoff:
                 f"got {list(draft_token_ids)[:8]}"
             )
         req = self.new_request(request_id, prompt_token_ids, params, listener=listener)
-        # Pages freed while a step runs may still be written by it; the transfer that fills
-        # the pages given here does not wait for the device's stream.
-        device = self.runner.device
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
         # Replay the first token so stop strings and text offsets continue where prefill left off.
         reason = req.append_token(first_token_id)
         req.text.take(finished=reason is not None)
@@ -134,18 +141,16 @@ class Handoff:
         plan = cache.begin_step() if cache else None
         # (a conversation's earlier turns decoded here left their pages: the transfer skips them)
         reused = self.scheduler.reserve(req, cache.lookup_pages(req) if cache else None)
-        if plan:  # evictions to and loads from the host tier, before the transfer writes
-            self.runner.call("copy_pages", plan)
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
+        copy_now(self.runner, plan)  # (evictions to and loads from the host tier)
         if reused is None:
             return None
         return KVPages(req.kv_pages(), len(prompt_token_ids), reused_tokens=reused)
 
-    def join(self, request_id: str) -> None:
-        """The reserved request's KV has arrived (in rank 0's pools): decode it from the next
-        step on, with a copy on every rank."""
+    def join(self, request_id: str, computed: int | None = None) -> None:
+        """The reserved request's KV has arrived (in rank 0's pools), that of its first
+        `computed` tokens (default: its prompt): from the next step on it decodes (or computes
+        the rest of its prompt: engine.loans), with a copy on every rank."""
         req = self.scheduler.requests[request_id]
         self.runner.call("share_pages", req.kv_pages())
-        req.num_computed = len(req.prompt_token_ids)
+        req.num_computed = len(req.prompt_token_ids) if computed is None else computed
         self.scheduler.join(req)

@@ -37,6 +37,7 @@ from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.handoff import Handoff
 from dsaserve.engine.kv.layout import check_kv_cache_dtype
 from dsaserve.engine.load import Load
+from dsaserve.engine.loans import Loans
 from dsaserve.engine.model_dir import model_identity
 from dsaserve.engine.outputs import StepOutputs, request_output
 from dsaserve.engine.parallel.group import SINGLE
@@ -128,6 +129,7 @@ class LLMEngine:
             self.scheduler, self.runner, self.prefix_cache, self.new_request, self._finish,
             drafts, vocab,
         )  # fmt: skip
+        self.loans = Loans(self.handoff)
         self.speculator = None if spec is None else Speculator(self.runner, spec, vocab)
         # may change between steps (a bench); speculative steps wait for each step: the
         # accepted drafts decide where the next one starts

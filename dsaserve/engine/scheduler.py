@@ -63,12 +63,12 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def reserve(self, req: Request, hit: Hit | None = None) -> int | None:
-        """Give `req` pages for its prompt without scheduling it (a transfer will fill them),
-        sharing the full entry pages of the prefix `hit` names where it can. Returns the tokens
-        whose pages it shares (the transfer fills the rest: KVPool.missing), None when the pools
-        are full."""
-        need = req.num_tokens - 1
+    def reserve(self, req: Request, hit: Hit | None = None, need: int | None = None) -> int | None:
+        """Give `req` pages for `need` tokens (default: its prompt) without scheduling it (a
+        transfer will fill them), sharing the full entry pages of the prefix `hit` names where
+        it can. Returns the tokens whose pages it shares (the transfer fills the rest:
+        KVPool.missing), None when the pools are full."""
+        need = req.num_tokens - 1 if need is None else need
         if hit is not None and self._share(req, hit, need):
             shared = hit.position
         elif self.try_allocate(req, need):
@@ -79,8 +79,21 @@ class Scheduler:
         self.requests[req.request_id] = req
         return shared
 
+    def lend(self, req: Request, hit: Hit, copies: CopyPlan) -> bool:
+        """Hold `req` for a reader with the state of its cached prefix `hit`, restored into
+        pages of its own (the copies planned); False without room."""
+        if not self._share(req, hit, hit.position):
+            return False
+        assert self.cache is not None
+        self.cache.restore(req, hit, copies)
+        req.status = Status.HELD
+        self.requests[req.request_id] = req
+        self.num_held += 1
+        return True
+
     def join(self, req: Request) -> None:
-        """A reserved request whose KV has arrived starts decoding."""
+        """A reserved request whose KV has arrived starts decoding (or, its prompt not all
+        there, computing the rest of it)."""
         assert req.status is Status.RESERVED
         req.status = Status.RUNNING
         self.running.append(req)

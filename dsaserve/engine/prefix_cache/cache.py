@@ -231,11 +231,11 @@ class PrefixCache:
         best = max(candidates, key=lambda hit: hit.position)
         return best if best.position >= 1 else None
 
-    def lookup_pages(self, req: Request) -> Hit | None:
+    def lookup_pages(self, req: Request, limit: int | None = None) -> Hit | None:
         """Where a request whose state arrives from elsewhere (a transfer brings its rings,
-        slab row and open pages: a decode worker's) can share the full entry pages of its
-        prompt: the deepest cached node its prompt starts with (None: none)."""
-        node = self._walk(req, req.prompt_token_ids)
+        slab row and open pages) can share the full entry pages of its prompt (of its first
+        `limit` tokens): the deepest cached node it starts with (None: none)."""
+        node = self._walk(req, req.prompt_token_ids[:limit])
         while node.parent is not None and node.step >= self._step:
             node = node.parent
         return None if node.parent is None else Hit(node.end, node)
