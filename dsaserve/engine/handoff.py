@@ -4,7 +4,7 @@
   its KV (status HELD) for a reader on a decode worker until `release`. `stage` packs it into the
   pool's staging blocks (engine.kv.staging), which a reader pulls in a few large READs, and frees
   its pages; `held_pages` says where it is. How long a reader may take is the prefill worker's
-  lease table's business (services.prefill.leases), which releases what it gives up.
+  lease table's business (services.worker.leases), which releases what it gives up.
 - Decode of a transferred request: `reserve` builds it with its first token (sampled on the
   prefill worker) and allocates its pages, a transfer fills them, `join` starts decoding it.
 """

@@ -78,12 +78,16 @@ class Loans:
             return None
         return KVPages(req.kv_pages(), lent, reused_tokens=shared)
 
-    def start(self, request_id: str, lent: int) -> None:
+    def start(self, request_id: str, lent: int) -> bool:
         """An adopted request's lent state has arrived: it computes the rest of its prompt
-        from the next step on, the lent tokens counted as resumed from the cache."""
-        req = self.scheduler.requests[request_id]
+        from the next step on, the lent tokens counted as resumed from the cache. False if it
+        was aborted meanwhile."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
         req.num_cached_tokens = lent
         if self.cache is not None:
             self.cache.stats.queries += len(req.prompt_token_ids)
             self.cache.stats.hits += lent
         self.handoff.join(request_id, lent)
+        return True

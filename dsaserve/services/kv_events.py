@@ -225,9 +225,12 @@ class CacheIndex(_RedisTask):
 
     # ---------------------------------------------------------------- routing
 
-    def matched_tokens(self, worker_ids: Sequence[str], prompt: Sequence[int]) -> dict[str, int]:
+    def matched_tokens(
+        self, worker_ids: Sequence[str], prompt: Sequence[int], routed: bool = True
+    ) -> dict[str, int]:
         """Per worker, the tokens of `prompt` its cache holds as far as known (whole blocks from
-        the start); 0 for a worker unknown, out of sync or silent for STALE_S."""
+        the start; `routed`: counting what was sent there lately, not only what the worker
+        said it holds); 0 for a worker unknown, out of sync or silent for STALE_S."""
         now, out = time.monotonic(), {}
         hashes: dict[tuple[bytes, int], list[bytes]] = {}  # by hashing parameters
         for worker_id in worker_ids:
@@ -239,7 +242,7 @@ class CacheIndex(_RedisTask):
             if params not in hashes:
                 hashes[params] = block_hashes(prompt, w.salt, w.block)
             for h in hashes[params]:
-                if h not in w.hashes and w.routed.get(h, 0.0) < now:
+                if h not in w.hashes and (not routed or w.routed.get(h, 0.0) < now):
                     break
                 out[worker_id] += w.block
         return out

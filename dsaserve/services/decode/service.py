@@ -27,7 +27,6 @@ READ has ended: it writes into them until then.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -35,34 +34,21 @@ from collections.abc import AsyncIterator
 import grpc
 
 from dsaserve.engine.engine_loop import OutputQueue
-from dsaserve.engine.kv.layout import STAGING
-from dsaserve.engine.load import step_deadline
 from dsaserve.engine.request import KVPages, RequestError
 from dsaserve.engine.sampling_params import SamplingParams
-from dsaserve.services import connections
-from dsaserve.services.auth import token_metadata
 from dsaserve.services.decode.multiplex import CallContext, multiplex
 from dsaserve.services.rpc import grpc_api, pb
-from dsaserve.services.transfer import TransferError, TransferStats
 from dsaserve.services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
+from dsaserve.services.worker.leases import LeaseTable
 from dsaserve.services.worker.process import RoleService, Worker, now_ms
+from dsaserve.services.worker.pull import KVPuller, PullFailed
 from dsaserve.services.worker.settings import DecodeSettings
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.01  # how often a request waiting for free pages retries
-CLAIM_MARGIN_S = 5.0  # a claim outlasts the READ's own timeout by this much
-# Bound on one Claim, Release or Describe call: at least this, longer for a prefill worker
-# whose steps are slow (a loaded host answers every RPC slowly, the control ones too).
-CONTROL_TIMEOUT_S = 10.0
-CONTROL_STEPS = 10
-
-
-class PullFailed(Exception):
-    """The prefilled KV could not be pulled; `cause` labels it for metrics and the router."""
-
-    def __init__(self, cause: str, message: str) -> None:
-        super().__init__(message)
-        self.cause = cause
+LOAN_CHECK_S = 0.05  # how often loans are checked for an expired lease
+MAX_HOLD_S = 600.0  # the longest hold a borrower may ask for
+LOAN = "{}.loan"  # a loan's id in the engine (the borrower's request decodes here next)
 
 
 class DecodeService(RoleService, grpc_api.DecodeServicer):
@@ -70,13 +56,9 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         super().__init__(worker)
         settings = worker.settings
         assert isinstance(settings, DecodeSettings)
-        self.transfer_timeout = settings.transfer_timeout
         self.stream_interval = settings.stream_interval
-        self.metadata = token_metadata(settings.cluster_token)
-        self.tls = settings.tls
-        self.peers: dict[str, str] = {}  # prefill worker id -> its NIXL agent we have loaded
-        self.prefill_stubs: dict[str, grpc_api.PrefillStub] = {}  # by address
-        self.reads: dict[str, concurrent.futures.Future[TransferStats]] = {}  # READs in flight
+        self.puller = KVPuller(worker, settings.transfer_timeout)
+        self.loans = LeaseTable()  # what prefill workers borrow from our prefix cache
 
     def register(self, server: grpc.aio.Server) -> None:
         grpc_api.add_DecodeServicer_to_server(self, server)
@@ -109,9 +91,11 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             outputs = OutputQueue()
             reserved = await self._reserve(request, params, outputs, context)
             try:
-                await self._pull(rid, kv, reserved, context)
+                await self._pull(rid, kv, reserved)
             except PullFailed as e:
                 w.metrics.fail(e.cause)
+                if e.cause == "layout_mismatch":
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
                 log.warning("KV pull for %s from %s failed: %s", rid, kv.worker_id, e)
                 yield pb.DecodeResponse(error=pb.DecodeError(message=str(e), cause=e.cause))
                 return
@@ -145,11 +129,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         finally:
             self.active.discard(rid)
             if not finished:  # error, abort or a cancelled stream: free whatever we reserved
-                read = self.reads.pop(rid, None)
-                if read is None:
-                    w.loop.call(w.engine.abort, rid)
-                else:  # (runs at once if the READ is over)
-                    read.add_done_callback(lambda _: w.loop.call(w.engine.abort, rid))
+                w.abort(rid)
 
     async def DecodeStream(
         self,
@@ -190,20 +170,16 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 )
             await asyncio.sleep(RESERVE_RETRY_S)
 
-    async def _pull(
-        self, rid: str, kv: pb.KVHandle, reserved: KVPages, context: CallContext
-    ) -> None:
-        """Claim, READ, Release; raises PullFailed unless the pages read were intact."""
-        w = self.w
-        prefill = self._prefill(kv.address)
-        control_s = step_deadline(CONTROL_TIMEOUT_S, CONTROL_STEPS, kv.step_ms)
-        peer = await self._peer(kv, prefill, context, control_s)
-        hold_ms = int((self.transfer_timeout + CLAIM_MARGIN_S) * 1000)
+    async def _pull(self, rid: str, kv: pb.KVHandle, reserved: KVPages) -> None:
+        """Claim, READ, Release (services.worker.pull); PullFailed unless the pages read were
+        intact."""
+        prefill = grpc_api.PrefillStub(self.puller.channel(kv.address))
+        peer = await self.puller.peer(kv, prefill.Describe)
         try:
             await prefill.Claim(
-                pb.ClaimRequest(request_id=rid, hold_ms=hold_ms),
-                timeout=control_s,
-                metadata=self.metadata,
+                pb.ClaimRequest(request_id=rid, hold_ms=self.puller.hold_ms),
+                timeout=self.puller.control_s(kv),
+                metadata=self.puller.metadata,
             )
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
@@ -213,118 +189,62 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                     "(its lease ran out); the request must be retried",
                 ) from None
             raise PullFailed(
-                "prefill_unreachable",
+                "peer_unreachable",
                 f"prefill worker {kv.worker_id} refused the claim: {e.details()}",
             ) from None
-        # Only what our cache does not hold (a conversation's earlier turns decoded here):
-        # the first blocks of a staged stream, or the pages past those.
-        pool, skip = w.engine.pool, reserved.reused_tokens
-        remote = {g: list(p.ids) for g, p in kv.pages.items()}
-        ours = pool.missing(reserved.pages, skip)
-        if STAGING in remote:
-            read = w.nixl_submit(self._pull_staged, peer, remote[STAGING], reserved)
-        else:
-            theirs = pool.missing(remote, skip)
-            read = w.nixl_submit(
-                w.transfer.read, peer, theirs, ours, timeout_s=self.transfer_timeout
-            )
-        self.reads[rid] = read
+        await self.puller.read(rid, peer, kv, reserved, prefill.Release)
+
+    # ---------------------------------------------------------------- lending
+
+    async def Lend(
+        self, request: pb.LendRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LendResponse:
+        """Hold for a prefill worker the state of the longest prefix of its prompt our cache
+        resumes past what its own does (engine.loans); an empty answer when there is none."""
+        w, loan = self.w, LOAN.format(request.request_id)
         try:
-            stats = await asyncio.wrap_future(read)
-            del self.reads[rid]
-        except TransferError as e:
-            self.peers.pop(kv.worker_id, None)  # Describe it afresh next time
-            # free them there now, not at the lease's end
-            await self._release(prefill, rid, control_s)
-            raise PullFailed("transfer", f"KV transfer from {kv.worker_id} failed: {e}") from e
-        if not await self._release(prefill, rid, control_s):
-            raise PullFailed(
-                "lease_expired",
-                f"prefill worker {kv.worker_id} freed the KV of {rid} before the transfer "
-                "finished (its lease ran out); the request must be retried",
+            lent = await w.loop.run(
+                w.engine.loans.lend, loan, list(request.prompt_token_ids), request.have_tokens
             )
-        w.metrics.transfer_bytes.inc(stats.bytes)
-        w.metrics.transfer_seconds.observe(stats.seconds)
-        pulled = sum(len(pages) for g, pages in ours.items() if g in pool.groups)
-        w.metrics.pulled_pages.inc(pulled)
-        w.metrics.reused_pages.inc(
-            sum(len(pages) for g, pages in reserved.pages.items() if g in pool.groups) - pulled
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if lent is None:
+            return pb.LendResponse()
+        hold_s = min(request.hold_ms / 1000, MAX_HOLD_S)
+        self.loans.hold(loan, time.monotonic() + hold_s)
+        return pb.LendResponse(
+            kv=pb.KVHandle(
+                worker_id=w.worker_id,
+                agent_name=w.transfer.agent_name,
+                layout_hash=w.layout_hash,
+                layout=w.layout,
+                pages={g: pb.PageIds(ids=ids) for g, ids in lent.pages.items()},
+                num_tokens=lent.num_tokens,
+                lease_expires_unix_ms=now_ms() + int(hold_s * 1000),
+                address=w.address,
+                step_ms=w.loop.load().step_ms,
+            )
         )
 
-    def _pull_staged(self, peer: str, blocks: list[int], reserved: KVPages) -> TransferStats:
-        """Pull staged KV into our reserved pages (on the NIXL thread). The pool's geometry is
-        fixed and only these pages are written, which no step reads before the request joins,
-        so this thread may use the engine's pool."""
-        pool = self.w.engine.pool
-        unpack = pool.unpacker(reserved.pages, reserved.reused_tokens)
-        return self.w.transfer.pull(
-            peer,
-            STAGING,
-            blocks[: -(-unpack.nbytes // pool.staging.block_bytes)],  # (the stream's first part)
-            pool.staging.ring,
-            unpack.nbytes,
-            unpack,
-            timeout_s=self.transfer_timeout,
-        )
+    async def Return(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        loan = LOAN.format(request.request_id)
+        intact = self.loans.drop(loan, time.monotonic())
+        self.w.loop.call(self.w.engine.handoff.release, loan)
+        return pb.ReleaseResponse(intact=intact)
 
-    async def _release(self, prefill: grpc_api.PrefillStub, rid: str, timeout_s: float) -> bool:
-        """Release the pages at the prefill worker; True if they were intact until now."""
-        try:
-            response = await prefill.Release(
-                pb.ReleaseRequest(request_id=rid), timeout=timeout_s, metadata=self.metadata
-            )
-        except grpc.aio.AioRpcError as e:  # unknown: the read cannot be trusted
-            log.warning("Release(%s) failed: %s", rid, e.code())
-            return False
-        return response.intact
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeResponse:
+        # Both were computed when the agent was made: safe off the NIXL thread.
+        transfer = self.w.transfer
+        return pb.DescribeResponse(agent_name=transfer.agent_name, descriptor=transfer.descriptor())
 
-    def _prefill(self, address: str) -> grpc_api.PrefillStub:
-        if address not in self.prefill_stubs:
-            channel = connections.open_channel(address, self.tls)
-            self.prefill_stubs[address] = grpc_api.PrefillStub(channel)
-        return self.prefill_stubs[address]
-
-    async def _peer(
-        self,
-        kv: pb.KVHandle,
-        prefill: grpc_api.PrefillStub,
-        context: CallContext,
-        timeout_s: float,
-    ) -> str:
-        """The prefill worker's NIXL agent, loaded once per agent from the worker's Describe.
-
-        A restarted worker keeps its id but gets a new agent name: the old agent is dropped. A
-        handle naming another agent than the worker runs now was made before it restarted, and
-        the KV it names died with that process.
-        """
-        agent = kv.agent_name
-        if self.peers.get(kv.worker_id) == agent:
-            return agent
-        try:
-            described = await prefill.Describe(
-                pb.DescribeRequest(), timeout=timeout_s, metadata=self.metadata
-            )
-        except grpc.aio.AioRpcError as e:
-            raise PullFailed(
-                "prefill_unreachable",
-                f"prefill worker {kv.worker_id} did not describe its NIXL agent: {e.details()}",
-            ) from None
-        if described.agent_name != agent:
-            raise PullFailed(
-                "peer_unknown",
-                f"prefill worker {kv.worker_id} restarted: it runs NIXL agent "
-                f"{described.agent_name}, not {agent} which held the KV; the request must be "
-                "retried",
-            )
-        known = self.peers.get(kv.worker_id)  # again: another request may have loaded it since
-        if known == agent:
-            return agent
-        if known is not None:
-            await self.w.in_nixl_thread(self.w.transfer.remove_peer, known)
-        try:
-            await self.w.in_nixl_thread(self.w.transfer.add_peer, described.descriptor)
-        except TransferError as e:
-            self.w.metrics.fail("layout_mismatch")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        self.peers[kv.worker_id] = agent
-        return agent
+    async def background(self) -> None:
+        """Free loans whose lease ran out before their borrower returned them."""
+        while True:
+            await asyncio.sleep(LOAN_CHECK_S)
+            for loan in self.loans.expire(time.monotonic()):
+                self.w.loop.call(self.w.engine.handoff.release, loan)
+                log.warning("the loan %s ran out before its borrower returned it", loan)

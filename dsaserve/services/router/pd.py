@@ -75,7 +75,7 @@ _RETRYABLE = {
     "read it (its lease ran out); the request must be retried.",
     "transfer": "Moving the prompt's KV state to the decode worker failed; the request must be "
     "retried.",
-    "prefill_unreachable": "The decode worker could not reach the prefill worker for the "
+    "peer_unreachable": "The decode worker could not reach the prefill worker for the "
     "prompt's KV state; the request must be retried.",
     "peer_unknown": "The prefill worker restarted before the decode worker read the prompt's KV "
     "state; the request must be retried.",
@@ -266,6 +266,12 @@ class PDFlow:
         request = pb.PrefillRequest(
             request_id=gen.request_id, prompt_token_ids=gen.prompt_ids, sampling=gen.sampling
         )
+        # (a conversation's last answer: its decode worker kept it, the prefill worker did not)
+        lender = self._selector.lender(worker, gen.prompt_ids)
+        if lender is not None:
+            request.kv_source.CopyFrom(
+                pb.KVSource(worker_id=lender.worker_id, address=lender.address)
+            )
         timeout = gen.remaining("before prefill")
         with self._clients.busy(worker.worker_id):
             try:

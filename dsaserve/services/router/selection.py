@@ -153,6 +153,28 @@ class WorkerSelector:
             )
         return self._choose("decode", candidates, prompt)
 
+    def lender(self, prefill: WorkerRecord, prompt: Sequence[int]) -> WorkerRecord | None:
+        """A decode worker whose prefix cache holds as long a start of the prompt as the
+        prefill worker's or longer, for the prefill worker to borrow what it lacks (a
+        conversation's last answer, which it never computed: often in the same block as the
+        last prompt's end, so ties count; the decode worker lends only what reaches further
+        than the prefill worker's own cache); None: none."""
+        if self._cache is None:
+            return None
+        benched = {w.worker_id for w in self.unhealthy("decode")}
+        decode = [
+            w
+            for w in self.live("decode")
+            if w.layout_hash == prefill.layout_hash and w.worker_id not in benched
+        ]
+        # (what the prefill worker says it holds: this very prompt was just routed there)
+        have = self._cache.matched_tokens([prefill.worker_id], prompt, routed=False)
+        matched = self._cache.matched_tokens([w.worker_id for w in decode], prompt)
+        best = max(decode, key=lambda w: matched[w.worker_id], default=None)
+        if best is None or not 0 < have[prefill.worker_id] <= matched[best.worker_id]:
+            return None
+        return best
+
     def decoded(self, worker: WorkerRecord, tokens: Sequence[int]) -> None:
         """`worker` decoded a generation to its end: these tokens (its prompt and answer) count
         as cached there, as the worker keeps them, before it says so itself."""

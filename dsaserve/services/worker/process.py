@@ -33,7 +33,7 @@ from dsaserve.services.auth import ClusterTokenCheck
 from dsaserve.services.kv_events import CacheEventPublisher
 from dsaserve.services.registry import Role, WorkerRecord, WorkerRegistration
 from dsaserve.services.rpc import pb
-from dsaserve.services.transfer import KVTransfer, Region
+from dsaserve.services.transfer import KVTransfer, Region, TransferStats
 from dsaserve.services.transfer.interfaces import bind_ucx_to
 from dsaserve.services.worker.convert import load_response
 from dsaserve.services.worker.metrics import WorkerMetrics
@@ -65,7 +65,7 @@ class RoleService:
         # Answered at once, never behind an engine step: the engine aborts the request (and frees
         # its pages) at its next command drain.
         found = self.let_go(rid)
-        self.w.loop.call(self.w.engine.abort, rid)
+        self.w.abort(rid)
         return pb.AbortResponse(found=found)
 
     def let_go(self, request_id: str) -> bool:
@@ -150,6 +150,17 @@ class Worker:
         self._stop: asyncio.Event | None = None  # set by serve()
         # Set once serve() begins to stop: open DecodeStreams refuse new requests and end.
         self.stopping = asyncio.Event()
+        # READs in flight into a request's pages, by request id (services.worker.pull)
+        self.reads: dict[str, concurrent.futures.Future[TransferStats]] = {}
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in the engine, freeing its pages, once no READ writes into them (at
+        once, or when the READ in flight ends: it cannot be stopped)."""
+        read = self.reads.pop(request_id, None)
+        if read is None:
+            self.loop.call(self.engine.abort, request_id)
+        else:  # (runs at once if the READ is over)
+            read.add_done_callback(lambda _: self.loop.call(self.engine.abort, request_id))
 
     async def in_nixl_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         return await asyncio.wrap_future(self.nixl_submit(fn, *args, **kwargs))
