@@ -8,26 +8,21 @@ a cache (tokens and logprobs); the workers end idle with every page back."""
 from __future__ import annotations
 
 import json
-import math
 
 import anthropic
 import openai
 import pytest
 
 from bench.numerics import BOS, heldout_windows
-from dsaserve.engine import models
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
-from dsaserve.engine.kv.layout import ring_pages
 from dsaserve.engine.llm import LLM
-from dsaserve.engine.sampling_params import SamplingParams
 from loadtest.up_stack import UpStack
-from tests.serving_stack import wait_for
+from tests.serving_stack import pages_lacking, served_completion, wait_for
 
 pytestmark = pytest.mark.e2e  # `dsaserve up`: Redis, two workers and the router as processes
 
 MODEL = DEMO_MODEL_DIR.name
 SPEC = '{"method": "mtp", "num_speculative_tokens": 2}'  # the README's flag, verbatim
-LOGPROBS = 5
 
 
 @pytest.fixture(scope="module")
@@ -59,36 +54,6 @@ def _greedy(client: openai.OpenAI, prompt: list[int], max_tokens: int) -> str:
     return r.choices[0].text
 
 
-def _served(
-    client: openai.OpenAI, prompt: list[int], uncached: LLM, max_tokens: int = 8
-) -> tuple[int, list[int]]:
-    """Complete `prompt` through the stack; its answer (text, each token's logprob) must be
-    the uncached engine's. Returns (cached prompt tokens, the answer's token ids)."""
-    r = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=LOGPROBS
-    )
-    want = uncached.generate(
-        [prompt], SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=LOGPROBS)
-    )[0]
-    got = r.choices[0]
-    assert got.text == want.text
-    assert want.logprobs is not None
-    for served, offline in zip(got.logprobs.token_logprobs, want.logprobs, strict=True):
-        assert math.isclose(served, offline.logprob, abs_tol=1e-4), (served, offline.logprob)
-    return r.usage.prompt_tokens_details.cached_tokens, want.token_ids
-
-
-def _new_pages(prompt: int, held: int) -> int:
-    """Pages a decode worker lacks of a `prompt`-token request when it holds the full entry
-    pages of its first `held` tokens: every ring page, and the entry pages past those."""
-    cfg = models.family(DEMO_MODEL_DIR).ModelConfig.from_dir(DEMO_MODEL_DIR)
-    P, ring = 64, ring_pages(cfg, 64)
-    return sum(
-        ring + (math.ceil((prompt // g.ratio) / P) - (held // g.ratio) // P if g.ratio else 0)
-        for g in cfg.kv_groups()
-    )
-
-
 def test_chat_and_completions(up, client) -> None:
     """`dsaserve up` answers OpenAI chat (whole and streamed) and completions."""
     messages = [{"role": "user", "content": "Hello!"}]
@@ -110,24 +75,25 @@ def test_prefix_caching_as_the_readme_says(up, client, uncached) -> None:
     that kept it, which pulls only the new pages), a prompt sharing L tokens at most 512 of
     them; answers as without the cache; every page back when idle."""
     a = _text_ids(1200)
-    assert _served(client, a, uncached)[0] == 0
-    cached, answer = _served(client, a, uncached)
+    assert served_completion(client, a, uncached)[0] == 0
+    cached, answer = served_completion(client, a, uncached)
     assert cached == 1199  # sent again
-    assert _served(client, a + [65], uncached)[0] == 1200  # extended by one token
-    assert _served(client, a + [65, 66, 67, 68], uncached)[0] == 1201  # by four: the last one's
+    assert served_completion(client, a + [65], uncached)[0] == 1200  # extended by one token
+    # by four, the first of them the one before's: resumed where that prompt ended
+    assert served_completion(client, a + [65, 66, 67, 68], uncached)[0] == 1201
     # The next turn: the answer's state (but its last token, sampled and never computed) came
     # from the decode worker that decoded it; that worker shares what it kept and pulls the rest.
     pulled = up.metric("decode", "dsaserve_kv_pulled_pages_total")
     reused = up.metric("decode", "dsaserve_kv_reused_pages_total")
     turn = a + answer + _text_ids(150, 5000)[1:]
     kept = len(a) + len(answer) - 1
-    assert _served(client, turn, uncached)[0] == kept
-    assert up.metric("decode", "dsaserve_kv_pulled_pages_total") - pulled == _new_pages(
-        len(turn), kept // 64 * 64
+    assert served_completion(client, turn, uncached)[0] == kept
+    assert up.metric("decode", "dsaserve_kv_pulled_pages_total") - pulled == pages_lacking(
+        DEMO_MODEL_DIR, len(turn), kept // 64 * 64
     )
     assert up.metric("decode", "dsaserve_kv_reused_pages_total") > reused
     # a prompt sharing 900 tokens: from the checkpoint at 512 at least
-    assert _served(client, a[:900] + _text_ids(40, 7000)[1:], uncached)[0] >= 900 - 512
+    assert served_completion(client, a[:900] + _text_ids(40, 7000)[1:], uncached)[0] >= 900 - 512
     wait_for(up.idle, 30, "both workers idle with every page back")
 
 
