@@ -1,5 +1,5 @@
 """Decode steps of a DeepSeek-V4 model and every fused glue op's inputs on them, shared by
-tests/test_kernels_fused.py (tiny model on CPU, V4-Flash on a GPU) and bench/glue.py.
+tests/kernels/test_fused.py (tiny model on CPU, V4-Flash on a GPU) and bench/glue.py.
 
 A GlueStep is a real KVPool and StepState: requests with their pages allocated, rings and pools
 holding a random history, rows at chosen positions (decode rows first, then optional prefill

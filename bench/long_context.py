@@ -505,7 +505,7 @@ def phase_long_indexer(env: Env, sz: Sizes, result: dict, hw: dict, save: Callab
                 print_indexer(r)
             target = ctx == sz.contexts[-1] and b == target_b
             # (--smoke: the variants at the target shape only; their kernels' exactness at every
-            # shape is tests/test_kernels_indexer.py's)
+            # shape is tests/kernels/test_indexer.py's)
             for fmt, keys in pools.items() if target or not env.smoke else ():
                 for name, vcfg in indexer_variants(env, b, entries, fmt).items():
                     r = attempt(f"variant {name}", time_indexer, env, sz, hw, shape, fmt, keys,

@@ -10,7 +10,7 @@ do not tile fails loudly instead of falling back to the reference. Targets (issu
 bits per byte within 1% of fp32 CPU, greedy tokens equal on >= 95% of 256 positions (reported
 free-running, where the first near-tie that bf16 flips changes every later token, and teacher-
 forced: the GPU's argmax given the CPU's greedy prefix).
-tests/test_engine_gpu.py asserts the same with the `gpu` marker.
+tests/engine/test_engine_gpu.py asserts the same with the `gpu` marker.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Regenerate services/rpc/ from proto/dsaserve.proto.
 
-Run from anywhere: `python proto/generate.py [--out DIR]`. tests/test_proto.py generates
+Run from anywhere: `python proto/generate.py [--out DIR]`. tests/services/test_proto.py generates
 into a temporary folder and fails if the committed stubs differ, so the wire contract and
 the code that speaks it never drift apart.
 """

@@ -16,8 +16,8 @@ python=${PYTHON:-python3}
 nvidia-smi -L
 "$python" -c "import torch; assert torch.cuda.device_count() >= 2, 'needs two GPUs'" || exit 1
 "$python" -m pytest -q -rs -m gpu --noconftest -p tests.model_fixtures -p no:cacheprovider \
-  tests/test_tensor_parallel_gpu.py tests/test_engine_gpu.py \
-  tests/test_kernels_quant.py::test_cuda_fp4_expert_ranges_add_up_to_all_experts \
+  tests/engine/test_tensor_parallel_gpu.py tests/engine/test_engine_gpu.py \
+  tests/kernels/test_quant.py::test_cuda_fp4_expert_ranges_add_up_to_all_experts \
   2>&1 | tee "$out/h200x2-tp-tests.log"
 tests=${PIPESTATUS[0]}
 "$python" -m bench.tp --experts 256 --tensor-parallel-size 2 --out "$out/h200x2-tp.json"

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 try:  # run as a script: its folder is on sys.path
     from demo_model_card import write_card, write_loss_png
     from demo_mtp import add_mtp_args, add_to_checkpoint, mtp_tensors, train_mtp
-except ImportError:  # loaded from the repository root (tests/test_train_demo_model.py)
+except ImportError:  # loaded from the repository root (tests/models/test_train_demo_model.py)
     from scripts.demo_model_card import write_card, write_loss_png
     from scripts.demo_mtp import add_mtp_args, add_to_checkpoint, mtp_tensors, train_mtp
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "dsaserve"
+from tests import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "dsaserve"
 LAYERS = ("kernels", "engine", "services")  # each may import only those before it
 
 
 def _module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -119,7 +120,7 @@ def test_imports_point_one_way_services_engine_kernels() -> None:
 def test_the_wheel_installs_one_package_that_serves_the_offline_api(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path / "dist"), str(ROOT)],
+         "-w", str(tmp_path / "dist"), str(REPO_ROOT)],
         check=True, timeout=300, capture_output=True,
     )  # fmt: skip
     (wheel,) = (tmp_path / "dist").glob("dsaserve-*.whl")

@@ -47,7 +47,7 @@ accumulators (Triton's sm_90 default for FP8 dots: the tensor cores' own accumul
 promotion inside the 128-deep dot). What changes: q is rounded to e4m3, so each q value moves by
 at most 2^-4 of itself (half an ulp of 3 mantissa bits; 2^-10 of the scale below e4m3's normal
 range) and scores move accordingly, a few percent of a row's largest score at random data:
-entries near the top-k boundary may trade places (tests/test_kernels_indexer.py bounds it). The
+entries near the top-k boundary may trade places (tests/kernels/test_indexer.py bounds it). The
 keys and their scales are as before (the pool is e4m3 already). Why that is acceptable: it is
 V3.2's official scoring, and V4's release rounds its indexer's q and k more coarsely still (an
 FP4 round trip, 32-value blocks, that the model was trained with); the change is a loss against

@@ -38,7 +38,12 @@ from dsaserve.engine.request import KVPages, RequestError
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.services.decode.multiplex import CallContext, multiplex
 from dsaserve.services.rpc import grpc_api, pb
-from dsaserve.services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
+from dsaserve.services.worker.convert import (
+    FINISH_REASONS,
+    logprobs_to_proto,
+    sampling_from_proto,
+    stop_reason_to_proto,
+)
 from dsaserve.services.worker.leases import LeaseTable
 from dsaserve.services.worker.process import RoleService, Worker, now_ms
 from dsaserve.services.worker.pull import KVPuller, PullFailed
@@ -123,7 +128,9 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                     )
                     yield pb.DecodeResponse(
                         done=pb.DecodeDone(
-                            finish_reason=FINISH_REASONS[out.finish_reason], usage=usage
+                            finish_reason=FINISH_REASONS[out.finish_reason],
+                            usage=usage,
+                            stop_reason=stop_reason_to_proto(out.stop_reason),
                         )
                     )
         finally:

@@ -181,7 +181,7 @@ def test_the_same_budget_holds_more_tokens():
 
 @pytest.mark.parametrize("via", ["staging", "pages"])
 def test_a_request_prefilled_by_one_fp8_engine_decodes_on_another_as_if_never_moved(via):
-    """tests/test_kv_staging.py's move with FP8 pools: the bytes travel as they are (staged
+    """tests/engine/test_kv_staging.py's move with FP8 pools: the bytes travel as they are (staged
     blocks through the ring, or the pages as one READ would copy them)."""
     config = EngineConfig(kv_cache_dtype="fp8", **ENGINE)
     groups = {"swa", "csa", "hca", SLAB}

@@ -9,7 +9,6 @@ import math
 import re
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -45,9 +44,7 @@ from dsaserve.engine.profile.hardware import H200, Hardware, known
 from dsaserve.engine.profile.ranges import PARTS, profiled
 from dsaserve.engine.profile.report import Report, format_table
 from dsaserve.services.cli import main as cli_main
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from tests import REPO_ROOT
 
 # ---------------------------------------------------------------- the command, end to end
 
@@ -55,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _dsaserve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dsaserve.services.cli", "profile", *args],
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=300,
@@ -401,7 +398,7 @@ def test_device_records_link_kernels_to_their_ops_and_read_the_annotations():
 
 def test_every_range_the_model_opens_is_a_known_part():
     names = set()
-    for path in (ROOT / "dsaserve" / "engine").rglob("*.py"):
+    for path in (REPO_ROOT / "dsaserve" / "engine").rglob("*.py"):
         names |= set(re.findall(r'profiled\("(\w+)"\)', path.read_text()))
     assert names and names <= set(PARTS)
     assert {"attention", "compressor", "indexer", "sparse_mla", "mhc", "moe", "head"} <= names

@@ -27,6 +27,7 @@ from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.services.auth import token_metadata
 from dsaserve.services.registry import unseal, worker_key
 from dsaserve.services.rpc import grpc_api, pb
+from tests import REPO_ROOT
 from tests.serving_stack import (
     TOKEN,
     Stack,
@@ -283,9 +284,7 @@ def test_metrics_of_every_process(stack, client, model):
         httpx.get(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10).text
         for w in (stack.prefill, stack.decode)
     )
-    dashboard = (
-        Path(__file__).resolve().parent.parent / "deploy/grafana/dashboards/dsaserve.json"
-    ).read_text()
+    dashboard = (REPO_ROOT / "deploy/grafana/dashboards/dsaserve.json").read_text()
     worker_series = {
         re.sub(r"_(bucket|sum|count)$", "", m)
         for m in re.findall(r"dsaserve_[a-z_]+", dashboard)
@@ -330,7 +329,7 @@ def test_locust_scenario_runs_against_the_stack(stack):
     argv = [sys.executable, "-m", "locust", "--config", "loadtest/disagg.conf", "--host", stack.url]
     argv += ["--users", "2", "--spawn-rate", "2", "--run-time", "6s", "--stop-timeout", "20"]
     argv += ["--prompt-tokens", "16", "--max-tokens", "4", "--json"]
-    root = Path(__file__).resolve().parent.parent
+    root = REPO_ROOT
     out = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     stats = {s["name"]: s for s in json.loads(out.stdout)}

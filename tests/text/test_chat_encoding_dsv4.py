@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from dsaserve.engine.text.chat import ChatEncodingError, encode_messages
+from tests import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"

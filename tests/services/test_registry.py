@@ -12,7 +12,6 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -27,9 +26,9 @@ from dsaserve.services.registry import (
     unseal,
     worker_key,
 )
+from tests import REPO_ROOT
 from tests.conftest import PrivateRedis
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "t"
 
 

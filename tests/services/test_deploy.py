@@ -25,9 +25,9 @@ import yaml
 
 from dsaserve.services import settings
 from dsaserve.services.cli import COMMANDS, command_module
+from tests import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
+DEPLOY = REPO_ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 COMPOSE = DEPLOY / "docker-compose.yml"
 COMPOSE_GPU = DEPLOY / "docker-compose.gpu.yml"
@@ -372,7 +372,7 @@ def test_dockerfile_copies_exist_and_pass_the_dockerignore(image: str) -> None:
     sources = _copy_sources(dockerfile)
     assert sources
     for source in sources:
-        assert (ROOT / source).exists(), f"{dockerfile.name} copies missing {source}"
+        assert (REPO_ROOT / source).exists(), f"{dockerfile.name} copies missing {source}"
         assert source.rstrip("/") in allowed, f"{source} is excluded by the .dockerignore"
 
 
@@ -721,7 +721,7 @@ def test_cli_help_lists_every_contract_flag(role: str) -> None:
     blocker = _NO_TORCH if role == "router" else ""
     code = f"{blocker}\nimport sys\n{start}"
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in sorted(FLAGS[role]):

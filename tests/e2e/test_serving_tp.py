@@ -33,7 +33,7 @@ def model(tmp_path_factory):
 
 
 def test_groups_of_different_sizes_answer_like_offline_generation(model, redis_url, tmp_path):
-    # one rank's answer (two ranks compute the same: tests/test_tensor_parallel.py)
+    # one rank's answer (two ranks compute the same: tests/engine/test_tensor_parallel.py)
     offline = offline_generate(model, MESSAGES, TOKENS)
     s = Stack(model, redis_url, tmp_path)
     try:

@@ -21,8 +21,8 @@ from dsaserve.engine.text.template import ChatTemplateError
 from dsaserve.engine.text.text_stream import IncrementalDetokenizer
 from dsaserve.engine.text.token_bound import min_tokens
 from dsaserve.engine.text.tokenizer import Tokenizer, byte_level_alphabet
+from tests import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 BOS, EOS, USER, ASSISTANT, THINK, END_THINK = range(256, 262)
 
 TEXTS = [

@@ -6,7 +6,6 @@ distribution, seeds, logprobs, aborts."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from dsaserve.engine.sampler import probabilities
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.engine.speculative.config import SpeculativeConfig
 from dsaserve.engine.speculative.verify import accepted_tokens, verify_rows
+from tests import REPO_ROOT
 from tests.engine_cases import (
     assert_all_free,
     check_moved_request_decodes_as_if_never_moved,
@@ -35,7 +35,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0)
 
 def _heldout(n: int, length: int) -> list[list[int]]:
     """n prompts of held-out Shakespeare bytes (the demo model's tokens are bytes)."""
-    text = (Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt").read_bytes()
+    text = (REPO_ROOT / "data" / "tinyshakespeare.txt").read_bytes()
     start = len(text) - int(len(text) * 0.05)
     return [[256, *text[start + 997 * i : start + 997 * i + length]] for i in range(n)]
 

@@ -21,8 +21,7 @@ from loadtest import bench_serving as bench
 from loadtest import report
 from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
 from loadtest.prompts import calibrated_words, load_tokenizer, make_prompt
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests import REPO_ROOT
 
 
 def chunk(content: str | None = None, usage: dict | None = None, role: bool = False) -> str:
@@ -233,7 +232,7 @@ def test_run_benchmark_counts_connection_failures() -> None:
 def test_bench_serving_runs_as_a_script() -> None:
     out = subprocess.run(
         [sys.executable, "loadtest/bench_serving.py", "--help"],
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,

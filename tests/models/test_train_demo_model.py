@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from dsaserve.engine.llm import LLM
 from dsaserve.engine.sampling_params import SamplingParams
+from tests import REPO_ROOT
 
 pytestmark = pytest.mark.e2e  # the training script, trained and served
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "train_demo_model.py"
+SCRIPT = REPO_ROOT / "scripts" / "train_demo_model.py"
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):

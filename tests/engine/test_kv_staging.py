@@ -1,8 +1,8 @@
 """The arena pools and the staging buffer: a request's KV state packed on one engine and
 scattered into another's pages, byte for byte, and decoded there as if it had never moved.
 
-Blocks travel here by plain copies in place of NIXL READs (tests/test_transfer.py moves them
-over NIXL, tests/test_staging_e2e.py through the whole stack).
+Blocks travel here by plain copies in place of NIXL READs (tests/services/test_transfer.py moves
+them over NIXL, tests/e2e/test_staging.py through the whole stack).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Expert parallelism's send plan (engine/parallel/expert_parallel.OwnerPlan), in one process:
 each (token, owner rank) is one slot, and the owners' per-slot partial sums, added back at the
 slots' rows, are every token's weighted sum of its experts. The processes and all-to-alls
-around it: tests/test_data_parallel.py."""
+around it: tests/engine/test_data_parallel.py."""
 
 from __future__ import annotations
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e  # a bench run end to end
+from tests import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e  # a bench run end to end
 
 
 @pytest.mark.parametrize("model", ["tiny", "slice"])
@@ -22,7 +21,7 @@ def test_the_bench_times_what_it_says(tiny, tmp_path, model) -> None:
     args = ["--prompt-tokens", "200", "--extend-tokens", "30", "--reps", "1", "--out", str(out)]
     subprocess.run(
         [sys.executable, "-m", "bench.prefix_cache", *which, *args, "--no-compare-engine"],
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         check=True,
         timeout=300,
         capture_output=True,

@@ -1,7 +1,7 @@
 """kernels.hopper.sparse_mla: the Gluon sparse-MLA decode for sm_90, against float64.
 
 Gluon has no interpreter, so every case here needs an sm_90 GPU (marked gpu); the CPU side of
-the same contract is tested on the Triton kernel (tests/test_kernels_sparse_mla.py). The cases
+the same contract is tested on the Triton kernel (tests/kernels/test_sparse_mla.py). The cases
 hold holes (-1 and ids outside the pool), ragged lengths, a row with no entry, sinks, index
 counts that are not a multiple of the 64-row tile, and forced split counts.
 """

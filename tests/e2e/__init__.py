@@ -1,0 +1,1 @@
+"""The whole stack as processes, through `dsaserve up` or its parts, with real clients."""

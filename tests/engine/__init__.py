@@ -1,0 +1,1 @@
+"""One engine: scheduling, KV pools, prefix cache, sampling, speculation, parallel ranks."""

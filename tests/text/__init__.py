@@ -1,0 +1,1 @@
+"""The torch-free text side: tokenizers, chat templates and DeepSeek's encoders, DSML replies."""
