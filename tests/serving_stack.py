@@ -22,8 +22,6 @@ import grpc
 import httpx
 import openai
 
-from dsaserve.engine import models
-from dsaserve.engine.kv.layout import ring_pages
 from dsaserve.engine.llm import LLM
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.services.auth import token_metadata
@@ -364,15 +362,3 @@ def served_completion(
     for served, offline in zip(got.logprobs.token_logprobs, want.logprobs, strict=True):
         assert math.isclose(served, offline.logprob, abs_tol=1e-4), (served, offline.logprob)
     return r.usage.prompt_tokens_details.cached_tokens, want.token_ids
-
-
-def pages_lacking(model: Path, prompt: int, held: int) -> int:
-    """KV pages a decode worker pulls of a `prompt`-token request when its cache holds the full
-    entry pages of the first `held` tokens (at the default 64-token pages): every window ring
-    page, and the entry pages past those held."""
-    cfg = models.family(model).ModelConfig.from_dir(model)
-    P, ring = 64, ring_pages(cfg, 64)
-    return sum(
-        ring + (math.ceil((prompt // g.ratio) / P) - (held // g.ratio) // P if g.ratio else 0)
-        for g in cfg.kv_groups()
-    )

@@ -13,18 +13,18 @@ import pytest
 from bench.numerics import BOS, heldout_windows
 from dsaserve.engine import models
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
-from dsaserve.engine.kv.layout import checkpoint_bytes
+from dsaserve.engine.kv.layout import checkpoint_bytes, pages_past
 from dsaserve.engine.llm import LLM
 from tests.serving_stack import (
     Proc,
     Stack,
     openai_client,
-    pages_lacking,
     served_completion,
     wait_all_kv_free,
     wait_for,
 )
 
+DEMO = models.family(DEMO_MODEL_DIR).ModelConfig.from_dir(DEMO_MODEL_DIR)
 pytestmark = pytest.mark.e2e  # the router and three workers as processes
 
 SMALL = ("--max-num-seqs", "8")
@@ -37,8 +37,7 @@ def _text(n: int, offset: int) -> list[int]:
 def test_a_conversation_pulls_its_new_pages_and_a_worker_that_lost_it_everything(
     redis_server, tmp_path
 ) -> None:
-    cfg = models.family(DEMO_MODEL_DIR).ModelConfig.from_dir(DEMO_MODEL_DIR)
-    one = checkpoint_bytes(cfg, 64, 4)  # (fp32 pages: a decode worker keeping one conversation)
+    one = checkpoint_bytes(DEMO, 64, 4)  # (fp32 pages: a decode worker keeping one conversation)
     uncached = LLM(DEMO_MODEL_DIR, enable_prefix_caching=False, max_num_seqs=4)
     s = Stack(DEMO_MODEL_DIR, redis_server, tmp_path)
     try:
@@ -58,8 +57,8 @@ def test_a_conversation_pulls_its_new_pages_and_a_worker_that_lost_it_everything
             pulled = decode.counter("dsaserve_kv_pulled_pages_total")
             cached, answer = served_completion(client, conversation, uncached, max_tokens=24)
             held = kept // 64 * 64 if reused else 0
-            assert decode.counter("dsaserve_kv_pulled_pages_total") - pulled == pages_lacking(
-                DEMO_MODEL_DIR, len(conversation), held
+            assert decode.counter("dsaserve_kv_pulled_pages_total") - pulled == pages_past(
+                DEMO, 64, DEMO_MODEL_DIR, len(conversation), held
             )
             if reused:
                 assert cached == kept

@@ -14,11 +14,14 @@ import openai
 import pytest
 
 from bench.numerics import BOS, heldout_windows
+from dsaserve.engine import models
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.kv.layout import pages_past
 from dsaserve.engine.llm import LLM
 from loadtest.up_stack import UpStack
-from tests.serving_stack import pages_lacking, served_completion, wait_for
+from tests.serving_stack import served_completion, wait_for
 
+DEMO = models.family(DEMO_MODEL_DIR).ModelConfig.from_dir(DEMO_MODEL_DIR)
 pytestmark = pytest.mark.e2e  # `dsaserve up`: Redis, two workers and the router as processes
 
 MODEL = DEMO_MODEL_DIR.name
@@ -88,8 +91,8 @@ def test_prefix_caching_as_the_readme_says(up, client, uncached) -> None:
     turn = a + answer + _text_ids(150, 5000)[1:]
     kept = len(a) + len(answer) - 1
     assert served_completion(client, turn, uncached)[0] == kept
-    assert up.metric("decode", "dsaserve_kv_pulled_pages_total") - pulled == pages_lacking(
-        DEMO_MODEL_DIR, len(turn), kept // 64 * 64
+    assert up.metric("decode", "dsaserve_kv_pulled_pages_total") - pulled == pages_past(
+        DEMO, 64, len(turn), kept // 64 * 64
     )
     assert up.metric("decode", "dsaserve_kv_reused_pages_total") > reused
     # a prompt sharing 900 tokens: from the checkpoint at 512 at least

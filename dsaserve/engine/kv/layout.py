@@ -151,6 +151,18 @@ def ring_pages(model: KVModel, page_size: int, spare: int = 0) -> int:
     return math.ceil((model.sliding_window + spare) / page_size)
 
 
+def pages_past(model: KVModel, page_size: int, tokens: int, held: int, spare: int = 0) -> int:
+    """Pages, over every group, of a request of `tokens` computed tokens but the full entry
+    pages of its first `held` (which a reader's prefix cache holds): every window ring page,
+    and the entry pages past those. What a decode worker pulls (KVPool.missing)."""
+    ring = ring_pages(model, page_size, spare)
+    return sum(
+        ring
+        + (-(-(tokens // g.ratio) // page_size) - (held // g.ratio) // page_size if g.ratio else 0)
+        for g in model.kv_groups()
+    )
+
+
 def row_bytes(model: KVModel, esize: int, fp8: bool = False) -> tuple[int, int]:
     """Bytes of one cached row: (attention entry or window row, index key); model-dtype rows of
     esize-byte elements, or kernels.kv_quant's FP8 rows (584 for V4's, 656 for V3.2's; Di + 4)."""
