@@ -11,13 +11,24 @@ wall time per output token, each against K = 0 in the same run. Greedy tokens mu
 (the run fails otherwise). Wall times on a CPU say little about a GPU (the MTP layer is a fifth
 of this model's layers, and a step's fixed costs dominate at this size): the steps are the
 figure that carries over.
+
+    python -m bench.spec_decode --served 2
+
+The same prompts through `dsaserve up --speculative-config '{"method": "mtp",
+"num_speculative_tokens": 2}'` (every other flag at its default), one request at a time: the
+acceptance the decode worker's `dsaserve_spec_decode_*` counters give (vLLM's figure, 1 +
+accepted / drafts), and the greedy tokens of K = 0, offline.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
+
+import openai
 
 from bench.harness import write_record
 from bench.numerics import BOS, heldout_windows
@@ -25,6 +36,7 @@ from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine.sampling_params import SamplingParams
+from loadtest.up_stack import UpStack
 
 
 def run(spec: dict | None, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -69,14 +81,59 @@ def run(spec: dict | None, prompts: list[list[int]], max_tokens: int) -> dict:
     return row
 
 
+def served(k: int, prompts: list[list[int]], max_tokens: int, want: list[list[int]]) -> dict:
+    """Greedy completions through `dsaserve up` speculating with K = k: the acceptance its
+    decode worker counts. Its tokens must be `want` (the run fails otherwise)."""
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": k})
+    with tempfile.TemporaryDirectory() as logs:
+        with UpStack(["--speculative-config", spec], Path(logs) / "up.log") as stack:
+            with openai.OpenAI(base_url=stack.url + "/v1", api_key="none") as client:
+                for prompt, tokens in zip(prompts, want, strict=True):
+                    r = client.completions.create(
+                        model=DEMO_MODEL_DIR.name,
+                        prompt=prompt,
+                        max_tokens=max_tokens,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    assert r.choices[0].text == bytes(t for t in tokens if t < 256).decode(
+                        errors="replace"
+                    ), "greedy tokens differ"
+            drafts = stack.metric("decode", "dsaserve_spec_decode_num_drafts_total")
+            per_pos = [
+                stack.metric(
+                    "decode",
+                    "dsaserve_spec_decode_num_accepted_tokens_per_pos_total",
+                    position=str(i),
+                )
+                for i in range(k)
+            ]
+    return {
+        "mean_acceptance_length": round(1 + sum(per_pos) / drafts, 4),
+        "acceptance_per_position": [round(a / drafts, 4) for a in per_pos],
+        "drafts": drafts,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--prompt-bytes", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--out", default=None)
+    p.add_argument("--served", type=int, default=0, help="K through dsaserve up (0: offline)")
     args = p.parse_args()
     prompts = [[BOS, *w[: args.prompt_bytes]] for w in heldout_windows(args.prompts)]
+    if args.served:
+        want = run(None, prompts, args.max_tokens)["tokens"]
+        row = served(args.served, prompts, args.max_tokens, want)
+        print(
+            f"dsaserve up, K={args.served}: acceptance length {row['mean_acceptance_length']:.3f}, "
+            f"by position {row['acceptance_per_position']}, {row['drafts']:.0f} drafts"
+        )
+        record = {"bench": "spec_decode", "device": "cpu", "args": vars(args), "served": row}
+        write_record(args.out, record)
+        return
     configs: list[tuple[str, dict | None]] = [("K=0", None)] + [
         (f"K={k}", {"method": "mtp", "num_speculative_tokens": k}) for k in (1, 2, 3)
     ]

@@ -307,11 +307,11 @@ class KVPool:
         return out
 
     def cells(self, pages: Mapping[str, Sequence[int]]) -> np.ndarray:
-        """The arena cells of a request's KV state in stream order: region by region (in
-        `regions()` order), the request's pages in its page-table order. [n] int64.
+        """The arena cells of pages, region by region (in `regions()` order), each region's
+        pages in the order given: what the prefix cache's copies and the host tier move
+        (a request's transfer order is `stream`'s). [n] int64.
 
-        pages: group -> page ids, the slab row under "slab" (as `Handoff.held_pages`); a
-        group left out adds nothing."""
+        pages: group -> page ids, slab rows under "slab"; a group left out adds nothing."""
         parts = []
         for group, (first, per) in self._page_cells.items():
             ids = np.asarray(pages.get(group, ()), dtype=np.int64)

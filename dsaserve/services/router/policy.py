@@ -83,11 +83,11 @@ class PowerOfTwo:
 
 
 class CacheAware:
-    """SGLang's cache_aware: the worker whose prefix cache holds the longest start of the prompt
-    (services.kv_events) and has room for it, unless its load exceeds the least loaded worker's
-    by more than `bound`, so a hot prefix spreads instead of piling up; ties, no match and
-    unknown caches go to the least loaded. Every pick is remembered as cached there until the
-    worker says otherwise."""
+    """SGLang's cache_aware: of the workers with room (all of them when none has), the one whose
+    prefix cache holds the longest start of the prompt (services.kv_events), unless its load
+    exceeds the least loaded one's by more than `bound`, so a hot prefix spreads instead of
+    piling up; ties, no match and unknown caches go to the least loaded. Every pick is
+    remembered as cached there until the worker says otherwise."""
 
     def __init__(
         self,
@@ -106,12 +106,14 @@ class CacheAware:
         inflight: Mapping[str, int],
         prompt: Sequence[int] = (),
     ) -> WorkerRecord:
+        workers = [w for w in workers if self._room(w)] or workers  # (none has: all of them)
         if self._index is None or not prompt:
             return self._least.choose(workers, inflight)
         matched = self._index.matched_tokens([w.worker_id for w in workers], prompt)
         best = max(matched.values())
-        holders = [w for w in workers if matched[w.worker_id] == best and self._room(w)]
-        pick = self._least.choose(holders if best and holders else workers, inflight)
+        pick = self._least.choose(
+            [w for w in workers if matched[w.worker_id] == best] if best else workers, inflight
+        )
         if load_of(pick, inflight) > min(load_of(w, inflight) for w in workers) + self._bound:
             pick = self._least.choose(workers, inflight)
         self._index.routed(pick.worker_id, prompt)
