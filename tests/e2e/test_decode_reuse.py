@@ -2,7 +2,7 @@
 Redis, NIXL, gRPC and HTTP): a conversation's next turn goes to the decode worker that decoded
 the last one, the prefill worker borrows the last answer's state from it and computes only the
 new tokens, and that decode worker pulls only the pages it lacks. A decode worker that lost the
-conversation (its cache evicted it, or it is a new process in place of the one that had it)
+conversation (its cache evicted it, or another worker takes it: the one that had it left)
 lends nothing and pulls everything; every answer is the one of an engine without a cache."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_a_conversation_pulls_its_new_pages_and_a_worker_that_lost_it_everything
             cached, answer = served_completion(client, conversation, uncached, max_tokens=24)
             held = kept // 64 * 64 if reused else 0
             assert decode.counter("dsaserve_kv_pulled_pages_total") - pulled == pages_past(
-                DEMO, 64, DEMO_MODEL_DIR, len(conversation), held
+                DEMO, 64, len(conversation), held
             )
             if reused:
                 assert cached == kept
@@ -70,10 +70,14 @@ def test_a_conversation_pulls_its_new_pages_and_a_worker_that_lost_it_everything
         # another conversation ends on the only decode worker, which keeps one: ours is evicted
         served_completion(client, [BOS, *_text(300, 4000)], uncached, max_tokens=24)
         turn(first, reused=False)
-        # a new decode worker in place of the one that had the conversation
+        # a second decode worker: the next turn still goes to the one holding the conversation
         second = s.worker("decode", *SMALL)
         s.wait_ready(second)
         wait_for(lambda: _decode_workers(url) == 2, 30, "the router to see the new worker")
+        untouched = second.counter("dsaserve_kv_pulled_pages_total")
+        turn(first, reused=True)
+        assert second.counter("dsaserve_kv_pulled_pages_total") == untouched
+        # the worker that had the conversation leaves: the other one takes it, from scratch
         first.proc.terminate()  # (a clean stop leaves the registry at once)
         first.proc.wait(timeout=30)
         s.procs.remove(first)

@@ -2,11 +2,13 @@
 for tests), and each feature it documents through the openai and anthropic clients: chat and
 completions, prefix caching (a prompt sent again, an extension, a conversation's next turn, a
 shared prefix) with the decode worker's reuse of what it decoded, speculative decoding,
-structured outputs, the Responses and Messages APIs. Answers are those of the engine without
-a cache (tokens and logprobs); the workers end idle with every page back."""
+structured outputs, the Responses and Messages APIs, the agentic benchmark's replay. Answers are
+those of the engine without a cache (tokens and logprobs); the workers end idle with every page
+back."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import anthropic
@@ -18,6 +20,7 @@ from dsaserve.engine import models
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from dsaserve.engine.kv.layout import pages_past
 from dsaserve.engine.llm import LLM
+from loadtest import agentic
 from loadtest.up_stack import UpStack
 from tests.serving_stack import served_completion, wait_for
 
@@ -58,7 +61,9 @@ def _greedy(client: openai.OpenAI, prompt: list[int], max_tokens: int) -> str:
 
 
 def test_chat_and_completions(up, client) -> None:
-    """`dsaserve up` answers OpenAI chat (whole and streamed) and completions."""
+    """`dsaserve up` answers OpenAI chat (whole and streamed) and completions; its workers
+    hold as many sequences as half the default budget gives fixed state to, and say so."""
+    assert up.log.read_text().count("max_num_seqs lowered from 256 to 116") == 2
     messages = [{"role": "user", "content": "Hello!"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16)
     assert r.choices[0].message.content and r.usage.completion_tokens > 0
@@ -150,7 +155,21 @@ def test_speculative_decoding_keeps_the_greedy_tokens(up, client, tmp_path_facto
     with UpStack(["--speculative-config", SPEC], tmp_path_factory.mktemp("spec") / "up.log") as s:
         with openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0) as spec:
             assert [_greedy(spec, p, 48) for p in prompts] == want
+        assert s.log.read_text().count("max_num_seqs lowered from 256 to 71") == 2
         drafts = s.metric("decode", "dsaserve_spec_decode_num_drafts_total")
         accepted = s.metric("decode", "dsaserve_spec_decode_num_accepted_tokens_total")
         assert drafts > 0 and 1 + accepted / drafts > 1.5
         wait_for(s.idle, 30, "both workers idle with every page back")
+
+
+def test_the_agentic_benchmark_reads_from_the_cache_all_it_can(up) -> None:
+    """`loadtest/agentic.py`'s replay on this stack (a small trace): after a conversation's
+    first turn every turn reads from the cache all an earlier request computed, and no turn
+    pulls more than its new pages and one."""
+    args = argparse.Namespace(
+        conversations=2, turns=3, system=200, task=20, answer=8, result=40, seed=0
+    )
+    turns = agentic.replay(up, args)
+    assert all(t["cached_tokens"] == t["best_cached_tokens"] for t in turns if t["turn"])
+    assert agentic.summarize(turns)["turns_pulling_more_than_new_pages_plus_one"] == 0
+    wait_for(up.idle, 30, "both workers idle with every page back")
