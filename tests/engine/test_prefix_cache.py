@@ -397,18 +397,25 @@ def test_a_resumed_prefill_only_request_moves_to_a_decode_engine_like_any_other(
     assert_all_free(decode)
 
 
-@pytest.mark.parametrize("via", ["staging", "pages"])
-def test_a_conversations_next_turn_computes_and_moves_only_its_new_tokens(tiny, via):
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    return make_v32(tmp_path_factory.mktemp("v32-turns"))
+
+
+@pytest.mark.parametrize("family, via", [("v4", "staging"), ("v4", "pages"), ("v32", "staging")])
+def test_a_conversations_next_turn_computes_and_moves_only_its_new_tokens(request, family, via):
     """A decode engine keeps what a turn computed (prompt and answer) when it ends. The next
     turn's prefill engine borrows that state (a loan: the decode engine's checkpoint restored
     into pages it holds, pulled but for the pages the prefill engine's cache holds) and computes
     only the new tokens; the decode engine shares the full pages it kept and moves only the rest
     (the ring pages, the slab row and the entry pages past them). A decode engine that lost the
     conversation (its cache emptied) lends nothing and takes everything. Answers are those of an
-    engine that never moved anything; every page comes back."""
+    engine that never moved anything; every page comes back. DeepSeek-V3.2 (no per-position
+    state, no ring) alike."""
+    model = request.getfixturevalue("tiny" if family == "v4" else "v32")
     config = EngineConfig(page_size=8, max_num_batched_tokens=64)
-    prefill, decode = LLMEngine(tiny, config), LLMEngine(tiny, config)
-    alone = LLMEngine(tiny, dataclasses.replace(config, enable_prefix_caching=False))
+    prefill, decode = LLMEngine(model, config), LLMEngine(model, config)
+    alone = LLMEngine(model, dataclasses.replace(config, enable_prefix_caching=False))
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     pool, conversation, computed, last_prompt = decode.pool, byte_ids(300, 40), 0, 0
     for turn in range(4):
