@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dsaserve.services.kv_events import CacheIndex
 from dsaserve.services.registry import ROLES, RegistryWatcher, Role, WorkerRecord
 from dsaserve.services.router.api.errors import APIError
+from dsaserve.services.router.conversations import Conversations
 from dsaserve.services.router.policy import DEFAULT_BALANCE_BOUND, make_policy
 
 
@@ -44,6 +45,7 @@ class WorkerSelector:
         self._inflight = inflight
         self._on_mark = on_mark
         self._cache = cache
+        self._conversations = Conversations()  # (with the cache index: for cache_aware)
 
         def room(worker: WorkerRecord) -> bool:
             load = worker.load
@@ -154,24 +156,26 @@ class WorkerSelector:
         return self._choose("decode", candidates, prompt)
 
     def lender(self, prefill: WorkerRecord, prompt: Sequence[int]) -> WorkerRecord | None:
-        """A decode worker whose prefix cache holds as long a start of the prompt as the
-        prefill worker's or longer, for the prefill worker to borrow what it lacks (a
-        conversation's last answer, which it never computed: often in the same block as the
-        last prompt's end, so ties count; the decode worker lends only what reaches further
-        than the prefill worker's own cache); None: none."""
+        """A decode worker to borrow from the state of the prompt's start the prefill worker
+        lacks (a conversation's last answer, which it never computed): the one that decoded the
+        generation the prompt continues, as this router recorded it, else one whose cache holds
+        more whole blocks of the prompt than the prefill worker's; None: none."""
         if self._cache is None:
             return None
         benched = {w.worker_id for w in self.unhealthy("decode")}
-        decode = [
-            w
+        decode = {
+            w.worker_id: w
             for w in self.live("decode")
             if w.layout_hash == prefill.layout_hash and w.worker_id not in benched
-        ]
+        }
+        held = self._conversations.holder(prompt)
+        if held is not None and held[0] in decode:
+            return decode[held[0]]
         # (what the prefill worker says it holds: this very prompt was just routed there)
         have = self._cache.matched_tokens([prefill.worker_id], prompt, routed=False)
-        matched = self._cache.matched_tokens([w.worker_id for w in decode], prompt)
-        best = max(decode, key=lambda w: matched[w.worker_id], default=None)
-        if best is None or not 0 < have[prefill.worker_id] <= matched[best.worker_id]:
+        matched = self._cache.matched_tokens(list(decode), prompt)
+        best = max(decode.values(), key=lambda w: matched[w.worker_id], default=None)
+        if best is None or matched[best.worker_id] <= have[prefill.worker_id]:
             return None
         return best
 
@@ -180,6 +184,7 @@ class WorkerSelector:
         as cached there, as the worker keeps them, before it says so itself."""
         if self._cache is not None:
             self._cache.routed(worker.worker_id, tokens)
+            self._conversations.decoded(worker.worker_id, tokens)
 
     def _unavailable(self) -> APIError:
         reason = (
