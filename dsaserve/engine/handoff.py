@@ -24,6 +24,7 @@ from dsaserve.engine.request import KVPages, Listener, Request, RequestError, St
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.engine.scheduler import Scheduler
+from dsaserve.engine.structured import GrammarState
 
 
 class NewRequest(Protocol):
@@ -37,6 +38,7 @@ class NewRequest(Protocol):
         *,
         prefill_only: bool = False,
         listener: Listener | None = None,
+        grammar: GrammarState | None = None,
     ) -> Request: ...
 
 
@@ -118,17 +120,21 @@ class Handoff:
         params: SamplingParams,
         listener: Listener | None = None,
         draft_token_ids: Sequence[int] = (),
+        grammar: GrammarState | None = None,
     ) -> KVPages | None:
         """Allocate pages for a prefilled request (prompt KV computed elsewhere, first token
         already sampled and sent, with the drafts after it when speculating: its first step
-        verifies them); None when the pools are full right now."""
+        verifies them); None when the pools are full right now. `grammar`: its grammar's state,
+        compiled already (as the engine's new_request takes it)."""
         most, vocab = self.max_drafts, self.vocab_size
         if len(draft_token_ids) > most or any(not 0 <= t < vocab for t in draft_token_ids):
             raise RequestError(
                 f"a prefilled request carries at most {most} draft token ids in [0, {vocab}); "
                 f"got {list(draft_token_ids)[:8]}"
             )
-        req = self.new_request(request_id, prompt_token_ids, params, listener=listener)
+        req = self.new_request(
+            request_id, prompt_token_ids, params, listener=listener, grammar=grammar
+        )
         # Replay the first token so stop strings and text offsets continue where prefill left off.
         reason = req.append_token(first_token_id)
         req.text.take(finished=reason is not None)

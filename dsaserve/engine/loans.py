@@ -20,6 +20,7 @@ from __future__ import annotations
 from dsaserve.engine.handoff import Handoff, copy_now
 from dsaserve.engine.request import KVPages, Listener
 from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.structured import GrammarState
 
 PROBE_ID = "__resume_position__"  # (a request built to look up, never queued)
 
@@ -29,15 +30,20 @@ class Loans:
         self.handoff, self.cache = handoff, handoff.prefix_cache
         self.scheduler, self.new_request = handoff.scheduler, handoff.new_request
 
-    def lend(self, request_id: str, prompt_token_ids: list[int], have: int) -> KVPages | None:
+    def lend(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        have: int,
+        cache_salt: str | None = None,
+    ) -> KVPages | None:
         """Hold for a reader the state of the longest prefix of the prompt this cache resumes
-        (at most all but its last token), in pages of a loan of its own, when it reaches past
-        `have` tokens; None when it does not, or without room."""
+        in the namespace `cache_salt` (at most all but its last token), in pages of a loan of
+        its own, when it reaches past `have` tokens; None when it does not, or without room."""
         if self.cache is None:
             return None
-        loan = self.new_request(
-            request_id, prompt_token_ids, SamplingParams(max_tokens=1), prefill_only=True
-        )
+        params = SamplingParams(max_tokens=1, cache_salt=cache_salt)
+        loan = self.new_request(request_id, prompt_token_ids, params, prefill_only=True)
         plan = self.cache.begin_step()
         hit = self.cache.lookup(loan)
         lent = hit is not None and hit.position > have and self.scheduler.lend(loan, hit, plan)
@@ -60,13 +66,19 @@ class Loans:
         params: SamplingParams,
         listener: Listener | None,
         lent: int,
+        grammar: GrammarState | None = None,
     ) -> KVPages | None:
         """A prefill-only request whose first `lent` tokens' state a transfer brings: pages for
         its prompt (and drafts), those of the full entry pages of its prefix this cache holds
         shared (`reused_tokens`: the transfer leaves them alone); None when the pools are full.
         `start` starts it once the state is there; an abort frees it."""
         req = self.new_request(
-            request_id, prompt_token_ids, params, prefill_only=True, listener=listener
+            request_id,
+            prompt_token_ids,
+            params,
+            prefill_only=True,
+            listener=listener,
+            grammar=grammar,
         )
         cache = self.cache
         plan = cache.begin_step() if cache else None

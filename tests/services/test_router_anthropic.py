@@ -35,6 +35,7 @@ WEATHER = {
 }
 THINKING = {"type": "enabled", "budget_tokens": 1024}
 USER = [{"role": "user", "content": "Weather in Lima?"}]
+KEY = {"x-api-key": "sk-test"}
 
 
 @pytest_asyncio.fixture
@@ -147,6 +148,44 @@ async def test_the_prompt_is_the_chat_completions(router: Any, workers: Scripted
     async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
         tokens = await http.post("/tokenize", json=chat, headers={"x-api-key": "sk-test"})
     assert tokens.json()["tokens"] == workers.last_prompt()
+
+
+@pytest.mark.asyncio
+async def test_an_assistant_prefill_is_continued(router: Any, workers: Scripted) -> None:
+    """A conversation ending with an assistant's text: the prompt opens the assistant turn as
+    for a new reply and writes the prefill after it; the answer is only what follows, as on
+    Anthropic's API (and on the chat route, vLLM's continue_final_message)."""
+    prefill = [*USER, {"role": "assistant", "content": [{"type": "text", "text": "It is"}]}]
+    workers.script([" sun", "ny."])
+    async with client(router) as c:
+        message = await c.messages.create(model=MODEL, max_tokens=20, messages=prefill)
+        assert [(b.type, b.text) for b in message.content] == [("text", " sunny.")]  # type: ignore[union-attr]
+        async with c.messages.stream(model=MODEL, max_tokens=20, messages=prefill) as stream:
+            assert await stream.get_final_text() == " sunny."
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        prompt = workers.last_prompt()
+        text = (await http.post("/detokenize", json={"tokens": prompt}, headers=KEY)).json()
+        assert text["prompt"].endswith("<｜User｜>Weather in Lima?<｜Assistant｜></think>It is")
+        chat = {
+            "model": MODEL,
+            "messages": [*USER, {"role": "assistant", "content": "It is"}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,  # (as vLLM wants them)
+        }
+        answer = await http.post("/v1/chat/completions", json=chat, headers=KEY)
+        assert answer.json()["choices"][0]["message"]["content"] == " sunny."
+        assert workers.last_prompt() == prompt
+        alone = await http.post(
+            "/v1/chat/completions", json=chat | {"continue_final_message": False}, headers=KEY
+        )
+        assert alone.status_code == 400 and "continue_final_message" in alone.text
+    async with client(router) as c:
+        for messages, extra, says in (
+            ([*USER, {"role": "assistant", "content": "It is "}], {}, "trailing whitespace"),
+            (prefill, {"thinking": THINKING}, "not served in thinking mode"),
+        ):
+            with pytest.raises(anthropic.BadRequestError, match=says):
+                await c.messages.create(model=MODEL, max_tokens=5, messages=messages, **extra)
 
 
 @pytest.mark.asyncio

@@ -158,10 +158,15 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         prompt, first = list(request.prompt_token_ids), request.first_token_id
         drafts = list(request.kv.draft_token_ids)  # verified at its first step
         deadline = time.monotonic() + max(0.0, (request.kv.lease_expires_unix_ms - now_ms()) / 1000)
+        try:
+            grammar = await w.compile_grammar(params)
+        except RequestError as e:
+            w.metrics.fail("invalid_request")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         while True:
             try:
                 reserved = await w.loop.run(
-                    w.engine.handoff.reserve, rid, prompt, first, params, outputs, drafts
+                    w.engine.handoff.reserve, rid, prompt, first, params, outputs, drafts, grammar
                 )
             except RequestError as e:
                 w.metrics.fail("invalid_request")
@@ -210,8 +215,9 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         resumes past what its own does (engine.loans); an empty answer when there is none."""
         w, loan = self.w, LOAN.format(request.request_id)
         try:
+            salt = request.cache_salt if request.HasField("cache_salt") else None
             lent = await w.loop.run(
-                w.engine.loans.lend, loan, list(request.prompt_token_ids), request.have_tokens
+                w.engine.loans.lend, loan, list(request.prompt_token_ids), request.have_tokens, salt
             )
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -15,6 +15,7 @@ import grpc
 
 from dsaserve.engine.engine_loop import OutputQueue
 from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.structured import GrammarState
 from dsaserve.services.rpc import grpc_api, pb
 from dsaserve.services.worker.process import Worker
 from dsaserve.services.worker.pull import CONTROL_TIMEOUT_S, KVPuller, PullFailed
@@ -32,16 +33,22 @@ class Borrower:
         rid: str,
         prompt: list[int],
         params: SamplingParams,
+        grammar: GrammarState | None,
         outputs: OutputQueue,
         source: pb.KVSource,
     ) -> bool:
-        """Start `rid` from the state `source` lends: True once it computes the rest of its
-        prompt; False when there was nothing worth borrowing or the pull failed."""
+        """Start `rid` from the state `source` lends (in the request's cache namespace): True
+        once it computes the rest of its prompt; False when there was nothing worth borrowing or
+        the pull failed."""
         w, puller = self.w, self.puller
         have = await w.loop.run(w.engine.loans.resume_position, prompt, params)
         decode = grpc_api.DecodeStub(puller.channel(source.address))
         lend = pb.LendRequest(
-            request_id=rid, prompt_token_ids=prompt, have_tokens=have, hold_ms=puller.hold_ms
+            request_id=rid,
+            prompt_token_ids=prompt,
+            have_tokens=have,
+            hold_ms=puller.hold_ms,
+            cache_salt=params.cache_salt,
         )
         try:
             lent = await decode.Lend(lend, timeout=CONTROL_TIMEOUT_S, metadata=puller.metadata)
@@ -54,7 +61,7 @@ class Borrower:
         try:
             peer = await puller.peer(kv, decode.Describe)
             adopted = await w.loop.run(
-                w.engine.loans.adopt, rid, prompt, params, outputs, kv.num_tokens
+                w.engine.loans.adopt, rid, prompt, params, outputs, kv.num_tokens, grammar
             )
             if adopted is None:
                 raise PullFailed("no_kv_space", "no free KV pages for the borrowed state")

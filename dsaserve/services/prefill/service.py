@@ -74,14 +74,21 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         outputs = OutputQueue()
         self.active.add(rid)
         try:
+            grammar = await w.compile_grammar(params)
             source = request.kv_source if request.HasField("kv_source") else None
             # (a conversation's state after its last answer, from the decode worker that kept it)
             borrowed = source is not None and await self.borrower.borrow(
-                rid, prompt, params, outputs, source
+                rid, prompt, params, grammar, outputs, source
             )
             if not borrowed:
                 await w.loop.run(
-                    w.engine.add_request, rid, prompt, params, prefill_only=True, listener=outputs
+                    w.engine.add_request,
+                    rid,
+                    prompt,
+                    params,
+                    prefill_only=True,
+                    listener=outputs,
+                    grammar=grammar,
                 )
             out = await outputs.get()
             held = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from dsaserve.engine.prefix_cache.block_hash import block_hashes, cache_salt
+from dsaserve.engine.prefix_cache.block_hash import block_hashes, cache_salt, salted
 
 BLOCK = 64  # tokens hashed together (the router's own: it need not match a worker's)
 CAPACITY = 100_000  # generations remembered, about 20 MB of tails at most
@@ -31,9 +31,10 @@ class Conversations:
         self._ends: OrderedDict[tuple[bytes, tuple[int, ...]], str] = OrderedDict()
         self._tails: dict[bytes, set[tuple[int, ...]]] = {}
 
-    def decoded(self, worker_id: str, tokens: Sequence[int]) -> None:
-        """`worker_id` decoded a generation to its end: its prompt and answer, `tokens`."""
-        key = _key(tokens, block_hashes(tokens, SALT, BLOCK))
+    def decoded(self, worker_id: str, tokens: Sequence[int], cache_salt: str | None = None) -> None:
+        """`worker_id` decoded a generation to its end: its prompt and answer, `tokens`, in the
+        prefix-cache namespace `cache_salt`."""
+        key = _key(tokens, block_hashes(tokens, salted(SALT, cache_salt), BLOCK), cache_salt)
         self._ends[key] = worker_id
         self._ends.move_to_end(key)
         self._tails.setdefault(key[0], set()).add(key[1])
@@ -43,21 +44,31 @@ class Conversations:
             if not self._tails[blocks]:
                 del self._tails[blocks]
 
-    def holder(self, prompt: Sequence[int]) -> tuple[str, int] | None:
-        """The decode worker holding the longest recorded generation `prompt` starts with and
-        goes past, and that generation's length; None: none."""
-        hashes = block_hashes(prompt, SALT, BLOCK)
+    def holder(
+        self, prompt: Sequence[int], cache_salt: str | None = None
+    ) -> tuple[str, int] | None:
+        """The decode worker holding the longest recorded generation of the namespace
+        `cache_salt` that `prompt` starts with and goes past, and that generation's length;
+        None: none."""
+        root = salted(SALT, cache_salt)
+        hashes = block_hashes(prompt, root, BLOCK)
         for blocks in range(len(hashes), -1, -1):  # (the longest first)
             start = blocks * BLOCK
             after = tuple(prompt[start : start + BLOCK])
-            tails = self._tails.get(hashes[blocks - 1] if blocks else SALT, ())
-            found = [t for t in tails if len(t) < len(after) and after[: len(t)] == t]
+            head = hashes[blocks - 1] if blocks else root
+            found = [t for t in self._tails.get(head, ()) if len(t) < len(after)]
+            found = [t for t in found if after[: len(t)] == t]
             if found:
                 tail = max(found, key=len)
-                return self._ends[hashes[blocks - 1] if blocks else SALT, tail], start + len(tail)
+                return self._ends[head, tail], start + len(tail)
         return None
 
 
-def _key(tokens: Sequence[int], hashes: Sequence[bytes]) -> tuple[bytes, tuple[int, ...]]:
+def _key(
+    tokens: Sequence[int], hashes: Sequence[bytes], cache_salt: str | None
+) -> tuple[bytes, tuple[int, ...]]:
+    """A generation's whole blocks' chained hash (the namespace's root without one) and the
+    tokens after them."""
     whole = len(tokens) // BLOCK
-    return (hashes[whole - 1] if whole else SALT), tuple(tokens[whole * BLOCK :])
+    head = hashes[whole - 1] if whole else salted(SALT, cache_salt)
+    return head, tuple(tokens[whole * BLOCK :])

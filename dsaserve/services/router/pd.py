@@ -95,6 +95,11 @@ class Generation:
     # max_tokens 0 (echo): prefill samples one token (the wire's least), which is dropped
     prompt_only: bool = False
 
+    @property
+    def cache_salt(self) -> str | None:
+        """The prefix-cache namespace its prompt may resume from."""
+        return self.sampling.cache_salt if self.sampling.HasField("cache_salt") else None
+
     def remaining(self, where: str) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
@@ -129,7 +134,7 @@ class PDFlow:
     async def _generate(self, gen: Generation, transit: Transit) -> AsyncGenerator[Event, None]:
         prefill_worker, first = await self._retry_once(
             "prefill",
-            lambda exclude: self._selector.prefill(exclude, gen.prompt_ids),
+            lambda exclude: self._selector.prefill(exclude, gen.prompt_ids, gen.cache_salt),
             lambda w: self._prefill(w, gen),
         )
         gen.timer.token()
@@ -152,7 +157,7 @@ class PDFlow:
             decode_worker, (call, response) = await self._retry_once(
                 "decode",
                 lambda exclude: self._selector.decode(
-                    prefill_worker.layout_hash, exclude, gen.prompt_ids
+                    prefill_worker.layout_hash, exclude, gen.prompt_ids, gen.cache_salt
                 ),
                 lambda w: self._open_decode(w, gen, first),
             )
@@ -168,7 +173,9 @@ class PDFlow:
                         if isinstance(event, Finish):
                             finished = True
                             await self._drain(call)  # end the call cleanly, not by cancelling
-                            self._selector.decoded(decode_worker, gen.prompt_ids + answer)
+                            self._selector.decoded(
+                                decode_worker, gen.prompt_ids + answer, gen.cache_salt
+                            )
                             yield event
                             return
                         answer += event.token_ids
@@ -266,7 +273,7 @@ class PDFlow:
             request_id=gen.request_id, prompt_token_ids=gen.prompt_ids, sampling=gen.sampling
         )
         # (a conversation's last answer: its decode worker kept it, the prefill worker did not)
-        lender = self._selector.lender(worker, gen.prompt_ids)
+        lender = self._selector.lender(worker, gen.prompt_ids, gen.cache_salt)
         if lender is not None:
             request.kv_source.CopyFrom(
                 pb.KVSource(worker_id=lender.worker_id, address=lender.address)

@@ -86,11 +86,17 @@ class WorkerSelector:
         return [w for w in self.live(role) if w.worker_id in self._benched]
 
     def _choose(
-        self, role: Role, candidates: list[WorkerRecord], prompt: Sequence[int] = ()
+        self,
+        role: Role,
+        candidates: list[WorkerRecord],
+        prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> WorkerRecord:
         benched = {w.worker_id for w in self.unhealthy(role)}
         healthy = [w for w in candidates if w.worker_id not in benched]
-        return self._policies[role].choose(healthy or candidates, self._inflight, prompt)
+        return self._policies[role].choose(
+            healthy or candidates, self._inflight, prompt, cache_salt
+        )
 
     def unavailable_reason(self) -> str | None:
         """Why no request could be served right now, or None when a pair exists."""
@@ -121,7 +127,12 @@ class WorkerSelector:
             )
         return None
 
-    def prefill(self, exclude: Collection[str] = (), prompt: Sequence[int] = ()) -> WorkerRecord:
+    def prefill(
+        self,
+        exclude: Collection[str] = (),
+        prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
+    ) -> WorkerRecord:
         """A prefill worker for a request with these token ids (the policy may route by them)."""
         layouts = {w.layout_hash for w in self.live("decode")}
         candidates = [
@@ -131,14 +142,18 @@ class WorkerSelector:
         ]
         if not candidates:
             raise self._unavailable()
-        return self._choose("prefill", candidates, prompt)
+        return self._choose("prefill", candidates, prompt, cache_salt)
 
     def decode(
-        self, layout_hash: str, exclude: Collection[str] = (), prompt: Sequence[int] = ()
+        self,
+        layout_hash: str,
+        exclude: Collection[str] = (),
+        prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> WorkerRecord:
         """A decode worker for a prompt prefilled on a worker of `layout_hash` (the policy may
-        route by its tokens: the decode worker holding a conversation's earlier turns pulls
-        only the new pages)."""
+        route by its tokens, in the namespace `cache_salt`: the decode worker holding a
+        conversation's earlier turns pulls only the new pages)."""
         candidates = [
             w
             for w in self.live("decode")
@@ -153,9 +168,11 @@ class WorkerSelector:
                 cause="no_worker",
                 retry_after_s=self.retry_after_s,
             )
-        return self._choose("decode", candidates, prompt)
+        return self._choose("decode", candidates, prompt, cache_salt)
 
-    def lender(self, prefill: WorkerRecord, prompt: Sequence[int]) -> WorkerRecord | None:
+    def lender(
+        self, prefill: WorkerRecord, prompt: Sequence[int], cache_salt: str | None = None
+    ) -> WorkerRecord | None:
         """A decode worker to borrow from the state of the prompt's start the prefill worker
         lacks (a conversation's last answer, which it never computed): the one that decoded the
         generation the prompt continues, as this router recorded it, else one whose cache holds
@@ -168,23 +185,26 @@ class WorkerSelector:
             for w in self.live("decode")
             if w.layout_hash == prefill.layout_hash and w.worker_id not in benched
         }
-        held = self._conversations.holder(prompt)
+        held = self._conversations.holder(prompt, cache_salt)
         if held is not None and held[0] in decode:
             return decode[held[0]]
         # (what the prefill worker says it holds: this very prompt was just routed there)
-        have = self._cache.matched_tokens([prefill.worker_id], prompt, routed=False)
-        matched = self._cache.matched_tokens(list(decode), prompt)
+        have = self._cache.matched_tokens([prefill.worker_id], prompt, cache_salt, routed=False)
+        matched = self._cache.matched_tokens(list(decode), prompt, cache_salt)
         best = max(decode.values(), key=lambda w: matched[w.worker_id], default=None)
         if best is None or matched[best.worker_id] <= have[prefill.worker_id]:
             return None
         return best
 
-    def decoded(self, worker: WorkerRecord, tokens: Sequence[int]) -> None:
+    def decoded(
+        self, worker: WorkerRecord, tokens: Sequence[int], cache_salt: str | None = None
+    ) -> None:
         """`worker` decoded a generation to its end: these tokens (its prompt and answer) count
-        as cached there, as the worker keeps them, before it says so itself."""
+        as cached there (in the namespace `cache_salt`), as the worker keeps them, before it
+        says so itself."""
         if self._cache is not None:
-            self._cache.routed(worker.worker_id, tokens)
-            self._conversations.decoded(worker.worker_id, tokens)
+            self._cache.routed(worker.worker_id, tokens, cache_salt)
+            self._conversations.decoded(worker.worker_id, tokens, cache_salt)
 
     def _unavailable(self) -> APIError:
         reason = (

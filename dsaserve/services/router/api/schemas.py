@@ -135,6 +135,8 @@ class _GenerationRequest(_Body):
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
     # vLLM's: each prompt token's logprob (the first: null) and this many alternatives
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: the prompt resumes only from prefixes cached under the same salt (and key)
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
     # OpenAI's penalties and bias, vLLM's sampling extensions (dsaserve.engine.logits_processors)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -199,17 +201,28 @@ class _GenerationRequest(_Body):
         """Alternatives per prompt token the prefill worker should list (None: none)."""
         return self.prompt_logprobs
 
+    def prompt_entries_per_token(self) -> int:
+        """What the answer carries about each prompt token of each generation, in entries (a
+        logprob, an alternative, an echoed token): with `prompt_logprobs: k`, k + 1."""
+        return 0 if self.prompt_logprobs is None else self.prompt_logprobs + 1
+
     def sampling(
-        self, max_tokens: int, choice: int = 0, grammar: str | None = None
+        self,
+        max_tokens: int,
+        choice: int = 0,
+        grammar: str | None = None,
+        cache_salt: str | None = None,
     ) -> pb.SamplingParams:
-        """The wire sampling params of choice `choice` (`grammar`: the structured output's);
-        unset fields stay unset so the worker applies its defaults."""
+        """The wire sampling params of choice `choice` (`grammar`: the structured output's;
+        `cache_salt`: the prefix-cache namespace, tenancy.cache_namespace); unset fields stay
+        unset so the worker applies its defaults."""
         params = pb.SamplingParams(
             max_tokens=max_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             grammar=grammar,
+            cache_salt=cache_salt,
         )
         if (logprobs := self.logprobs_count()) is not None:
             params.logprobs = logprobs
@@ -351,6 +364,27 @@ class ChatPromptFields(_Body):
     parallel_tool_calls: StrictBool | None = None
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the prompt ends with the assistant turn's opening (the reply is a new message)
+    add_generation_prompt: StrictBool = True
+    # vLLM's: the reply continues the final message, an assistant's text (a prefill)
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _what_is_continued(self) -> ChatPromptFields:
+        if not self.continue_final_message:
+            return self
+        last = self.messages[-1]
+        if last.role != "assistant" or last.tool_calls:
+            raise ValueError(
+                "continue_final_message continues an assistant's text: the last message must "
+                f"be an assistant message without tool calls, not a {last.role} message"
+            )
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError(
+                "add_generation_prompt and continue_final_message cannot both be true (the "
+                "reply either starts a new message or continues the last one)"
+            )
+        return self
 
     @field_validator("tools")
     @classmethod
@@ -395,6 +429,15 @@ class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
             raise ValueError("needs logprobs: true")
         return top
 
+    @model_validator(mode="after")
+    def _a_reply_has_its_turn(self) -> ChatCompletionRequest:
+        if not self.add_generation_prompt and not self.continue_final_message:
+            raise ValueError(
+                "add_generation_prompt: false is served only with continue_final_message: true "
+                "(a reply is a new assistant message or continues the last one)"
+            )
+        return self
+
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -431,6 +474,11 @@ class CompletionRequest(_GenerationRequest):
         ]
         return max(wanted, default=None)
 
+    def prompt_entries_per_token(self) -> int:
+        # echo: the token, and with logprobs: k its logprob and k alternatives
+        echoed = 0 if not self.echo else 1 + (0 if self.logprobs is None else self.logprobs + 1)
+        return super().prompt_entries_per_token() + echoed
+
     def prompts(self) -> list[str | list[int]]:
         """Every prompt of the request, in order."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
@@ -465,7 +513,6 @@ class TokenizeChatRequest(ChatPromptFields):
     """vLLM's /tokenize of a chat: the prompt a chat completion would send to prefill."""
 
     model: Text | None = None
-    add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
 
 
