@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 
 import openai
-import torch
 
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from bench.numerics import BOS, greedy_agreement, heldout_windows
 from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
@@ -115,10 +114,6 @@ def served(k: int, prompts: list[list[int]], max_tokens: int, want: list[list[in
     }
 
 
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=6)
@@ -141,7 +136,7 @@ def main() -> None:
             f"dsaserve up, K={args.served}: acceptance length {row['mean_acceptance_length']:.3f}, "
             f"by position {row['acceptance_per_position']}, {row['drafts']:.0f} drafts"
         )
-        record = {"bench": "spec_decode", "device": "cpu", "args": vars(args), "served": row}
+        record = {**prologue("cpu"), "bench": "spec_decode", "args": vars(args), "served": row}
         write_record(args.out, record)
         return
     configs: list[tuple[str, dict | None]] = [("K=0", None)] + [
@@ -173,8 +168,8 @@ def main() -> None:
     write_record(
         args.out,
         {
+            **prologue(args.device),
             "bench": "spec_decode",
-            "device": device_name(args.device),
             "args": vars(args),
             "rows": rows,
         },

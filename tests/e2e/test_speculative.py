@@ -9,26 +9,16 @@ import pytest
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from dsaserve.engine.llm import LLM
 from dsaserve.engine.sampling_params import SamplingParams
-from tests.serving_stack import Stack, openai_client, wait_all_kv_free
+from tests.serving_stack import StackSpec, openai_client, wait_all_kv_free
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes
 
 SPEC = '{"method": "mtp", "num_speculative_tokens": 2}'
 PROMPTS = ["ROMEO:\nWhat light through yonder", "KING HENRY:\nOnce more unto the"]
-
-
-@pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory):
-    s = Stack(DEMO_MODEL_DIR, redis_server, tmp_path_factory.mktemp("spec"))
-    try:
-        flags = ("--speculative-config", SPEC, "--max-num-seqs", "4")
-        s.prefill, s.decode = s.worker("prefill", *flags), s.worker("decode", *flags)
-        router = s.router()
-        s.wait_ready(s.prefill, s.decode)
-        s.url = s.wait_healthy(router)
-        yield s
-    finally:
-        s.stop()
+# (conftest's `stack`) both workers speculate
+STACK = StackSpec(
+    model=DEMO_MODEL_DIR, worker_flags=("--speculative-config", SPEC, "--max-num-seqs", "4")
+)
 
 
 def test_greedy_completions_equal_offline_ones_and_aborts_free_both_workers(stack):

@@ -205,6 +205,10 @@ async def test_errors_have_anthropics_shape(router: Any) -> None:
         assert bad.value.body["error"]["type"] == "invalid_request_error"
         with pytest.raises(anthropic.NotFoundError):
             await c.messages.create(model="claude-x", max_tokens=5, messages=USER)
+        with pytest.raises(anthropic.BadRequestError, match="temperature"):  # (a bool: no number)
+            await c.messages.create(
+                model=MODEL, max_tokens=5, messages=USER, extra_body={"temperature": False}
+            )
         with pytest.raises(anthropic.BadRequestError, match="tool_use block"):
             await c.messages.create(
                 model=MODEL,

@@ -105,6 +105,8 @@ async def test_malformed_json_is_400(http: httpx.AsyncClient) -> None:
             "text",
         ),
         ({"temperature": 3.5}, "temperature", "2"),
+        ({"temperature": False}, "temperature", "number"),  # a bool is no number on the wire
+        ({"presence_penalty": True}, "presence_penalty", "number"),
         ({"max_tokens": 0}, "max_tokens", "1"),
         ({"stream_options": {"include_usage": True}}, None, "stream"),
     ],
@@ -786,6 +788,8 @@ async def test_openapi_lists_the_error_responses_the_router_sends(
     # Unknown fields are refused, and the schema says so.
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False
+    # What a field takes is what the schema says it takes: `stop` a string, a list or null.
+    assert [t["type"] for t in chat["properties"]["stop"]["anyOf"]] == ["string", "array", "null"]
 
 
 # ---------------------------------------------------------------- /metrics

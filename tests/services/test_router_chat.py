@@ -516,6 +516,7 @@ async def test_n_choices_are_generations_of_their_own(serve: Serve, make_router:
         "completion_tokens": 9,
         "total_tokens": prompt_tokens + 9,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},  # (no thinking)
     }
     sent = prefill.prefill_requests
     assert sorted(r.sampling.seed for r in sent) == [5, 6, 7]

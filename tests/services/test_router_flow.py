@@ -83,6 +83,7 @@ async def test_streamed_chat_follows_openai_sse(serve: Serve, make_router: Any) 
         "completion_tokens": 3,
         "total_tokens": 8,
         "prompt_tokens_details": {"cached_tokens": 2},
+        "completion_tokens_details": {"reasoning_tokens": 0},  # (no thinking)
     }
 
 

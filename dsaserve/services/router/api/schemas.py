@@ -21,9 +21,11 @@ from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     Tag,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -37,6 +39,14 @@ MAX_STOP_STRINGS = 4
 UINT32_MAX = 2**32 - 1  # max_tokens on the wire
 INT32_MAX = 2**31 - 1  # top_k on the wire
 INT64 = 2**63  # OpenAI's seed is a signed 64-bit integer
+# What `stop` takes on the wire, as OpenAI's does (a validator below makes it a list)
+STOP_ON_THE_WIRE = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS},
+        {"type": "null"},
+    ]
+}
 SEED_SPAN = 2**63  # the worker takes seeds in [0, 2**63) (a torch generator's range)
 MAX_CHOICES = 16  # `n`: each choice is a generation of its own (fanout.py)
 MAX_PROMPTS = 64  # a completion's batch of prompts
@@ -116,12 +126,12 @@ class _GenerationRequest(_Body):
 
     model: Text | None = None  # None = the one served model
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     # -1 and 0 both mean off (vLLM accepts both)
     top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
     seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
-    stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
+    stop: Annotated[list[Text], WithJsonSchema(STOP_ON_THE_WIRE)] = Field(default_factory=list)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]] = Field(
         default_factory=list
     )
@@ -138,12 +148,12 @@ class _GenerationRequest(_Body):
     # vLLM's: the prompt resumes only from prefixes cached under the same salt (and key)
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
     # OpenAI's penalties and bias, vLLM's sampling extensions (dsaserve.engine.logits_processors)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[TokenIdKey, float] | None = None  # biases clamped to [-100, 100]
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[TokenIdKey, StrictFloat] | None = None  # biases clamped to [-100, 100]
     min_tokens: StrictInt = Field(default=0, ge=0, le=UINT32_MAX)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     bad_words: list[Annotated[Text, Field(min_length=1)]] | None = None
     allowed_token_ids: list[Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]] | None = Field(
         default=None, min_length=1

@@ -30,7 +30,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+)
 
 from dsaserve.services.router.api.body import LimitedRoute
 from dsaserve.services.router.api.errors import APIError, error_responses, renamed_params
@@ -219,8 +227,8 @@ class MessagesRequest(MessagesPrompt):
     max_tokens: StrictInt = Field(ge=1, le=UINT32_MAX)
     stop_sequences: list[Text] | None = None
     stream: StrictBool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=0)
     metadata: JSON | None = None  # (user_id: for the provider's abuse monitoring)
 

@@ -31,6 +31,7 @@ from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     Tag,
     ValidationError,
@@ -178,8 +179,8 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: Text | None = None
