@@ -76,6 +76,8 @@ class MTPLayer(Block):
 
 
 class DeepseekV32(torch.nn.Module):
+    optional_modules = ("mtp",)  # (dropped by the loader when the checkpoint stores none)
+
     def __init__(
         self, cfg: ModelConfig, quant: Quantization | None = None, tp: TensorParallel = SINGLE
     ) -> None:
