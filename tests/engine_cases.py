@@ -120,8 +120,9 @@ def check_moved_request_decodes_as_if_never_moved(
         group.allocator.allocate(3)
     assert decode.pool.layout_hash() == prefill.pool.layout_hash()
     reserved = decode.handoff.reserve(
-        "r", prompt, first, params, draft_token_ids=held.draft_token_ids
-    )
+        "r", prompt, first, params, draft_token_ids=held.draft_token_ids,
+        draft_confidences=held.draft_confidences,
+    )  # fmt: skip
     if via == "staging":
         unpack = decode.pool.unpacker(reserved.pages)
         move_staged(prefill.pool, held.pages[STAGING], decode.pool, unpack)

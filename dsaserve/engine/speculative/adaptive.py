@@ -104,7 +104,8 @@ class DraftLength:
         verifies; confidences[r]: request r's per draft (an empty list: use the measured
         acceptance for each of its K drafts)."""
         self._update(stats)
-        if not self.adaptive or not (self.target.ready and self.draft.ready):
+        # (the draft line may have one batch size only: its mean is all this rule reads)
+        if not self.adaptive or not self.target.ready:
             return [self.max] * len(confidences)
         chances = []  # (v, request, position): prefix chances, falling along each block
         for r, conf in enumerate(confidences):

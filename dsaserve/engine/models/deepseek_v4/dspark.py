@@ -26,6 +26,8 @@ decoding"):
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from dsaserve.engine.layers.dspark import ConfidenceHead, MarkovHead
@@ -71,7 +73,7 @@ class DSparkHead(torch.nn.Module):
         """The step's rows as every draft layer's context (taps: [N, hidden] each, in order)."""
         main_x = self.main_norm(self.main_proj(torch.cat(taps, dim=-1)))  # [N, hidden]
         for layer in self.layers:
-            write_context(layer.attn, main_x, step)
+            write_context(cast(Block, layer).attn, main_x, step)
 
     def forward(self, x: torch.Tensor, step: StepState) -> torch.Tensor:
         """Block rows' embeddings x [N, hidden] -> their head hidden states h [N, hidden] (before

@@ -34,7 +34,7 @@ from dsaserve.engine.step import StepInputs, StepState
 
 class DeepseekV4(torch.nn.Module):
     # draft heads the loader drops when the checkpoint stores none of their tensors
-    optional_modules = ("mtp", "dspark", "dspark.confidence_head")
+    optional_modules: tuple[str, ...] = ("mtp", "dspark", "dspark.confidence_head")
 
     def __init__(
         self, cfg: ModelConfig, quant: Quantization | None = None, tp: TensorParallel = SINGLE
