@@ -20,7 +20,7 @@ initialised from the main model's own pieces: each draft layer's attention from 
 layer 0, its MoE and mHC from the last layer, the collapse and norm from the model's head,
 main_proj the mean of the taps; the Markov head's W2 and the confidence head at zero.
 
-    python3 scripts/demo_dspark.py            # writes dsaserve/engine/assets/dsaserve-demo-v4-dspark
+    python3 scripts/demo_dspark.py   # writes dsaserve/engine/assets/dsaserve-demo-v4-dspark
 """
 
 from __future__ import annotations
