@@ -28,6 +28,9 @@ PARTS: dict[str, str | None] = {
     "wait": None,  # the host waits for a step's sampled ids (async scheduling: the step before)
     "outputs": None,  # the ids to their requests: stop checks, text, listeners (host only)
 }
+# parts that keep what runs inside them: a draft head's layers (their mhc, attention, moe ranges)
+# count as `draft`, so the report says what drafting costs, split by kernel class
+WHOLE = frozenset({"draft"})
 PREFIX = "dsaserve."
 
 
