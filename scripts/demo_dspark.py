@@ -21,6 +21,11 @@ layer 0, its MoE and mHC from the last layer, the collapse and norm from the mod
 main_proj the mean of the taps; the Markov head's W2 and the confidence head at zero.
 
     python3 scripts/demo_dspark.py   # writes dsaserve/engine/assets/dsaserve-demo-v4-dspark
+    python -m bench.spec_decode --out bench/results/cpu-spec-decode.json
+    python3 scripts/demo_dspark.py --record-acceptance bench/results/cpu-spec-decode.json
+
+The demo model's card (its README, scripts/demo_model_card.py) gets a DSpark section from the
+run's log and, recorded, the bench's acceptance of both heads on held-out text.
 """
 
 from __future__ import annotations
@@ -41,9 +46,20 @@ BOS = 256
 NOISE = 261  # the demo tokenizer's last chat token, never in the data: the block's filler
 
 try:  # run as a script: its folder is on sys.path
+    from demo_model_card import write_card
     from demo_mtp import greedy_continuations
 except ImportError:  # loaded from the repository root
+    from scripts.demo_model_card import write_card
     from scripts.demo_mtp import greedy_continuations
+
+VARIANT_CARD = """# dsaserve-demo-v4-dspark
+
+dsaserve's demo model (`dsaserve-demo-v4`, its README is the model card) with a DSpark draft head
+instead of its MTP layer, in the layout of DeepSeek-V4-Flash-0731 (`dspark_*` config fields, the
+head under `mtp.*`). Made by `scripts/demo_dspark.py`; the demo model's card gives both heads'
+acceptance on held-out text. Serve it with
+`--model <this directory> --speculative-config '{"method": "dspark"}'`.
+"""
 
 
 class Teacher:
@@ -157,8 +173,13 @@ def write_checkpoint(src: Path, out: Path, head, fields: dict, log: dict) -> Non
     dspark_* fields, and the run's log."""
     out.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.name not in ("model.safetensors", "config.json", "README.md", "train_log.json",
-                          "loss.png"):  # fmt: skip
+        if f.name not in (
+            "model.safetensors",
+            "config.json",
+            "README.md",
+            "train_log.json",
+            "loss.png",
+        ):  # fmt: skip  (the tokenizer's files, generation config)
             shutil.copy(f, out / f.name)
     main = {k: v for k, v in load_file(str(src / "model.safetensors")).items()
             if not k.startswith("mtp.")}  # fmt: skip
@@ -167,6 +188,34 @@ def write_checkpoint(src: Path, out: Path, head, fields: dict, log: dict) -> Non
     config = json.loads((src / "config.json").read_text()) | fields
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
+
+
+def record(main_dir: Path, variant: Path, bench_json: Path | None) -> None:
+    """The demo model's log and card: the DSpark run (the variant's log) and, when given,
+    bench/spec_decode.py's acceptance of both heads (its DSpark rows and MTP's K=2)."""
+    run = json.loads((variant / "train_log.json").read_text())
+    config = json.loads((variant / "config.json").read_text())
+    summary = {
+        "args": run["args"], "data": run["data"], "heldout": run["heldout"],
+        "steps": run["steps"], "train_s": run["train_s"],
+        "taps": config["dspark_target_layer_ids"],
+        "noise_token_id": config["dspark_noise_token_id"],
+    }  # fmt: skip
+    log = json.loads((main_dir / "train_log.json").read_text())
+    if bench_json is not None:
+        bench = json.loads(bench_json.read_text())
+        names = {"K=2": "MTP, K = 2", "dspark g=5": "DSpark, gamma 5, whole block",
+                 "dspark g=5 conf": "DSpark, gamma 5, by confidence"}  # fmt: skip
+        summary["acceptance"] = {
+            "command": f"`python -m bench.spec_decode`, {bench['args']['prompts']} prompts of "
+            f"{bench['args']['prompt_bytes']} bytes, {bench['args']['max_tokens']} tokens each",
+            "rows": {names[k]: bench["rows"][k] for k in names},
+        }
+    elif "acceptance" in log.get("dspark", {}):
+        summary["acceptance"] = log["dspark"]["acceptance"]
+    log["dspark"] = summary
+    (main_dir / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    write_card(main_dir / "README.md", log)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,23 +233,36 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=str(REPO / "dsaserve/engine/assets/dsaserve-demo-v4"))
     p.add_argument("--out", default=str(REPO / "dsaserve/engine/assets/dsaserve-demo-v4-dspark"))
     p.add_argument("--data", default=str(REPO / "data" / "tinyshakespeare.txt"))
-    p.add_argument("--layers", type=int, default=2, help="draft layers (V4-Flash's head: 3)")
+    p.add_argument("--layers", type=int, default=1, help="draft layers (V4-Flash's head: 3)")
     p.add_argument("--gamma", type=int, default=5, help="block size (the release's: 5)")
     p.add_argument("--rank", type=int, default=64, help="the Markov head's rank")
-    p.add_argument("--sequences", type=int, default=384)
-    p.add_argument("--heldout", type=int, default=24, help="sequences held apart to measure")
+    p.add_argument("--sequences", type=int, default=256)
+    p.add_argument("--heldout", type=int, default=16, help="sequences held apart to measure")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--prompt-bytes", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--anchors", type=int, default=12, help="blocks per sequence per step")
     p.add_argument("--steps", type=int, default=10**9)
-    p.add_argument("--time-budget-s", type=float, default=240.0)
+    p.add_argument("--time-budget-s", type=float, default=240.0, help="of training alone")
+    p.add_argument(
+        "--sequences-cache",
+        help="a file the greedy continuations are kept in (made if missing): runs that only "
+        "change the training reuse them",
+    )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--distill", type=float, default=1.0, help="weight of the KL to the model")
     p.add_argument("--confidence", type=float, default=0.3, help="weight of the confidence loss")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--record-acceptance",
+        metavar="BENCH_JSON",
+        help="no training: put bench/spec_decode.py's figures into the demo model's card",
+    )
     args = p.parse_args(argv)
+    if args.record_acceptance:
+        record(Path(args.model), Path(args.out), Path(args.record_acceptance))
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.monotonic()
@@ -217,7 +279,14 @@ def main(argv: list[str] | None = None) -> None:
     gen_args = argparse.Namespace(
         seq_len=args.seq_len, mtp_prompt_bytes=args.prompt_bytes, seed=args.seed
     )
-    sequences = greedy_continuations(src, train_bytes, args.sequences + args.heldout, gen_args)
+    cache = Path(args.sequences_cache) if args.sequences_cache else None
+    if cache is not None and cache.exists():
+        sequences = torch.load(cache)
+    else:
+        n = args.sequences + args.heldout
+        sequences = greedy_continuations(src, train_bytes, n, gen_args)
+        if cache is not None:
+            torch.save(sequences, cache)
     teacher = Teacher(target, head, sequences, 16)
     n_train = args.sequences
     held = torch.arange(n_train, n_train + args.heldout)
@@ -230,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(args.seed + 5)
     first, last = args.prompt_bytes + 1, sequences.shape[1] - 1 - args.gamma
     t1, step = time.monotonic(), 0
-    budget = args.time_budget_s - (t1 - t0)
+    budget = args.time_budget_s
     while time.monotonic() - t1 < budget and step < args.steps:
         done = max(step / args.steps, (time.monotonic() - t1) / budget)
         lr = args.lr * min(1.0, (step + 1) / 20) * (0.55 + 0.45 * math.cos(math.pi * done))
@@ -264,7 +333,9 @@ def main(argv: list[str] | None = None) -> None:
         "num_nextn_predict_layers": 1,  # (as V4-Flash-0731's config says; dspark_* decide)
     }
     write_checkpoint(src, out, head, fields, log)
-    print(f"written to {out}", flush=True)
+    (out / "README.md").write_text(VARIANT_CARD)
+    record(src, out, None)
+    print(f"written to {out}; {src / 'README.md'} has its figures", flush=True)
 
 
 if __name__ == "__main__":

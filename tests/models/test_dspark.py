@@ -79,3 +79,63 @@ def test_engine_drafts_what_the_reference_drafts_step_after_step(dspark_tiny):
         assert torch.allclose(torch.tensor(req.draft_confidences), conf[0], atol=1e-4)
         checked += 1
     engine.abort("a")
+
+
+@pytest.fixture(scope="module")
+def dspark_release(tmp_path_factory: pytest.TempPathFactory):
+    return make_tiny_model(tmp_path_factory.mktemp("dspark-release"), fmt="release", draft="dspark")
+
+
+@pytest.mark.parametrize("dtype, quantized", [("float32", False), ("bfloat16", True)])
+def test_the_release_layout_loads_with_its_formats_and_drafts(dspark_release, dtype, quantized):
+    """V4-Flash-0731's layout in miniature (FP8 draft layers and main_proj with their scales,
+    FP4 experts, bf16 Markov head, fp32 confidence head, two shards): loaded dequantized or
+    kept quantized, the head drafts; in fp32 greedy tokens are those without speculation (in
+    bf16 a verify step's rows round otherwise than one decode row's: near ties may part)."""
+    from dsaserve.engine.layers.fp8_linear import Fp8Linear
+    from dsaserve.engine.llm import LLM
+
+    options = dict(max_num_seqs=2, enable_prefix_caching=False, dtype=dtype,
+                   quantized_compute=quantized)  # fmt: skip
+    spec = LLM(dspark_release, speculative_config=SPEC, **options)
+    head = spec.engine.model.dspark
+    assert head is not None and len(head.layers) == 3 and head.confidence_head is not None
+    assert isinstance(head.main_proj, Fp8Linear) == quantized
+    prompt = torch.randint(0, 250, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=12, temperature=0)
+    got = spec.generate([prompt], params)[0].token_ids
+    assert len(got) == 12 and spec.engine.speculator.stats.num_drafts > 0
+    if not quantized:
+        assert got == LLM(dspark_release, **options).generate([prompt], params)[0].token_ids
+
+
+def test_hf_names_load_as_the_releases_and_a_missing_confidence_head_is_dropped(
+    dspark_tiny, tmp_path
+):
+    """The head under HF's spellings (`model.` prefix, `hc_head.hc_fn`, `attn.norm`) loads the
+    same tensors; a checkpoint without `confidence_head.*` drafts without confidences (vLLM
+    drops the head too), so adaptive verification falls back to the measured acceptance."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dsaserve.engine.llm import LLM
+
+    def respell(name: str) -> str:
+        name = name.replace("hc_head_", "hc_head.hc_").replace(".attn.kv_norm.", ".attn.norm.")
+        return "model." + name
+
+    hf = shutil.copytree(dspark_tiny, tmp_path / "hf")
+    weights = load_file(hf / "model.safetensors")
+    save_file({respell(k): v for k, v in weights.items()
+               if "confidence_head" not in k}, hf / "model.safetensors")  # fmt: skip
+    options = dict(max_num_seqs=2, enable_prefix_caching=False, speculative_config=SPEC)
+    ours, theirs = LLM(dspark_tiny, **options).engine, LLM(hf, **options).engine
+    assert theirs.model.dspark.confidence_head is None
+    mine = dict(ours.model.dspark.named_parameters())
+    for name, p in theirs.model.dspark.named_parameters():
+        assert torch.equal(p, mine[name]), name
+    theirs.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0))
+    theirs.step()
+    req = theirs.scheduler.requests["a"]
+    assert req.draft_token_ids and req.draft_confidences == []
