@@ -401,10 +401,13 @@ def test_drafts_a_decode_engine_cannot_verify_are_refused():
 
 
 @pytest.mark.e2e  # two ranks as processes
-def test_a_tensor_parallel_group_speculates_what_one_rank_decodes(reference):
-    """TP=2: rank 0 verifies and drafts, its follower runs every MTP pass with it (the runner's
-    calls reach both ranks); the greedy tokens are those without speculation."""
-    with LLM(DEMO_MODEL_DIR, tensor_parallel_size=2, speculative_config=SPEC, **ENGINE) as two:
+@pytest.mark.parametrize("method", HEADS)
+def test_a_tensor_parallel_group_speculates_what_one_rank_decodes(reference, method):
+    """TP=2: rank 0 verifies and drafts, its follower runs every draft pass with it (the
+    runner's calls reach both ranks); the greedy tokens are those without speculation."""
+    model, k = HEADS[method]
+    spec = _spec(k, method)
+    with LLM(model, tensor_parallel_size=2, speculative_config=spec, **ENGINE) as two:
         got = [r.token_ids for r in two.generate(PROMPTS, GREEDY)]
         assert got == reference
         assert two.engine.speculator.stats.num_accepted_tokens > 0
