@@ -1,5 +1,5 @@
-"""bench/dspark.py --smoke: the GPU bench's steps (the slice's DSpark head written, a decode step and
-a speculating step timed at each concurrency) run end to end on the tiny release model."""
+"""bench/dspark.py --smoke: the GPU bench's steps (the slice's DSpark head written, a decode step
+and a speculating step timed at each concurrency) run end to end on the tiny release model."""
 
 from __future__ import annotations
 
