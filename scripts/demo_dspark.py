@@ -66,16 +66,19 @@ class Teacher:
     """The frozen main model over sequences [n, L]: its taps [n, L, 3H], its greedy next token
     [n, L] and log-probabilities [n, L, V] at every position."""
 
-    def __init__(self, main, head, sequences: torch.Tensor, batch: int) -> None:
-        self.ids = sequences
+    def __init__(self, sequences: torch.Tensor, taps: torch.Tensor, logp: torch.Tensor) -> None:
+        self.ids, self.taps, self.logp = sequences, taps, logp
+        self.greedy = self.logp.argmax(-1)
+
+    @classmethod
+    def compute(cls, main, head, sequences: torch.Tensor, batch: int) -> Teacher:
         taps, logp = [], []
         with torch.no_grad():
             for i in range(0, len(sequences), batch):
                 part = sequences[i : i + batch]
                 taps.append(head.target_taps(main, part))
                 logp.append(main(part).logits.float().log_softmax(-1))
-        self.taps, self.logp = torch.cat(taps), torch.cat(logp)
-        self.greedy = self.logp.argmax(-1)
+        return cls(sequences, torch.cat(taps), torch.cat(logp))
 
 
 def init_from_main(head, main) -> None:
@@ -245,15 +248,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10**9)
     p.add_argument("--time-budget-s", type=float, default=240.0, help="of training alone")
     p.add_argument(
-        "--sequences-cache",
-        help="a file the greedy continuations are kept in (made if missing): runs that only "
-        "change the training reuse them",
+        "--data-cache",
+        help="a file the greedy continuations and the model's outputs over them are kept in "
+        "(made if missing): runs that only change the training (or --resume) reuse them",
     )
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--distill", type=float, default=1.0, help="weight of the KL to the model")
     p.add_argument("--confidence", type=float, default=0.3, help="weight of the confidence loss")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--resume", action="store_true", help="go on from the head already in --out, if any"
+    )
     p.add_argument(
         "--record-acceptance",
         metavar="BENCH_JSON",
@@ -273,21 +279,27 @@ def main(argv: list[str] | None = None) -> None:
     taps = list(range(max(0, n_layers - 3), n_layers))
     head = DSparkReference(target.config, args.layers, taps, args.rank, NOISE)
     init_from_main(head, target)
+    before: dict = {}
+    if args.resume and (out / "model.safetensors").exists():
+        head.load_release(out)
+        before = json.loads((out / "train_log.json").read_text())
+        print(f"resuming from the head in {out} ({before.get('steps', 0)} steps)", flush=True)
     data = Path(args.data).read_bytes()
     split = len(data) - int(len(data) * 0.05)  # the main model's held-out 5 %, never used here
     train_bytes = torch.frombuffer(bytearray(data[:split]), dtype=torch.uint8)
     gen_args = argparse.Namespace(
         seq_len=args.seq_len, mtp_prompt_bytes=args.prompt_bytes, seed=args.seed
     )
-    cache = Path(args.sequences_cache) if args.sequences_cache else None
+    cache = Path(args.data_cache) if args.data_cache else None
     if cache is not None and cache.exists():
-        sequences = torch.load(cache)
+        teacher = Teacher(**torch.load(cache))
     else:
         n = args.sequences + args.heldout
         sequences = greedy_continuations(src, train_bytes, n, gen_args)
+        teacher = Teacher.compute(target, head, sequences, 16)
         if cache is not None:
-            torch.save(sequences, cache)
-    teacher = Teacher(target, head, sequences, 16)
+            torch.save({"sequences": sequences, "taps": teacher.taps, "logp": teacher.logp}, cache)
+    sequences = teacher.ids
     n_train = args.sequences
     held = torch.arange(n_train, n_train + args.heldout)
     log: dict = {"args": vars(args), "train": [], "heldout": []}
@@ -321,7 +333,12 @@ def main(argv: list[str] | None = None) -> None:
             print(entry, flush=True)
     head.eval()
     log["heldout"] = heldout_acceptance(head, target, teacher, held, args)
-    log["steps"], log["train_s"] = step, round(time.monotonic() - t1, 1)
+    # (a resumed run adds to the runs before it: steps and seconds count all of them)
+    run = {"steps": step, "train_s": round(time.monotonic() - t1, 1), "resumed": bool(before)}
+    log["runs"] = [*before.get("runs", []), run]
+    log["train"] = before.get("train", []) + log["train"]
+    log["steps"] = sum(r["steps"] for r in log["runs"])
+    log["train_s"] = round(sum(r["train_s"] for r in log["runs"]), 1)
     log["total_s"] = round(time.monotonic() - t0, 1)
     print(f"heldout {log['heldout']}", flush=True)
     fields = {
