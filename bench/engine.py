@@ -1,4 +1,4 @@
-"""H200 benchmark of the engine's decode step on a V4-Flash-width model slice (or a
+"""GPU benchmark of the engine's decode step on a V4-Flash-width model slice (or a
 DeepSeek-V3.2-width one: --model-type deepseek_v32).
 
     python -m bench.engine --out bench/results/h200-engine.json
@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from bench import naive
+from bench.fake_quant import family, layer_labels
 from bench.flash_widths import FLASH_WIDTHS
 from bench.harness import write_record
 from bench.v32_widths import V32_WIDTHS
@@ -144,19 +145,9 @@ LAYERS = [
 V32_LAYERS = ["dense", "sparse", "sparse", "sparse"]  # (mlp_layer_types)
 
 
-def family(model_type: str) -> Any:
-    """The engine.models package of a family (engine.models.FAMILIES)."""
-    return importlib.import_module(FAMILIES[model_type])
-
-
 def slice_config(num_experts: int, smoke: bool = False, model_type: str = V4) -> Any:
     """The slice's ModelConfig, of the family's type."""
     return family(model_type).ModelConfig.from_hf(slice_hf_config(num_experts, smoke, model_type))
-
-
-def layer_labels(cfg: Any) -> list[str]:
-    """A label per layer of a slice (the per-layer errors)."""
-    return list(cfg.layer_types if cfg.family == V4 else cfg.mlp_layer_types)
 
 
 def slice_hf_config(num_experts: int, smoke: bool = False, model_type: str = V4) -> dict:
@@ -206,20 +197,33 @@ def write_slice(
 def random_model(cfg: Any, dev: torch.device, tp: TensorParallel = SINGLE) -> Model:
     """Random bf16 weights (this rank's shard under tensor parallelism)."""
     model = family(cfg.family).build_model(cfg, torch.bfloat16, dev, tp=tp)
-    gen = torch.Generator(dev).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
-            elif not name.endswith("scale") and "norm" not in name:
-                p.normal_(0, 0.1, generator=gen)
-        for layer in model.layers:
-            gate = getattr(layer.ffn, "gate", None)  # (V3.2's dense layers have none)
-            if getattr(gate, "hashed", False):  # V4's token-id hash: a table, not weights
-                gate.tid2eid.copy_(
-                    torch.randint(0, cfg.num_experts, gate.tid2eid.shape, device=dev, generator=gen)
-                )
+    fill_random(model, torch.Generator(dev).manual_seed(0))
     return model
+
+
+@torch.no_grad()
+def fill_random(model: Any, gen: torch.Generator, skip: frozenset[str] = frozenset()) -> None:
+    """Random values in every parameter but `skip`'s: matrices normal with std fan_in^-0.5,
+    vectors with std 0.1 (norms and scales as built); hash routers' token tables random
+    distinct experts per token."""
+    for name, p in model.named_parameters():
+        if name in skip:
+            continue
+        if p.dim() >= 2:
+            p.normal_(0, p.shape[-1] ** -0.5, generator=gen)
+        elif not name.endswith("scale") and "norm" not in name:
+            p.normal_(0, 0.1, generator=gen)
+    for layer in model.layers:
+        gate = getattr(layer.ffn, "gate", None)  # (V3.2's dense layers have none)
+        if getattr(gate, "hashed", False):  # V4's token-id hash: a table, not weights
+            # distinct experts per token, as the release's tables (a repeated one would run
+            # twice in the kernels and once in the release's loop: bench.release_numerics
+            # saw its hash layers 2.5x over the floor from that alone)
+            vocab, k = gate.tid2eid.shape
+            draws = torch.rand(
+                vocab, model.cfg.num_experts, device=gate.tid2eid.device, generator=gen
+            )
+            gate.tid2eid.copy_(draws.argsort(dim=1)[:, :k])
 
 
 # The formats each family's release stores: V4's FP8 linears and FP4 experts, V3.2's FP8 linears
@@ -292,10 +296,14 @@ class Bench:
         dev: torch.device,
         tp: TensorParallel = SINGLE,
         channel: Channel | None = None,
+        model: Any = None,
+        graph_sizes: list[int] = GRAPH_SIZES,
     ) -> None:
-        """tp, channel: this rank's group and, on rank 0, its line to the others (bench.tp)."""
+        """tp, channel: this rank's group and, on rank 0, its line to the others (bench.tp);
+        model: the weights to run (None: random bf16 ones); graph_sizes: the decode batch sizes
+        captured as CUDA graphs."""
         self.cfg, self.dev, self.max_context = cfg, dev, cfg.max_position_embeddings
-        self.channel = channel
+        self.channel, self.graph_sizes = channel, graph_sizes
         self.pool = KVPool(
             cfg,
             KVCacheConfig(
@@ -313,7 +321,7 @@ class Bench:
             for t in list(group.kv.values()) + list(group.index_k.values()):
                 t.normal_(0, 1, generator=gen)
         self.scheduler = Scheduler(self.pool, 8192)
-        self.use(random_model(cfg, dev, tp))
+        self.use(random_model(cfg, dev, tp) if model is None else model)
 
     def use(self, model: Any) -> None:
         """Run `model` from now on, on the same pool (its layout does not depend on the weights),
@@ -321,7 +329,7 @@ class Bench:
         self.model = model
         self.runner = ModelRunner(model, self.pool, self.dev, self.max_context, self.channel)
         if self.dev.type == "cuda":
-            self.runner.capture_decode_graphs(GRAPH_SIZES)
+            self.runner.capture_decode_graphs(self.graph_sizes)
 
     def requests(self, n: int, context: int) -> list[Request]:
         """n requests that have `context` tokens computed and one sampled token to decode next."""
@@ -335,9 +343,9 @@ class Bench:
                 text=None,
                 eos_token_ids=frozenset(),
             )
-            assert self.scheduler.try_allocate(r, context + 1), (
-                "KV pool too small for the benchmark"
-            )
+            if not self.scheduler.try_allocate(r, context + 1):
+                self.release(reqs)  # (a failed allocation holds nothing: no pages are left)
+                raise AssertionError(f"KV pool too small for {n} requests of {context} tokens")
             r.num_computed, r.output_token_ids, r.status = context, [11], Status.RUNNING
             self.scheduler.running.append(r)
             self.scheduler.requests[r.request_id] = r
@@ -360,16 +368,21 @@ class Bench:
             r.output_token_ids.append(t)
 
     def decode_tokens_per_s(self, n: int, context: int, steps: int) -> tuple[float, float]:
+        # Only these n requests may run: one left behind by an earlier phase widens every step
+        # (65 rows at c=64: past the largest graph, so each step ran eagerly, 5x slower)
+        assert not self.scheduler.running, f"{len(self.scheduler.running)} requests left running"
         reqs = self.requests(n, context)
-        for _ in range(3):
-            self.decode_step()
-        _sync(self.dev)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            self.decode_step()  # ends in the sampler's host sync
-            times.append(time.perf_counter() - t0)
-        self.release(reqs)
+        try:
+            for _ in range(3):
+                self.decode_step()
+            _sync(self.dev)
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                self.decode_step()  # ends in the sampler's host sync
+                times.append(time.perf_counter() - t0)
+        finally:
+            self.release(reqs)
         step_s = statistics.median(times)
         return n / step_s, step_s * 1e3
 
@@ -395,16 +408,19 @@ def check_against_reference(bench: Bench, context: int, prefill: int) -> dict:
     out["decode_graph_vs_reference_rel_err"] = _rel_err(decode_logits(bench, reqs), ref)
     bench.release(reqs)
     [r] = bench.requests(1, 0)
-    r.prompt_token_ids = torch.randint(
-        0, bench.cfg.vocab_size, (prefill,), generator=torch.Generator().manual_seed(3)
-    ).tolist()
-    assert bench.scheduler.try_allocate(r, prefill + 1)
-    spec = [RowSpan(0, prefill, r.slab, r.prompt_token_ids)]
-    inp = build_step_inputs(bench.pool, spec, 0, bench.dev)
-    last = torch.tensor([prefill - 1], device=bench.dev)
-    with kernels.use_backend("reference"):
-        ref, ref_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
-    got, got_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
+    try:  # (a check that fails must not leave its request in the scheduler's running list)
+        r.prompt_token_ids = torch.randint(
+            0, bench.cfg.vocab_size, (prefill,), generator=torch.Generator().manual_seed(3)
+        ).tolist()
+        assert bench.scheduler.try_allocate(r, prefill + 1)
+        spec = [RowSpan(0, prefill, r.slab, r.prompt_token_ids)]
+        inp = build_step_inputs(bench.pool, spec, 0, bench.dev)
+        last = torch.tensor([prefill - 1], device=bench.dev)
+        with kernels.use_backend("reference"):
+            ref, ref_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
+        got, got_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
+    finally:
+        bench.release([r])
     out[f"prefill_{prefill}_vs_reference_rel_err"] = _rel_err(got, ref)
     # Where the two paths part: a jump at one layer kind is a bug, steady growth is bf16
     # rounding amplified through the random model.
@@ -412,7 +428,6 @@ def check_against_reference(bench: Bench, context: int, prefill: int) -> dict:
         f"{kind}: {_rel_err(a, b):.4f}"
         for kind, a, b in zip(layer_labels(bench.cfg), got_layers, ref_layers, strict=True)
     ]
-    bench.release([r])
     return out
 
 
@@ -652,7 +667,8 @@ def summarize(result: dict) -> None:
 def print_table(result: dict) -> None:
     hw = result["hardware"]
     machine = (
-        f"H200: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
+        f"{hw['name']}: copy {hw['copy_GBps']:.0f} GB/s, "
+        f"bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s"
         if hw
         else "smoke run on the CPU (times mean nothing)"
     )

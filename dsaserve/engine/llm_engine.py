@@ -36,6 +36,7 @@ from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.handoff import Handoff
 from dsaserve.engine.kv.layout import check_kv_cache_dtype
 from dsaserve.engine.load import Load
+from dsaserve.engine.logits_processors import bad_words_ids
 from dsaserve.engine.model_dir import model_identity
 from dsaserve.engine.outputs import StepOutputs, request_output
 from dsaserve.engine.parallel.group import SINGLE
@@ -189,6 +190,12 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        bad = [t for t in params.token_ids_in_use() if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"token ids of stop_token_ids, logit_bias and allowed_token_ids must be in "
+                f"[0, {vocab}); got {bad[:5]}"
+            )
         try:
             max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
         except ContextLengthError as e:
@@ -221,6 +228,7 @@ class LLMEngine:
             prefill_only=prefill_only,
             listener=listener,
             grammar=grammar,
+            bad_words=bad_words_ids(self.tokenizer, params.bad_words),
         )
 
     def add_request(

@@ -19,6 +19,7 @@ from typing import cast
 import torch
 
 from dsaserve.engine.async_copy import ToHost, to_device
+from dsaserve.engine.logits_processors import adjust, changes_logits, reads_ids
 from dsaserve.engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from dsaserve.engine.profile.ranges import profiled
 from dsaserve.engine.request import Request, RequestOutput, Status
@@ -51,7 +52,7 @@ class StepOutputs:
         self.scheduler, self.runner, self.constraints = scheduler, runner, constraints
         self.vocab_size, self.finish = vocab_size, finish
         self.in_flight: LaunchedStep | None = None  # async scheduling: the step the device runs
-        # outputs of the step in flight, completed early for a grammar's sake (`_bitmask`)
+        # outputs of the step in flight, completed early for its tokens' sake (`_settle`)
         self.completed_early: list[RequestOutput] = []
 
     # ---------------------------------------------------------------- a step's three ways
@@ -60,7 +61,7 @@ class StepOutputs:
         """Async scheduling: queue this step, then complete the one before it, whose ids reach
         the host while the device runs this one."""
         launched = self.launch(batch)
-        previous, self.in_flight = self.in_flight, launched  # (after `launch`: see `_bitmask`)
+        previous, self.in_flight = self.in_flight, launched  # (after `launch`: see `_settle`)
         return self._completed(previous)
 
     def launch_and_wait(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -101,9 +102,12 @@ class StepOutputs:
             return LaunchedStep([], ToHost())
         logits = logits[: len(samplers)]
         with profiled("sample"):
+            self._settle(samplers)
             mask = self._bitmask(samplers, logits.device)
             draws = [len(r.output_token_ids) + r.num_inflight for r in samplers]
-            tokens = sample(logits, [r.params for r in samplers], draws, mask)  # [S] on the device
+            rows = [r.sampling_row() if changes_logits(r.params) else None for r in samplers]
+            adjusted = adjust(logits, rows)  # (logprobs stay the raw ones)
+            tokens = sample(adjusted, [r.params for r in samplers], draws, mask)  # [S] on device
             table = logprob_table(logits, tokens, [r.params.logprobs for r in samplers])
         self.runner.sampled = tokens
         for row, req in enumerate(samplers):
@@ -112,17 +116,23 @@ class StepOutputs:
             self.hold(req)
         return LaunchedStep(samplers, ToHost(tokens, table))
 
+    def _settle(self, samplers: list[Request]) -> None:
+        """A request whose sampling reads its own tokens (a grammar, a penalty, bad words)
+        needs its newest one on the host: if it is still in flight, the step in flight is
+        completed now, while the device runs this step's forward (its outputs go out with this
+        step's). Rows that read none of their tokens never wait."""
+        if self.in_flight is not None and any(
+            r.num_inflight and (r.grammar is not None or reads_ids(r.params)) for r in samplers
+        ):
+            self.completed_early += self.complete(self.in_flight)
+            self.in_flight = None
+
     def _bitmask(self, samplers: list[Request], device: torch.device) -> Bitmask | None:
         """The structured outputs' bitmask of a launched step's samplers (None if none is
-        constrained). A constrained request whose newest token is still in flight needs it
-        first: the step in flight is completed now, while the device runs this step's forward
-        (its outputs go out with this step's)."""
+        constrained; their tokens are on the host: `_settle`)."""
         constrained = [(row, r) for row, r in enumerate(samplers) if r.grammar is not None]
         if not constrained:
             return None
-        if self.in_flight is not None and any(r.num_inflight for _, r in constrained):
-            self.completed_early += self.complete(self.in_flight)
-            self.in_flight = None
         rows = []
         for row, req in constrained:
             assert req.grammar is not None and req.num_inflight == 0
@@ -216,4 +226,5 @@ def request_output(
         completion_tokens=len(req.output_token_ids),
         logprobs=logprobs,
         cached_tokens=req.num_cached_tokens or 0,
+        stop_reason=req.stop_reason,
     )

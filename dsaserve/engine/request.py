@@ -8,10 +8,11 @@ object per request, found by id in `Scheduler.requests`, and nowhere else.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dsaserve.engine.kv.layout import SLAB
+from dsaserve.engine.logits_processors import RowTokens, reads_ids
 from dsaserve.engine.logprobs import TokenLogprobs
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.engine.step import sampled_ref
@@ -36,6 +37,8 @@ class RequestOutput:
     # With the first token, when the request asked: one per prompt token after the first
     prompt_logprobs: list[TokenLogprobs] | None = None
     cached_tokens: int = 0  # prompt tokens resumed from the prefix cache instead of computed
+    # vLLM's stop_reason, once finished by one: the stop string or the stop token id
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ class Request:
     slab: int | None = None  # the request's slab row (its compressor rings, its page tables)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # vLLM's stop_reason: the stop string or stop token id that ended it (None: EOS, length)
+    stop_reason: str | int | None = None
     # Prefix cache: hashes of its known tokens' whole blocks (engine.prefix_cache.block_hash),
     # and the prompt tokens its first admission resumed from the cache (None until then)
     block_hashes: list[bytes] = field(default_factory=list)
@@ -99,6 +104,7 @@ class Request:
     # takes one there too (None: nowhere worth it)
     branch_point: int | None = None
     grammar: GrammarState | None = None  # structured output: where the output is in its grammar
+    bad_words: list[list[int]] = field(default_factory=list)  # params.bad_words' token ids
     # params.prompt_logprobs: those of prompt tokens 1.. computed so far (a chunk at a time)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
@@ -111,6 +117,26 @@ class Request:
     def kv_pages(self) -> dict[str, list[int]]:
         """Its pages by pool group and its slab row under "slab" (as KVPages holds them)."""
         return {**self.page_tables, SLAB: [self.slab_row]}
+
+    def sampling_row(self, drafts: Sequence[int] = ()) -> RowTokens:
+        """What its next token's logits processors read (engine.logits_processors), `drafts`
+        standing before it (a speculative step's verified rows); its ids are complete only
+        while none is in flight."""
+        ids = [*self.output_token_ids, *drafts] if reads_ids(self.params) else []
+        return RowTokens(
+            params=self.params,
+            prompt=self.prompt_token_ids,
+            output=ids,
+            num_output=len(self.output_token_ids) + len(drafts) + self.num_inflight,
+            stop_ids=self.stop_ids,
+            bad_words=self.bad_words,
+        )
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens min_tokens keeps out: EOS (unless ignored) and the stop tokens."""
+        eos = frozenset() if self.params.ignore_eos else self.eos_token_ids
+        return eos | frozenset(self.params.stop_token_ids)
 
     def tokens(self, start: int, n: int) -> list[int]:
         """token_ids[start:start + n] without building the whole list (decode steps stay O(1));
@@ -145,14 +171,18 @@ class Request:
 
     def append_token(self, token_id: int, in_flight: bool = False) -> str | None:
         """Record a sampled token (in_flight: the oldest in-flight one, now on the host); returns
-        the finish reason if the request ends with it."""
+        the finish reason if the request ends with it. Nothing but the length ends it before
+        params.min_tokens tokens (the sampler never draws EOS or a stop token until then)."""
         self.num_inflight -= in_flight
         self.output_token_ids.append(token_id)
+        stops = len(self.output_token_ids) >= self.params.min_tokens
         is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
-        if is_eos or token_id in self.params.stop_token_ids:
+        if stops and (is_eos or token_id in self.params.stop_token_ids):
+            self.stop_reason = None if is_eos else token_id
             return "stop"
-        self.text.push(token_id)
+        self.text.push(token_id, search=stops)
         if self.text.stopped:
+            self.stop_reason = self.text.stopped
             return "stop"
         if len(self.output_token_ids) >= self.max_tokens:
             return "length"

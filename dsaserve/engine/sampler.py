@@ -1,4 +1,5 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds (on
+logits the request's other parameters have already acted on: engine.logits_processors).
 
 A seeded request draws its noise for output token i from a generator seeded with
 (seed, i) alone, so its tokens do not depend on the batch it shares or on which worker
@@ -76,7 +77,7 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def _truncates(p: SamplingParams, vocab: int) -> bool:
-    return p.top_p < 1 or 0 < p.top_k < vocab
+    return p.top_p < 1 or 0 < p.top_k < vocab or p.min_p > 0
 
 
 def _noise(
@@ -123,17 +124,22 @@ def _truncated_race(
 def _sorted_probs(
     logits: torch.Tensor, sel: torch.Tensor, params: list[SamplingParams]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `sel` after temperature, top-k and top-p: (their probabilities [R, V] sorted in
-    descending order, the dropped ones 0 and the rest not renormalized; the token of each
-    column [R, V])."""
+    """Rows `sel` after temperature, min-p, top-k and top-p (vLLM's order): (their
+    probabilities [R, V] sorted in descending order, the dropped ones 0 and the rest not
+    renormalized; the token of each column [R, V])."""
     dev, vocab = logits.device, logits.shape[1]
-    temp, top_p = to_device(
-        [[p.temperature for p in params], [p.top_p for p in params]], torch.float32, dev
+    temp, top_p, min_p = to_device(
+        [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+        torch.float32,
+        dev,
     )
     top_k = to_device([p.top_k or vocab for p in params], torch.int64, dev)
     sorted_logits, order = (logits[sel] / temp[:, None]).sort(dim=-1, descending=True)  # [R, V]
     rank = torch.arange(vocab, device=dev)
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
+    # min-p: a token less likely than min_p x the likeliest one (column 0) is dropped
+    full = sorted_logits.softmax(dim=-1)  # [R, V]
+    below = full < min_p[:, None] * full[:, :1]
+    sorted_logits = sorted_logits.masked_fill(below | (rank >= top_k[:, None]), float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token once the mass before it already reaches top_p (the first always stays).
     return probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0), order

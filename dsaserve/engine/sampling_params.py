@@ -31,6 +31,16 @@ class SamplingParams:
     # and the k likeliest alternatives at its place (vLLM's `prompt_logprobs`). The prompt is
     # then computed whole, never resumed from the prefix cache.
     prompt_logprobs: int | None = None
+    # vLLM's sampling extensions (engine.logits_processors says what each does to the logits):
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI's: once per token the output holds
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI's: per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0, vLLM's: tokens of the prompt or the output
+    min_p: float = 0.0  # [0, 1]: drop tokens under min_p x the likeliest one's probability
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    bad_words: list[str] = field(default_factory=list)  # never generated (their last token
+    # is banned where the output already ends with the rest of them)
+    allowed_token_ids: list[int] | None = None  # only these (None: every token)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,14 +75,55 @@ class SamplingParams:
                 self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
             ),
+            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            ),
+            (
+                -2 <= self.presence_penalty <= 2,
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                0 < self.repetition_penalty < math.inf,
+                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}",
+            ),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                all(math.isfinite(b) for b in self.logit_bias.values()),
+                "logit_bias values must be finite",
+            ),
+            (
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words must be non-empty strings",
+            ),
+            (
+                self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+                "allowed_token_ids must not be empty (None allows every token)",
+            ),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        # OpenAI's range for a bias; anything further is as good as a ban or a force
+        self.logit_bias = {int(t): max(-100.0, min(100.0, b)) for t, b in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the request's tokens (they must be known to sample)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    def token_ids_in_use(self) -> list[int]:
+        """Every token id a parameter names (for the engine's vocabulary check)."""
+        return [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())]
 
 
 class ContextLengthError(ValueError):

@@ -236,6 +236,11 @@ def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- the release's linear() and Expert arithmetic -----------------------------------------------
 
 
+# Bytes of float64 chunk sums _blockwise_gemm holds at once: [C, M, N] whole at a 2048-row
+# prefill of a 7168 x 18432 layer is 17 GB, which ran an 80 GB GPU out of memory mid-bench
+BLOCK_SUMS_BYTES = 1 << 28
+
+
 def _blockwise_gemm(
     xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, chunk: int
 ) -> torch.Tensor:
@@ -245,16 +250,18 @@ def _blockwise_gemm(
     w_scale [N, K/chunk] fp32 (per output row and chunk). Returns fp32 [M, N]."""
     m, k = xq.shape
     n = w.shape[0]
-    # [C, M, N]: each chunk's sum of exact products, rounded once to fp32
-    parts = torch.einsum(
-        "mck,nck->cmn",
-        xq.double().view(m, k // chunk, chunk),
-        w.double().view(n, k // chunk, chunk),
-    ).float()
+    chunks = k // chunk
     xs = x_scale.repeat_interleave(FP8_BLOCK // chunk, -1).t()  # [C, M]
+    xd = xq.double().view(m, chunks, chunk)
+    wd = w.double().view(n, chunks, chunk)
     acc = torch.zeros(m, n, dtype=torch.float32, device=xq.device)
-    for c in range(k // chunk):  # the release's order: one chunk after the other, fp32
-        acc += parts[c] * xs[c][:, None] * w_scale[:, c][None, :]
+    step = max(1, BLOCK_SUMS_BYTES // (8 * m * n))  # chunks whose sums are formed at once
+    for c0 in range(0, chunks, step):
+        # [c, M, N]: each chunk's sum of exact products, rounded once to fp32
+        parts = torch.einsum("mck,nck->cmn", xd[:, c0 : c0 + step], wd[:, c0 : c0 + step]).float()
+        for i, c in enumerate(range(c0, min(c0 + step, chunks))):
+            # the release's order: one chunk after the other, fp32
+            acc += parts[i] * xs[c][:, None] * w_scale[:, c][None, :]
     return acc
 
 
@@ -309,7 +316,10 @@ def fp4_experts_reference(
     Per expert e and its rows: gate, up = bf16(fp4 linear) each; h = silu(min(gate, L)) *
     clamp(up, -L, L) in fp32 (no clamp when L <= 0), times the routing weight, cast to bf16;
     out = bf16(fp4 linear(h, w2)); y (fp32) += out, experts in ascending id order. Ids outside
-    [0, E) add nothing (experts held by other ranks under expert parallelism)."""
+    [0, E) add nothing (experts held by other ranks under expert parallelism). Every (token,
+    slot) pair adds, an expert id repeated in a token's row too (as the kernels and the dense
+    experts sum them; the release's `y[idx] +=` would keep one, but its routers never repeat
+    an expert)."""
     inter = w13.shape[1] // 2
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(expert_ids).tolist():
@@ -323,7 +333,7 @@ def fp4_experts_reference(
             up = up.clamp(-swiglu_limit, swiglu_limit)
             gate = gate.clamp(max=swiglu_limit)
         h = weights[tok, slot, None].float() * (torch.nn.functional.silu(gate) * up)
-        y[tok] += fp4_linear_reference(h.to(x.dtype), w2[e], s2[e]).float()
+        y.index_add_(0, tok, fp4_linear_reference(h.to(x.dtype), w2[e], s2[e]).float())
     return y
 
 
@@ -343,7 +353,8 @@ def fp8_experts_reference(
     [E, H/128, I/128]. Per expert e and its rows: gate, up = bf16(fp8 linear) each; h =
     silu(gate) * up in fp32, cast to bf16 (the release's dtype); out = bf16(fp8 linear(h, w2));
     y (fp32) += out * routing weight, experts in ascending id order. Ids outside [0, E) add
-    nothing (experts held by other ranks under expert parallelism)."""
+    nothing (experts held by other ranks under expert parallelism); a repeated id adds per
+    slot, as in fp4_experts_reference."""
     inter, blocks = w13.shape[1] // 2, w13.shape[1] // 2 // FP8_BLOCK
     y = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in torch.unique(expert_ids).tolist():
@@ -355,5 +366,5 @@ def fp8_experts_reference(
         up = fp8_linear_reference(xe, w13[e, inter:], s13[e, blocks:]).float()
         h = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)
         out = fp8_linear_reference(h, w2[e], s2[e]).float()
-        y[tok] += out * weights[tok, slot, None].float()
+        y.index_add_(0, tok, out * weights[tok, slot, None].float())
     return y

@@ -51,3 +51,29 @@ def test_the_v32_slice_is_written_at_its_widths_and_loads(tmp_path, fmt, dtype):
     assert dataclasses.replace(got, **mine) == dataclasses.replace(want, **mine)
     assert (got.quantization is not None) == (fmt == "release")
     assert engine.pool.groups["mla"].kv[0].shape[1] == 128 + 32  # the smoke latent + RoPE
+
+
+def test_a_failed_reference_check_leaves_no_request_running(monkeypatch):
+    """A check that fails mid-prefill (an out-of-memory on an 80 GB card, once) must not leave
+    its request running: the next decode phase would step c + 1 rows, past the largest CUDA
+    graph at c=64, and time eager steps."""
+    import torch
+
+    from bench import engine as bench_engine
+
+    cfg = slice_config(8, smoke=True, model_type="deepseek_v32")
+    bench = bench_engine.Bench(cfg, max_seqs=8, kv_bytes=64 << 20, dev=torch.device("cpu"))
+    calls = []
+
+    def fail_on_prefill(layer, args):
+        calls.append(args[0].shape[0])
+        if args[0].shape[0] > 4:
+            raise torch.OutOfMemoryError("as on the H100")
+
+    bench.model.layers[1].register_forward_pre_hook(fail_on_prefill)
+    with pytest.raises(torch.OutOfMemoryError):
+        bench_engine.check_against_reference(bench, context=32, prefill=48)
+    assert calls[-1] == 48  # the decode check ran, then the prefill failed
+    assert not bench.scheduler.running
+    tok_s, _ = bench.decode_tokens_per_s(2, 32, steps=1)
+    assert tok_s > 0

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import pytest
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from dsaserve.engine.llm import LLM
 from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
@@ -229,4 +231,198 @@ def test_openai_responses(stack, model) -> None:
             "response.completed",
             "response.incomplete",
         )
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+IF_SCHEMA = {"type": "object", "if": {"required": ["a"]}, "then": {}}
+
+
+class Forecast(BaseModel):
+    """A structured reply random weights finish: every value one of a few, the JSON compact
+    (enums, not numeric bounds: anthropic's SDK moves those out of the schema it sends)."""
+
+    model_config = ConfigDict(extra="forbid")
+    sky: Literal["sun", "rain", "snow"]
+    days: Literal[1, 2, 3]
+    warm: bool
+
+
+def test_openai_responses_structured_output(stack, model) -> None:
+    """responses.parse(text_format=...) and text.format json_schema (strict), whole and
+    streamed, and after the reasoning in thinking mode: valid JSON of the schema on random
+    weights, the reasoning's tokens counted in usage."""
+    import openai
+
+    with openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0) as client:
+        parsed = client.responses.parse(
+            model=model.name, input="Forecast?", text_format=Forecast, max_output_tokens=64
+        )
+        assert isinstance(parsed.output_parsed, Forecast), parsed.output_text
+        assert parsed.usage.output_tokens_details.reasoning_tokens == 0
+        schema = {"type": "json_schema", "name": "forecast", "strict": True}
+        schema["schema"] = Forecast.model_json_schema()
+        thought = client.responses.create(
+            model=model.name,
+            input="Forecast?",
+            text={"format": schema},
+            reasoning={"effort": "high"},
+            max_output_tokens=64,
+            extra_body={"thinking_token_budget": 5},
+        )
+        assert [item.type for item in thought.output][:2] == ["reasoning", "message"]
+        Forecast.model_validate_json(thought.output_text)
+        reasoning = thought.usage.output_tokens_details.reasoning_tokens
+        assert 1 <= reasoning <= 6 < thought.usage.output_tokens  # (5 tokens and </think>)
+        with client.responses.stream(
+            model=model.name, input="Forecast?", text_format=Forecast, max_output_tokens=64
+        ) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+            final = stream.get_final_response()
+        assert Forecast.model_validate_json("".join(deltas)) == final.output_parsed
+        loose = client.responses.create(
+            model=model.name,
+            input="JSON?",
+            text={"format": {"type": "json_object"}},
+            max_output_tokens=24,
+        )
+        assert loose.status == "incomplete" or isinstance(json.loads(loose.output_text), dict)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.responses.create(
+                model=model.name,
+                input="Hi",
+                text={"format": {**schema, "schema": IF_SCHEMA}},  # (a keyword it lacks)
+            )
+        assert bad.value.body["param"].startswith("text.format")
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+def test_anthropic_sdk_count_tokens_structured_output_and_stop_sequences(stack, model) -> None:
+    """messages.count_tokens counts what the same request's usage reports as its input,
+    messages.parse(output_format=...) returns a valid object, a reply ended by a stop sequence
+    says so and names it, and an error on the new route comes in Anthropic's shape."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0) as client:
+        prompt = {
+            "model": model.name,
+            "system": "Be brief.",
+            "messages": [{"role": "user", "content": "Weather in Lima?"}],
+            "tools": [WEATHER],
+        }
+        counted = client.messages.count_tokens(**prompt).input_tokens
+        message = client.messages.create(**prompt, max_tokens=2)
+        assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
+        thinking = {"type": "enabled", "budget_tokens": 1024}
+        counted = client.messages.count_tokens(**prompt, thinking=thinking).input_tokens
+        message = client.messages.create(**prompt, thinking=thinking, max_tokens=2)
+        assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+        parsed = client.messages.parse(
+            model=model.name,
+            max_tokens=64,
+            messages=[{"role": "user", "content": "Forecast?"}],
+            output_format=Forecast,
+        )
+        assert isinstance(parsed.parsed_output, Forecast), parsed.content
+
+        plain = {"model": model.name, "messages": [{"role": "user", "content": "Hi"}]}
+        plain["extra_body"] = {"temperature": 0}  # (this SDK no longer sends it by name)
+        free = client.messages.create(**plain, max_tokens=16)
+        text = "".join(b.text for b in free.content if b.type == "text")
+        assert free.stop_reason == "max_tokens" and len(text) >= 4
+        stop = text[2:4]  # (greedy: the same reply again, until this)
+        ended = client.messages.create(**plain, max_tokens=16, stop_sequences=[stop])
+        assert (ended.stop_reason, ended.stop_sequence) == ("stop_sequence", stop)
+        assert "".join(b.text for b in ended.content) == text[: text.index(stop)]
+        with client.messages.stream(**plain, max_tokens=16, stop_sequences=[stop]) as stream:
+            streamed = stream.get_final_message()
+        assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            client.messages.count_tokens(model=model.name, messages=[])
+        assert bad.value.body["type"] == "error"
+        assert bad.value.body["error"]["type"] == "invalid_request_error"
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+def test_vllm_sampling_extensions_through_the_stack(stack, model, llm, client) -> None:
+    """min_tokens with ignore_eos false never ends before it; logit_bias, the penalties,
+    bad_words and allowed_token_ids change the answer as the engine computes it offline;
+    vLLM's stop_reason names a stop token."""
+    from dsaserve.engine.sampling_params import SamplingParams
+
+    eos = min(llm.tokenizer.eos_token_ids)
+    messages = [{"role": "user", "content": "Hi"}]
+    forced = {"logit_bias": {str(eos): 100}, "temperature": 0, "max_tokens": 12}
+    early = client.chat.completions.create(model=model.name, messages=messages, extra_body=forced)
+    assert early.usage.completion_tokens == 1 and early.choices[0].finish_reason == "stop"
+    late = client.chat.completions.create(
+        model=model.name, messages=messages, extra_body=forced | {"min_tokens": 5}
+    )
+    assert late.usage.completion_tokens == 6 and late.choices[0].finish_reason == "stop"
+    prompt = llm.tokenizer.encode("It was the best", add_special_tokens=True)
+    for extra in (
+        {"presence_penalty": 1.5, "frequency_penalty": 0.5},
+        {"repetition_penalty": 1.8, "min_p": 0.1},
+        {"allowed_token_ids": [prompt[1], prompt[2]], "bad_words": ["zz"]},
+        {"logit_bias": {str(prompt[-1]): 50}, "stop_token_ids": [prompt[-1]], "min_tokens": 2},
+    ):
+        body = {"model": model.name, "prompt": prompt, "max_tokens": 8, "temperature": 0} | extra
+        got = _completion(stack, body)["choices"][0]
+        params = SamplingParams(
+            max_tokens=8,
+            temperature=0,
+            **{
+                k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v)
+                for k, v in extra.items()
+            },
+        )
+        [want] = llm.generate([prompt], params)
+        assert got["text"] == want.text, extra
+        if "stop_token_ids" in extra:
+            assert got["stop_reason"] == prompt[-1] and got["finish_reason"] == "stop"
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+def test_agents_sdk_output_type_on_its_default_model(stack, model) -> None:
+    """The OpenAI Agents SDK's `output_type=` on its default (Responses) model: the SDK asks
+    for strict structured output and parses the final output into the type."""
+    import asyncio
+
+    import openai
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)  # (traces would go to OpenAI's servers)
+
+    async def run() -> object:
+        client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+        agent = Agent(
+            name="forecaster",
+            instructions="Give the forecast.",
+            model=OpenAIResponsesModel(model=model.name, openai_client=client),
+            model_settings=ModelSettings(max_tokens=64),
+            output_type=Forecast,
+        )
+        result = await Runner.run(agent, "Forecast for Lima?")
+        await client.close()
+        return result.final_output
+
+    assert isinstance(asyncio.run(run()), Forecast)
+    wait_all_kv_free(stack.prefill, stack.decode)
+
+
+def test_pydantic_ai_native_output_on_the_responses_model(stack, model) -> None:
+    """pydantic-ai's OpenAIResponsesModel with NativeOutput: the model's own structured output
+    (text.format json_schema), validated into the type."""
+    from pydantic_ai import Agent, NativeOutput
+    from pydantic_ai.models.openai import OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    provider = OpenAIProvider(base_url=stack.url + "/v1", api_key="none")
+    agent = Agent(
+        OpenAIResponsesModel(model.name, provider=provider),
+        output_type=NativeOutput(Forecast),
+        model_settings={"max_tokens": 64},
+    )
+    assert isinstance(agent.run_sync("Forecast for Lima?").output, Forecast)
     wait_all_kv_free(stack.prefill, stack.decode)

@@ -23,6 +23,19 @@ def test_fp8_moe_matches_the_release_experts():
     assert (out == ref).float().mean().item() > 0.9  # mostly the very same fp32 values
 
 
+def test_fp8_experts_add_every_slot_of_a_repeated_expert():
+    """As the FP4 experts: a repeated expert id adds once per slot, kernel and reference."""
+    x, ids, wts, w13, s13, w2, s2 = fp8_moe_case(6, 128, 128, 5, 3, seed=14)
+    ids[:, 1] = ids[:, 0]
+    ref = quant.fp8_experts_reference(x, ids, wts, w13, s13, w2, s2)
+    per_slot = sum(
+        quant.fp8_experts_reference(x, ids[:, j : j + 1], wts[:, j : j + 1], w13, s13, w2, s2)
+        for j in range(3)
+    )
+    torch.testing.assert_close(ref, per_slot, rtol=1e-6, atol=1e-6)
+    assert rel_err(fp8_moe(x, ids, wts, w13, s13, w2, s2), ref) < 1e-3
+
+
 def test_fp8_moe_int32_ids_and_prefill_blocks():
     x, ids, wts, w13, s13, w2, s2 = fp8_moe_case(8, 128, 128, 40, 3, seed=12)
     ref = quant.fp8_experts_reference(x, ids, wts, w13, s13, w2, s2)

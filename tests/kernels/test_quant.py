@@ -314,6 +314,22 @@ def test_fp4_moe_matches_release_experts():
     assert (out == ref).float().mean().item() > 0.95
 
 
+def test_fp4_experts_add_every_slot_of_a_repeated_expert():
+    """An expert id twice in a token's row: the kernel and the reference both add each (token,
+    slot) pair, i.e. the sum of one call per slot (the reference once kept one of them, which a
+    random hash table with repeats turned into a 2.5x error at the slice's hash layers)."""
+    x, ids, wts, w13, s13, w2, s2 = moe_case(4, 128, 128, 5, 3, seed=13, skew=False)
+    ids[:, 1] = ids[:, 0]
+    ref = quant.fp4_experts_reference(x, ids, wts, w13, s13, w2, s2, 10.0)
+    per_slot = sum(
+        quant.fp4_experts_reference(x, ids[:, j : j + 1], wts[:, j : j + 1], w13, s13, w2, s2, 10.0)
+        for j in range(3)
+    )
+    torch.testing.assert_close(ref, per_slot, rtol=1e-6, atol=1e-6)
+    out = fp4_moe(x, ids, wts, w13, s13, w2, s2, 10.0)
+    assert rel_err(out, ref) < 1e-3
+
+
 def test_fp4_moe_without_limit_int32_ids_default_config():
     x, ids, wts, w13, s13, w2, s2 = moe_case(4, 128, 128, 5, 3, seed=12, skew=False)
     out = fp4_moe(x, ids.int(), wts, w13, s13, w2, s2, 0.0)

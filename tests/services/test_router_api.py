@@ -201,8 +201,8 @@ async def test_numbers_outside_their_wire_range_are_400(
 @pytest.mark.parametrize(
     ("route", "patch", "param", "says"),
     [
-        ("chat", {"logit_bias": {"50256": -100}}, "logit_bias", "{} or null"),
-        ("chat", {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ("chat", {"logits_processors": ["my.Processor"]}, "logits_processors", "null"),
+        ("chat", {"length_penalty": 0.5}, "length_penalty", "not supported"),
         ("chat", {"functions": [{"name": "f"}]}, "functions", "not supported"),
         ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, None, "name"),
         (

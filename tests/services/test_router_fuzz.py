@@ -55,7 +55,12 @@ OPERATIONS = [
 ]
 # Other APIs' shapes over the same chat path (Anthropic's Messages, OpenAI's Responses): fewer
 # cases each, the generation behind them being the chat completions' own.
-OTHER_APIS = ["POST /v1/messages", "POST /v1/responses", "GET /v1/responses/{response_id}"]
+OTHER_APIS = [
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
+]
 EXAMPLES_PER_OTHER_API = 40
 CHECKS = [
     checks.not_a_server_error,

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from dsaserve.engine.logits_processors import RowTokens, adjust, changes_logits
 from dsaserve.engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from dsaserve.engine.outputs import StepOutputs
 from dsaserve.engine.profile.ranges import profiled
@@ -115,12 +116,16 @@ class Speculator:
         drafts: list[int] = []
         plain: list[int] = []  # rows of samplers without drafts
         verified: list[int] = []  # rows of samplers that verify drafts
+        reads: list[RowTokens | None] = []  # what each row's logits processors read
         for req, n in zip(samplers, counts, strict=True):
+            adjusted = changes_logits(req.params)
             for j in range(n):
                 params.append(req.params)
                 draws.append(len(req.output_token_ids) + j)
                 drafts.append(req.draft_token_ids[j] if j < n - 1 else -1)
                 (verified if n > 1 else plain).append(len(params) - 1)
+                reads.append(req.sampling_row(req.draft_token_ids[:j]) if adjusted else None)
+        raw, logits = logits, adjust(logits, reads)  # (logprobs stay the raw distribution's)
         dev = logits.device
         tokens = torch.empty(len(params), dtype=torch.int64, device=dev)
         accepted = torch.zeros(len(params), dtype=torch.bool, device=dev)
@@ -139,7 +144,7 @@ class Speculator:
             )
             accepted[rows], tokens[rows] = acc, tok
         asks = [p.logprobs for p in params]
-        table = logprob_table(logits, tokens, asks)
+        table = logprob_table(raw, tokens, asks)
         host_tokens, host_accepted = tokens.tolist(), accepted.tolist()
         row_logprobs = read_logprobs(table, asks)
         out = Verified([], [])

@@ -97,17 +97,21 @@ class TextStream:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self._emitted = 0
-        self.stopped = False  # a stop string ended the text
+        self.stopped: str | None = None  # the stop string that ended the text
 
-    def push(self, token_id: int) -> None:
-        """Add a token's text (callers skip eos and stop tokens, whose text is never shown)."""
+    def push(self, token_id: int, search: bool = True) -> None:
+        """Add a token's text (callers skip eos and stop tokens, whose text is never shown);
+        `search`: whether a stop string may end the text here (vLLM's min_tokens: not yet)."""
         if self.stopped:
             return
         search_from = max(0, len(self.text) - self._hold)
         self.text += self._detok.push(token_id)
-        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        if not search:
+            return
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, search_from)) >= 0]
         if hits:
-            self.text, self.stopped = self.text[: min(hits)], True
+            at, self.stopped = min(hits)
+            self.text = self.text[:at]
 
     def take(self, finished: bool) -> str:
         """The text not handed out yet; while unfinished, minus what a stop string could claim."""

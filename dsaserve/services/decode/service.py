@@ -38,7 +38,12 @@ from dsaserve.services.auth import token_metadata
 from dsaserve.services.decode.multiplex import CallContext, multiplex
 from dsaserve.services.rpc import grpc_api, pb
 from dsaserve.services.transfer import TransferError, TransferStats
-from dsaserve.services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
+from dsaserve.services.worker.convert import (
+    FINISH_REASONS,
+    logprobs_to_proto,
+    sampling_from_proto,
+    stop_reason_to_proto,
+)
 from dsaserve.services.worker.process import RoleService, Worker, now_ms
 from dsaserve.services.worker.settings import DecodeSettings
 
@@ -133,7 +138,9 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                     )
                     yield pb.DecodeResponse(
                         done=pb.DecodeDone(
-                            finish_reason=FINISH_REASONS[out.finish_reason], usage=usage
+                            finish_reason=FINISH_REASONS[out.finish_reason],
+                            usage=usage,
+                            stop_reason=stop_reason_to_proto(out.stop_reason),
                         )
                     )
         finally:

@@ -25,7 +25,12 @@ from dsaserve.engine.engine_loop import OutputQueue
 from dsaserve.engine.load import step_deadline
 from dsaserve.engine.request import RequestError
 from dsaserve.services.rpc import grpc_api, pb
-from dsaserve.services.worker.convert import FINISH_REASONS, logprobs_to_proto, sampling_from_proto
+from dsaserve.services.worker.convert import (
+    FINISH_REASONS,
+    logprobs_to_proto,
+    sampling_from_proto,
+    stop_reason_to_proto,
+)
 from dsaserve.services.worker.process import RoleService, Worker, now_ms
 from dsaserve.services.worker.settings import PrefillSettings
 
@@ -104,6 +109,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                 completion_tokens=out.completion_tokens,
                 cached_tokens=out.cached_tokens,
             ),
+            stop_reason=stop_reason_to_proto(out.stop_reason),
         )
         if out.logprobs:
             response.first_logprob.CopyFrom(logprobs_to_proto(out.logprobs)[0])

@@ -105,7 +105,9 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
 
     app = FastAPI(title="dsaserve router", lifespan=lifespan)
     app.state.router = state
-    install_handlers(app, {anthropic.PATH: anthropic.error_body})
+    install_handlers(
+        app, dict.fromkeys((anthropic.PATH, anthropic.COUNT_TOKENS_PATH), anthropic.error_body)
+    )
     app.add_middleware(RequestCounter, metrics=metrics)
     app.include_router(_v1)
     app.include_router(anthropic.router, dependencies=[Depends(_require_api_key)])

@@ -46,9 +46,15 @@ class ChatChoice:
         prompt: ChatPrompt,
         texts: TokenTexts | None,
         prompt_logprobs: PromptLogprobs | None = None,
+        think_end: int | None = None,
     ) -> None:
+        """think_end: the `</think>` token, where it is one (reasoning tokens are counted up
+        to it; else up to the chunk whose text ends the reasoning)."""
         self.index = index
         self._prompt = prompt
+        self._think_end = think_end
+        self._reasoning_open = prompt.opens_reasoning
+        self.reasoning_tokens = 0  # output tokens of the reasoning, `</think>` included
         self._texts = texts  # None: no logprobs
         self._prompt_logprobs = prompt_logprobs
         # vLLM's prompt_logprobs, once the first token brought them (when asked)
@@ -58,6 +64,7 @@ class ChatChoice:
         )
         self._logprobs: list[JSON] = []
         self._finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or token id
 
     def opening(self) -> JSON:
         return self._choice({"role": "assistant", "content": ""}, None)
@@ -66,6 +73,8 @@ class ChatChoice:
         if self._prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = self._prompt_logprobs.entries(token.prompt_logprobs)
         events = self._parser.feed(token.text)
+        if self._reasoning_open:
+            self._count_reasoning(token)
         entries = self._entries(token)
         delta = self._delta(events)
         if not delta and not entries:
@@ -75,10 +84,10 @@ class ChatChoice:
     def finish(self, finish: Finish) -> JSON:
         delta = self._delta(self._parser.finish())
         calls = self._calls()
-        self._finish_reason = finish.reason
+        self._finish_reason, self.stop_reason = finish.reason, finish.stop_reason
         if finish.reason == "stop" and calls and all(call.complete for call in calls):
             self._finish_reason = "tool_calls"
-        return self._choice(delta, None, self._finish_reason)
+        return {**self._choice(delta, None, self._finish_reason), "stop_reason": self.stop_reason}
 
     def answer(self) -> JSON:
         parsed = self._parser.message()
@@ -103,7 +112,18 @@ class ChatChoice:
             "message": message,
             "logprobs": logprobs,
             "finish_reason": self._finish_reason,
+            "stop_reason": self.stop_reason,
         }
+
+    def _count_reasoning(self, token: Token) -> None:
+        ids = token.token_ids
+        if self._think_end is not None and self._think_end in ids:
+            self.reasoning_tokens += ids.index(self._think_end) + 1
+            self._reasoning_open = False
+            return
+        self.reasoning_tokens += len(ids)
+        if self._think_end is None and not self._parser.reasoning:
+            self._reasoning_open = False  # (this chunk's text ended it)
 
     def _calls(self) -> tuple:
         calls = self._parser.message().tool_calls
@@ -183,6 +203,7 @@ class TextChoice:
         self._texts: list[str] = []
         self._chunks: list[JSON] = []
         self._finish_reason: str | None = None
+        self._stop_reason: str | int | None = None  # vLLM's: the stop string or token id
 
     def opening(self) -> None:
         return None
@@ -211,12 +232,13 @@ class TextChoice:
         return self._choice(text, logprobs)
 
     def finish(self, finish: Finish) -> JSON:
-        self._finish_reason = finish.reason
-        return self._choice("", None, finish.reason)
+        self._finish_reason, self._stop_reason = finish.reason, finish.stop_reason
+        return {**self._choice("", None, finish.reason), "stop_reason": self._stop_reason}
 
     def answer(self) -> JSON:
         logprobs = None if self._logprobs is None else merge_completion_chunks(self._chunks)
         choice = self._choice("".join(self._texts), logprobs, self._finish_reason)
+        choice["stop_reason"] = self._stop_reason
         if self._prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs
         return choice

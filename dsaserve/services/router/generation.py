@@ -63,7 +63,10 @@ async def launch(
         if isinstance(body, ChatCompletionRequest):
             prompt, prompt_ids = await st.model.chat_ids(body)
             scored = _prompt_logprobs(texts, prompt_ids, body.prompt_logprobs)
-            choices = [ChatChoice(i, prompt, logprob_texts, scored) for i in range(body.n)]
+            choices = [
+                ChatChoice(i, prompt, logprob_texts, scored, st.model.think_end_id)
+                for i in range(body.n)
+            ]
             prompts = [prompt_ids] * body.n
             grammar = await reply_grammar_of(
                 body.response_format, prompt, st.model, body.thinking_token_budget

@@ -9,12 +9,14 @@ completion and /tokenize of the same chat both come here, so prefill gets exactl
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
 from dataclasses import dataclass, field
 
 from dsaserve.engine.sampling_params import ContextLengthError, resolve_max_tokens
+from dsaserve.engine.text.chat.tokens import THINK_END
 from dsaserve.engine.text.chat_format import ChatEncodingError, ChatFormat, chat_format
 from dsaserve.engine.text.grammar import GrammarCompiler
 from dsaserve.engine.text.token_bound import min_tokens
@@ -35,6 +37,11 @@ class ServedModel:
     grammars: GrammarCompiler  # structured outputs' grammars, checked before they are sent
     default_thinking: bool = False  # a chat that does not say renders in thinking mode
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @functools.cached_property
+    def think_end_id(self) -> int | None:
+        """The `</think>` token, where it is one special token (what ends a reasoning)."""
+        return self.grammars.special_token(THINK_END)
 
     @classmethod
     def load(

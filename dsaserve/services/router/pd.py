@@ -53,6 +53,7 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens the prefill worker resumed from its prefix cache
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id (None: EOS)
 
 
 Event = Token | Finish
@@ -136,7 +137,7 @@ class PDFlow:
         try:
             prompt_logprobs = tuple(first.prompt_logprobs)
             if gen.prompt_only and first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen, first)
+                finish = self._finish(first, prefill_worker, gen, first)
                 finished = True
                 yield Token("", (), (), prompt_logprobs)
                 yield Finish("length", finish.prompt_tokens, 0, finish.cached_tokens)
@@ -144,7 +145,7 @@ class PDFlow:
             first_logprobs = (first.first_logprob,) if first.HasField("first_logprob") else ()
             yield Token(first.text, (first.first_token_id,), first_logprobs, prompt_logprobs)
             if first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                finish = self._finish(first.finish_reason, first.usage, prefill_worker, gen, first)
+                finish = self._finish(first, prefill_worker, gen, first)
                 finished = True
                 yield finish
                 return
@@ -197,9 +198,7 @@ class PDFlow:
             chunk = response.chunk
             return Token(chunk.text, tuple(chunk.token_ids), tuple(chunk.logprobs))
         if kind == "done":
-            return self._finish(
-                response.done.finish_reason, response.done.usage, worker, gen, first
-            )
+            return self._finish(response.done, worker, gen, first)
         if kind == "error":
             cause = response.error.cause or "decode_error"
             # The KV could not be pulled intact: nothing is wrong with the request itself.
@@ -336,14 +335,15 @@ class PDFlow:
 
     @staticmethod
     def _finish(
-        reason: int,
-        usage: pb.Usage,
+        end: pb.PrefillResponse | pb.DecodeDone,
         worker: WorkerRecord,
         gen: Generation,
         first: pb.PrefillResponse,
     ) -> Finish:
-        """The generation's end; the cached tokens are the prefill worker's (`first`), which
-        computed the prompt."""
+        """The generation's end (`end`: the message that says it, with its finish and stop
+        reasons); the cached tokens are the prefill worker's (`first`), which computed the
+        prompt."""
+        reason, usage = end.finish_reason, end.usage
         if reason == pb.FINISH_REASON_ABORT:
             raise worker_failure(
                 503,
@@ -363,11 +363,13 @@ class PDFlow:
                 detail=f"finish reason {reason}",
             )
         gen.timer.finish(usage.prompt_tokens, usage.completion_tokens)
+        stop = end.stop_reason.WhichOneof("kind") if end.HasField("stop_reason") else None
         return Finish(
             _FINISH_REASONS[reason],
             usage.prompt_tokens,
             usage.completion_tokens,
             first.usage.cached_tokens,
+            None if stop is None else getattr(end.stop_reason, stop),
         )
 
 

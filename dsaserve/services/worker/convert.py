@@ -31,7 +31,24 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         grammar=p.grammar if p.HasField("grammar") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        min_tokens=p.min_tokens,
+        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
+        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        min_p=p.min_p if p.HasField("min_p") else 0.0,
+        logit_bias=dict(p.logit_bias),
+        bad_words=list(p.bad_words),
+        allowed_token_ids=list(p.allowed_token_ids) or None,
     )
+
+
+def stop_reason_to_proto(reason: str | int | None) -> pb.StopReason | None:
+    """vLLM's stop_reason on the wire (None: EOS, or not stopped)."""
+    if reason is None:
+        return None
+    if isinstance(reason, str):
+        return pb.StopReason(stop_string=reason)
+    return pb.StopReason(stop_token_id=reason)
 
 
 def logprobs_to_proto(logprobs: list[TokenLogprobs]) -> list[pb.TokenLogprob]:

@@ -220,24 +220,36 @@ def make_tiny_model(
         cfg = dataclasses.replace(cfg, draft_layers=cfg.dspark.num_layers)
     model = build_model(cfg, torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith("rope_tables."):
-            continue
-        tensors[_release_name(name, cfg.dspark.num_layers if cfg.dspark else 0)] = _init(
-            name, t, gen, raw
-        )
-    tensors = split_experts(tensors, raw["moe_intermediate_size"])
+    tensors = {
+        name: _init(name, t, gen, raw)
+        for name, t in list(model.named_parameters()) + list(model.named_buffers())
+        if not name.startswith("rope_tables.")
+    }
     if release:
         tensors["head.weight"][tokens:] *= PAD_HEAD_GAIN
-        in_first = first_half_of_layers(
-            raw["num_hidden_layers"], re.compile(r"layers\.(\d+)\."), "embed."
-        )
-        save_shards(_release_formats(tensors), out, in_first)
+        save_release(tensors, raw, out)
     else:
-        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        save_file(release_names(tensors, raw), out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     return out
+
+
+def release_names(tensors: dict[str, torch.Tensor], raw: dict) -> dict[str, torch.Tensor]:
+    """Our parameter names -> the release's, stacked experts split per expert."""
+    draft = [int(n.split(".")[2]) for n in tensors if n.startswith("dspark.layers.")]
+    named = {_release_name(name, 1 + max(draft, default=-1)): t for name, t in tensors.items()}
+    return split_experts(named, raw["moe_intermediate_size"])
+
+
+def save_release(tensors: dict[str, torch.Tensor], raw: dict, out: Path) -> None:
+    """A model's fp32 tensors under our parameter names (rope tables left out) -> the
+    release's checkpoint in `out`: its names and storage formats (FP8 linears, FP4 experts,
+    bf16 / fp32 / int64 the rest), two shards and their index. `raw` is the config.json it is
+    written with (the caller writes that)."""
+    in_first = first_half_of_layers(
+        raw["num_hidden_layers"], re.compile(r"layers\.(\d+)\."), "embed."
+    )
+    save_shards(_release_formats(release_names(tensors, raw)), out, in_first)
 
 
 def _init(name: str, t: torch.Tensor, gen: torch.Generator, raw: dict) -> torch.Tensor:

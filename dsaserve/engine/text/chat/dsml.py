@@ -273,6 +273,11 @@ class StreamParser:
         self._cut_block = False  # the output ended in the middle of a tool block's first tag
         self._finished = False
 
+    @property
+    def reasoning(self) -> bool:
+        """Whether the text read so far is still inside the reasoning."""
+        return self._state is _State.REASONING
+
     def feed(self, delta: str) -> list[Event]:
         """Events for the text so far, minus any tail that could still be a marker."""
         if self._finished:

@@ -2,8 +2,9 @@
 
 Chat and text completions differ only in object names and in their choices (choices.py); every
 chunk of a stream shares `id`, `created` and `model`. Usage counts the prompt once and the
-completion tokens of every choice, and (OpenAI's prompt_tokens_details.cached_tokens) the prompt
-tokens the prefill worker resumed from its prefix cache. With vLLM's
+completion tokens of every choice, (OpenAI's prompt_tokens_details.cached_tokens) the prompt
+tokens the prefill worker resumed from its prefix cache, and for chats (completion_tokens_details.
+reasoning_tokens) the completion tokens of the reasoning. With vLLM's
 `stream_options.continuous_usage_stats` every chunk carries the usage so far (the tokens out
 until then), not only the last one.
 """
@@ -77,12 +78,17 @@ class Reply:
         completion = sum(f.completion_tokens for f in self._finishes.values())
         # Each choice's prompt was prefilled on its own: the least any of them found cached.
         cached = min(f.cached_tokens for f in self._finishes.values())
-        return {
+        usage: JSON = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        chats = [c for c in self.choices if isinstance(c, ChatChoice)]
+        if chats:  # OpenAI's count of the reasoning's tokens among the completion's
+            reasoning = sum(c.reasoning_tokens for c in chats)
+            usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return usage
 
     def _chunk(self, choice: JSON) -> JSON:
         chunk = {**self._chunk_head, "choices": [choice]}

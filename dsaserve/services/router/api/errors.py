@@ -9,8 +9,9 @@ router's log, next to the request id.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -46,6 +47,20 @@ _CAUSES = {
 # Seconds a client should wait before retrying a 429 or 503 (`Retry-After`), unless the error
 # knows better: capacity frees up as requests finish, which takes about this long.
 DEFAULT_RETRY_AFTER_S = 1
+
+
+@contextlib.contextmanager
+def renamed_params(names: Mapping[str, str]) -> Iterator[None]:
+    """An APIError raised inside names the request's field as `names` renames it (its longest
+    renamed prefix): a route that runs its request as another API's answers in its own names."""
+    try:
+        yield
+    except APIError as e:
+        for old in sorted(names, key=len, reverse=True):
+            if e.param is not None and (e.param == old or e.param.startswith(old + ".")):
+                e.param = names[old] + e.param[len(old) :]
+                break
+        raise
 
 
 class APIError(Exception):

@@ -40,16 +40,10 @@ EMPTY_OBJECT = NoOp(({},))
 
 # Both generation routes.
 GENERATION: Mapping[str, NoOp] = {
-    "frequency_penalty": ZERO,
-    "presence_penalty": ZERO,
-    "logit_bias": EMPTY_OBJECT,
     "store": FALSE,
     "metadata": EMPTY_OBJECT,  # only used with store
     "service_tier": NoOp(("auto", "default")),
     # vLLM/SGLang extensions, at their defaults
-    "min_p": ZERO,
-    "repetition_penalty": NoOp((1, 1.0)),
-    "min_tokens": NoOp((0,)),
     "skip_special_tokens": NoOp((True,)),
     "spaces_between_special_tokens": NoOp((True,)),
     "include_stop_str_in_output": FALSE,
@@ -59,8 +53,6 @@ GENERATION: Mapping[str, NoOp] = {
     "priority": NoOp((0,)),
     "return_tokens_as_token_ids": FALSE,
     "return_token_ids": FALSE,
-    "bad_words": EMPTY_LIST,
-    "allowed_token_ids": NULL,
     "logits_processors": NULL,
     "cache_salt": NULL,
     "kv_transfer_params": NULL,

@@ -107,6 +107,10 @@ ResponseFormat = Annotated[
 ]
 
 
+# OpenAI's logit_bias keys: token ids written as JSON object keys
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+
+
 class _GenerationRequest(_Body):
     """Fields shared by chat and text completions."""
 
@@ -131,6 +135,17 @@ class _GenerationRequest(_Body):
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
     # vLLM's: each prompt token's logprob (the first: null) and this many alternatives
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI's penalties and bias, vLLM's sampling extensions (dsaserve.engine.logits_processors)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[TokenIdKey, float] | None = None  # biases clamped to [-100, 100]
+    min_tokens: StrictInt = Field(default=0, ge=0, le=UINT32_MAX)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    bad_words: list[Annotated[Text, Field(min_length=1)]] | None = None
+    allowed_token_ids: list[Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]] | None = Field(
+        default=None, min_length=1
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -147,6 +162,13 @@ class _GenerationRequest(_Body):
         if "" in stop:
             raise ValueError("stop strings must not be empty")
         return stop
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max_tokens(self) -> _GenerationRequest:
+        most = self.requested_max_tokens()
+        if most is not None and self.min_tokens > most:
+            raise ValueError(f"min_tokens ({self.min_tokens}) exceeds max_tokens ({most})")
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _GenerationRequest:
@@ -203,6 +225,13 @@ class _GenerationRequest(_Body):
             # Folds OpenAI's signed seeds into the worker's range; equal seeds stay equal, and
             # the choices of one request differ.
             params.seed = (self.seed + choice) % SEED_SPAN
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if (value := getattr(self, name)) is not None:
+                setattr(params, name, value)
+        params.min_tokens = self.min_tokens
+        params.logit_bias.update({int(t): b for t, b in (self.logit_bias or {}).items()})
+        params.bad_words.extend(self.bad_words or ())
+        params.allowed_token_ids.extend(self.allowed_token_ids or ())
         return params
 
 

@@ -1,9 +1,13 @@
 """Anthropic's Messages API (`POST /v1/messages`, as vLLM and SGLang serve it) over the chat
 path: the request becomes a chat completion request (system, text, `thinking`, `tool_use` and
-`tool_result` blocks onto OpenAI messages; tools, tool choice and the thinking switch onto their
-chat fields), runs as one, and its parsed reply is written as Anthropic's message: `thinking`,
-`text` and `tool_use` content blocks, or streamed as its typed events (`message_start`,
-`content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`).
+`tool_result` blocks onto OpenAI messages; tools, tool choice, the thinking switch and
+`output_config` — its `format` as a strict `json_schema` response format, its `effort` as the
+reasoning effort in thinking mode — onto their chat fields), runs as one, and its parsed reply
+is written as Anthropic's message: `thinking`, `text` and `tool_use` content blocks, or streamed
+as its typed events (`message_start`, `content_block_start` / `_delta` / `_stop`,
+`message_delta`, `message_stop`). A reply ended by one of `stop_sequences` says
+`stop_reason: "stop_sequence"` and names it. `POST /v1/messages/count_tokens` counts the prompt
+the same request would send.
 
 What the chat path cannot do is refused by name, as on the OpenAI routes: images and documents,
 server tools, assistant prefill (a conversation must end with a user turn). `thinking.
@@ -23,7 +27,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, ValidationError
 
 from dsaserve.services.router.api.body import LimitedRoute
-from dsaserve.services.router.api.errors import APIError, error_responses
+from dsaserve.services.router.api.errors import APIError, error_responses, renamed_params
 from dsaserve.services.router.api.schemas import (
     UINT32_MAX,
     ChatCompletionRequest,
@@ -35,9 +39,11 @@ from dsaserve.services.router.api.streaming import EventStream, answer
 from dsaserve.services.router.choices import ChatChoice
 from dsaserve.services.router.generation import Launched, launch
 from dsaserve.services.router.pd import Event, Finish
+from dsaserve.services.router.state import router_state
 
 JSON = dict[str, Any]
 PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -132,32 +138,33 @@ class Thinking(_Body):
     budget_tokens: StrictInt | None = Field(default=None, ge=0)  # not enforced apart (module doc)
 
 
-class MessagesRequest(_Body):
+class JsonOutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: JSON = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    """Anthropic's structured outputs (`format`: the text is JSON of the schema, as strict as
+    the chat route's `strict: true`) and `effort` (the reasoning's, in thinking mode)."""
+
+    format: JsonOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
+class MessagesPrompt(_Body):
+    """What makes a Messages request's prompt: what `count_tokens` counts."""
+
     model: Text | None = None
-    max_tokens: StrictInt = Field(ge=1, le=UINT32_MAX)
     messages: list[InputMessage] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
-    stop_sequences: list[Text] | None = None
-    stream: StrictBool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=0)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
-    metadata: JSON | None = None  # (user_id: for the provider's abuse monitoring)
+    output_config: OutputConfig | None = None
 
-    def chat(self) -> ChatCompletionRequest:
-        """The same request as a chat completion (not streamed: the route streams)."""
-        body: JSON = {
-            "model": self.model,
-            "messages": _chat_messages(self),
-            "max_tokens": self.max_tokens,
-            "stop": self.stop_sequences,
-        }
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(self, name) is not None:
-                body[name] = getattr(self, name)
+    def chat_body(self) -> JSON:
+        """The chat completion request's fields that make the same prompt and reply format."""
+        body: JSON = {"model": self.model, "messages": _chat_messages(self)}
         if self.tools:
             body["tools"] = [
                 {
@@ -179,14 +186,47 @@ class MessagesRequest(_Body):
             }[choice.type]
             if choice.disable_parallel_tool_use:
                 body["parallel_tool_calls"] = False
+        thinking = self.thinking is not None and self.thinking.type != "disabled"
         if self.thinking is not None:
-            body["chat_template_kwargs"] = {"thinking": self.thinking.type != "disabled"}
+            body["chat_template_kwargs"] = {"thinking": thinking}
+        if (config := self.output_config) is not None:
+            if config.effort is not None and thinking:  # (without thinking it changes nothing)
+                body["reasoning_effort"] = config.effort
+            if config.format is not None:
+                schema = {"name": "output", "schema": config.format.schema_, "strict": True}
+                body["response_format"] = {"type": "json_schema", "json_schema": schema}
+        return body
+
+    def chat(self, **fields: Any) -> ChatCompletionRequest:
+        """The same request as a chat completion, with these other chat `fields`."""
         try:
-            return ChatCompletionRequest.model_validate(body)
+            return ChatCompletionRequest.model_validate({**self.chat_body(), **fields})
         except ValidationError as e:
             detail = e.errors()[0]
             where = ".".join(str(p) for p in detail["loc"])
             raise APIError(400, f"Invalid request ({where}): {detail['msg']}") from None
+
+
+class MessagesRequest(MessagesPrompt):
+    max_tokens: StrictInt = Field(ge=1, le=UINT32_MAX)
+    stop_sequences: list[Text] | None = None
+    stream: StrictBool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=0)
+    metadata: JSON | None = None  # (user_id: for the provider's abuse monitoring)
+
+    def sampling_fields(self) -> JSON:
+        """The chat request's sampling fields (not streamed: the route streams)."""
+        fields: JSON = {"max_tokens": self.max_tokens, "stop": self.stop_sequences}
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        return fields
+
+
+class CountTokensRequest(MessagesPrompt):
+    cache_control: JSON | None = None  # prefix caching is automatic here
 
 
 def _text(content: str | list[TextBlock] | None) -> str:
@@ -195,7 +235,7 @@ def _text(content: str | list[TextBlock] | None) -> str:
     return "\n".join(block.text for block in content)
 
 
-def _chat_messages(request: MessagesRequest) -> list[JSON]:
+def _chat_messages(request: MessagesPrompt) -> list[JSON]:
     messages: list[JSON] = []
     if request.system:
         messages.append({"role": "system", "content": _text(request.system)})
@@ -380,7 +420,12 @@ class MessageWriter:
             "output_tokens": self._finish.completion_tokens,
         }
         stop = _STOP_REASONS.get(self._finish_reason, "end_turn")
-        return {"stop_reason": stop, "stop_sequence": None, "usage": usage}
+        sequence = self._finish.stop_reason
+        if isinstance(sequence, str):  # one of the request's stop_sequences ended the text
+            stop = "stop_sequence"
+        else:
+            sequence = None  # (EOS, or a stop token: the model's end of turn)
+        return {"stop_reason": stop, "stop_sequence": sequence, "usage": usage}
 
 
 def _arguments(arguments: str) -> JSON:
@@ -397,7 +442,10 @@ def _event(kind: str, data: JSON) -> bytes:
     return f"event: {kind}\ndata: {text}\n\n".encode()
 
 
-# ---------------------------------------------------------------- the route
+# ---------------------------------------------------------------- the routes
+
+# The chat request's fields by this API's names, in the errors they cause.
+_PARAMS = {"response_format.json_schema.schema": "output_config.format.schema"}
 
 router = APIRouter(
     route_class=LimitedRoute, responses=error_responses(401, body=AnthropicErrorBody)
@@ -415,9 +463,10 @@ router = APIRouter(
     },
 )
 async def messages(body: MessagesRequest, request: Request) -> Response:
-    chat = body.chat()
+    chat = body.chat(**body.sampling_fields())
     with contextlib.ExitStack() as slots:
-        run = await launch(request, chat, "msg", "messages", slots)
+        with renamed_params(_PARAMS):
+            run = await launch(request, chat, "msg", "messages", slots)
         writer = MessageWriter(run)
         if body.stream:
             return EventStream(run.events, writer, request.state, slots.pop_all().close)
@@ -425,3 +474,17 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
             return await answer(run.events, writer.feed, writer.build, request)
         finally:
             await run.events.aclose()
+
+
+@router.post(
+    COUNT_TOKENS_PATH,
+    responses=error_responses(400, 401, 404, 413, body=AnthropicErrorBody),
+)
+async def count_tokens(body: CountTokensRequest, request: Request) -> JSON:
+    """The prompt tokens the same Messages request would send to prefill (its `usage`'s
+    input_tokens and cache_read_input_tokens together)."""
+    model = router_state(request).model
+    model.check_name(body.model)
+    with renamed_params(_PARAMS):
+        _, ids = await model.chat_ids(body.chat())
+    return {"input_tokens": len(ids)}

@@ -94,7 +94,7 @@ class ResponseWriter:
                 "input_tokens": self._run.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": finish.cached_tokens},
                 "output_tokens": finish.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self._choice.reasoning_tokens},
                 "total_tokens": self._run.prompt_tokens + finish.completion_tokens,
             },
         }

@@ -10,9 +10,11 @@ or streamed as the API's typed events (responses_output.py). With `store` (the d
 response and its conversation are kept in Redis for `--response-ttl` seconds; `store: false`
 keeps nothing.
 
+`text.format` (`json_schema`, strict or not, and `json_object`) constrains the reply as the chat
+route's `response_format` does, after the reasoning in thinking mode.
+
 What the chat path cannot do is refused by name: other tools than functions, images and files,
-`text.format` other than text, `truncation: "auto"`, background runs, conversations and stored
-prompts.
+`truncation: "auto"`, background runs, conversations and stored prompts.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pydantic import (
 
 from dsaserve.services.router.api import fields
 from dsaserve.services.router.api.body import LimitedRoute
-from dsaserve.services.router.api.errors import APIError, error_responses
+from dsaserve.services.router.api.errors import APIError, error_responses, renamed_params
 from dsaserve.services.router.api.responses.output import ResponseWriter
 from dsaserve.services.router.api.responses.store import StoredResponse
 from dsaserve.services.router.api.schemas import (
@@ -130,13 +132,38 @@ class Reasoning(_Body):
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class TextFormat(_Body):
+class PlainFormat(_Body):
     type: Literal["text"]
 
 
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Body):
+    """Structured outputs (the chat route's `json_schema`, flattened as this API writes it)."""
+
+    type: Literal["json_schema"]
+    name: Text = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: JSON = Field(alias="schema")
+    description: Text | None = None
+    strict: StrictBool | None = None
+
+
 class TextOptions(_Body):
-    format: TextFormat | None = None
+    format: (
+        Annotated[PlainFormat | JsonObjectFormat | JsonSchemaFormat, Discriminator("type")] | None
+    ) = None
     verbosity: Literal["medium"] | None = None
+
+    def response_format(self) -> JSON | None:
+        """The chat route's `response_format` of this format (None: free text)."""
+        if isinstance(self.format, JsonObjectFormat):
+            return {"type": "json_object"}
+        if isinstance(self.format, JsonSchemaFormat):
+            spec = self.format.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)
+            return {"type": "json_schema", "json_schema": spec}
+        return None
 
 
 class ResponsesRequest(_Body):
@@ -156,6 +183,8 @@ class ResponsesRequest(_Body):
     previous_response_id: Text | None = None
     reasoning: Reasoning | None = None
     text: TextOptions | None = None
+    # vLLM's (as on chat): in thinking mode, the most tokens the reasoning may take
+    thinking_token_budget: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
     metadata: dict[str, Text] | None = None
     include: list[Literal["reasoning.encrypted_content"]] | None = None  # (nothing to add)
     truncation: Literal["disabled"] | None = None
@@ -186,6 +215,7 @@ class ResponsesRequest(_Body):
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
+            "thinking_token_budget": self.thinking_token_budget,
         }
         body |= {k: v for k, v in optional.items() if v is not None}
         if self.tools:
@@ -193,6 +223,8 @@ class ResponsesRequest(_Body):
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                 for t in self.tools
             ]
+        if self.text is not None and (response_format := self.text.response_format()):
+            body["response_format"] = response_format
         if isinstance(self.tool_choice, NamedFunction):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
         elif self.tool_choice is not None:
@@ -246,6 +278,13 @@ def _messages(items: str | list[Any]) -> list[JSON]:
     return messages
 
 
+# The chat request's fields by this API's names, in the errors they cause.
+_PARAMS = {
+    "response_format.json_schema.schema": "text.format.schema",
+    "response_format": "text.format",
+    "max_tokens": "max_output_tokens",
+}
+
 router = APIRouter(route_class=LimitedRoute, responses=error_responses(401))
 _RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
@@ -266,7 +305,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         history = previous.messages
     chat, conversation = body.chat(history)
     with contextlib.ExitStack() as slots:
-        run = await launch(request, chat, "resp", "input", slots)
+        with renamed_params(_PARAMS):
+            run = await launch(request, chat, "resp", "input", slots)
         echoed = body.model_dump(exclude={"input"})
         writer = ResponseWriter(run, echoed, conversation, store if body.store else None)
         if body.stream:
