@@ -139,3 +139,24 @@ def test_hf_names_load_as_the_releases_and_a_missing_confidence_head_is_dropped(
     theirs.step()
     req = theirs.scheduler.requests["a"]
     assert req.draft_token_ids and req.draft_confidences == []
+
+
+def test_make_tiny_model_writes_a_dspark_head_in_the_releases_layout(tmp_path):
+    """`dsaserve make-tiny-model DIR --draft dspark --format release`: the dspark_* fields, the
+    head's tensors under mtp.{0,1,2} (main_proj FP8 with its scale under mtp.0, the head stack
+    under mtp.2), no MTP layer's."""
+    from safetensors import safe_open
+
+    from dsaserve.services import cli
+
+    cli.main(["make-tiny-model", str(tmp_path / "m"), "--draft", "dspark", "--format", "release"])
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert raw["dspark_block_size"] == 5 and raw["dspark_target_layer_ids"] == [3, 4, 5]
+    names = set()
+    for shard in (tmp_path / "m").glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            names |= set(f.keys())
+    assert {"mtp.0.main_proj.weight", "mtp.0.main_proj.scale", "mtp.0.main_norm.weight",
+            "mtp.2.norm.weight", "mtp.2.hc_head_fn", "mtp.2.markov_head.markov_w1.weight",
+            "mtp.2.confidence_head.proj.weight", "mtp.1.attn.wq_a.scale"} <= names  # fmt: skip
+    assert not any(n.startswith("mtp.0.e_proj") or n.startswith("mtp.3.") for n in names)
