@@ -200,7 +200,7 @@ def record(main_dir: Path, variant: Path, bench_json: Path | None) -> None:
     config = json.loads((variant / "config.json").read_text())
     summary = {
         "args": run["args"], "data": run["data"], "heldout": run["heldout"],
-        "steps": run["steps"], "train_s": run["train_s"],
+        "steps": run["steps"], "train_s": run["train_s"], "runs": run.get("runs", []),
         "taps": config["dspark_target_layer_ids"],
         "noise_token_id": config["dspark_noise_token_id"],
     }  # fmt: skip

@@ -301,16 +301,20 @@ def _dspark_section(dspark: dict | None) -> list[str]:
         f"{a['layers']} sliding-window draft layer(s)",
         f"reading layers {dspark['taps']} of the model, blocks of {a['gamma']} (the anchor and "
         f"noise token {dspark['noise_token_id']}), a rank-{a['rank']} Markov head and a",
-        "confidence head, trained on the frozen model by `scripts/demo_dspark.py` on a CPU "
-        f"({dspark['train_s']:.0f} s, {dspark['steps']} steps) on",
+        "confidence head, trained on the frozen model by `scripts/demo_dspark.py` on a shared "
+        f"2-core CPU ({dspark['steps']} steps, {dspark['train_s']:.0f} s in "
+        f"{len(dspark.get('runs', [])) or 1} runs of about 5 minutes, each going on from the "
+        "last) on",
         f"{data['sequences']} greedy continuations by the model of {a['prompt_bytes']}-byte "
         "training-text prompts: each block row scored on the model's",
         "greedy token (cross-entropy plus the KL to its distribution), the Markov head fed the "
         "accepted prefix, the confidence head",
-        "on whether the row's draft is that token. On every block of "
-        f"{data['heldout_sequences']} continuations held apart, drafting as the engine does,",
+        "on whether the row's draft is that token. Anchoring a block at every generated token "
+        f"of {data['heldout_sequences']} continuations held apart, drafting as the engine does,",
         f"the mean acceptance length is {held['mean_acceptance_length']:.2f} (by position: "
-        f"{', '.join(f'{v:.2f}' for v in held['acceptance_per_position'])}).",
+        f"{', '.join(f'{v:.2f}' for v in held['acceptance_per_position'])}); decoding anchors "
+        "its blocks where the last one's",
+        "run ended, more often at a hard token, so a decode's acceptance is lower (the table).",
         '`--speculative-config \'{"method": "dspark"}\'` drafts with it (gamma 5, or '
         "`num_speculative_tokens` up to 5).",
         "",
