@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from dsaserve.engine.llm_engine import LLMEngine
@@ -88,7 +88,7 @@ def main() -> None:
     args = p.parse_args()
     cuda = args.device.startswith("cuda")
     result: dict = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        **prologue(args.device),
         "context": args.context,
         "models": {},
     }

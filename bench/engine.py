@@ -58,6 +58,7 @@ from typing import Any
 import torch
 
 from bench import naive
+from bench.compare import rel_err_or_nan
 from bench.fake_quant import family, layer_labels
 from bench.flash_widths import FLASH_WIDTHS
 from bench.harness import write_record
@@ -283,10 +284,6 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 class Bench:
     def __init__(
         self,
@@ -405,7 +402,7 @@ def check_against_reference(bench: Bench, context: int, prefill: int) -> dict:
     reqs = bench.requests(4, context)
     with kernels.use_backend("reference"):
         ref = decode_logits(bench, reqs, eager=True)
-    out["decode_graph_vs_reference_rel_err"] = _rel_err(decode_logits(bench, reqs), ref)
+    out["decode_graph_vs_reference_rel_err"] = rel_err_or_nan(decode_logits(bench, reqs), ref)
     bench.release(reqs)
     [r] = bench.requests(1, 0)
     try:  # (a check that fails must not leave its request in the scheduler's running list)
@@ -421,11 +418,11 @@ def check_against_reference(bench: Bench, context: int, prefill: int) -> dict:
         got, got_layers = _with_layer_outputs(bench.model, bench.pool, inp, last)
     finally:
         bench.release([r])
-    out[f"prefill_{prefill}_vs_reference_rel_err"] = _rel_err(got, ref)
+    out[f"prefill_{prefill}_vs_reference_rel_err"] = rel_err_or_nan(got, ref)
     # Where the two paths part: a jump at one layer kind is a bug, steady growth is bf16
     # rounding amplified through the random model.
     out[f"prefill_{prefill}_per_layer_rel_err"] = [
-        f"{kind}: {_rel_err(a, b):.4f}"
+        f"{kind}: {rel_err_or_nan(a, b):.4f}"
         for kind, a, b in zip(layer_labels(bench.cfg), got_layers, ref_layers, strict=True)
     ]
     return out
@@ -594,7 +591,7 @@ def main() -> None:
         ref = decode_logits(bench, reqs)
         try:
             bench.use(model)
-            result["release_vs_bf16_decode_logits_rel_err"] = _rel_err(
+            result["release_vs_bf16_decode_logits_rel_err"] = rel_err_or_nan(
                 decode_logits(bench, reqs), ref
             )
             bench.release(reqs)

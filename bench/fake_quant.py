@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from bench.compare import rel_err_or_nan
 from dsaserve.engine.kv.layout import KVCacheConfig
 from dsaserve.engine.kv.pool import KVPool
 from dsaserve.engine.layers.experts import Fp8Experts
@@ -174,21 +175,15 @@ def layer_trace(
     return Trace(ins, outs, logits.float())
 
 
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """||got - ref|| / ||ref|| in fp32; NaN anywhere gives NaN (never passes a bound)."""
-    got, ref = got.float(), ref.float().to(got.device)
-    return ((got - ref).norm() / ref.norm()).item()
-
-
 def compare(got: Trace, ref: Trace, labels: list[str]) -> dict:
     """Per layer: `got`'s output against `ref`'s (rel. error); the logits' rel. error and
     whether their argmax agrees."""
     return {
         "layers": [
-            {"layer": i, "kind": kind, "rel_err": rel_err(a, b)}
+            {"layer": i, "kind": kind, "rel_err": rel_err_or_nan(a, b)}
             for i, (kind, a, b) in enumerate(zip(labels, got.outputs, ref.outputs, strict=True))
         ],
-        "logits_rel_err": rel_err(got.logits, ref.logits),
+        "logits_rel_err": rel_err_or_nan(got.logits, ref.logits),
         "argmax_agrees": bool(
             (got.logits.argmax(-1).cpu() == ref.logits.argmax(-1).cpu()).all().item()
         ),

@@ -35,7 +35,7 @@ from dsaserve.kernels import env  # noqa: F401
 
 # isort: split
 from bench.engine import RELEASE_QUANTIZATION, SMOKE_WIDTHS, V4, Bench, family, fill_random
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from dsaserve.engine.kv.layout import (
     KVBudgetError,
     KVCacheConfig,
@@ -160,7 +160,7 @@ def main() -> None:
         experts = args.experts or experts_that_fit(torch.cuda.mem_get_info(dev)[0], kv_bytes)
     cfg = full_config(experts, smoke)
     result: dict = {
-        "device": hw.name if hw else "cpu (smoke)",
+        **prologue(dev),
         "hardware": hw.as_dict() if hw else {},
         "config": {
             "layers": cfg.num_layers,

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from bench.fused_cases import GlueStep, Op, compare, model_config, paired
-from bench.harness import attempt, fmt, launches, time_ms_any, write_record
+from bench.harness import attempt, fmt, launches, prologue, read_record, time_ms_any, write_record
 from dsaserve import kernels  # (before triton: on CPU, kernels.env picks the interpreter)
 from dsaserve.engine.models.deepseek_v4.config import CSA, HCA, SLIDING
 from dsaserve.engine.profile import hardware
@@ -221,20 +221,9 @@ def main() -> None:
         sys.exit(1 if failed else 0)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench.glue needs CUDA (use --smoke on CPU)")
-    result: dict = {}
-    if out and os.path.exists(out):
-        with open(out) as f:
-            result = json.load(f)
+    result = read_record(out)
     if not args.smoke:
-        import triton
-
-        props = torch.cuda.get_device_properties(0)
-        result["hardware"] = {
-            "device": props.name,
-            "sms": props.multi_processor_count,
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-        }
+        result["hardware"] = prologue(0)
     result["timing"] = (
         f"median us per call over CUDA-graph replays of {REPEAT} back-to-back calls; floors: "
         "bytes that must move / the copy bandwidth measured in the same phase"

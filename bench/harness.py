@@ -8,8 +8,10 @@ run records (JSON in bench/results/).
 - Ceilings: the copy bandwidth and matmul rates every floor is divided by, measured now by
   engine.profile.hardware (what `dsaserve profile` divides by too: the engine keeps them, the
   benches import them, never the reverse).
-- Run records: `write_record` writes a bench's JSON after each section, so a run cut short keeps
-  what it measured.
+- Run records: `prologue` is what every record states first (the command, the machine, torch's
+  and triton's versions), `read_record` the record a rerun adds to, `write_record` writes a
+  bench's JSON after each section, so a run cut short keeps what it measured. (How far an
+  output lies from its reference, for records and tests alike: bench.compare.rel_err.)
 """
 
 from __future__ import annotations
@@ -153,6 +155,42 @@ def fmt(v: object, spec: str = "8.1f") -> str:
     if isinstance(v, (int, float)) and not math.isnan(v):
         return format(v, spec)
     return "-".rjust(int(spec.split(".")[0]) if spec[0].isdigit() else 1)
+
+
+def command() -> str:
+    """This process's command line as a run record states it: `python -m bench.quant --only fp8`
+    (a bench run as a module), else the script's path."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    head = f"python -m {spec.name.removesuffix('.__main__')}" if spec else f"python {sys.argv[0]}"
+    return " ".join([head, *sys.argv[1:]])
+
+
+def prologue(device: torch.device | str) -> dict[str, Any]:
+    """What a run record says first: the command that made it, the machine (the device's name
+    and multiprocessor count; "cpu" and 0 without CUDA), torch's and triton's versions."""
+    import triton
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name, sms = props.name, props.multi_processor_count
+    else:
+        name, sms = "cpu", 0
+    return {
+        "command": command(),
+        "device": name,
+        "sms": sms,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def read_record(path: str | os.PathLike | None) -> dict:
+    """The run record at `path`, for a rerun to add to; {} where there is none."""
+    if not path or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def write_record(path: str | os.PathLike | None, record: dict, indent: int = 1) -> None:

@@ -25,10 +25,10 @@ import sys
 import time
 
 import torch
-import triton
 
 from bench import long_context, naive
-from bench.harness import ceilings, kernel_breakdown, time_ms, write_record
+from bench.compare import rel_err_or_nan
+from bench.harness import ceilings, kernel_breakdown, prologue, read_record, time_ms, write_record
 from dsaserve import kernels
 from dsaserve.kernels import indexer, sparse_mla
 from dsaserve.kernels.indexer import IndexerConfig
@@ -109,7 +109,7 @@ def decode_error(run, q, kv, idx, lengths, sinks) -> float:
     ref, _ = kernels.reference.sparse_mla_decode(
         q.double(), kv[used].double(), local, q.shape[-1] ** -0.5, sinks=sinks, lengths=lengths
     )
-    return ((out.double() - ref).norm() / ref.norm()).item()
+    return rel_err_or_nan(out, ref)
 
 
 def bench_decode(shapes, configs, hw, with_baselines: bool) -> list[dict]:
@@ -350,28 +350,15 @@ def main() -> None:
     if args.smoke:
         sys.exit(f"phase {phase} runs on CUDA only; --smoke covers {list(long_context.PHASES)}")
     t0 = time.time()
-    props = torch.cuda.get_device_properties(DEV)
+    run = prologue(DEV)
     hw = ceilings(DEV)
     print(
-        f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton "
-        f"{triton.__version__}: copy {hw['copy_GBps']:.0f} GB/s, bf16 matmul "
-        f"{hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
+        f"{run['device']}, {run['sms']} SMs, torch {run['torch']}, triton {run['triton']}: copy "
+        f"{hw['copy_GBps']:.0f} GB/s, bf16 matmul {hw['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
         flush=True,
     )
-    result = {}
-    if args.out and os.path.exists(args.out):
-        with open(args.out) as f:
-            result = json.load(f)
-    result.setdefault("runs", []).append(
-        {
-            "command": "python -m bench.kernels " + " ".join(sys.argv[1:]),
-            "device": props.name,
-            "sms": props.multi_processor_count,
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "ceilings": hw,
-        }
-    )
+    result = read_record(args.out)
+    result.setdefault("runs", []).append({**run, "ceilings": hw})
     result["timing"] = (
         "median ms per call over CUDA-graph replays (eager: plain launches), "
         f"{SETS} rotating input sets, KV pool {POOL_SLOTS} slots"

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from bench.numerics import BOS, bits_per_byte, greedy_agreement, heldout_windows
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from dsaserve.engine.kv.layout import (
@@ -203,9 +203,9 @@ def main() -> None:
             runs["float32", "auto"], runs["bfloat16", "auto"], *sizes
         )
     result = {
+        **prologue(args.device),
         "capacity": capacity(),
         "numerics": numerics,
-        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "seconds": round(time.perf_counter() - t, 1),
     }
     print(json.dumps(result, indent=1))

@@ -37,8 +37,6 @@ cycling through SETS input sets; every pool is far beyond the 50 MB L2.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
 import time
 import traceback
@@ -47,7 +45,17 @@ from collections.abc import Callable
 import torch
 import triton
 
-from bench.harness import Env, attempt, ceilings, kernel_breakdown, timed, write_record
+from bench.compare import rel_err_or_nan
+from bench.harness import (
+    Env,
+    attempt,
+    ceilings,
+    kernel_breakdown,
+    prologue,
+    read_record,
+    timed,
+    write_record,
+)
 from dsaserve import kernels
 from dsaserve.kernels import indexer, kv_quant, reference, sparse_mla
 from dsaserve.kernels.indexer import IndexerConfig
@@ -254,7 +262,7 @@ def decode_error(run: Callable, pool: torch.Tensor, q, idx, lengths, sinks) -> f
     ref, _ = reference.sparse_mla_decode(
         q.double(), pool, idx, SM_SCALE, sinks=sinks, lengths=lengths
     )
-    return ((out.double() - ref).norm() / ref.norm()).item()
+    return rel_err_or_nan(out, ref)
 
 
 def time_decode(
@@ -573,24 +581,8 @@ def run_phase(phase: str, out: str | None, smoke: bool) -> None:
     env = Env(torch.device("cpu" if smoke else "cuda"), smoke, quick=False, budget_ms=200.0)
     sizes = SMOKE if smoke else H200
     t0 = time.time()
-    result: dict = {}
-    if out and os.path.exists(out):
-        with open(out) as f:
-            result = json.load(f)
-    if env.device.type == "cuda":
-        props = torch.cuda.get_device_properties(env.device)
-        dev_name, sms = props.name, props.multi_processor_count
-    else:
-        dev_name, sms = "cpu (interpreter)", 0
-    run = {
-        "phase": phase,
-        "command": "python -m bench.kernels " + " ".join(sys.argv[1:]),
-        "device": dev_name,
-        "sms": sms,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "sizes": dataclasses.asdict(sizes),
-    }
+    result = read_record(out)
+    run = {"phase": phase, **prologue(env.device), "sizes": dataclasses.asdict(sizes)}
     result.setdefault("runs", []).append(run)
     result["timing"] = (
         f"median ms per call over CUDA-graph replays, {sizes.sets} rotating input sets per "
@@ -604,7 +596,7 @@ def run_phase(phase: str, out: str | None, smoke: bool) -> None:
     try:
         hw = ceilings(env.device, env.smoke)  # the ceilings every bench divides by
         run["ceilings"] = hw
-        print(f"{dev_name}, {sms} SMs, copy {hw['copy_GBps']:.0f} GB/s", flush=True)
+        print(f"{run['device']}, {run['sms']} SMs, copy {hw['copy_GBps']:.0f} GB/s", flush=True)
         PHASES[phase](env, sizes, result, hw, save)
         result.get("errors", {}).pop(phase, None)
     except Exception:

@@ -28,7 +28,8 @@ import sys
 
 import torch
 
-from bench.harness import Env, attempt, ceilings, kernel_breakdown, timed, write_record
+from bench.compare import rel_err_or_nan
+from bench.harness import Env, attempt, ceilings, kernel_breakdown, prologue, timed, write_record
 from dsaserve import kernels  # noqa: F401  (before triton: on CPU, kernels.env picks the interpreter)
 from dsaserve.kernels import quant
 from dsaserve.kernels.fp4_moe import default_config as triton_config
@@ -66,10 +67,6 @@ def routing(
     return x, ids, (w / w.sum(1, keepdim=True) * 1.5).float()
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 # ---- check ----------------------------------------------------------------------------------
 
 
@@ -97,9 +94,9 @@ def phase_check(dev: torch.device, result: dict) -> None:
                 torch.cuda.synchronize()
                 r = {
                     "case": label,
-                    "rel_err": rel(out, ref),
-                    "triton_rel_err": rel(tri, ref),
-                    "vs_triton": rel(out, tri),
+                    "rel_err": rel_err_or_nan(out, ref),
+                    "triton_rel_err": rel_err_or_nan(tri, ref),
+                    "vs_triton": rel_err_or_nan(out, tri),
                     "finite": bool(torch.isfinite(out).all()),
                 }
                 r["ok"] = r["finite"] and r["rel_err"] < 4e-3
@@ -148,7 +145,7 @@ def phase_check(dev: torch.device, result: dict) -> None:
     graph.replay()
     torch.cuda.synchronize()
     ref = quant.fp4_experts_reference(x, ids, wts, *w, LIMIT)
-    g = {"case": "graph replay, new inputs", "rel_err": rel(y, ref)}
+    g = {"case": "graph replay, new inputs", "rel_err": rel_err_or_nan(y, ref)}
     g["ok"] = g["rel_err"] < 4e-3
     rows.append(g)
     print(f"  {'ok  ' if g['ok'] else 'FAIL'} graph replay: rel err {g['rel_err']:.2e}")
@@ -266,7 +263,7 @@ def main() -> None:
         finally:
             write_record(f"{args.out}.{args.only}", part)
         return
-    result = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    result = prologue(dev)
     for name, (_, limit) in PHASES.items():
         print(f"== {name}", flush=True)
         cmd = [sys.executable, "-m", "bench.moe_hopper", "--only", name, "--out", args.out]

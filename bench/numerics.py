@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from dsaserve import kernels
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from dsaserve.engine.llm import LLM
@@ -104,6 +104,7 @@ def probe(windows: int = 16, prompts: int = 8, steps: int = 256) -> dict:
         forced = teacher_forced_agreement(gpu.score, starts, cpu_tokens)
         gpu_s = time.perf_counter() - t
     return {
+        **prologue("cuda"),
         "model": DEMO_MODEL_DIR.name,
         "windows": windows,
         "window_bytes": len(texts[0]),
@@ -121,7 +122,6 @@ def probe(windows: int = 16, prompts: int = 8, steps: int = 256) -> dict:
         ],
         "decode_graph_batch_sizes": graphs,
         "seconds": {"cpu": round(cpu_s, 1), "gpu": round(gpu_s, 1)},
-        "device": torch.cuda.get_device_name(),
     }
 
 

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from bench.harness import fmt, write_record
+from bench.harness import fmt, prologue, write_record
 from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from dsaserve.engine.llm_engine import LLMEngine
@@ -133,7 +133,7 @@ def main() -> None:
 
             model = str(write_slice(tmp, args.experts, smoke=not cuda))
         result: dict = {
-            "device": torch.cuda.get_device_name(args.device) if cuda else "cpu",
+            **prologue(args.device),
             "model": "v4-flash-width slice" if args.slice else os.path.basename(model),
             "prompt_tokens": args.prompt_tokens,
             "extend_tokens": args.extend_tokens,

@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -42,7 +40,18 @@ from collections.abc import Callable
 import torch
 import triton
 
-from bench.harness import Env, attempt, ceilings, fmt, kernel_breakdown, timed, write_record
+from bench.compare import rel_err_or_nan
+from bench.harness import (
+    Env,
+    attempt,
+    ceilings,
+    fmt,
+    kernel_breakdown,
+    prologue,
+    read_record,
+    timed,
+    write_record,
+)
 from dsaserve import kernels  # noqa: F401  (before triton: on CPU, kernels.env picks the interpreter)
 from dsaserve.kernels import fp8_gemm, quant
 from dsaserve.kernels.act_quant import act_quant
@@ -116,7 +125,7 @@ def check_linear(env: Env, case: LinearCase, m: int) -> dict:
     w, s = case.weights[0]
     out = fp8_linear(x, w, s)
     ref = quant.fp8_linear_reference(x[:64], w, s)
-    err = ((out[:64].double() - ref.double()).norm() / ref.double().norm()).item()
+    err = rel_err_or_nan(out[:64], ref)
     exact = (out[:64] == ref).float().mean().item()
     cfg = fp8_gemm.default_config(m, case.n, case.k, env.device)
     return {
@@ -272,7 +281,7 @@ def bench_alternatives(env: Env, case: LinearCase, m: int, configs: list[GemmCon
         label = f"{case.name} M={m} {cfg}"
         try:
             out = run(*case.weights[0])
-            err = ((out[:64].double() - ref.double()).norm() / ref.double().norm()).item()
+            err = rel_err_or_nan(out[:64], ref)
             ms, mode = timed(env, run, rot)
         except Exception as e:
             print(f"  {label}: {type(e).__name__} {str(e)[:200]}", flush=True)
@@ -524,7 +533,7 @@ def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, chec
                 row.update(out)
                 res["variants"].append(row)
                 continue
-            row["rel_err"] = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+            row["rel_err"] = rel_err_or_nan(out, ref)
             row["ok"] = row["rel_err"] < 4e-3
         t = attempt(f"fp4 moe time {used}", timed, env, run, arg_sets)
         if cfg is None and not env.smoke:
@@ -549,9 +558,7 @@ def bench_moe(env: Env, layer: MoeLayer, spec: dict, tokens: int, hw: dict, chec
             if ref is not None:
                 out = attempt("bf16 moe", layer.bf16, x, ids, wts)
                 if not isinstance(out, dict):
-                    res["bf16_rel_diff_vs_release"] = (
-                        (out.double() - ref.double()).norm() / ref.double().norm()
-                    ).item()
+                    res["bf16_rel_diff_vs_release"] = rel_err_or_nan(out, ref)
             t = attempt("bf16 moe time", timed, env, layer.bf16, arg_sets)
         if isinstance(t, tuple):
             res["bf16_us"], res["bf16_timing"] = 1e3 * t[0], t[1]
@@ -635,32 +642,15 @@ def main() -> None:
         sys.exit("bench.quant needs CUDA (use --smoke on CPU)")
     env = Env(torch.device("cpu" if args.smoke else "cuda"), args.smoke, args.quick)
     t0 = time.time()
-    result: dict = {}
-    if out and os.path.exists(out):
-        with open(out) as f:
-            result = json.load(f)
-    if env.device.type == "cuda":
-        props = torch.cuda.get_device_properties(env.device)
-        dev_name, sms = props.name, props.multi_processor_count
-    else:
-        dev_name, sms = "cpu (interpreter)", 0
-    run = {
-        "phase": args.only,
-        "command": "python -m bench.quant " + " ".join(sys.argv[1:]),
-        "device": dev_name,
-        "sms": sms,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "quick": args.quick,
-    }
+    result = read_record(out)
+    run = {"phase": args.only, **prologue(env.device), "quick": args.quick}
     result.setdefault("runs", []).append(run)
     result["timing"] = (
         "median ms per call over CUDA-graph replays (eager where noted); decode "
         f"rows rotate weight copies over > {ROTATE_BYTES >> 20} MB"
     )
-    print(
-        f"{dev_name}, {sms} SMs, torch {torch.__version__}, triton {triton.__version__}", flush=True
-    )
+    machine = f"{run['device']}, {run['sms']} SMs, torch {run['torch']}, triton {run['triton']}"
+    print(machine, flush=True)
 
     def save() -> None:  # after each section, so a run cut short keeps what it measured
         run["wall_s"] = time.time() - t0

@@ -57,6 +57,7 @@ from safetensors.torch import save_file
 from dsaserve.kernels import env  # noqa: F401
 
 # isort: split
+from bench.compare import rel_err_or_nan
 from bench.engine import V4, V32, random_model, release_model, slice_config
 from bench.fake_quant import (
     OnePrompt,
@@ -64,9 +65,8 @@ from bench.fake_quant import (
     compare,
     layer_labels,
     reference_model,
-    rel_err,
 )
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from bench.numerics import BOS, bits_per_byte, greedy_agreement, heldout_windows
 from bench.quant import random_fp8
 from dsaserve import kernels
@@ -129,7 +129,7 @@ def bf16_ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def error_row(got: torch.Tensor, ref: torch.Tensor, **fields: Any) -> dict:
-    return {**fields, "rel_err": rel_err(got, ref), "max_row_bf16_ulps": bf16_ulps(got, ref)}
+    return {**fields, "rel_err": rel_err_or_nan(got, ref), "max_row_bf16_ulps": bf16_ulps(got, ref)}
 
 
 def check_linears(dev: torch.device, smoke: bool) -> list[dict]:
@@ -256,9 +256,10 @@ def judge(
         "decode_logits_max": max(r["logits_rel_err"] for r in rows),
         "argmax_agrees": all(r["argmax_agrees"] for r in [prompt, *rows]),
         "free_running_per_layer": [
-            round(rel_err(a, b), 5) for a, b in zip(free.outputs, ref[0].outputs, strict=True)
+            round(rel_err_or_nan(a, b), 5)
+            for a, b in zip(free.outputs, ref[0].outputs, strict=True)
         ],
-        "free_running_logits": rel_err(free.logits, ref[0].logits),
+        "free_running_logits": rel_err_or_nan(free.logits, ref[0].logits),
     }
 
 
@@ -525,7 +526,7 @@ def main() -> None:
         args.only = ["demo"]  # the kernels and slices at real widths need the GPU
     cpu_record = json.loads(Path(args.cpu_record).read_text())["demo"] if args.cpu_record else None
     result: dict = {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        **prologue(dev),
         "smoke": args.smoke,
         "errors": {},
     }

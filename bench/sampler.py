@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from dsaserve.engine.sampler import sample
 from dsaserve.engine.sampling_params import SamplingParams
 
@@ -54,7 +54,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     dev = torch.device(args.device)
-    result = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "rows": []}
+    result = {**prologue(dev), "rows": []}
     print(f"{'kind':22s} {'B':>4s} {'us':>9s}")
     for rows in args.rows:
         logits = torch.randn(rows, VOCAB, device=dev, generator=torch.Generator(dev).manual_seed(0))

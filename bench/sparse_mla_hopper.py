@@ -28,7 +28,8 @@ import sys
 
 import torch
 
-from bench.harness import attempt, ceilings, kernel_breakdown, time_ms, write_record
+from bench.compare import rel_err_or_nan
+from bench.harness import attempt, ceilings, kernel_breakdown, prologue, time_ms, write_record
 from bench.kernels import (
     POOL_SLOTS,
     PREFILL,
@@ -78,11 +79,11 @@ def _err64(out, lse, q, kv, idx, lengths, sinks) -> tuple[float, float]:
     ref, ref_lse = reference.sparse_mla_decode(
         q.double(), kv[used].double(), local, q.shape[-1] ** -0.5, sinks=sinks, lengths=lengths
     )
-    out_err = ((out.double() - ref).norm() / ref.norm()).item()
+    out_err = rel_err_or_nan(out, ref)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "lse finite where the reference is not"
     assert bool((out[~finite].float() == 0).all()), "a row without entries is not 0"
-    lse_err = ((lse[finite].double() - ref_lse[finite]).norm() / ref_lse[finite].norm()).item()
+    lse_err = rel_err_or_nan(lse, ref_lse)  # (over the finite entries)
     return out_err, lse_err
 
 
@@ -243,7 +244,7 @@ def main() -> None:
         finally:
             write_record(f"{args.out}.{args.only}", part)
         return
-    result = {"device": torch.cuda.get_device_name(DEV), "torch": torch.__version__}
+    result = prologue(DEV)
     for name, (_, limit) in PHASES.items():
         if name == "once":
             continue

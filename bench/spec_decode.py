@@ -22,9 +22,7 @@ import argparse
 import json
 import time
 
-import torch
-
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from bench.numerics import BOS, greedy_agreement, heldout_windows
 from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.demo_model import DEMO_DSPARK_MODEL_DIR, DEMO_MODEL_DIR
@@ -81,10 +79,6 @@ def run(spec: dict | None, prompts: list[list[int]], max_tokens: int, device: st
     return row
 
 
-def device_name(device: str) -> str:
-    return torch.cuda.get_device_name(device) if device.startswith("cuda") else device
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=6)
@@ -130,8 +124,8 @@ def main() -> None:
     write_record(
         args.out,
         {
+            **prologue(args.device),
             "bench": "spec_decode",
-            "device": device_name(args.device),
             "args": vars(args),
             "rows": rows,
         },

@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import write_record
+from bench.harness import prologue, write_record
 from dsaserve.engine.kv.allocator import PageAllocator
 from dsaserve.engine.kv.layout import (
     SLAB,
@@ -442,14 +442,13 @@ def verify_staged(pool: KVPool, local: dict[str, list[int]], remote: dict[str, l
 def config(args: argparse.Namespace, load: float) -> dict:
     cuda = args.device == "cuda"
     return {
-        "device": args.device,
+        **prologue(args.device),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         if cuda
         else None,
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
         "load_avg_1m_at_start": load,  # the CPU machine is shared: a high load skews CPU rows
-        "torch": torch.__version__,
         "nixl": nixl_binding.api.__name__,
         "ucx_tls": os.environ.get("UCX_TLS", "(UCX default)"),
         "tokens": args.tokens,

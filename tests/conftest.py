@@ -24,12 +24,13 @@ import redis
 # triton (triton reads it once), or every Triton kernel a test launches on CPU fails.
 from dsaserve import kernels  # noqa: F401
 from dsaserve.services import redis_server as redis_launcher
-from tests.model_fixtures import release, tiny  # noqa: F401  (fixtures, shared with GPU runs)
+from tests.model_fixtures import family, release, tiny  # noqa: F401  (fixtures, shared with GPU runs)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from dsaserve.services.router.settings import RouterSettings
+    from tests.model_fixtures import Family
     from tests.scripted_worker import Serve
     from tests.serving_stack import Stack
 
@@ -140,9 +141,28 @@ def redis_url(redis_server: str) -> str:
     return redis_server
 
 
+@pytest.fixture(scope="module")
+def stack(
+    request: pytest.FixtureRequest,
+    family: Family,  # noqa: F811  (the fixture, imported above)
+    redis_server: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Stack]:
+    """The module's serving stack (workers and router as processes), healthy, as the module's
+    STACK (tests/serving_stack.py's StackSpec) describes it; by default one prefill worker, one
+    decode worker and a router on `tiny`. Stopped after the module, or before a test of another
+    family (its checkpoint is `family`'s)."""
+    from tests.serving_stack import StackSpec, serving
+
+    spec: StackSpec = getattr(request.module, "STACK", StackSpec())
+    model = request.getfixturevalue(spec.model) if isinstance(spec.model, str) else spec.model
+    with serving(spec, model, redis_server, tmp_path_factory.mktemp("stack")) as s:
+        yield s
+
+
 @pytest.fixture
 def client(stack: Stack) -> Iterator[openai.OpenAI]:
-    """An OpenAI client of the module's serving stack (the e2e modules' `stack` fixture)."""
+    """An OpenAI client of the module's serving stack (`stack`)."""
     from tests.serving_stack import openai_client
 
     with openai_client(stack.url) as c:

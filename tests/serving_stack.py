@@ -304,17 +304,38 @@ class Stack:
                 p.proc.wait(timeout=10)
 
 
+@dataclass(frozen=True)
+class StackSpec:
+    """A module's serving stack, as conftest's `stack` fixture reads it from the module's STACK:
+    its checkpoint (a fixture's name, or a model directory), its workers and flags, and the
+    Redis database its workers register in (a registry of the module's own)."""
+
+    model: str | Path = "tiny"
+    prefill: int = 1
+    decode: int = 1
+    worker_flags: tuple[str, ...] = ()
+    router_flags: tuple[str, ...] = ()
+    db: int = 0
+
+
+def in_db(redis_url: str, db: int) -> str:
+    """The same Redis server, database `db`."""
+    return f"{redis_url.rsplit('/', 1)[0]}/{db}"
+
+
 @contextlib.contextmanager
-def pd_stack(model: Path, redis_url: str, workdir: Path) -> Iterator[Stack]:
-    """One prefill worker, one decode worker and a router, healthy, as the stack's `prefill`,
-    `decode` and `url`; stopped on leaving."""
-    s = Stack(model, redis_url, workdir)
+def serving(spec: StackSpec, model: Path, redis_url: str, workdir: Path) -> Iterator[Stack]:
+    """spec's prefill workers, decode workers and router, healthy: the stack's `url`, `workers`
+    (prefill first), `prefill` and `decode` (the first of each); stopped on leaving."""
+    s = Stack(model, in_db(redis_url, spec.db), workdir)
     try:
-        workers = [s.worker("prefill"), s.worker("decode")]
-        router = s.router()
+        roles = ["prefill"] * spec.prefill + ["decode"] * spec.decode
+        workers = [s.worker(role, *spec.worker_flags) for role in roles]
+        router = s.router(*spec.router_flags)
         s.wait_ready(*workers)
-        s.url = s.wait_healthy(router)
-        s.prefill, s.decode = workers
+        s.url = s.wait_healthy(router, prefill=spec.prefill, decode=spec.decode)
+        s.workers = workers
+        s.prefill, s.decode = workers[0], workers[spec.prefill]
         yield s
     finally:
         s.stop()

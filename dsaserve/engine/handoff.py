@@ -23,6 +23,7 @@ from dsaserve.engine.request import KVPages, Listener, Request, RequestError, St
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.engine.scheduler import Scheduler
+from dsaserve.engine.structured import GrammarState
 
 
 class NewRequest(Protocol):
@@ -35,6 +36,7 @@ class NewRequest(Protocol):
         params: SamplingParams,
         *,
         listener: Listener | None = None,
+        grammar: GrammarState | None = None,
     ) -> Request: ...
 
 
@@ -109,11 +111,13 @@ class Handoff:
         listener: Listener | None = None,
         draft_token_ids: Sequence[int] = (),
         draft_confidences: Sequence[float] = (),
+        grammar: GrammarState | None = None,
     ) -> KVPages | None:
         """Allocate pages for a prefilled request (prompt KV computed elsewhere, first token
         already sampled and sent, with the drafts after it when speculating, and DSpark's
         confidences in them: its first step verifies them); None when the pools are full right
-        now."""
+        now. `grammar`: its grammar's state, compiled already (as the engine's new_request takes
+        it)."""
         most, vocab = self.max_drafts, self.vocab_size
         if len(draft_token_ids) > most or any(not 0 <= t < vocab for t in draft_token_ids):
             raise RequestError(
@@ -128,7 +132,9 @@ class Handoff:
                 "draft confidences must be one probability in [0, 1] per draft token id; got "
                 f"{list(draft_confidences)[:8]} for {len(draft_token_ids)} drafts"
             )
-        req = self.new_request(request_id, prompt_token_ids, params, listener=listener)
+        req = self.new_request(
+            request_id, prompt_token_ids, params, listener=listener, grammar=grammar
+        )
         # Pages freed while a step runs may still be written by it; the transfer that fills
         # the pages given here does not wait for the device's stream.
         device = self.runner.device

@@ -53,7 +53,7 @@ from dsaserve.engine.speculative.config import MTP
 from dsaserve.engine.speculative.draft_head import draft_config
 from dsaserve.engine.speculative.speculator import Speculator
 from dsaserve.engine.step import RowSpan
-from dsaserve.engine.structured import Constraints
+from dsaserve.engine.structured import Constraints, GrammarState
 from dsaserve.engine.text.grammar import GrammarError
 from dsaserve.engine.text.text_stream import TextStream
 from dsaserve.engine.text.tokenizer import Tokenizer
@@ -178,8 +178,10 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         listener: Listener | None = None,
+        grammar: GrammarState | None = None,
     ) -> Request:
-        """Validate a request and build its state (not yet queued)."""
+        """Validate a request and build its state (not yet queued); `grammar`: its grammar's
+        state when compiled already (a worker compiles off this thread), else compiled here."""
         if request_id in self.scheduler.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -209,11 +211,10 @@ class LLMEngine:
                     f"{have}; lower max_tokens or give the worker more KV memory "
                     "(--kv-cache-memory-bytes)"
                 )
-        grammar = None
         if params.grammar is not None and self.speculator is not None:
             # (drafts are neither proposed nor verified under a grammar's mask yet)
             raise RequestError("structured outputs are not served with --speculative-config yet")
-        if params.grammar is not None:
+        if params.grammar is not None and grammar is None:
             try:
                 grammar = self.constraints.state(params.grammar)
             except GrammarError as e:
@@ -239,11 +240,17 @@ class LLMEngine:
         *,
         prefill_only: bool = False,
         listener: Listener | None = None,
+        grammar: GrammarState | None = None,
     ) -> None:
         """Queue a request (prefill_only: stop after its first token and hold its KV for a
-        reader, engine.handoff)."""
+        reader, engine.handoff; grammar: as new_request's)."""
         req = self.new_request(
-            request_id, prompt_token_ids, params, prefill_only=prefill_only, listener=listener
+            request_id,
+            prompt_token_ids,
+            params,
+            prefill_only=prefill_only,
+            listener=listener,
+            grammar=grammar,
         )
         self.scheduler.add(req)
 

@@ -31,6 +31,9 @@ class SamplingParams:
     # and the k likeliest alternatives at its place (vLLM's `prompt_logprobs`). The prompt is
     # then computed whole, never resumed from the prefix cache.
     prompt_logprobs: int | None = None
+    # The prefix-cache namespace (vLLM's `cache_salt`): the request resumes only from prefixes
+    # computed under the same salt (engine.prefix_cache.cache, "Namespaces"). None: the shared one.
+    cache_salt: str | None = None
     # vLLM's sampling extensions (engine.logits_processors says what each does to the logits):
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     presence_penalty: float = 0.0  # [-2, 2], OpenAI's: once per token the output holds

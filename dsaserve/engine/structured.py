@@ -18,6 +18,7 @@ mask is filled while the device runs the forward), never before.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import llguidance
@@ -55,18 +56,22 @@ class Bitmask:
 
 class Constraints:
     """An engine's grammars: compiled on first use (building llguidance's view of a tokenizer
-    reads its whole vocabulary), each then kept for the requests that use it again."""
+    reads its whole vocabulary), each then kept for the requests that use it again. `state` may
+    be called from any thread: a worker compiles a request's grammar before the request reaches
+    the engine's thread, which then only steps."""
 
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: frozenset[int]) -> None:
         self._tokenizer = tokenizer
         self._eos = sorted(eos_token_ids)
         self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()  # (the compiler is made once, by whichever thread first)
         self._executor: llguidance.LLExecutor | None = None
 
     def state(self, grammar: str) -> GrammarState:
         """A new request's state at the grammar's start; GrammarError if it does not compile."""
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(self._tokenizer, frozenset(self._eos))
+        with self._lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(self._tokenizer, frozenset(self._eos))
         return GrammarState(self._compiler.matcher(grammar))
 
     def bitmask(self, rows: list[tuple[int, GrammarState]], device: torch.device) -> Bitmask | None:

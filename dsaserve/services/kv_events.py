@@ -36,7 +36,7 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT, KeyT, StreamIdT
 
-from dsaserve.engine.prefix_cache.block_hash import DIGEST_BYTES, block_hashes
+from dsaserve.engine.prefix_cache.block_hash import DIGEST_BYTES, block_hashes, salted
 
 log = logging.getLogger(__name__)
 
@@ -225,9 +225,12 @@ class CacheIndex(_RedisTask):
 
     # ---------------------------------------------------------------- routing
 
-    def matched_tokens(self, worker_ids: Sequence[str], prompt: Sequence[int]) -> dict[str, int]:
+    def matched_tokens(
+        self, worker_ids: Sequence[str], prompt: Sequence[int], cache_salt: str | None = None
+    ) -> dict[str, int]:
         """Per worker, the tokens of `prompt` its cache holds as far as known (whole blocks from
-        the start); 0 for a worker unknown, out of sync or silent for STALE_S."""
+        the start) in the namespace of `cache_salt`, as the worker hashes them (block_hash.
+        salted); 0 for a worker unknown, out of sync or silent for STALE_S."""
         now, out = time.monotonic(), {}
         hashes: dict[tuple[bytes, int], list[bytes]] = {}  # by hashing parameters
         for worker_id in worker_ids:
@@ -237,20 +240,21 @@ class CacheIndex(_RedisTask):
                 continue
             params = (w.salt, w.block)
             if params not in hashes:
-                hashes[params] = block_hashes(prompt, w.salt, w.block)
+                hashes[params] = block_hashes(prompt, salted(w.salt, cache_salt), w.block)
             for h in hashes[params]:
                 if h not in w.hashes and w.routed.get(h, 0.0) < now:
                     break
                 out[worker_id] += w.block
         return out
 
-    def routed(self, worker_id: str, prompt: Sequence[int]) -> None:
-        """`prompt` was just sent to `worker_id`: its blocks count as held there for a while."""
+    def routed(self, worker_id: str, prompt: Sequence[int], cache_salt: str | None = None) -> None:
+        """`prompt` (in `cache_salt`'s namespace) was just sent to `worker_id`: its blocks
+        count as held there for a while."""
         w = self._workers.get(worker_id)
         if w is None or not w.block:
             return
         until = time.monotonic() + ROUTED_S
-        for h in block_hashes(prompt, w.salt, w.block):
+        for h in block_hashes(prompt, salted(w.salt, cache_salt), w.block):
             w.routed[h] = until
 
     # ---------------------------------------------------------------- reading

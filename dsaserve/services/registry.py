@@ -14,7 +14,11 @@ record that draws prompts and the cluster token to their own address. So every r
 signed (`seal`: an HMAC-SHA256 keyed by the cluster token over the record and the time it was
 written) and the watcher keeps only records whose signature verifies and whose time is within
 a TTL (plus clock skew) of now, under the key their worker id names; a replayed old record of a
-dead worker is as useless as a forged one.
+dead worker is as useless as a forged one. A value is read only when it is small
+(MAX_RECORD_BYTES, checked in Redis before it is fetched) and parsed only when it nests
+shallowly (MAX_RECORD_DEPTH): whatever someone writes under a worker key is ignored, never
+fatal, and the watcher itself restarts after any error it did not expect (`restarts`,
+`last_error`: the router's /health shows them).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, Literal
 import redis.asyncio as aioredis
 
 from dsaserve.engine.load import Load
+from dsaserve.services import bounded_json
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,9 @@ ROLES: tuple[Role, ...] = ("prefill", "decode")
 MAX_CLOCK_SKEW_S = 5.0
 INVALIDATE_CHANNEL = "__redis__:invalidate"  # where Redis sends client-side tracking's messages
 KEY_WATCH_RETRY_S = 0.5  # a worker's key watch reconnects this often while Redis is down
+# A signed record is ~500 bytes of flat JSON: anything much larger or deeper is not one.
+MAX_RECORD_BYTES = 16 << 10
+MAX_RECORD_DEPTH = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +113,7 @@ def unseal(
 
     Trusted only when its HMAC verifies under `key`, it was written at most `max_age_s` before
     `now` (and not after it, both give or take MAX_CLOCK_SKEW_S), and `redis_key` is its own."""
-    envelope = json.loads(value)
+    envelope = bounded_json.loads(value, MAX_RECORD_BYTES, MAX_RECORD_DEPTH)
     if not isinstance(envelope, dict) or not isinstance(envelope.get("record"), dict):
         raise ValueError("not a signed record")
     body, presented = envelope["record"], str(envelope.get("signature", ""))
@@ -318,6 +326,8 @@ class RegistryWatcher:
         self._refreshed_at = 0.0  # monotonic time of the last successful refresh
         self._keep_until = 0.0  # monotonic time until which absent workers are kept
         self._marker = MARKER_PREFIX + uuid.uuid4().hex  # this watcher's own key (see _read)
+        self.restarts = 0  # times the watch loop started over after an unexpected error
+        self.last_error: str | None = None  # the latest of those errors
 
     @property
     def refresh_interval_s(self) -> float:
@@ -383,18 +393,29 @@ class RegistryWatcher:
         ttl_ms = max(1, round(MARKER_TTLS * self._ttl_s * 1000))
         lost = await self._redis.set(self._marker, b"1", px=ttl_ms, get=True) is None
         keys = [key async for key in self._redis.scan_iter(match=KEY_PREFIX + "*", count=1000)]
+        untrusted: dict[str, str] = {}  # key -> why
+        if keys:  # (sizes first: a huge value is never fetched into this process)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.strlen(key)
+                sizes = await pipe.execute(raise_on_error=False)
+            for key, size in zip(keys, sizes, strict=True):
+                if not isinstance(size, int) or size > MAX_RECORD_BYTES:
+                    untrusted[key] = f"not a string of at most {MAX_RECORD_BYTES} bytes"
+            keys = [key for key in keys if key not in untrusted]
         values = await self._redis.mget(keys) if keys else []
-        records, untrusted, now = [], set(), time.time()
+        records, now = [], time.time()
         for key, value in zip(keys, values, strict=True):
             if value is None:  # expired between SCAN and MGET
                 continue
             try:
                 records.append(unseal(key, value, self._token, now, self._ttl_s))
-            except (ValueError, TypeError) as e:
-                untrusted.add(key)
-                if key not in self._untrusted_keys:
-                    log.warning("ignoring registry entry %r: %s", key, e)
-        self.untrusted, self._untrusted_keys = len(untrusted), untrusted
+            except Exception as e:  # (whatever is wrong with one value, the others count)
+                untrusted[key] = str(e)
+        for key, why in untrusted.items():
+            if key not in self._untrusted_keys:
+                log.warning("ignoring registry entry %r: %s", key, why)
+        self.untrusted, self._untrusted_keys = len(untrusted), set(untrusted)
         return records, lost
 
     async def _watch(self) -> None:
@@ -412,5 +433,19 @@ class RegistryWatcher:
                         len(self._snapshot),
                     )
                 continue
+            except Exception as e:  # a bug or a reply we cannot read: start over, keep routing
+                await self._restart(e)
+                continue
             if not was_up:
                 log.warning("registry reachable again; %d workers", len(self._snapshot))
+
+    async def _restart(self, error: Exception) -> None:
+        """Start the watch over with a new connection after an unexpected error; the snapshot
+        stays, as through an outage."""
+        self.restarts += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        log.exception("registry watcher failed; restarting it (restart %d)", self.restarts)
+        old, self._redis = self._redis, _client(self._redis_url, self._ttl_s)
+        if old is not None:
+            with contextlib.suppress(Exception):  # (the old connection may be what broke)
+                await old.aclose()

@@ -17,10 +17,11 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 from dsaserve.engine.llm import LLM
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
-from tests.serving_stack import pd_stack, wait_all_kv_free
+from tests.serving_stack import StackSpec, wait_all_kv_free
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes
+
+STACK = StackSpec(model="release", db=5)  # (conftest's `stack`) in a registry of its own
 
 # A multiple-choice task of lm-eval's own kind, read from a local file.
 QUESTIONS = [
@@ -34,21 +35,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("clients") / "tiny-v4", fmt="release")
-
-
-@pytest.fixture(scope="module")
-def stack(model, redis_server, tmp_path_factory):
-    """One prefill worker, one decode worker and a router, in a registry of their own."""
-    registry = redis_server.rsplit("/", 1)[0] + "/5"
-    with pd_stack(model, registry, tmp_path_factory.mktemp("stack")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def llm(model: Path) -> LLM:
-    return LLM(model)
+def llm(release: Path) -> LLM:
+    return LLM(release)
 
 
 def _completion(stack, body: dict) -> dict:
@@ -63,7 +51,7 @@ def _prompt_logprobs(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 def test_lm_eval_loglikelihoods_equal_the_engines_score(
-    stack, model, llm, tmp_path, monkeypatch
+    stack, release, llm, tmp_path, monkeypatch
 ) -> None:
     """lm-eval's local-completions sends `echo: true, logprobs: 1, max_tokens: 1` with batched
     token-id prompts; each continuation's loglikelihood must be what one causal forward (fp32,
@@ -88,10 +76,10 @@ def test_lm_eval_loglikelihoods_equal_the_engines_score(
     }
     (tmp_path / "tiny_mc.yaml").write_text(json.dumps(task))
     lm = get_model("local-completions")(
-        model=model.name,
+        model=release.name,
         base_url=stack.url + "/v1/completions",
         tokenizer_backend="huggingface",
-        tokenizer=str(model),
+        tokenizer=str(release),
         batch_size=4,  # several prompts per request
         max_retries=1,
     )
@@ -117,13 +105,13 @@ def test_lm_eval_loglikelihoods_equal_the_engines_score(
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_vllm_completion_extensions(stack, model, llm, client) -> None:
+def test_vllm_completion_extensions(stack, release, llm, client) -> None:
     """Batched prompts (texts and token ids; one choice per prompt and n, prompt-major),
     `max_tokens: 0` with `echo`, `prompt_logprobs` on completions and chats, and
     `continuous_usage_stats` through the openai client: the numbers are the engine's own."""
     texts = ["It was the best", "of times"]
     ids = [llm.tokenizer.encode(t, add_special_tokens=True) for t in texts]
-    body = {"model": model.name, "prompt": texts, "n": 2, "max_tokens": 3, "temperature": 0}
+    body = {"model": release.name, "prompt": texts, "n": 2, "max_tokens": 3, "temperature": 0}
     batched = _completion(stack, body)
     assert [c["index"] for c in batched["choices"]] == [0, 1, 2, 3]
     assert batched["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
@@ -132,7 +120,7 @@ def test_vllm_completion_extensions(stack, model, llm, client) -> None:
 
     echoed = _completion(
         stack,
-        {"model": model.name, "prompt": texts[0], "max_tokens": 0, "echo": True, "logprobs": 2}
+        {"model": release.name, "prompt": texts[0], "max_tokens": 0, "echo": True, "logprobs": 2}
         | {"prompt_logprobs": 1},
     )["choices"][0]
     assert (echoed["text"], echoed["finish_reason"]) == (texts[0], "length")
@@ -163,7 +151,7 @@ def test_vllm_completion_extensions(stack, model, llm, client) -> None:
     assert len(chat["prompt_logprobs"]) == len(tokens) and chat["prompt_logprobs"][0] is None
 
     stream = client.chat.completions.create(
-        model=model.name,
+        model=release.name,
         messages=[{"role": "user", "content": "Hi"}],
         max_tokens=4,
         stream=True,
@@ -183,14 +171,14 @@ WEATHER = {
 }
 
 
-def test_anthropic_sdk_messages(stack, model) -> None:
+def test_anthropic_sdk_messages(stack, release) -> None:
     """The anthropic SDK's messages.create, whole and streamed, with a tool and thinking, on
     real workers: well-formed messages, usage that adds up, and the KV freed."""
     import anthropic
 
     with anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0) as client:
         request = {
-            "model": model.name,
+            "model": release.name,
             "max_tokens": 6,
             "system": "Be brief.",
             "messages": [{"role": "user", "content": "Weather in Lima?"}],
@@ -211,7 +199,7 @@ def test_anthropic_sdk_messages(stack, model) -> None:
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_openai_responses(stack, model) -> None:
+def test_openai_responses(stack, release) -> None:
     """responses.create whole, streamed and continued by previous_response_id, on real workers.
     (The Agents SDK's tool loop runs against scripted workers,
     tests/services/test_router_responses.py: it treats a reply cut by max_output_tokens as an
@@ -219,13 +207,13 @@ def test_openai_responses(stack, model) -> None:
     import openai
 
     with openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0) as client:
-        first = client.responses.create(model=model.name, input="Hi", max_output_tokens=4)
+        first = client.responses.create(model=release.name, input="Hi", max_output_tokens=4)
         assert first.status in ("completed", "incomplete") and first.output
         again = client.responses.create(
-            model=model.name, input="And?", previous_response_id=first.id, max_output_tokens=4
+            model=release.name, input="And?", previous_response_id=first.id, max_output_tokens=4
         )
         assert again.usage.input_tokens > first.usage.input_tokens
-        with client.responses.stream(model=model.name, input="Hi", max_output_tokens=4) as s:
+        with client.responses.stream(model=release.name, input="Hi", max_output_tokens=4) as s:
             kinds = [event.type for event in s]
         assert kinds[0] == "response.created" and kinds[-1] in (
             "response.completed",
@@ -247,7 +235,7 @@ class Forecast(BaseModel):
     warm: bool
 
 
-def test_openai_responses_structured_output(stack, model) -> None:
+def test_openai_responses_structured_output(stack, release) -> None:
     """responses.parse(text_format=...) and text.format json_schema (strict), whole and
     streamed, and after the reasoning in thinking mode: valid JSON of the schema on random
     weights, the reasoning's tokens counted in usage."""
@@ -255,14 +243,14 @@ def test_openai_responses_structured_output(stack, model) -> None:
 
     with openai.OpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0) as client:
         parsed = client.responses.parse(
-            model=model.name, input="Forecast?", text_format=Forecast, max_output_tokens=64
+            model=release.name, input="Forecast?", text_format=Forecast, max_output_tokens=64
         )
         assert isinstance(parsed.output_parsed, Forecast), parsed.output_text
         assert parsed.usage.output_tokens_details.reasoning_tokens == 0
         schema = {"type": "json_schema", "name": "forecast", "strict": True}
         schema["schema"] = Forecast.model_json_schema()
         thought = client.responses.create(
-            model=model.name,
+            model=release.name,
             input="Forecast?",
             text={"format": schema},
             reasoning={"effort": "high"},
@@ -274,13 +262,13 @@ def test_openai_responses_structured_output(stack, model) -> None:
         reasoning = thought.usage.output_tokens_details.reasoning_tokens
         assert 1 <= reasoning <= 6 < thought.usage.output_tokens  # (5 tokens and </think>)
         with client.responses.stream(
-            model=model.name, input="Forecast?", text_format=Forecast, max_output_tokens=64
+            model=release.name, input="Forecast?", text_format=Forecast, max_output_tokens=64
         ) as stream:
             deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
             final = stream.get_final_response()
         assert Forecast.model_validate_json("".join(deltas)) == final.output_parsed
         loose = client.responses.create(
-            model=model.name,
+            model=release.name,
             input="JSON?",
             text={"format": {"type": "json_object"}},
             max_output_tokens=24,
@@ -288,7 +276,7 @@ def test_openai_responses_structured_output(stack, model) -> None:
         assert loose.status == "incomplete" or isinstance(json.loads(loose.output_text), dict)
         with pytest.raises(openai.BadRequestError) as bad:
             client.responses.create(
-                model=model.name,
+                model=release.name,
                 input="Hi",
                 text={"format": {**schema, "schema": IF_SCHEMA}},  # (a keyword it lacks)
             )
@@ -296,7 +284,7 @@ def test_openai_responses_structured_output(stack, model) -> None:
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_anthropic_sdk_count_tokens_structured_output_and_stop_sequences(stack, model) -> None:
+def test_anthropic_sdk_count_tokens_structured_output_and_stop_sequences(stack, release) -> None:
     """messages.count_tokens counts what the same request's usage reports as its input,
     messages.parse(output_format=...) returns a valid object, a reply ended by a stop sequence
     says so and names it, and an error on the new route comes in Anthropic's shape."""
@@ -304,7 +292,7 @@ def test_anthropic_sdk_count_tokens_structured_output_and_stop_sequences(stack, 
 
     with anthropic.Anthropic(base_url=stack.url, api_key="none", max_retries=0) as client:
         prompt = {
-            "model": model.name,
+            "model": release.name,
             "system": "Be brief.",
             "messages": [{"role": "user", "content": "Weather in Lima?"}],
             "tools": [WEATHER],
@@ -318,14 +306,14 @@ def test_anthropic_sdk_count_tokens_structured_output_and_stop_sequences(stack, 
         assert counted == message.usage.input_tokens + message.usage.cache_read_input_tokens
 
         parsed = client.messages.parse(
-            model=model.name,
+            model=release.name,
             max_tokens=64,
             messages=[{"role": "user", "content": "Forecast?"}],
             output_format=Forecast,
         )
         assert isinstance(parsed.parsed_output, Forecast), parsed.content
 
-        plain = {"model": model.name, "messages": [{"role": "user", "content": "Hi"}]}
+        plain = {"model": release.name, "messages": [{"role": "user", "content": "Hi"}]}
         plain["extra_body"] = {"temperature": 0}  # (this SDK no longer sends it by name)
         free = client.messages.create(**plain, max_tokens=16)
         text = "".join(b.text for b in free.content if b.type == "text")
@@ -339,13 +327,13 @@ def test_anthropic_sdk_count_tokens_structured_output_and_stop_sequences(stack, 
         assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
 
         with pytest.raises(anthropic.BadRequestError) as bad:
-            client.messages.count_tokens(model=model.name, messages=[])
+            client.messages.count_tokens(model=release.name, messages=[])
         assert bad.value.body["type"] == "error"
         assert bad.value.body["error"]["type"] == "invalid_request_error"
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_vllm_sampling_extensions_through_the_stack(stack, model, llm, client) -> None:
+def test_vllm_sampling_extensions_through_the_stack(stack, release, llm, client) -> None:
     """min_tokens with ignore_eos false never ends before it; logit_bias, the penalties,
     bad_words and allowed_token_ids change the answer as the engine computes it offline;
     vLLM's stop_reason names a stop token."""
@@ -354,10 +342,10 @@ def test_vllm_sampling_extensions_through_the_stack(stack, model, llm, client) -
     eos = min(llm.tokenizer.eos_token_ids)
     messages = [{"role": "user", "content": "Hi"}]
     forced = {"logit_bias": {str(eos): 100}, "temperature": 0, "max_tokens": 12}
-    early = client.chat.completions.create(model=model.name, messages=messages, extra_body=forced)
+    early = client.chat.completions.create(model=release.name, messages=messages, extra_body=forced)
     assert early.usage.completion_tokens == 1 and early.choices[0].finish_reason == "stop"
     late = client.chat.completions.create(
-        model=model.name, messages=messages, extra_body=forced | {"min_tokens": 5}
+        model=release.name, messages=messages, extra_body=forced | {"min_tokens": 5}
     )
     assert late.usage.completion_tokens == 6 and late.choices[0].finish_reason == "stop"
     prompt = llm.tokenizer.encode("It was the best", add_special_tokens=True)
@@ -367,7 +355,7 @@ def test_vllm_sampling_extensions_through_the_stack(stack, model, llm, client) -
         {"allowed_token_ids": [prompt[1], prompt[2]], "bad_words": ["zz"]},
         {"logit_bias": {str(prompt[-1]): 50}, "stop_token_ids": [prompt[-1]], "min_tokens": 2},
     ):
-        body = {"model": model.name, "prompt": prompt, "max_tokens": 8, "temperature": 0} | extra
+        body = {"model": release.name, "prompt": prompt, "max_tokens": 8, "temperature": 0} | extra
         got = _completion(stack, body)["choices"][0]
         params = SamplingParams(
             max_tokens=8,
@@ -384,7 +372,7 @@ def test_vllm_sampling_extensions_through_the_stack(stack, model, llm, client) -
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_agents_sdk_output_type_on_its_default_model(stack, model) -> None:
+def test_agents_sdk_output_type_on_its_default_model(stack, release) -> None:
     """The OpenAI Agents SDK's `output_type=` on its default (Responses) model: the SDK asks
     for strict structured output and parses the final output into the type."""
     import asyncio
@@ -399,7 +387,7 @@ def test_agents_sdk_output_type_on_its_default_model(stack, model) -> None:
         agent = Agent(
             name="forecaster",
             instructions="Give the forecast.",
-            model=OpenAIResponsesModel(model=model.name, openai_client=client),
+            model=OpenAIResponsesModel(model=release.name, openai_client=client),
             model_settings=ModelSettings(max_tokens=64),
             output_type=Forecast,
         )
@@ -411,7 +399,7 @@ def test_agents_sdk_output_type_on_its_default_model(stack, model) -> None:
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_pydantic_ai_native_output_on_the_responses_model(stack, model) -> None:
+def test_pydantic_ai_native_output_on_the_responses_model(stack, release) -> None:
     """pydantic-ai's OpenAIResponsesModel with NativeOutput: the model's own structured output
     (text.format json_schema), validated into the type."""
     from pydantic_ai import Agent, NativeOutput
@@ -420,7 +408,7 @@ def test_pydantic_ai_native_output_on_the_responses_model(stack, model) -> None:
 
     provider = OpenAIProvider(base_url=stack.url + "/v1", api_key="none")
     agent = Agent(
-        OpenAIResponsesModel(model.name, provider=provider),
+        OpenAIResponsesModel(release.name, provider=provider),
         output_type=NativeOutput(Forecast),
         model_settings={"max_tokens": 64},
     )

@@ -19,7 +19,6 @@ import httpx
 import pytest
 import redis
 
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.services.auth import token_metadata
 from dsaserve.services.registry import unseal, worker_key
 from dsaserve.services.rpc import grpc_api, pb
@@ -27,6 +26,7 @@ from tests.serving_stack import (
     TOKEN,
     Proc,
     Stack,
+    in_db,
     slow_profile,
     wait_all_kv_free,
     wait_for,
@@ -38,13 +38,8 @@ pytestmark = pytest.mark.e2e  # the stack as processes, broken on purpose
 PROMPTS = [f"Tell me about river number {i}, please." for i in range(6)]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("faults") / "dsaserve-tiny-v4")
-
-
 def stack_in_db(model, redis_server: str, tmp_path, db: int) -> Stack:
-    url = f"{redis_server.rsplit('/', 1)[0]}/{db}"
+    url = in_db(redis_server, db)
     client = redis.Redis.from_url(url, socket_timeout=5)
     try:
         client.flushdb()
@@ -64,13 +59,11 @@ def answer(response: httpx.Response) -> str:
     return response.json()["choices"][0]["message"]["content"]
 
 
-def test_decode_stopped_past_the_lease_never_answers_from_freed_pages(
-    model, redis_server, tmp_path
-):
+def test_decode_stopped_past_the_lease_never_answers_from_freed_pages(tiny, redis_server, tmp_path):
     """The decode worker is stopped (SIGSTOP) while requests arrive; their prefill leases run out
     and their pages go to the next requests. Once it resumes, every request is answered exactly
     as before the fault or refused with a clear error: no answer from someone else's KV."""
-    s = stack_in_db(model, redis_server, tmp_path, db=3)
+    s = stack_in_db(tiny, redis_server, tmp_path, db=3)
     try:
         prefill = s.worker("prefill", "--lease-seconds", "1")
         decode = s.worker("decode")
@@ -112,12 +105,12 @@ def test_decode_stopped_past_the_lease_never_answers_from_freed_pages(
         s.stop()
 
 
-def test_an_abort_under_load_is_answered_at_once_and_frees_the_pages(model, redis_server, tmp_path):
+def test_an_abort_under_load_is_answered_at_once_and_frees_the_pages(tiny, redis_server, tmp_path):
     """The router's Abort has a short deadline; the prefill worker answers it from its lease
     table while its engine is busy, and the engine frees the pages at its next drain (the lease
     here is far longer than the test). Steps of 4096 rows keep the engine busy for a second or
     more each (prompts that share nothing: the prefix cache would compute one of them only)."""
-    s = stack_in_db(model, redis_server, tmp_path, db=4)
+    s = stack_in_db(tiny, redis_server, tmp_path, db=4)
     try:
         prefill = s.worker("prefill", "--lease-seconds", "600", "--max-num-batched-tokens", "4096")
         s.wait_ready(prefill)
@@ -153,10 +146,10 @@ def test_an_abort_under_load_is_answered_at_once_and_frees_the_pages(model, redi
         s.stop()
 
 
-def test_a_prefill_worker_restarted_under_the_same_id_serves_at_once(model, redis_server, tmp_path):
+def test_a_prefill_worker_restarted_under_the_same_id_serves_at_once(tiny, redis_server, tmp_path):
     """Killed with -9 and restarted with the same --worker-id and address (as a container
     restart does): the decode worker must not reuse its connection to the dead NIXL agent."""
-    s = stack_in_db(model, redis_server, tmp_path, db=5)
+    s = stack_in_db(tiny, redis_server, tmp_path, db=5)
     try:
         prefill = s.worker("prefill", "--worker-id", "prefill-a")
         decode = s.worker("decode")
@@ -176,14 +169,14 @@ def test_a_prefill_worker_restarted_under_the_same_id_serves_at_once(model, redi
 
 
 def test_a_restarted_prefill_worker_pairs_with_decode_while_redis_is_down(
-    model, private_redis, tmp_path
+    tiny, private_redis, tmp_path
 ):
     """Redis is discovery only. A prefill worker restarted under the same id and address runs a
     new NIXL agent; Redis then stops (SIGSTOP) before any request reaches it. The router keeps
     routing to the address it last saw, and the decode worker loads the new agent from the prefill
     worker's Describe over gRPC: answers as before. A KV handle of the dead process is refused
     with a clear, retryable cause."""
-    s = Stack(model, private_redis.url, tmp_path, ttl=2.0)
+    s = Stack(tiny, private_redis.url, tmp_path, ttl=2.0)
     try:
         prefill = s.worker("prefill", "--worker-id", "prefill-a")
         decode = s.worker("decode")
@@ -269,10 +262,10 @@ def _prefill_directly(worker: Proc, request_id: str) -> HeldPrefill:
     return HeldPrefill(request_id, prompt, sampling, response)
 
 
-def test_a_hung_decode_worker_fails_its_streams_within_seconds(model, redis_server, tmp_path):
+def test_a_hung_decode_worker_fails_its_streams_within_seconds(tiny, redis_server, tmp_path):
     """A decode worker that stops mid-stream (SIGSTOP): gRPC keepalive notices, the stream ends
     with an error event long before the request timeout, and the prefill side frees all."""
-    s = stack_in_db(model, redis_server, tmp_path, db=6)
+    s = stack_in_db(tiny, redis_server, tmp_path, db=6)
     try:
         prefill, decode = s.worker("prefill"), s.worker("decode")
         # Only keepalive can end the stream within the read timeout: the stall timeout is longer.
@@ -298,7 +291,7 @@ def test_a_hung_decode_worker_fails_its_streams_within_seconds(model, redis_serv
         s.stop()
 
 
-def test_an_exposed_plaintext_worker_says_so_and_serves_without_redis(model, tmp_path):
+def test_an_exposed_plaintext_worker_says_so_and_serves_without_redis(tiny, tmp_path):
     """Binding every interface without TLS is allowed, but said loudly in the log; a worker that
     cannot reach Redis at start serves anyway (and says so) until it can register."""
     proc = subprocess.Popen(
@@ -308,7 +301,7 @@ def test_an_exposed_plaintext_worker_says_so_and_serves_without_redis(model, tmp
             "dsaserve.services.cli",
             "prefill",
             "--model",
-            str(model),
+            str(tiny),
             "--host",
             "0.0.0.0",
             "--redis-url",
@@ -361,13 +354,13 @@ def certs(tmp_path_factory):
     return d
 
 
-def test_grpc_with_mutual_tls_end_to_end(model, redis_server, tmp_path, certs):
+def test_grpc_with_mutual_tls_end_to_end(tiny, redis_server, tmp_path, certs):
     """Every internal link in mutual TLS: the stack serves, and a worker refuses both a
     plaintext client and a TLS client without a certificate."""
     tls = ["--grpc-tls-cert", str(certs / "node.pem"), "--grpc-tls-key", str(certs / "node.key"),
            "--grpc-tls-ca", str(certs / "ca.pem"),
            "--grpc-tls-server-name", "dsaserve-worker"]  # fmt: skip
-    s = stack_in_db(model, redis_server, tmp_path, db=7)
+    s = stack_in_db(tiny, redis_server, tmp_path, db=7)
     try:
         prefill = s.worker("prefill", *tls, "--grpc-tls-require-client-cert")
         decode = s.worker("decode", *tls, "--grpc-tls-require-client-cert")
@@ -395,7 +388,7 @@ def test_grpc_with_mutual_tls_end_to_end(model, redis_server, tmp_path, certs):
         s.stop()
 
 
-def test_a_short_soak_with_faults_ends_every_request_and_leaks_nothing(model, tmp_path):
+def test_a_short_soak_with_faults_ends_every_request_and_leaks_nothing(tiny, tmp_path):
     """loadtest/soak.py as CI can afford it: users stream while the decode worker is killed and
     restarted and Redis is stopped; every request ends (answered or a clear error) and, once
     idle, every page is free on both workers."""
@@ -405,7 +398,7 @@ def test_a_short_soak_with_faults_ends_every_request_and_leaks_nothing(model, tm
         users=3,
         seconds=20.0,
         faults=[Fault("kill-decode", 4.0, 3.0), Fault("stop-redis", 11.0, 3.0)],
-        model=str(model),
+        model=str(tiny),
         output_tokens=(4, 24),
         lease_s=3.0,
         quiet_s=8.0,
@@ -424,12 +417,12 @@ def test_a_short_soak_with_faults_ends_every_request_and_leaks_nothing(model, tm
 
 
 def test_the_stall_timeout_stretches_with_a_slow_decode_workers_measured_steps(
-    model, redis_server, tmp_path
+    tiny, redis_server, tmp_path
 ):
     """A decode worker whose every step takes 1.5 s against a router's 1 s --stall-timeout: once
     its registry record carries its measured step time, its streams are not abandoned as
     stalled (the stall deadline is 20 of its steps, the flag only the floor)."""
-    s = stack_in_db(model, redis_server, tmp_path, db=8)
+    s = stack_in_db(tiny, redis_server, tmp_path, db=8)
     try:
         simulate = ("--simulate", str(slow_profile(tmp_path / "slow.json", 1500.0)))
         prefill, decode = s.worker("prefill", *simulate), s.worker("decode", *simulate)
@@ -458,12 +451,12 @@ def test_the_stall_timeout_stretches_with_a_slow_decode_workers_measured_steps(
 
 
 def test_a_prompt_no_decode_worker_has_room_for_is_refused_before_it_is_prefilled(
-    model, redis_server, tmp_path
+    tiny, redis_server, tmp_path
 ):
     """While the decode side is full (here: one running request is over a 0.1% threshold), a new
     prompt waits at the router and gets 503 + Retry-After after --max-queue-delay without its
     prefill ever running; once the decode side drains, prompts are served again."""
-    s = stack_in_db(model, redis_server, tmp_path, db=9)
+    s = stack_in_db(tiny, redis_server, tmp_path, db=9)
     try:
         simulate = ("--simulate", str(slow_profile(tmp_path / "slow.json", 100.0)))
         prefill, decode = s.worker("prefill", *simulate), s.worker("decode", *simulate)

@@ -12,10 +12,9 @@ import httpx
 import pytest
 
 from dsaserve.engine.llm import LLM
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.engine.sampling_params import SamplingParams
 from loadtest import bench_serving
-from tests.serving_stack import Proc, Stack, openai_client, wait_all_kv_free, wait_for
+from tests.serving_stack import Proc, Stack, StackSpec, openai_client, wait_all_kv_free, wait_for
 
 pytestmark = pytest.mark.e2e  # the router and three workers as processes
 
@@ -31,31 +30,14 @@ TEXT = (
 )
 MAX_TOKENS = 6
 OK = {"role": "prefill", "outcome": "ok"}
+# (conftest's `stack`) two prefill workers, one decode worker; stack.workers in that order
+STACK = StackSpec(prefill=2, router_flags=("--balance-abs-threshold", "1"))
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("pc-e2e") / "dsaserve-tiny-v4")
-
-
-@pytest.fixture(scope="module")
-def stack(model, redis_server, tmp_path_factory):
-    s = Stack(model, redis_server, tmp_path_factory.mktemp("pc-stack"))
-    try:
-        workers = [s.worker("prefill"), s.worker("prefill"), s.worker("decode")]
-        router = s.router("--balance-abs-threshold", "1")
-        s.wait_ready(*workers)
-        s.url = s.wait_healthy(router, prefill=2)
-        s.workers = workers
-        yield s
-    finally:
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def uncached(model):
+def uncached(tiny):
     """The same model, no prefix cache: what every answer must be."""
-    return LLM(model, enable_prefix_caching=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
+    return LLM(tiny, enable_prefix_caching=False, max_num_seqs=8, kv_cache_memory_bytes=64 << 20)
 
 
 def _ids(stack: Stack, prompt: str) -> list[int]:
@@ -93,7 +75,7 @@ def _served(workers: list[Proc]) -> list[float]:
     return [w.counter("dsaserve_worker_requests_total", **OK) for w in workers[:2]]
 
 
-def test_cached_tokens_meet_the_reuse_targets(stack, model, uncached) -> None:
+def test_cached_tokens_meet_the_reuse_targets(stack, tiny, uncached) -> None:
     first = TEXT * 2  # ~1300 tokens
     n = len(_ids(stack, first))
     for prompt, stream, cached in (
@@ -102,7 +84,7 @@ def test_cached_tokens_meet_the_reuse_targets(stack, model, uncached) -> None:
         (first, True, lambda c: c == n - 1),  # sent again: one token short
         (first[:900] + "elsewhere", True, lambda c: c >= 901 - 512),  # shares 901 with BOS
     ):
-        text, got = _complete(stack, model, prompt, stream)
+        text, got = _complete(stack, tiny, prompt, stream)
         assert cached(got), (len(prompt), got)
         assert text == _want(uncached, _ids(stack, prompt))
     messages = [
@@ -115,7 +97,7 @@ def test_cached_tokens_meet_the_reuse_targets(stack, model, uncached) -> None:
         if stream:
             chunks = list(
                 client.chat.completions.create(
-                    model=model.name,
+                    model=tiny.name,
                     messages=messages,
                     max_tokens=MAX_TOKENS,
                     temperature=0,
@@ -127,7 +109,7 @@ def test_cached_tokens_meet_the_reuse_targets(stack, model, uncached) -> None:
             usage = chunks[-1].usage
         else:
             r = client.chat.completions.create(
-                model=model.name, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+                model=tiny.name, messages=messages, max_tokens=MAX_TOKENS, temperature=0
             )
             answers.append(r.choices[0].message.content)
             usage = r.usage
@@ -142,12 +124,12 @@ def test_cached_tokens_meet_the_reuse_targets(stack, model, uncached) -> None:
     assert hits > 0
 
 
-def test_repeated_prefixes_go_to_the_worker_that_holds_them(stack, model) -> None:
+def test_repeated_prefixes_go_to_the_worker_that_holds_them(stack, tiny) -> None:
     before = _served(stack.workers)
     prefix = TEXT[::-1] * 2
     n = len(_ids(stack, prefix))
     for i in range(4):
-        _, cached = _complete(stack, model, prefix + f" question {i}")
+        _, cached = _complete(stack, tiny, prefix + f" question {i}")
         # the first one's end is a checkpoint; the others differ from it in its last token
         assert cached == (0 if i == 0 else n + len(" question "))
     after = _served(stack.workers)
@@ -155,13 +137,13 @@ def test_repeated_prefixes_go_to_the_worker_that_holds_them(stack, model) -> Non
     wait_all_kv_free(*stack.workers)
 
 
-def test_a_hot_prefix_under_load_spreads_over_both_workers(stack, model) -> None:
+def test_a_hot_prefix_under_load_spreads_over_both_workers(stack, tiny) -> None:
     before = _served(stack.workers)
     hot = TEXT.upper() * 2
-    _complete(stack, model, hot)  # one worker holds it now
+    _complete(stack, tiny, hot)  # one worker holds it now
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        results = list(pool.map(lambda i: _complete(stack, model, hot + f" #{i}"), range(12)))
+        results = list(pool.map(lambda i: _complete(stack, tiny, hot + f" #{i}"), range(12)))
     after = _served(stack.workers)
     assert all(a - b > 0 for a, b in zip(after, before, strict=True)), (before, after)
     assert sum(cached > 0 for _, cached in results) >= 6

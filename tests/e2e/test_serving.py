@@ -1,5 +1,9 @@
 """The disaggregated stack end to end: real redis-server, real NIXL over loopback, real gRPC
-and HTTP, each service its own process, and the official OpenAI client."""
+and HTTP, each service its own process, and the official OpenAI client; the module's stack (one
+prefill worker, one decode worker and a router) on the tiny V4 model. At the end, DeepSeek-V3.2's
+own: `dsaserve up` serving a tiny V3.2 checkpoint (the release's chat encoder: thinking into
+reasoning_content, DSML function_calls into tool_calls, /tokenize; a prompt sent again resumed
+from the prefix cache), and a V3.2 prefill worker that a V4 decode worker refuses to pair with."""
 
 from __future__ import annotations
 
@@ -23,17 +27,21 @@ import openai
 import pytest
 import redis
 
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.services.auth import token_metadata
 from dsaserve.services.registry import unseal, worker_key
 from dsaserve.services.rpc import grpc_api, pb
 from tests import REPO_ROOT
+from tests.conftest import free_port
+from tests.model_fixtures import DEFAULT_FAMILY, FAMILIES, families
 from tests.serving_stack import (
+    FORECAST,
+    START_TIMEOUT_S,
     TOKEN,
     Stack,
     http_status,
+    in_db,
     offline_generate,
-    pd_stack,
+    openai_client,
     refresh_age,
     router_health,
     wait_all_kv_free,
@@ -49,28 +57,16 @@ MESSAGES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("e2e") / "dsaserve-tiny-v4")
-
-
-@pytest.fixture(scope="module")
-def stack(model, redis_server, tmp_path_factory):
-    """One prefill worker, one decode worker and a router."""
-    with pd_stack(model, redis_server, tmp_path_factory.mktemp("stack")) as s:
-        yield s
-
-
-def test_chat_completion_equals_offline_generation(stack, client, model):
-    offline = offline_generate(model, MESSAGES, 24)
+def test_chat_completion_equals_offline_generation(stack, client, tiny):
+    offline = offline_generate(tiny, MESSAGES, 24)
     res = client.chat.completions.create(
-        model=model.name, messages=MESSAGES, max_tokens=24, temperature=0
+        model=tiny.name, messages=MESSAGES, max_tokens=24, temperature=0
     )
     assert res.choices[0].message.content == offline["text"]
     assert res.choices[0].finish_reason == offline["finish_reason"]
     assert res.usage.completion_tokens == len(offline["token_ids"])
     stream = client.chat.completions.create(
-        model=model.name,
+        model=tiny.name,
         messages=MESSAGES,
         max_tokens=24,
         temperature=0,
@@ -89,21 +85,21 @@ def test_chat_completion_equals_offline_generation(stack, client, model):
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_text_completion_with_stop_string(stack, client, model):
+def test_text_completion_with_stop_string(stack, client, tiny):
     full = client.completions.create(
-        model=model.name, prompt="Once upon a time", max_tokens=40, temperature=0
+        model=tiny.name, prompt="Once upon a time", max_tokens=40, temperature=0
     )
     text = full.choices[0].text
     stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if "\ufffd" not in text[i : i + 2])
     cut = client.completions.create(
-        model=model.name, prompt="Once upon a time", max_tokens=40, temperature=0, stop=[stop]
+        model=tiny.name, prompt="Once upon a time", max_tokens=40, temperature=0, stop=[stop]
     )
     assert (
         cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
     )
 
 
-def test_sixteen_concurrent_streams_equal_their_sequential_answers(stack, client, model):
+def test_sixteen_concurrent_streams_equal_their_sequential_answers(stack, client, tiny):
     prompts = [
         [{"role": "user", "content": f"Question {i}: " + "why? " * (i % 5)}] for i in range(16)
     ]
@@ -111,11 +107,11 @@ def test_sixteen_concurrent_streams_equal_their_sequential_answers(stack, client
     def ask(messages, stream: bool) -> str:
         if not stream:
             r = client.chat.completions.create(
-                model=model.name, messages=messages, max_tokens=20, temperature=0
+                model=tiny.name, messages=messages, max_tokens=20, temperature=0
             )
             return r.choices[0].message.content
         chunks = client.chat.completions.create(
-            model=model.name, messages=messages, max_tokens=20, temperature=0, stream=True
+            model=tiny.name, messages=messages, max_tokens=20, temperature=0, stream=True
         )
         return "".join(c.choices[0].delta.content or "" for c in chunks)
 
@@ -126,9 +122,9 @@ def test_sixteen_concurrent_streams_equal_their_sequential_answers(stack, client
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, model):
+def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, tiny):
     body = {
-        "model": model.name,
+        "model": tiny.name,
         "messages": MESSAGES,
         "max_tokens": 400,
         "ignore_eos": True,
@@ -143,7 +139,7 @@ def test_clients_that_disconnect_mid_stream_leave_nothing_allocated(stack, model
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_clients_that_hang_up_mid_prefill_are_aborted_on_both_workers(stack, model):
+def test_clients_that_hang_up_mid_prefill_are_aborted_on_both_workers(stack, tiny):
     """16 clients send long prompts and hang up once the prefill worker has started on them:
     the router notices (nothing reads the connection while a request waits for its prefill),
     aborts them, and the prefill worker stops computing their prompts."""
@@ -153,7 +149,7 @@ def test_clients_that_hang_up_mid_prefill_are_aborted_on_both_workers(stack, mod
     sockets = []
     for i in range(16):  # distinct prompts: no prefix cache hits
         prompt = " ".join(f"{i}-{j}" for j in range(600))
-        body = json.dumps({"model": model.name, "prompt": prompt, "max_tokens": 4}).encode()
+        body = json.dumps({"model": tiny.name, "prompt": prompt, "max_tokens": 4}).encode()
         request = (
             f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
@@ -177,10 +173,10 @@ def test_clients_that_hang_up_mid_prefill_are_aborted_on_both_workers(stack, mod
     assert completed < 16  # (all 16 were computed to the end before)
 
 
-def test_a_flushed_registry_under_load_answers_every_request(stack, model):
+def test_a_flushed_registry_under_load_answers_every_request(stack, tiny):
     """FLUSHALL (a Redis restarted, or flushed by hand) while requests run: the workers are
     alive, so the router keeps them until they write their records again; nothing gets a 503."""
-    body = {"model": model.name, "prompt": "The river", "max_tokens": 4}
+    body = {"model": tiny.name, "prompt": "The river", "max_tokens": 4}
     stop = threading.Event()
 
     def client() -> list[int]:
@@ -266,9 +262,9 @@ def router_gauge(url: str, name: str) -> float:
         ),
     ],
 )
-def test_errors_have_openai_bodies(stack, model, body, status, fragment):
+def test_errors_have_openai_bodies(stack, tiny, body, status, fragment):
     r = httpx.post(
-        stack.url + "/v1/chat/completions", json={"model": model.name, **body}, timeout=60
+        stack.url + "/v1/chat/completions", json={"model": tiny.name, **body}, timeout=60
     )
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -276,9 +272,9 @@ def test_errors_have_openai_bodies(stack, model, body, status, fragment):
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_metrics_of_every_process(stack, client, model):
+def test_metrics_of_every_process(stack, client, tiny):
     client.chat.completions.create(
-        model=model.name, messages=MESSAGES, max_tokens=4
+        model=tiny.name, messages=MESSAGES, max_tokens=4
     )  # at least one KV pull
     worker_text = "".join(
         httpx.get(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=10).text
@@ -340,18 +336,18 @@ def test_locust_scenario_runs_against_the_stack(stack):
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis_server, tmp_path):
+def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(tiny, redis_server, tmp_path):
     """SIGKILL a decode worker mid-stream: that stream ends with an error event (no hang), the
     worker drops out of routing, and new requests go to the surviving decode worker."""
     # A registry of its own (Redis database 1): the module's stack is still registered in 0.
-    s = Stack(model, redis_server.rsplit("/", 1)[0] + "/1", tmp_path, ttl=3.0)
+    s = Stack(tiny, in_db(redis_server, 1), tmp_path, ttl=3.0)
     try:
         prefill, doomed, survivor = s.worker("prefill"), s.worker("decode"), s.worker("decode")
         router = s.router("--policy", "round_robin")
         s.wait_ready(prefill, doomed, survivor)
         url = s.wait_healthy(router, decode=2)
         body = {
-            "model": model.name,
+            "model": tiny.name,
             "messages": MESSAGES,
             "max_tokens": 3000,
             "ignore_eos": True,
@@ -401,7 +397,7 @@ def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis
         with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
             for _ in range(4):
                 res = c.chat.completions.create(
-                    model=model.name, messages=MESSAGES, max_tokens=8, temperature=0
+                    model=tiny.name, messages=MESSAGES, max_tokens=8, temperature=0
                 )
                 assert res.choices[0].finish_reason == "length"
         wait_for(alive.all_kv_free, 20, "the survivor to free all KV")
@@ -412,11 +408,11 @@ def test_killed_worker_leaves_routing_and_its_requests_fail_cleanly(model, redis
         s.stop()
 
 
-def test_api_keys_and_admission_limit_with_real_workers(stack, model, tmp_path):
+def test_api_keys_and_admission_limit_with_real_workers(stack, tiny, tmp_path):
     """A second router over the same workers, with an API key and room for one request only."""
     r = stack.router("--api-key", "k-123", "--max-inflight", "1", "--max-queue", "0")
     url = stack.wait_healthy(r)
-    chat = {"model": model.name, "messages": MESSAGES, "max_tokens": 4}
+    chat = {"model": tiny.name, "messages": MESSAGES, "max_tokens": 4}
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         res = httpx.post(url + "/v1/chat/completions", json=chat, headers=headers, timeout=30)
         assert res.status_code == 401 and "API key" in res.json()["error"]["message"]
@@ -435,8 +431,8 @@ def test_api_keys_and_admission_limit_with_real_workers(stack, model, tmp_path):
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_router_without_workers_answers_503(model, redis_server, tmp_path):
-    s = Stack(model, redis_server.rsplit("/", 1)[0] + "/2", tmp_path)  # an empty registry
+def test_router_without_workers_answers_503(tiny, redis_server, tmp_path):
+    s = Stack(tiny, in_db(redis_server, 2), tmp_path)  # an empty registry
     try:
         r = s.router()
         url = f"http://127.0.0.1:{r.port}"
@@ -447,7 +443,7 @@ def test_router_without_workers_answers_503(model, redis_server, tmp_path):
         )
         res = httpx.post(
             url + "/v1/chat/completions",
-            json={"model": model.name, "messages": MESSAGES},
+            json={"model": tiny.name, "messages": MESSAGES},
             timeout=30,
         )
         assert res.status_code == 503 and "prefill" in res.json()["error"]["message"]
@@ -455,11 +451,11 @@ def test_router_without_workers_answers_503(model, redis_server, tmp_path):
         s.stop()
 
 
-def test_router_keeps_serving_its_workers_while_redis_is_down(model, private_redis, tmp_path):
+def test_router_keeps_serving_its_workers_while_redis_is_down(tiny, private_redis, tmp_path):
     """Redis paused (SIGSTOP, as a hung or partitioned Redis): the router keeps routing to the
     workers it last saw and says the registry is down, and the workers pair for their first
     request without it; once Redis is back, a worker that deregisters leaves routing."""
-    s = Stack(model, private_redis.url, tmp_path, ttl=2.0)
+    s = Stack(tiny, private_redis.url, tmp_path, ttl=2.0)
     try:
         prefill, decode = s.worker("prefill"), s.worker("decode")
         router = s.router()
@@ -471,7 +467,7 @@ def test_router_keeps_serving_its_workers_while_redis_is_down(model, private_red
 
         def ask(c: openai.OpenAI) -> None:
             res = c.chat.completions.create(
-                model=model.name, messages=MESSAGES, max_tokens=4, temperature=0
+                model=tiny.name, messages=MESSAGES, max_tokens=4, temperature=0
             )
             assert res.choices[0].finish_reason == "length"
 
@@ -501,4 +497,175 @@ def test_router_keeps_serving_its_workers_while_redis_is_down(model, private_red
         assert "No live decode worker" in message
     finally:
         private_redis.resume()
+        s.stop()
+
+
+# ---------------------------------------------------------------- DeepSeek-V3.2's own (at the end:
+# a module fixture is kept for one family at a time, and the stack above is V4's)
+
+
+OSLO = [{"role": "user", "content": "What is the weather in Oslo?"}]
+
+
+@families("deepseek_v32")
+def test_dsaserve_up_serves_a_checkpoint(family, release, tmp_path):
+    """`dsaserve up --model <the release checkpoint>`: its own Redis, a prefill and a decode
+    worker, the router; chat answers are `dsaserve generate --chat`'s, through the
+    prefill/decode path."""
+    offline = offline_generate(release, OSLO, 16)
+    thinking = offline_generate(release, OSLO, 16, "--thinking")
+    port = free_port()
+    log = tmp_path / "up.log"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "dsaserve.services.cli", "up", "--model", str(release),
+         "--port", str(port), "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "256", "--api-key", "unused"],
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            assert up.poll() is None, log.read_text()[-3000:]
+            return http_status(url + "/health") == 200
+
+        wait_for(healthy, START_TIMEOUT_S, "dsaserve up to report healthy")
+        check_no_secret_on_a_command_line(up.pid)
+        with openai_client(url) as c:
+            res = c.chat.completions.create(
+                model=release.name, messages=OSLO, max_tokens=16, temperature=0
+            )
+            assert res.choices[0].message.content == offline["message"]["content"]
+            assert res.usage.completion_tokens == len(offline["token_ids"])
+            # sent again: the prefill worker resumes from its prefix cache, the answer the same
+            again = c.chat.completions.create(
+                model=release.name, messages=OSLO, max_tokens=16, temperature=0
+            )
+            assert again.choices[0].message.content == offline["message"]["content"]
+            cached = again.usage.prompt_tokens_details.cached_tokens
+            assert cached == again.usage.prompt_tokens - 1 > 0
+            # thinking: the prompt opens <think>, the reply's reasoning goes to its own field
+            stream = c.chat.completions.create(
+                model=release.name, messages=OSLO, max_tokens=16, temperature=0, stream=True,
+                extra_body={"chat_template_kwargs": {"thinking": True}},
+            )  # fmt: skip
+            reasoning = "".join(
+                getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+                for chunk in stream
+                if chunk.choices
+            )
+            assert reasoning == thinking["message"]["reasoning_content"] != ""
+            # a forced call: the reply is a V3.2 function_calls block under the tool's grammar
+            # (bounded arguments: random weights never close a free string)
+            res = c.chat.completions.create(
+                model=release.name, messages=OSLO, max_tokens=200, temperature=0, tools=[FORECAST],
+                tool_choice={"type": "function", "function": {"name": "forecast"}},
+            )  # fmt: skip
+            (call,) = res.choices[0].message.tool_calls
+            assert call.function.name == "forecast"
+            assert 1 <= json.loads(call.function.arguments)["days"] <= 7
+        auth = {"Authorization": "Bearer unused"}
+        rendered = httpx.post(
+            url + "/tokenize", json={"model": release.name, "messages": OSLO}, headers=auth
+        )
+        assert rendered.status_code == 200, rendered.text
+        ids = rendered.json()["tokens"]
+        text = httpx.post(
+            url + "/detokenize", json={"model": release.name, "tokens": ids}, headers=auth
+        ).json()
+        assert text["prompt"].endswith(
+            "<｜User｜>What is the weather in Oslo?<｜Assistant｜></think>"
+        )
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=60)
+    assert up.returncode == 0, log.read_text()[-3000:]
+
+
+def check_no_secret_on_a_command_line(up_pid: int) -> None:
+    """The children of `dsaserve up` (pid) get the API key, the cluster token and the Redis
+    password from their environment: no command line shows them, and the Redis it started
+    refuses a client without the password."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == up_pid:
+                children.append(stat.parent)
+    env: dict[str, str] = {}
+    argvs = []
+    for child in children:
+        argv = (child / "cmdline").read_bytes().split(b"\0")
+        argvs.append(argv)
+        with contextlib.suppress(OSError):
+            pairs = (e.split("=", 1) for e in (child / "environ").read_text().split("\0"))
+            env.update(pair for pair in pairs if len(pair) == 2)
+        if b"redis-server" in argv[0]:  # its title: "redis-server 127.0.0.1:PORT"
+            redis_port = int(argv[0].rsplit(b":", 1)[1])
+    password = env["DSASERVE_REDIS_URL"].split("@")[0].rsplit(":", 1)[1]
+    secrets = {"unused", env["DSASERVE_CLUSTER_TOKEN"], password}
+    assert all(len(secret) >= 6 for secret in secrets)
+    assert not [a for argv in argvs for a in argv for secret in secrets if secret.encode() in a]
+    assert len(children) == 4  # redis, prefill, decode, router
+    with redis.Redis(port=redis_port, socket_timeout=5) as anonymous:
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.keys("*")
+    with redis.Redis.from_url(env["DSASERVE_REDIS_URL"], socket_timeout=5) as registry:
+        assert registry.keys("dsaserve:worker:*")
+
+
+@families("deepseek_v32")
+def test_a_prefill_worker_and_a_decode_worker_of_another_family_refuse_to_pair(
+    family, release, private_redis, tmp_path
+):
+    """A V3.2 prefill worker and a V4 decode worker, both serving a model of one name: the
+    router finds no decode worker that shares the prefill worker's KV layout and says so; handed
+    the V3.2 worker's KV, the V4 decode worker refuses it, naming both families; nothing is left
+    held."""
+    other = FAMILIES[DEFAULT_FAMILY]
+    v4 = other.make_tiny_model(tmp_path / "v4" / release.name)
+    s = Stack(release, private_redis.url, tmp_path)  # (no other worker in its registry)
+    try:
+        prefill = s.worker("prefill")
+        decode = s.worker("decode", "--model", str(v4))
+        router = s.router()
+        s.wait_ready(prefill, decode)
+
+        def seen_both() -> bool:  # the router's watcher has both records
+            for p in s.procs:
+                p.check_alive()
+            r = httpx.get(f"http://127.0.0.1:{router.port}/health", timeout=5)
+            return r.json().get("workers") == {"prefill": 1, "decode": 1}
+
+        wait_for(seen_both, START_TIMEOUT_S, "the router to see both workers")
+        health = httpx.get(f"http://127.0.0.1:{router.port}/health", timeout=5)
+        assert health.status_code == 503, health.text
+        assert "No decode worker shares a KV layout" in health.json()["message"], health.text
+        body = {"model": release.name, "messages": OSLO, "max_tokens": 4}
+        r = httpx.post(f"http://127.0.0.1:{router.port}/v1/chat/completions", json=body)
+        assert r.status_code == 503 and "KV layout" in r.json()["error"]["message"], r.text
+
+        sampling = pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        metadata = token_metadata(TOKEN)
+        prompt = list(range(3, 40))
+        with grpc.insecure_channel(prefill.address) as channel:
+            stub = grpc_api.PrefillStub(channel)
+            request = pb.PrefillRequest(request_id="x", prompt_token_ids=prompt, sampling=sampling)
+            held = stub.Prefill(request, metadata=metadata, timeout=60)
+            with grpc.insecure_channel(decode.address) as to_decode:
+                call = grpc_api.DecodeStub(to_decode).Decode(
+                    pb.DecodeRequest(request_id="x", prompt_token_ids=prompt,
+                                     first_token_id=held.first_token_id, sampling=sampling,
+                                     kv=held.kv),
+                    metadata=metadata, timeout=60,
+                )  # fmt: skip
+                with pytest.raises(grpc.RpcError) as err:
+                    list(call)
+            stub.Release(pb.ReleaseRequest(request_id="x"), metadata=metadata, timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = err.value.details()
+        assert "KV layout mismatch" in details, details
+        assert f"({family}," in details and f"({other}," in details, details
+        for worker in (prefill, decode):
+            wait_for(worker.all_kv_free, 30, f"{worker.name} to free every page and block")
+    finally:
         s.stop()

@@ -19,12 +19,13 @@ import pytest
 from pydantic import BaseModel, Field
 
 from dsaserve.engine.llm import LLM
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.engine.text.chat import tokens as v4
-from tests.serving_stack import FORECAST, pd_stack, wait_all_kv_free
+from tests.serving_stack import FORECAST, StackSpec, wait_all_kv_free
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes
+
+STACK = StackSpec(model="release", db=4)  # (conftest's `stack`) in a registry of its own
 
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 WEATHER = {
@@ -37,21 +38,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("e2e-v4") / "tiny-v4", fmt="release")
-
-
-@pytest.fixture(scope="module")
-def stack(model, redis_server, tmp_path_factory):
-    """One prefill worker, one decode worker and a router, in a registry of their own."""
-    registry = redis_server.rsplit("/", 1)[0] + "/4"
-    with pd_stack(model, registry, tmp_path_factory.mktemp("stack")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def llm(model):
-    return LLM(model)
+def llm(release):
+    return LLM(release)
 
 
 def _tokenize(stack, body: dict) -> list[int]:
@@ -60,14 +48,14 @@ def _tokenize(stack, body: dict) -> list[int]:
     return response.json()["tokens"]
 
 
-def test_chat_logprobs_equal_the_engines_own(stack, client, model, llm):
+def test_chat_logprobs_equal_the_engines_own(stack, client, release, llm):
     """Sampled at temperature 0.8 with a seed: the same tokens as the offline engine, and each
     token's raw logprob and top alternatives as it computes them."""
     prompt = _tokenize(stack, {"messages": MESSAGES})
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, logprobs=3, ignore_eos=True)
     offline = llm.generate(prompt, params)[0]
     res = client.chat.completions.create(
-        model=model.name,
+        model=release.name,
         messages=MESSAGES,
         max_tokens=12,
         temperature=0.8,
@@ -88,11 +76,11 @@ def test_chat_logprobs_equal_the_engines_own(stack, client, model, llm):
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_completion_logprobs_equal_the_engines_own(stack, client, model, llm):
+def test_completion_logprobs_equal_the_engines_own(stack, client, release, llm):
     prompt = "Once upon a time"
     offline = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0, logprobs=2))[0]
     res = client.completions.create(
-        model=model.name, prompt=prompt, max_tokens=10, temperature=0, logprobs=2, stream=True
+        model=release.name, prompt=prompt, max_tokens=10, temperature=0, logprobs=2, stream=True
     )
     chunks = [c.choices[0] for c in res]
     text = "".join(c.text for c in chunks)
@@ -110,22 +98,22 @@ def test_completion_logprobs_equal_the_engines_own(stack, client, model, llm):
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def _offline_chat(model, messages, thinking: bool) -> dict:
+def _offline_chat(release, messages, thinking: bool) -> dict:
     """`dsaserve generate --chat` in its own process, greedy: the parsed reply."""
-    argv = [sys.executable, "-m", "dsaserve.services.cli", "generate", "--model", str(model)]
+    argv = [sys.executable, "-m", "dsaserve.services.cli", "generate", "--model", str(release)]
     argv += ["--chat", json.dumps(messages), "--max-tokens", "24", "--temperature", "0"]
     argv += ["--json", "--ignore-eos"] + (["--thinking"] if thinking else [])
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_thinking_chat_equals_offline_generation(stack, client, model):
+def test_thinking_chat_equals_offline_generation(stack, client, release):
     """The router and `dsaserve generate --chat --thinking` pick the same encoder and read the
     reply the same way: reasoning, content and calls agree, streamed or not."""
-    offline = _offline_chat(model, MESSAGES, thinking=True)["message"]
+    offline = _offline_chat(release, MESSAGES, thinking=True)["message"]
     assert offline["reasoning_content"]  # the reply opened in reasoning
     extra = {"ignore_eos": True, "chat_template_kwargs": {"thinking": True}}
-    request = dict(model=model.name, messages=MESSAGES, max_tokens=24, temperature=0)
+    request = dict(model=release.name, messages=MESSAGES, max_tokens=24, temperature=0)
     res = client.chat.completions.create(**request, extra_body=extra)
     message = res.choices[0].message
     assert (message.model_extra.get("reasoning_content") or "") == offline["reasoning_content"]
@@ -140,8 +128,8 @@ def test_thinking_chat_equals_offline_generation(stack, client, model):
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_n_choices_on_real_workers(stack, client, model):
-    request = dict(model=model.name, messages=MESSAGES, max_tokens=8, temperature=1.0)
+def test_n_choices_on_real_workers(stack, client, release):
+    request = dict(model=release.name, messages=MESSAGES, max_tokens=8, temperature=1.0)
     extra = {"ignore_eos": True}
     res = client.chat.completions.create(**request, seed=11, n=3, extra_body=extra)
     assert [c.index for c in res.choices] == [0, 1, 2]
@@ -169,12 +157,12 @@ STRUCTURED = dict(messages=MESSAGES, temperature=0, max_tokens=64)
 THINKING_ON = {"chat_template_kwargs": {"thinking": True}}
 
 
-async def _parse(client, model, stream: bool, thinking: bool) -> tuple[str, Any]:
+async def _parse(client, release, stream: bool, thinking: bool) -> tuple[str, Any]:
     """`.parse()` (or `.stream()`) with the pydantic model: (finish reason, the completion).
     Thinking: its reasoning bounded by vLLM's thinking_token_budget (random weights would
     otherwise never write </think>)."""
     extra = THINKING_ON | {"thinking_token_budget": 6} if thinking else {}
-    request = dict(model=model.name, response_format=Verdict, extra_body=extra, **STRUCTURED)
+    request = dict(model=release.name, response_format=Verdict, extra_body=extra, **STRUCTURED)
     try:
         if stream:
             async with client.chat.completions.stream(**request) as events:
@@ -186,7 +174,7 @@ async def _parse(client, model, stream: bool, thinking: bool) -> tuple[str, Any]
     return completion.choices[0].finish_reason, completion
 
 
-def test_parse_with_a_pydantic_schema_and_json_object(stack, model):
+def test_parse_with_a_pydantic_schema_and_json_object(stack, release):
     """Every reply parses into the model, after a bounded reasoning with thinking on.
     json_object, thinking on and unbounded: a JSON object, or cut by max_tokens in the
     reasoning or the JSON, never JSON in the reasoning or other text in the content."""
@@ -194,12 +182,12 @@ def test_parse_with_a_pydantic_schema_and_json_object(stack, model):
     async def run() -> list:
         async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-") as client:
             parses = [
-                _parse(client, model, stream, thinking)
+                _parse(client, release, stream, thinking)
                 for thinking in (False, True)
                 for stream in (False, True)
             ]
             json_object = client.chat.completions.create(
-                model=model.name,
+                model=release.name,
                 response_format={"type": "json_object"},
                 extra_body=THINKING_ON,
                 **STRUCTURED,
@@ -223,7 +211,7 @@ def test_parse_with_a_pydantic_schema_and_json_object(stack, model):
     wait_all_kv_free(stack.prefill, stack.decode)
 
 
-def test_tool_choice_required_and_named(stack, model):
+def test_tool_choice_required_and_named(stack, release):
     """ "required" and a named function (one call each): every reply is a call whose arguments
     follow the tool's schema, streamed as the whole answer has it."""
     named = {"type": "function", "function": {"name": "forecast"}}
@@ -232,7 +220,7 @@ def test_tool_choice_required_and_named(stack, model):
         async with openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="-") as client:
             requests = [
                 client.chat.completions.create(
-                    model=model.name,
+                    model=release.name,
                     messages=MESSAGES,
                     tools=[FORECAST, CLOCK],
                     tool_choice=choice,

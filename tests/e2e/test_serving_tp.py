@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.services.registry import worker_key
 from tests.serving_stack import Stack, offline_generate, openai_client, wait_for
 
@@ -27,15 +26,10 @@ ROUNDS = 4  # round robin: two requests on each decode worker
 TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tp") / "dsaserve-tiny-v4")
-
-
-def test_groups_of_different_sizes_answer_like_offline_generation(model, redis_url, tmp_path):
+def test_groups_of_different_sizes_answer_like_offline_generation(tiny, redis_url, tmp_path):
     # one rank's answer (two ranks compute the same: tests/engine/test_tensor_parallel.py)
-    offline = offline_generate(model, MESSAGES, TOKENS)
-    s = Stack(model, redis_url, tmp_path)
+    offline = offline_generate(tiny, MESSAGES, TOKENS)
+    s = Stack(tiny, redis_url, tmp_path)
     try:
         prefill = s.worker("prefill", "-tp", "2")
         narrow, wide = s.worker("decode"), s.worker("decode", "-tp", "2")
@@ -45,7 +39,7 @@ def test_groups_of_different_sizes_answer_like_offline_generation(model, redis_u
         with openai_client(url) as c:
             for _ in range(ROUNDS):
                 res = c.chat.completions.create(
-                    model=model.name, messages=MESSAGES, max_tokens=TOKENS, temperature=0
+                    model=tiny.name, messages=MESSAGES, max_tokens=TOKENS, temperature=0
                 )
                 assert res.choices[0].message.content == offline["text"]
                 assert res.usage.completion_tokens == len(offline["token_ids"])
@@ -68,8 +62,8 @@ def _followers(pid: int) -> list[int]:
     ]
 
 
-def test_a_worker_whose_rank_dies_leaves_the_registry_and_exits(model, redis_url, tmp_path):
-    s = Stack(model, redis_url, tmp_path)
+def test_a_worker_whose_rank_dies_leaves_the_registry_and_exits(tiny, redis_url, tmp_path):
+    s = Stack(tiny, redis_url, tmp_path)
     try:
         worker = s.worker("decode", "-tp", "2")
         s.wait_ready(worker)

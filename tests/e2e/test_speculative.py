@@ -20,9 +20,10 @@ from dsaserve.engine.sampling_params import SamplingParams
 from tests.conftest import free_port
 from tests.serving_stack import (
     START_TIMEOUT_S,
-    Stack,
+    StackSpec,
     http_status,
     openai_client,
+    serving,
     wait_all_kv_free,
     wait_for,
 )
@@ -46,25 +47,21 @@ def offline() -> list:
 
 
 @pytest.fixture(scope="module", params=list(HEADS))
-def stack(request, redis_server, tmp_path_factory):
+def head_stack(request, redis_server, tmp_path_factory):
+    """A prefill and a decode worker that speculate with one head, and the router."""
     model, spec = HEADS[request.param]
-    s = Stack(model, redis_server, tmp_path_factory.mktemp("spec"))
-    try:
-        flags = ("--speculative-config", spec, "--max-num-seqs", "4")
-        s.prefill, s.decode = s.worker("prefill", *flags), s.worker("decode", *flags)
-        router = s.router()
-        s.wait_ready(s.prefill, s.decode)
-        s.url = s.wait_healthy(router)
+    flags = ("--speculative-config", spec, "--max-num-seqs", "4")
+    stack = StackSpec(model=model, worker_flags=flags)
+    with serving(stack, model, redis_server, tmp_path_factory.mktemp("spec")) as s:
         s.model = model
         yield s
-    finally:
-        s.stop()
 
 
-def test_greedy_completions_equal_offline_ones_and_aborts_free_both_workers(stack, offline):
+def test_greedy_completions_equal_offline_ones_and_aborts_free_both_workers(head_stack, offline):
     """Greedy text through prefill + decode workers that speculate equals the offline engine's
     without speculation; a stream closed while drafts are in flight frees every page on both
     workers; the decode worker counts its drafts in vLLM's metrics, per position too."""
+    stack = head_stack
     client = openai_client(stack.url)
     for prompt, want in zip(PROMPTS, offline, strict=True):
         res = client.completions.create(

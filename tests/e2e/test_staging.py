@@ -20,7 +20,6 @@ from dsaserve.engine.kv.layout import (
     staging_block_bytes,
 )
 from dsaserve.engine.models.deepseek_v4.config import ModelConfig
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.services.auth import token_metadata
 from dsaserve.services.rpc import grpc_api, pb
 from tests.serving_stack import TOKEN, Proc, Stack, wait_for
@@ -29,11 +28,6 @@ pytestmark = pytest.mark.e2e  # the router and both workers as processes
 
 PROMPTS = [f"Where does river number {i} meet the sea?" for i in range(4)]
 SEQS, BATCHED = 32, 1024  # what tests/serving_stack.py gives every worker
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("staging-e2e") / "dsaserve-tiny-v4")
 
 
 def budget_without_staging_room(model) -> int:
@@ -79,12 +73,12 @@ def prefills_served(worker: Proc) -> float:
     return 0.0
 
 
-def test_staged_and_page_pulls_give_the_same_answers(model, redis_server, tmp_path):
-    s = Stack(model, redis_server, tmp_path)
+def test_staged_and_page_pulls_give_the_same_answers(tiny, redis_server, tmp_path):
+    s = Stack(tiny, redis_server, tmp_path)
     try:
         roomy = s.worker("prefill")
         tight = s.worker(
-            "prefill", "--kv-cache-memory-bytes", str(budget_without_staging_room(model))
+            "prefill", "--kv-cache-memory-bytes", str(budget_without_staging_room(tiny))
         )
         decode = s.worker("decode")
         router = s.router("--policy", "round_robin")

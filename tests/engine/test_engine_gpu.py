@@ -1,16 +1,23 @@
-"""The engine on a GPU (Triton kernels, CUDA graphs), against its own CPU path.
+"""The engine on a GPU (Triton kernels, CUDA graphs), against its own CPU path, for each family
+(DeepSeek-V4 and DeepSeek-V3.2).
 
 The CPU comparisons run fp32 on both sides, so they test the GPU code path rather than
 bf16 rounding: on a random model bf16 drifts from fp32 by a few percent per layer whichever
 kernels run (measured on an H200: 8% after six layers with Triton, 8% with the reference
 kernels). CUDA graphs are captured for bf16 (torch's grouped GEMM of other dtypes syncs with
 the host on CUDA), and are checked against eager bf16 on the same state. The release-format
-tiny model runs its FP8/FP4 layers on the Triton kernels, held to the release's arithmetic;
-the demo model runs with the FP8 KV cache against the bf16 cache (not yet run on a GPU).
+tiny V4 model runs its FP8/FP4 layers on the Triton kernels, held to the release's arithmetic;
+the demo model runs with the FP8 KV cache against the bf16 cache (not yet run on a GPU); V3.2's
+FP8 KV cache (656-byte rows, FP8 index keys) against the model-dtype cache fed FP8 round-tripped
+rows. (V3.2 on the H200, 2026-12-04, second session: its three cases passed.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
 import torch
 
 from bench.compare import rel_err
@@ -18,8 +25,9 @@ from dsaserve import kernels
 from dsaserve.engine.llm import LLM
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.engine.step import RowSpan
-from tests.engine_cases import assert_all_free
+from tests.engine_cases import V32_WIDE, assert_all_free, byte_ids, fp8_round_trip
 from tests.kernels_cases import gpu_test
+from tests.model_fixtures import families
 from tests.release_reference import (
     ENGINE,
     TOKENS,
@@ -31,27 +39,65 @@ from tests.release_reference import (
 GPU = dict(device="cuda", kv_cache_memory_bytes=256 << 20, max_num_seqs=16)
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 PROMPTS = ["Once upon a time", "0123456789" * 20, "x"]
+# V3.2: 16 heads, the Triton sparse-MLA kernel's tiles (a tiny model's 4 heads run the reference)
+V32_HEADS = {"num_attention_heads": 16, "num_key_value_heads": 16}
+
+
+@dataclass(frozen=True)
+class Case:
+    overrides: dict  # config.json fields the GPU kernels need of the tiny model
+    ids: list[int]  # scored on both engines
+    prompts: list  # decoded greedily on both engines (text or token ids)
+    max_tokens: int
+    graph_prompts: Callable[[LLM], list[list[int]]]  # one graph-replayed decode step
+
+
+CASES = {
+    "deepseek_v4": Case(
+        overrides={},
+        ids=torch.randint(0, 262, (300,), generator=torch.Generator().manual_seed(0)).tolist(),
+        prompts=PROMPTS,
+        max_tokens=40,
+        graph_prompts=lambda llm: [llm.tokenizer.encode(p) for p in PROMPTS],
+    ),
+    "deepseek_v32": Case(
+        overrides=V32_HEADS,
+        ids=byte_ids(300, 0),
+        prompts=[byte_ids(n, n) for n in (3, 50, 200)],
+        max_tokens=32,
+        graph_prompts=lambda llm: [byte_ids(n, i) for i, n in enumerate((5, 60, 130))],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def model(family, tmp_path_factory):
+    """The family's tiny dense checkpoint at the widths the GPU kernels take."""
+    overrides = CASES[family.name].overrides
+    return family.make_tiny_model(tmp_path_factory.mktemp(f"gpu-{family}"), overrides=overrides)
 
 
 @gpu_test
-def test_gpu_engine_matches_the_cpu_engine_in_fp32(tiny):
-    ids = torch.randint(0, 262, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    cpu, gpu = LLM(tiny), LLM(tiny, dtype="float32", **GPU)
-    assert rel_err(gpu.score(ids), cpu.score(ids)) < 1e-3
-    assert [r.token_ids for r in gpu.generate(PROMPTS, GREEDY)] == [
-        r.token_ids for r in cpu.generate(PROMPTS, GREEDY)
+@families()
+def test_gpu_engine_matches_the_cpu_engine_in_fp32(family, model):
+    case = CASES[family.name]
+    greedy = SamplingParams(max_tokens=case.max_tokens, temperature=0, ignore_eos=True)
+    cpu, gpu = LLM(model), LLM(model, dtype="float32", **GPU)
+    assert rel_err(gpu.score(case.ids), cpu.score(case.ids)) < 1e-3
+    assert [r.token_ids for r in gpu.generate(case.prompts, greedy)] == [
+        r.token_ids for r in cpu.generate(case.prompts, greedy)
     ]
 
 
 @gpu_test
-def test_graph_replayed_decode_equals_eager_decode_in_bf16(tiny):
-    llm = LLM(tiny, dtype="bfloat16", **GPU)
+@families()
+def test_graph_replayed_decode_equals_eager_decode_in_bf16(family, model):
+    case = CASES[family.name]
+    llm = LLM(model, dtype="bfloat16", **GPU)
     engine = llm.engine
     assert engine.runner.graphs, "decode graphs should be captured for bf16 on CUDA"
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(
-            str(i), llm.tokenizer.encode(p), SamplingParams(max_tokens=8, temperature=0)
-        )
+    for i, prompt in enumerate(case.graph_prompts(llm)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=8, temperature=0))
     engine.step()  # prefill all three (their first tokens stay on the device: async scheduling)
     reqs = [engine.scheduler.requests[str(i)] for i in range(3)]
     specs = [RowSpan(r.num_computed, 1, r.slab, r.tokens(r.num_computed, 1)) for r in reqs]
@@ -62,7 +108,11 @@ def test_graph_replayed_decode_equals_eager_decode_in_bf16(tiny):
     while engine.has_unfinished():
         engine.step()
     assert_all_free(engine)
-    assert all(len(r.token_ids) == 40 for r in llm.generate(PROMPTS, GREEDY))
+    greedy = SamplingParams(max_tokens=case.max_tokens, temperature=0, ignore_eos=True)
+    assert all(len(r.token_ids) == case.max_tokens for r in llm.generate(case.prompts, greedy))
+
+
+# ---------------------------------------------------------------- DeepSeek-V4's own
 
 
 @gpu_test
@@ -80,6 +130,7 @@ def test_demo_model_numerics_on_the_gpu_path():
 
 
 @gpu_test
+@families("deepseek_v4")
 def test_quantized_layers_on_the_gpu_compute_the_release_arithmetic(release):
     """The Triton kernels (act_quant, the FP8 GEMM with and without fused quantization, the
     FP4 MoE), eager so that the hooks see every step."""
@@ -88,6 +139,7 @@ def test_quantized_layers_on_the_gpu_compute_the_release_arithmetic(release):
 
 
 @gpu_test
+@families("deepseek_v4")
 def test_graph_replayed_quantized_decode_never_samples_padded_ids(release):
     """bf16 decode steps of the quantized model replay CUDA graphs whose logits live in the
     graph's own output buffer: the padded-vocabulary mask writes into it."""
@@ -124,3 +176,24 @@ def test_fp8_kv_cache_on_the_gpu_tracks_the_model_dtype_cache():
             assert all(len(r.token_ids) == GREEDY.max_tokens for r in results)
             assert_all_free(llm.engine)
     assert abs(bpb["fp8"] - bpb["auto"]) / bpb["auto"] < 0.01, bpb
+
+
+# ---------------------------------------------------------------- DeepSeek-V3.2's own
+
+
+@gpu_test
+@families("deepseek_v32")
+def test_fp8_pages_on_the_gpu_compute_what_round_tripped_rows_compute(
+    family, tmp_path, monkeypatch
+):
+    """The Triton FP8 store and loaders at V3.2's widths (656-byte rows, FP8 index keys)."""
+    wide = family.make_tiny_model(tmp_path, overrides={**V32_WIDE, **V32_HEADS})
+    sequence = byte_ids(120, 3)
+    fp8 = LLM(wide, dtype="float32", kv_cache_dtype="fp8", **GPU).score(sequence)
+    plain = LLM(wide, dtype="float32", **GPU)
+    monkeypatch.setattr(
+        kernels,
+        "store_rows",
+        lambda pool, slots, rows, _: pool.index_copy_(0, slots, fp8_round_trip(rows)),
+    )
+    torch.testing.assert_close(fp8, plain.score(sequence), rtol=0, atol=1e-3)

@@ -1,10 +1,14 @@
-"""`--kv-cache-dtype fp8` on the built-in demo model (512-wide KV rows with 64 RoPE dims, the FP8
-format's; the tiny test models' 64-wide rows are refused): the pools hold kernels.kv_quant's
-pages, generation stays close to the model-dtype cache, a budget holds ~1.77x the tokens, a
-prefilled request moves to another FP8 engine byte for byte, and workers whose caches differ
-never pair.
+"""`--kv-cache-dtype fp8`, for each family: DeepSeek-V4's built-in demo model (512-wide KV rows
+with 64 RoPE dims, the FP8 format's; the tiny test models' 64-wide rows are refused) and a tiny
+DeepSeek-V3.2 at its release's row widths (576-wide latent rows: FlashMLA's 656-byte FP8 rows,
+FP8 index keys). The pools hold kernels.kv_quant's pages, every row written is read back as its
+FP8 round trip, a prefilled request moves to another engine byte for byte (FP8 pages or not),
+and pools whose caches or families differ never pair. V4's own: generation stays close to the
+model-dtype cache, a budget holds ~1.77x the tokens, and workers whose caches differ never pair.
+V3.2's own: one group whose every token keeps a latent row and an index key (no window ring, no
+scratch rows, no slab state).
 
-Numbers behind the bounds (bench/results/cpu-kv-cache-dtype.json, 8 prompts x 32 greedy steps):
+Numbers behind V4's bounds (bench/results/cpu-kv-cache-dtype.json, 8 prompts x 32 greedy steps):
 with fp32 activations the FP8 cache moves the demo model's decode logits by 0.81 at most and
 0.034 on average (logit std ~7), greedy tokens agree on 93% of positions (98.8% teacher-forced),
 bits per byte +0.02%; about what bf16 arithmetic alone does to the fp32 engine (0.82, 0.030,
@@ -12,6 +16,11 @@ bits per byte +0.02%; about what bf16 arithmetic alone does to the fp32 engine (
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
@@ -34,7 +43,13 @@ from dsaserve.services import settings
 from dsaserve.services.auth import token_metadata
 from dsaserve.services.rpc import grpc_api, pb
 from dsaserve.services.transfer.layout import Region, describe, first_difference
-from tests.engine_cases import check_moved_request_decodes_as_if_never_moved, fp8_round_trip
+from tests.engine_cases import (
+    V32_WIDE,
+    byte_ids,
+    check_moved_request_decodes_as_if_never_moved,
+    fp8_round_trip,
+)
+from tests.model_fixtures import FAMILIES, families
 from tests.serving_stack import TOKEN, Stack, offline_generate, wait_for
 
 MODEL = DEMO_MODEL_DIR
@@ -69,6 +84,100 @@ def _simulate_fp8_writes(mp: pytest.MonkeyPatch) -> None:
         "store_rows",
         lambda pool, slots, rows, _: pool.index_copy_(0, slots, fp8_round_trip(rows)),
     )
+
+
+def _simulate_fp8_stores(mp: pytest.MonkeyPatch) -> None:
+    """The same for V3.2, whose every row (latent rows and index keys, prefill and decode) goes
+    through KVPool.write: kernels.store_rows."""
+    mp.setattr(
+        kernels,
+        "store_rows",
+        lambda pool, slots, rows, _: pool.index_copy_(0, slots, fp8_round_trip(rows)),
+    )
+
+
+@dataclass(frozen=True)
+class Fp8Case:
+    model: Callable[[Path], Path]  # a checkpoint whose rows have the FP8 format's widths
+    engine: dict
+    prompt: list[int]  # prefilled in chunks, then moved
+    scored: list[int]  # scored in chunks
+    groups: set[str]  # the pool groups (and the slab) a held request's pages are in
+    moved: tuple[str, ...]  # the kv_cache_dtypes a moved request is checked in
+    simulate: Callable[[pytest.MonkeyPatch], None]  # a plain pool storing FP8 round trips
+
+
+FP8 = {
+    "deepseek_v4": Fp8Case(
+        model=lambda _: MODEL,
+        engine=ENGINE,
+        prompt=PROMPT[:150],
+        scored=PROMPT,
+        groups={"swa", "csa", "hca", SLAB},
+        moved=("fp8",),  # (the model dtype's move: test_kv_staging.py, on the tiny model)
+        simulate=_simulate_fp8_writes,
+    ),
+    # the indexer picks 8 of up to 150 rows; prefilled in three chunks
+    "deepseek_v32": Fp8Case(
+        model=lambda d: FAMILIES["deepseek_v32"].make_tiny_model(d, overrides=V32_WIDE),
+        engine=dict(max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory_bytes=32 << 20),
+        prompt=byte_ids(150, 5),
+        scored=byte_ids(150, 5)[:90],
+        groups={"mla", SLAB},
+        moved=("auto", "fp8"),
+        simulate=_simulate_fp8_stores,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_model(family, tmp_path_factory) -> Path:
+    return FP8[family.name].model(tmp_path_factory.mktemp(f"fp8-{family}"))
+
+
+@families()
+def test_fp8_prefill_scores_what_fp8_round_tripped_rows_score(family, fp8_model):
+    """Every row stored is read back dequantized: the FP8 engine scores what the plain engine
+    scores when each row it stores (in chunks: later chunks read the earlier ones') is replaced
+    by its FP8 round trip; and it does differ from the plain engine."""
+    case = FP8[family.name]
+    fp8 = LLM(fp8_model, kv_cache_dtype="fp8", **case.engine).score(case.scored)
+    assert not torch.allclose(fp8, LLM(fp8_model, **case.engine).score(case.scored), atol=1e-3)
+    with pytest.MonkeyPatch.context() as mp:
+        case.simulate(mp)
+        simulated = LLM(fp8_model, **case.engine).score(case.scored)
+    torch.testing.assert_close(fp8, simulated, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family, kv_cache_dtype, via",
+    [(f, kv, via) for f, case in FP8.items() for kv in case.moved for via in ("staging", "pages")],
+    indirect=["family"],
+    scope="module",
+)
+def test_a_prefilled_request_decodes_on_another_engine_as_if_never_moved(
+    family, fp8_model, kv_cache_dtype, via
+):
+    """tests/engine/test_kv_staging.py's move with these pools: the staged pull (blocks through
+    the ring) and the page READ move every byte a request keeps (V3.2: its latent rows and index
+    keys), FP8 pages as they are, into pages numbered differently there."""
+    case = FP8[family.name]
+    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, **case.engine)
+    check_moved_request_decodes_as_if_never_moved(fp8_model, config, case.prompt, via, case.groups)
+
+
+def test_layouts_name_the_family(tmp_path):
+    """Pools of different families never share a hash, and each description says which."""
+    pools = {
+        name: LLMEngine(family.make_tiny_model(tmp_path / name), EngineConfig(**ENGINE)).pool
+        for name, family in FAMILIES.items()
+    }
+    for name, pool in pools.items():
+        assert pool.layout()["family"] == name and f"({name}," in pool.layout_description()
+    assert len({pool.layout_hash() for pool in pools.values()}) == len(pools)
+
+
+# ---------------------------------------------------------------- DeepSeek-V4's own
 
 
 @pytest.fixture(scope="module")
@@ -179,15 +288,6 @@ def test_the_same_budget_holds_more_tokens():
         assert 0.95 * (32 << 20) < p.arena.nbytes < (32 << 20) + 2 * 64 * 5 * 1024, p.arena.nbytes
 
 
-@pytest.mark.parametrize("via", ["staging", "pages"])
-def test_a_request_prefilled_by_one_fp8_engine_decodes_on_another_as_if_never_moved(via):
-    """tests/engine/test_kv_staging.py's move with FP8 pools: the bytes travel as they are (staged
-    blocks through the ring, or the pages as one READ would copy them)."""
-    config = EngineConfig(kv_cache_dtype="fp8", **ENGINE)
-    groups = {"swa", "csa", "hca", SLAB}
-    check_moved_request_decodes_as_if_never_moved(MODEL, config, PROMPT[:150], via, groups)
-
-
 def test_pools_of_different_kv_cache_dtypes_do_not_pair(auto, fp8):
     ours, theirs = fp8.engine.pool, auto.engine.pool
     assert ours.layout_hash() != theirs.layout_hash()
@@ -214,6 +314,32 @@ def test_unknown_or_unfit_kv_cache_dtypes_are_refused(tmp_path, capsys, monkeypa
         LLMEngine(tiny, EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2))
     with pytest.raises(ValueError, match="multiple of 4"):
         LLMEngine(MODEL, EngineConfig(kv_cache_dtype="fp8", page_size=6))
+
+
+# ---------------------------------------------------------------- DeepSeek-V3.2's own
+
+
+@families("deepseek_v32")
+def test_the_pools_hold_one_latent_row_and_one_index_key_a_token(family, fp8_model):
+    cfg = family.package.ModelConfig.from_dir(fp8_model)
+    kv = KVCacheConfig(8 << 20, 16, max_num_seqs=4, max_num_batched_tokens=64, staging_bytes=0)
+    pool = KVPool(cfg, kv, dtype=torch.bfloat16, device=torch.device("cpu"))
+    (group,) = pool.groups.values()
+    assert group.name == "mla" and group.ratio == 1 and pool.ring_pages == 0
+    for layer in range(3):  # pages, then only the trash row: rows go straight to their slots
+        assert group.kv[layer].shape == (group.num_pages * 16 + 1, 576)
+        assert group.index_k[layer].shape == (group.num_pages * 16 + 1, 64)
+    assert pool.pages_for("mla", 33) == 3 and pool.token_capacity() == (group.num_pages - 1) * 16
+    assert pool.comp_ring == pool.index_ring == {}
+    # a token of context: every layer's bf16 row and key; FP8: 656 + 68 bytes
+    assert bytes_per_token(cfg, 2) == 3 * (576 + 64) * 2
+    assert bytes_per_token(cfg, 2, fp8=True) == 3 * (656 + 68)
+    fp8 = KVPool(cfg, dataclasses.replace(kv, kv_cache_dtype="fp8"), dtype=torch.bfloat16,
+                 device=torch.device("cpu"))  # fmt: skip
+    (fp8_group,) = fp8.groups.values()
+    assert fp8_group.kv[0].dtype == torch.uint8 and fp8_group.kv[0].shape[1] == 16 * 656
+    assert fp8_group.num_pages > 1.7 * group.num_pages  # the same bytes hold more tokens
+    assert "deepseek_v32" in pool.layout_description()
 
 
 # ---------------------------------------------------------------- the stack

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from dsaserve.engine.llm import LLM
 from dsaserve.engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.engine.sampling_params import SamplingParams
 
 
@@ -33,8 +34,8 @@ def test_one_batch_serves_rows_with_different_widths() -> None:
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    return LLM(make_tiny_model(tmp_path_factory.mktemp("tiny")))
+def llm(tiny: Path) -> LLM:
+    return LLM(tiny)
 
 
 @pytest.mark.parametrize(
@@ -66,12 +67,12 @@ def test_logprobs_are_the_raw_distribution_whatever_the_sampling(
     assert llm.generate(prompt, SamplingParams(max_tokens=2))[0].logprobs is None
 
 
-def test_prompt_logprobs_equal_the_prompts_score(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_prompt_logprobs_equal_the_prompts_score(tiny: Path) -> None:
     """vLLM's prompt_logprobs: each prompt token after the first, as one causal forward over the
     prompt scores it, also when the prompt is prefilled in chunks, and never resumed from the
     prefix cache (a prompt sent again computes every row again)."""
     llm = LLM(
-        make_tiny_model(tmp_path_factory.mktemp("prompt-lp")),
+        tiny,
         max_num_batched_tokens=16,
         enable_prefix_caching=True,
     )

@@ -205,6 +205,27 @@ def test_deepseek_v32_resumes_wherever_a_prompt_parts_from_a_cached_one(tmp_path
     assert_all_free(small)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v32"])
+def test_a_cache_salt_resumes_only_from_prefixes_computed_under_it(tiny, tmp_path_factory, family):
+    """Namespaces: the same prompt under another cache_salt (or none) computes everything; under
+    its own it resumes. V3.2 resumes even inside a cached block's tokens, the case a shared root
+    would leak through."""
+    model = tiny if family == "deepseek_v4" else make_v32(tmp_path_factory.mktemp("v32"))
+    tight = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=40)
+    engine = LLMEngine(model, EngineConfig(kv_cache_memory_bytes=8 << 20, **tight))
+
+    def cached(rid: str, prompt: list[int], salt: str | None) -> int:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, cache_salt=salt)
+        return _run(engine, rid, prompt, params)[-1].cached_tokens
+
+    x = byte_ids(100, 5)
+    assert [cached(f"{s}-1", x, s) for s in ("a", "b", None)] == [0, 0, 0]
+    assert [cached(f"{s}-2", x, s) for s in ("a", "b", None)] == [99, 99, 99]
+    apart = x[:5] + [(x[5] + 1) % 256] + byte_ids(20, 6)  # parts from x inside its first block
+    assert cached("c", apart, "c") == 0
+    assert_all_free(engine)
+
+
 def _nodes(root):  # type: ignore[no-untyped-def]
     stack, out = list(root.children.values()), []
     while stack:

@@ -424,7 +424,7 @@ def test_every_range_the_model_opens_is_a_known_part():
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny_shapes():
     """The dense tiny model's shapes (hidden 64, 4 heads x 64, window 16, CSA rate 4 with
     top-8 of 16 x 32 indexer heads, HCA rate 16, 8 experts of 32 top-2, vocab 258, fp32)."""
     cfg = ModelConfig.from_hf(tiny_config(258))
@@ -438,8 +438,8 @@ def tiny():
     return model, pool
 
 
-def test_attention_floors_match_a_hand_calculation(tiny):
-    model, pool = tiny
+def test_attention_floors_match_a_hand_calculation(tiny_shapes):
+    model, pool = tiny_shapes
     n, context = 3, 100  # position 100: 101 tokens visible
     cells = attention_work(model, pool, n, context)
     # rows per query: sliding 16; CSA 16 + min(8, 101 // 4 = 25); HCA 16 + 101 // 16 = 6
@@ -453,8 +453,8 @@ def test_attention_floors_match_a_hand_calculation(tiny):
     )
 
 
-def test_weight_floors_match_a_hand_calculation(tiny):
-    model, _ = tiny
+def test_weight_floors_match_a_hand_calculation(tiny_shapes):
+    model, _ = tiny_shapes
     n = 3
     loads = [ExpertLoad(experts=2, pairs=5)] * 6
     cells = weight_work(model, n, loads)
@@ -497,8 +497,8 @@ def test_a_floor_is_bytes_or_flops_whichever_takes_longer():
     assert known("NVIDIA H200") is H200 and known("NVIDIA A100-SXM4-80GB") is None
 
 
-def test_a_report_with_hardware_sets_each_row_against_its_floor(tiny):
-    model, pool = tiny
+def test_a_report_with_hardware_sets_each_row_against_its_floor(tiny_shapes):
+    model, pool = tiny_shapes
     work = decode_work(model, pool, 3, 100)
     profile = StepProfile(
         cells={

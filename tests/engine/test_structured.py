@@ -193,6 +193,38 @@ def test_a_strict_schema_is_compiled_exactly_or_refused_by_name(
     assert reply_grammar(ReplyConstraint(tools=TOOLS[1:]), compiler, V4_DSML, False) is None
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_schema_with_no_finite_instance_is_refused_naming_its_refs(
+    compiler: GrammarCompiler, strict: bool
+) -> None:
+    loop = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    constraint = ReplyConstraint(json=JsonContent(loop, strict, "response_format"))
+    with pytest.raises(GrammarError, match="no finite instance.*'#', '#/\\$defs/a'") as error:
+        reply_grammar(constraint, compiler, V4_DSML, False)
+    assert error.value.param == "response_format"
+    node = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+    parameters = {"type": "object", "properties": {"head": node}, "required": ["head"]}
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": parameters}}
+    with pytest.raises(GrammarError, match="no finite instance") as error:
+        reply_grammar(ReplyConstraint(tools=tool_schemas([tool])), compiler, V4_DSML, False)
+    assert error.value.param == "tools[0].function.parameters.properties.head"
+
+
+def test_a_grammar_over_its_size_bound_is_refused_before_it_is_written(
+    compiler: GrammarCompiler,
+) -> None:
+    """Each parameter of a tool carries the tool's $defs: 50 parameters of a schema with
+    20 kB of definitions would write 1 MB."""
+    defs = {f"d{i}": {"enum": ["x" * 100] * 2} for i in range(100)}
+    properties = {f"p{i}": {"$ref": f"#/$defs/d{i % 100}"} for i in range(50)}
+    parameters = {"type": "object", "properties": properties, "$defs": defs}
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": parameters}}
+    constraint = ReplyConstraint(tools=tool_schemas([tool]))
+    with pytest.raises(GrammarError, match="larger than the router allows"):
+        reply_grammar(constraint, compiler, V4_DSML, False, max_bytes=256 << 10)
+    assert len(reply_grammar(constraint, compiler, V4_DSML, False) or "") > 256 << 10
+
+
 def test_the_bitmask_forbids_what_it_clears_in_its_rows_only() -> None:
     logits = torch.randn(3, 70)
     bits = torch.zeros((1, 3), dtype=torch.int32)

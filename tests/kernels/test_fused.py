@@ -45,7 +45,8 @@ def _op(step: GlueStep, name: str) -> Op:
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def tiny_widths():
+    """The tiny model's widths (a model config; no checkpoint)."""
     return model_config("tiny")
 
 
@@ -54,22 +55,22 @@ def tiny():
     [(torch.float32, False, 1e-5), (torch.float32, True, 1e-5), (torch.bfloat16, False, 3e-2)],
 )
 @pytest.mark.parametrize("name", OPS)
-def test_triton_matches_reference(tiny, name, dtype, mixed, tol):
+def test_triton_matches_reference(tiny_widths, name, dtype, mixed, tol):
     """fp32: rounding-level agreement. bf16: the interpreter truncates fp32 -> bf16 casts
     (torch rounds to nearest), which leaves up to about 1% in the merged streams."""
     if mixed and name in DECODE_ONLY:
         pytest.skip("decode rows only")
-    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=dtype, prefill=PREFILL * mixed)
+    step = GlueStep(tiny_widths, POSITIONS, device="cpu", dtype=dtype, prefill=PREFILL * mixed)
     op = _op(step, name)
     assert compare(op, op.run(op.fused, "triton"), op.run(op.reference)) < tol
 
 
 @pytest.mark.parametrize("kind", ["csa", "index", "hca"])
-def test_compress_decode_writes_only_closed_windows(tiny, kind):
+def test_compress_decode_writes_only_closed_windows(tiny_widths, kind):
     """The kernel writes one pool row per closing window (none to the trash slot), and a
     window's entry depends only on its own tokens: rewriting the ring rows of other positions
     (the stale ones before window 0 included) changes nothing."""
-    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
+    step = GlueStep(tiny_widths, POSITIONS, device="cpu", dtype=torch.float32)
     op = step.compress(kind)
     (_, written) = op.run(op.fused, "triton")
     inputs, target, trash = op.args
@@ -94,11 +95,11 @@ def test_compress_decode_writes_only_closed_windows(tiny, kind):
     assert torch.equal(again[2], written[2])
 
 
-def test_rope_ops_touch_only_rope_channels(tiny):
+def test_rope_ops_touch_only_rope_channels(tiny_widths):
     """indexer_query and attention_post rotate the trailing rope_dim channels, nothing else;
     attention_post undoes attention_pre's rotation of the same row's query."""
-    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
-    rope = tiny.rope_dim
+    step = GlueStep(tiny_widths, POSITIONS, device="cpu", dtype=torch.float32)
+    rope = tiny_widths.rope_dim
     for op in (step.indexer_query(), step.attention_post()):
         q = op.args[0]
         out, _ = op.run(op.fused, "triton")
@@ -109,25 +110,25 @@ def test_rope_ops_touch_only_rope_channels(tiny):
     with kernels.use_backend("triton"):
         (q, _), _ = pre.run(pre.fused, "triton")
         back = kernels.attention_post(q.clone(), *pre.args[4:6])
-    normed = kernels.reference.rms_norm(pre.args[0], None, tiny.rms_norm_eps)
+    normed = kernels.reference.rms_norm(pre.args[0], None, tiny_widths.rms_norm_eps)
     torch.testing.assert_close(back, normed, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("merge", [False, True])
-def test_hc_pre_splits_long_rows(tiny, merge):
+def test_hc_pre_splits_long_rows(tiny_widths, merge):
     """With many rows each mix program walks several channel blocks (fewer, longer splits);
     the partial sums still add up to the reference."""
-    step = GlueStep(tiny, list(range(130)), device="cpu", dtype=torch.float32)
+    step = GlueStep(tiny_widths, list(range(130)), device="cpu", dtype=torch.float32)
     op = step.hc_pre(merge)
     assert compare(op, op.run(op.fused, "triton"), op.run(op.reference)) < 1e-5
 
 
-def test_hc_pre_weights_are_mhc_weights(tiny):
+def test_hc_pre_weights_are_mhc_weights(tiny_widths):
     """comb comes out doubly stochastic (columns exactly, rows nearly) and post in (0, 2)."""
-    step = GlueStep(tiny, POSITIONS, device="cpu", dtype=torch.float32)
+    step = GlueStep(tiny_widths, POSITIONS, device="cpu", dtype=torch.float32)
     op = step.hc_pre(merge=True)
     (_, post, comb, _), _ = op.run(op.fused, "triton")
-    n = tiny.hc_mult
+    n = tiny_widths.hc_mult
     assert torch.allclose(comb.sum(-2), torch.ones(len(POSITIONS), n), atol=1e-5)
     assert torch.allclose(comb.sum(-1), torch.ones(len(POSITIONS), n), atol=2e-2)
     assert ((post > 0) & (post < 2)).all()

@@ -16,22 +16,17 @@ import httpx
 import pytest
 
 from dsaserve.engine.llm import LLM
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
 from dsaserve.engine.request import RequestError
 from dsaserve.engine.sampling_params import SamplingParams
 from tests.release_reference import TOKENS
-from tests.serving_stack import pd_stack
+from tests.serving_stack import StackSpec
 
 SAMPLED = SamplingParams(max_tokens=48, temperature=1.0, seed=5, ignore_eos=True)
 PROMPT = [256, 72, 105, 33]  # bos "Hi!"
 
-MODEL_NAME = "dsaserve-tiny-release"  # the served id: the model directory's name
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    # (named like the demo model: the served model id is the directory's name)
-    return make_tiny_model(tmp_path_factory.mktemp("padded") / MODEL_NAME, fmt="release")
+# (conftest's `stack`) router, prefill and decode workers on the release-format model (its default
+# precision on the CPU: dequantized)
+STACK = StackSpec(model="release")
 
 
 def test_padded_rows_would_win_without_the_mask(release):
@@ -98,21 +93,13 @@ def test_cli_refuses_padded_prompt_ids(release):
     assert "Traceback" not in out.stderr
 
 
-@pytest.fixture(scope="module")
-def served(release, redis_server, tmp_path_factory):
-    """Router, prefill and decode workers on the release-format model (its default precision
-    on the CPU: dequantized); the router's URL."""
-    with pd_stack(release, redis_server, tmp_path_factory.mktemp("padded_stack")) as stack:
-        yield stack.url
-
-
 @pytest.mark.e2e
-def test_served_completions_never_sample_padded_ids(served, release):
+def test_served_completions_never_sample_padded_ids(stack, release):
     """Prefill samples token 1, decode the rest, each worker masking its own logits: the text
     equals the offline API's, whose tokens are all below the tokenizer's size."""
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 48, "temperature": 1.0}
+    body = {"model": release.name, "prompt": PROMPT, "max_tokens": 48, "temperature": 1.0}
     body |= {"seed": 5, "ignore_eos": True}
-    r = httpx.post(served + "/v1/completions", json=body, timeout=120)
+    r = httpx.post(stack.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     [offline] = LLM(release).generate(PROMPT, SAMPLED)
@@ -122,8 +109,8 @@ def test_served_completions_never_sample_padded_ids(served, release):
 
 
 @pytest.mark.e2e
-def test_served_prompts_with_padded_ids_are_refused(served):
-    body = {"model": MODEL_NAME, "prompt": [256, 300], "max_tokens": 4}
-    r = httpx.post(served + "/v1/completions", json=body, timeout=60)
+def test_served_prompts_with_padded_ids_are_refused(stack, release):
+    body = {"model": release.name, "prompt": [256, 300], "max_tokens": 4}
+    r = httpx.post(stack.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 400
     assert "Token ids must be in [0, 264); got [300]" in r.json()["error"]["message"]

@@ -1,5 +1,7 @@
 """Loading the DeepSeek-V4 release's checkpoint layout: FP8 and FP4 weights with ue8m0 scales,
-kept quantized or dequantized at load, the MTP layer, HF's scale names, and clear errors."""
+kept quantized or dequantized at load, the MTP layer, HF's scale names, and clear errors; then
+DeepSeek-V3.2's: the release's own names (convert.py's) load as HF's do, and FP8 weights kept
+quantized hold the checkpoint's codes and scales."""
 
 from __future__ import annotations
 
@@ -8,25 +10,26 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dsaserve import kernels
+from dsaserve.engine.layers.experts import Fp8Experts
+from dsaserve.engine.layers.fp8_linear import Fp8Linear
+from dsaserve.engine.llm import LLM
 from dsaserve.engine.model_dir import ConfigError
 from dsaserve.engine.models.deepseek_v4.config import CSA, MOE, SLIDING, ModelConfig
-from dsaserve.engine.models.deepseek_v4.tiny import FORMATS, make_tiny_model, tiny_config
+from dsaserve.engine.models.deepseek_v4.tiny import FORMATS, tiny_config
 from dsaserve.engine.models.deepseek_v4.weights import build_model, load_weights
 from dsaserve.engine.models.loading import WeightsError
+from dsaserve.kernels.quant import dequantize_fp8_blocks
 from dsaserve.services import cli
 from dsaserve.services import make_tiny_model as make_tiny_model_command
-from tests.release_reference import dequantize, read_checkpoint
+from tests.model_fixtures import families
+from tests.release_reference import ENGINE, dequantize, read_checkpoint, release_ids
 
 INTER = 128  # the release tiny model's moe_intermediate_size
 EXPERTS = 8
-
-
-@pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("release"), fmt="release")
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +213,67 @@ def test_make_tiny_model_command_writes_the_release_format(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "m")
     assert (tmp_path / "m" / "model.safetensors.index.json").exists()
     assert len(_load(tmp_path / "m", torch.bfloat16, quantized=True).mtp) == 1
+
+
+# ---------------------------------------------------------------- DeepSeek-V3.2's own (at the end:
+# a module fixture is kept for one family at a time, and the module's `release` above is V4's)
+
+
+@families("deepseek_v32")
+def test_release_names_load_as_the_hf_names_do(release, tmp_path):
+    """The same checkpoint renamed as the release's convert.py writes it (`layers.N.attn.wq_a`,
+    `.scale`, `ffn.gate.bias`; the MTP layer dropped) gives the same logits."""
+    from dsaserve.engine.models.deepseek_v32.weights import canonical_name
+
+    path = release
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    renamed = {}
+    for file in path.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                name = canonical_name(key.replace(".weight_scale_inv", ".weight"), layers)
+                if name.startswith("mtp."):
+                    continue
+                if key.endswith(".weight_scale_inv"):
+                    name = name.removesuffix(".weight") + ".scale"
+                elif name.endswith(".attn.wkv_b"):
+                    name += ".weight"
+                renamed[name] = f.get_tensor(key)
+    for file in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / file, tmp_path / file)
+    save_file(renamed, tmp_path / "model.safetensors")
+    token_ids = release_ids(40, 11)
+    ours = LLM(tmp_path, **ENGINE).score(token_ids)
+    assert torch.equal(ours, LLM(path, **ENGINE).score(token_ids))
+
+
+@families("deepseek_v32")
+def test_fp8_weights_kept_quantized_hold_the_checkpoints_codes_and_scales(family, release):
+    """Loaded for quantized compute (bfloat16), every FP8 linear and every routed expert holds
+    the checkpoint's codes and its fp32 weight_scale_inv as ue8m0 scales: dequantized, exactly
+    the fp32 model's weights (what test_release_parity.py holds to HF); the absorbed wkv_b is
+    dense in both."""
+    path = release
+    models = family.package
+    cfg = models.ModelConfig.from_dir(path)
+    kept = models.build_model(cfg, torch.bfloat16, torch.device("cpu"), quantized=True)
+    dense = models.build_model(cfg, torch.float32, torch.device("cpu"))
+    models.load_weights(kept, path)
+    models.load_weights(dense, path)
+    linears = {n: m for n, m in kept.named_modules() if isinstance(m, Fp8Linear)}
+    # 3 layers and the MTP layer: q_a, q_b, kv_a, o, the indexer's wq_b and wk; w1, w2, w3 of
+    # the dense MLP or the shared experts
+    assert len(linears) == 4 * (6 + 3)
+    weights = dict(dense.named_parameters())
+    for name, linear in linears.items():
+        dequantized = dequantize_fp8_blocks(linear.weight, linear.scale)
+        assert torch.equal(dequantized, weights[name + ".weight"]), name
+    assert kept.layers[0].attn.wkv_b.dtype == torch.bfloat16
+    experts = {n: m for n, m in kept.named_modules() if isinstance(m, Fp8Experts)}
+    assert len(experts) == 3  # layers 1, 2 and the MTP layer
+    for name, module in experts.items():
+        for codes, scales in (("w13", "s13"), ("w2", "s2")):
+            want = weights[f"{name}.{codes}"]
+            for e in range(want.shape[0]):
+                got = dequantize_fp8_blocks(getattr(module, codes)[e], getattr(module, scales)[e])
+                assert torch.equal(got, want[e]), (name, codes, e)

@@ -73,8 +73,16 @@ async def test_the_index_follows_a_workers_cache_through_its_stream(tiny, redis_
         await wait_until(lambda: matched(a) == 256 and matched(b) == 192, "both prompts' blocks")
         assert matched(a[:130] + byte_ids(50, 3)) == 128  # whole blocks of the shared start
         assert matched(byte_ids(300, 4)) == 0
+        # A namespace (cache_salt, a tenant) matches only what was computed in it.
+        salted = SamplingParams(max_tokens=2, temperature=0, cache_salt="tenant-x")
+        engine.add_request("x", b, salted)
+        drain(engine)
+        in_x = lambda p: index.matched_tokens(["w1"], p, "tenant-x")["w1"]
+        await wait_until(lambda: in_x(b) == 192, "the namespace's blocks")
+        assert in_x(a) == 0 and index.matched_tokens(["w1"], b, "tenant-y")["w1"] == 0
         cache.clear()
-        await wait_until(lambda: matched(a) == matched(b) == 0, "the evictions")
+        await wait_until(lambda: matched(a) == matched(b) == in_x(b) == 0, "the evictions")
+        assert list(cache._roots) == [cache.salt]  # (an empty namespace goes)
         # A router that meets the worker now starts from its latest reset: in sync at once.
         engine.add_request("c", a, SamplingParams(max_tokens=2, temperature=0))
         drain(engine)

@@ -16,7 +16,9 @@ from collections.abc import Callable
 import pytest
 import redis.asyncio as aioredis
 
+from dsaserve.services import bounded_json
 from dsaserve.services.registry import (
+    MAX_RECORD_BYTES,
     Load,
     RegistryWatcher,
     UntrustedRecord,
@@ -163,6 +165,67 @@ async def test_watcher_skips_malformed_entries(redis_url: str) -> None:
     await watcher.start()
     try:
         assert [w.worker_id for w in watcher.workers("prefill")] == ["good"]
+    finally:
+        await watcher.stop()
+        await client.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_poisoned_entry_is_ignored_and_the_watcher_keeps_refreshing(redis_url: str) -> None:
+    """Under worker keys: 200,000 nested arrays (json.loads' RecursionError once killed the
+    watcher), a value over the size bound (never fetched), a value that is not a string."""
+    client = aioredis.Redis.from_url(redis_url)
+    await client.set(worker_key("deep"), b"[" * 200_000 + b"]" * 200_000)
+    await client.set(worker_key("huge"), b" " * (MAX_RECORD_BYTES + 1))
+    await client.rpush(worker_key("list"), b"x")
+    await client.set(worker_key("good"), seal(record("good"), TOKEN, time.time()))
+    watcher = RegistryWatcher(redis_url, TOKEN, ttl_s=0.4)
+    await watcher.start()
+    try:
+        assert [w.worker_id for w in watcher.workers("prefill")] == ["good"]
+        assert watcher.untrusted == 3
+        # Still refreshing: a worker added now is seen, and nothing made the loop restart.
+        await client.set(worker_key("late"), seal(record("late"), TOKEN, time.time()))
+        await wait_until(lambda: len(watcher.workers("prefill")) == 2, timeout_s=10)
+        assert watcher.restarts == 0
+    finally:
+        await watcher.stop()
+        await client.aclose()
+
+
+def test_bounded_json_refuses_what_is_too_deep_or_too_long_and_skips_strings() -> None:
+    assert bounded_json.loads('{"a": ["[[[[", {"b": 1}]}', 100, 3) == {"a": ["[[[[", {"b": 1}]}
+    with pytest.raises(ValueError, match="deeper than 3"):
+        bounded_json.loads("[[[[1]]]]", 100, 3)
+    with pytest.raises(ValueError, match="more than the 4"):
+        bounded_json.loads('"abcd"', 4, 3)
+    with pytest.raises(ValueError):  # (json's own errors are ValueErrors too)
+        bounded_json.loads("{not json", 100, 3)
+
+
+@pytest.mark.asyncio
+async def test_the_watcher_restarts_after_an_unexpected_error(redis_url: str) -> None:
+    """A failure the watcher did not foresee (here: a reply it cannot read, injected once)
+    restarts its loop on a new connection; it says so and goes on refreshing."""
+    client = aioredis.Redis.from_url(redis_url)
+    watcher = RegistryWatcher(redis_url, TOKEN, ttl_s=0.4)
+    await watcher.start()
+    read = watcher._read
+    failed = False
+
+    async def fails_once() -> tuple[list[WorkerRecord], bool]:
+        nonlocal failed
+        if not failed:
+            failed = True
+            raise RuntimeError("an unreadable reply")
+        return await read()
+
+    watcher._read = fails_once  # type: ignore[method-assign]
+    try:
+        await wait_until(lambda: watcher.restarts == 1, timeout_s=10)
+        assert watcher.last_error == "RuntimeError: an unreadable reply"
+        await client.set(worker_key("after"), seal(record("after"), TOKEN, time.time()))
+        await wait_until(lambda: bool(watcher.workers("prefill")), timeout_s=10)
     finally:
         await watcher.stop()
         await client.aclose()

@@ -35,6 +35,7 @@ WEATHER = {
 }
 THINKING = {"type": "enabled", "budget_tokens": 1024}
 USER = [{"role": "user", "content": "Weather in Lima?"}]
+KEY = {"x-api-key": "sk-test"}
 
 
 @pytest_asyncio.fixture
@@ -150,6 +151,44 @@ async def test_the_prompt_is_the_chat_completions(router: Any, workers: Scripted
 
 
 @pytest.mark.asyncio
+async def test_an_assistant_prefill_is_continued(router: Any, workers: Scripted) -> None:
+    """A conversation ending with an assistant's text: the prompt opens the assistant turn as
+    for a new reply and writes the prefill after it; the answer is only what follows, as on
+    Anthropic's API (and on the chat route, vLLM's continue_final_message)."""
+    prefill = [*USER, {"role": "assistant", "content": [{"type": "text", "text": "It is"}]}]
+    workers.script([" sun", "ny."])
+    async with client(router) as c:
+        message = await c.messages.create(model=MODEL, max_tokens=20, messages=prefill)
+        assert [(b.type, b.text) for b in message.content] == [("text", " sunny.")]  # type: ignore[union-attr]
+        async with c.messages.stream(model=MODEL, max_tokens=20, messages=prefill) as stream:
+            assert await stream.get_final_text() == " sunny."
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        prompt = workers.last_prompt()
+        text = (await http.post("/detokenize", json={"tokens": prompt}, headers=KEY)).json()
+        assert text["prompt"].endswith("<｜User｜>Weather in Lima?<｜Assistant｜></think>It is")
+        chat = {
+            "model": MODEL,
+            "messages": [*USER, {"role": "assistant", "content": "It is"}],
+            "continue_final_message": True,
+            "add_generation_prompt": False,  # (as vLLM wants them)
+        }
+        answer = await http.post("/v1/chat/completions", json=chat, headers=KEY)
+        assert answer.json()["choices"][0]["message"]["content"] == " sunny."
+        assert workers.last_prompt() == prompt
+        alone = await http.post(
+            "/v1/chat/completions", json=chat | {"continue_final_message": False}, headers=KEY
+        )
+        assert alone.status_code == 400 and "continue_final_message" in alone.text
+    async with client(router) as c:
+        for messages, extra, says in (
+            ([*USER, {"role": "assistant", "content": "It is "}], {}, "trailing whitespace"),
+            (prefill, {"thinking": THINKING}, "not served in thinking mode"),
+        ):
+            with pytest.raises(anthropic.BadRequestError, match=says):
+                await c.messages.create(model=MODEL, max_tokens=5, messages=messages, **extra)
+
+
+@pytest.mark.asyncio
 async def test_errors_have_anthropics_shape(router: Any) -> None:
     async with client(router, key="wrong") as c:
         with pytest.raises(anthropic.AuthenticationError) as raised:
@@ -166,6 +205,10 @@ async def test_errors_have_anthropics_shape(router: Any) -> None:
         assert bad.value.body["error"]["type"] == "invalid_request_error"
         with pytest.raises(anthropic.NotFoundError):
             await c.messages.create(model="claude-x", max_tokens=5, messages=USER)
+        with pytest.raises(anthropic.BadRequestError, match="temperature"):  # (a bool: no number)
+            await c.messages.create(
+                model=MODEL, max_tokens=5, messages=USER, extra_body={"temperature": False}
+            )
         with pytest.raises(anthropic.BadRequestError, match="tool_use block"):
             await c.messages.create(
                 model=MODEL,

@@ -105,6 +105,8 @@ async def test_malformed_json_is_400(http: httpx.AsyncClient) -> None:
             "text",
         ),
         ({"temperature": 3.5}, "temperature", "2"),
+        ({"temperature": False}, "temperature", "number"),  # a bool is no number on the wire
+        ({"presence_penalty": True}, "presence_penalty", "number"),
         ({"max_tokens": 0}, "max_tokens", "1"),
         ({"stream_options": {"include_usage": True}}, None, "stream"),
     ],
@@ -416,6 +418,7 @@ STRICT_PATTERN_TOOL = {
     "parameters": {"type": "object", "patternProperties": {"^x": {"type": "string"}}},
 }
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+SELF_REF = {"name": "loop", "schema": {"$ref": "#"}}  # (no value of it ends)
 
 
 @pytest.mark.parametrize(
@@ -445,6 +448,11 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
             {"tools": [{"type": "function", "function": STRICT_PATTERN_TOOL}]},
             "tools[0].function.parameters",
             "'patternProperties' is not supported",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": SELF_REF}},
+            "response_format.json_schema.schema",
+            "no finite instance: every value of '#' must contain another",
         ),
         ({"response_format": {"type": "json"}}, "response_format", ""),
         ({"reasoning_effort": "extreme"}, "reasoning_effort", "'max'"),
@@ -780,6 +788,8 @@ async def test_openapi_lists_the_error_responses_the_router_sends(
     # Unknown fields are refused, and the schema says so.
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False
+    # What a field takes is what the schema says it takes: `stop` a string, a list or null.
+    assert [t["type"] for t in chat["properties"]["stop"]["anyOf"]] == ["string", "array", "null"]
 
 
 # ---------------------------------------------------------------- /metrics
@@ -963,6 +973,47 @@ async def test_stalled_connections_are_closed_while_other_clients_are_served(
     finally:
         for _, writer in idle:
             writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_request_head_over_its_bounds_gets_431_and_a_large_body_still_passes(
+    start_router: StartRouter, router_model_dir: Path, redis_url: str
+) -> None:
+    router = await start_router(
+        RouterSettings(str(router_model_dir), redis_url, cluster_token=TOKEN)
+    )
+    port = int(router.url.rsplit(":", 1)[1])
+
+    async def exchange(payload: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(payload)
+            with contextlib.suppress(ConnectionResetError):  # (closed while we wrote: a RST)
+                await writer.drain()
+            return await asyncio.wait_for(reader.read(), timeout=20)
+        finally:
+            writer.close()
+
+    huge = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n"
+    many = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"".join(
+        b"X-%d: v\r\n" % i for i in range(150)
+    )
+    for payload in (huge, many + b"\r\n"):
+        refused = await exchange(payload)
+        assert refused.startswith(b"HTTP/1.1 431"), refused[:200]
+        error = json.loads(refused.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "request_header_fields_too_large"
+        assert "--h11-max-incomplete-event-size" in error["message"]
+    # A small head with a body far over the head bound, sent in one write, is read as usual
+    # (here to the app's own 400: the prompt is longer than the context).
+    body = json.dumps({"prompt": "x" * (200 << 10)}).encode()
+    answered = await exchange(
+        b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    assert answered.startswith(b"HTTP/1.1 400") and b"context_length_exceeded" in answered
+    async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
+        assert (await http.get("/v1/models")).status_code == 200  # and it serves on
 
 
 @pytest.mark.asyncio

@@ -285,6 +285,32 @@ async def test_response_format_sends_its_grammar_to_both_workers(v4: V4) -> None
 
 
 @pytest.mark.asyncio
+async def test_a_grammar_over_its_compile_budget_is_a_400_and_its_process_is_replaced(
+    v4: V4,
+) -> None:
+    """Hundreds of patternProperties take llguidance tens of seconds to compile: the grammar
+    process is killed at the budget and the request refused; the next grammar is compiled by a
+    new process, and the same hostile schema again is refused from the cache at once."""
+    router = await v4.router(grammar_compile_timeout_s=0.3)
+    patterns = {f"^p{i}[a-z]+$": {"type": "integer"} for i in range(400)}
+    hostile = {"type": "object", "patternProperties": patterns}
+    spec = {"type": "json_schema", "json_schema": {"name": "h", "schema": hostile}}
+    async with httpx.AsyncClient(base_url=router.url, timeout=WAIT_S) as http:
+        for _ in range(2):
+            r = await http.post("/v1/chat/completions", json=CHAT | {"response_format": spec})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert "0.3 s budget (--grammar-compile-timeout)" in error["message"]
+            assert error["param"] == "response_format"
+    assert v4.prefill.prefill_requests == []  # (no worker saw them)
+    v4.script(['{"a": 1}'])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fine = {"type": "json_schema", "json_schema": {"name": "A", "schema": schema}}
+    answer = await post(router, "/v1/chat/completions", CHAT | {"response_format": fine})
+    assert answer["choices"][0]["message"]["content"] == '{"a": 1}'
+
+
+@pytest.mark.asyncio
 async def test_a_call_cut_by_eos_is_no_tool_call(v4: V4) -> None:
     router = await v4.router()
     cut = f'{BLOCK[: BLOCK.index(INVOKE_WEATHER)]}<{D}invoke name="get_weather">\n'
@@ -490,6 +516,7 @@ async def test_n_choices_are_generations_of_their_own(serve: Serve, make_router:
         "completion_tokens": 9,
         "total_tokens": prompt_tokens + 9,
         "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},  # (no thinking)
     }
     sent = prefill.prefill_requests
     assert sorted(r.sampling.seed for r in sent) == [5, 6, 7]

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 
 from dsaserve.services.registry import WorkerRecord, seal, worker_key
 from dsaserve.services.router.settings import RouterSettings
+from dsaserve.services.router.tenancy import tenant_of
 from dsaserve.services.rpc import pb
 from tests.scripted_worker import MODEL, TOKEN, WAIT_S, Serve, sse_events
 
@@ -82,6 +83,7 @@ async def test_streamed_chat_follows_openai_sse(serve: Serve, make_router: Any) 
         "completion_tokens": 3,
         "total_tokens": 8,
         "prompt_tokens_details": {"cached_tokens": 2},
+        "completion_tokens_details": {"reasoning_tokens": 0},  # (no thinking)
     }
 
 
@@ -153,6 +155,54 @@ async def test_request_fields_reach_the_workers(serve: Serve, make_router: Any) 
         sent.prompt_token_ids
     )
     assert prefill.aborted == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("scope", [None, "global"])
+async def test_each_key_prefills_in_a_cache_namespace_of_its_own(
+    serve: Serve, make_router: Any, scope: str | None
+) -> None:
+    """By default (API keys: scope key) a request's cache_salt on the wire is its tenant, with
+    vLLM's cache_salt after it; with --prefix-cache-scope global only the request's own salt."""
+    prefill = await serve("prefill", "p1")
+    await serve("decode", "d1")
+    router = await make_router(api_keys=("key-a", "key-b"), prefix_cache_scope=scope)
+    for key, salt in (("key-a", None), ("key-a", "s"), ("key-b", None), ("key-b", "s")):
+        extra = {} if salt is None else {"extra_body": {"cache_salt": salt}}
+        await router.openai(key).chat.completions.create(**CHAT, **extra)
+    sent = [
+        r.sampling.cache_salt if r.sampling.HasField("cache_salt") else None
+        for r in prefill.prefill_requests
+    ]
+    a, b = tenant_of("key-a"), tenant_of("key-b")
+    assert sent == ([a, f"{a}:s", b, f"{b}:s"] if scope is None else [None, "s", None, "s"])
+
+
+@pytest.mark.asyncio
+async def test_an_answer_over_the_prompt_entries_limit_is_refused_before_any_prefill(
+    serve: Serve, make_router: Any
+) -> None:
+    """echo + logprobs + prompt_logprobs over a batch of prompts: what the answer would carry is
+    counted from the prompts' lengths before any work; at the limit it goes on to prefill."""
+    prefill = await serve("prefill", "p1", prefill_finish=pb.FINISH_REASON_LENGTH)
+    await serve("decode", "d1")
+    router = await make_router(max_prompt_entries=600)
+    body = {"model": MODEL, "prompt": ["abcdefghij"] * 3, "max_tokens": 1, "echo": True}
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        # 2 x 3 prompts of 11 tokens (BOS + 10), each token 13: echo 1, logprobs 5 + 1, prompt 5 + 1
+        over = await http.post(
+            "/v1/completions", json=body | {"logprobs": 5, "prompt_logprobs": 5, "n": 2}
+        )
+        assert over.status_code == 400, over.text
+        error = over.json()["error"]
+        assert error["code"] == "too_many_prompt_entries" and error["param"] == "prompt_logprobs"
+        assert "858 entries" in error["message"] and "--max-prompt-entries" in error["message"]
+        assert prefill.prefill_requests == []
+        at = await http.post("/v1/completions", json=body | {"logprobs": 5, "prompt_logprobs": 5})
+        # 429 entries: on to the prefill worker (this scripted one sends no prompt logprobs,
+        # which is an error the router finds before its answer goes out)
+        assert at.status_code == 500 and at.json()["error"]["type"] == "server_error"
+        assert len(prefill.prefill_requests) == 3
 
 
 @pytest.mark.asyncio

@@ -9,8 +9,6 @@ keeps each generation to a few tokens: a few hundred cases take about half a min
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -19,27 +17,22 @@ from schemathesis import checks
 from schemathesis.generation import GenerationMode
 from schemathesis.schemas import BaseSchema
 
-from dsaserve.engine.models.deepseek_v4.tiny import make_tiny_model
-from tests.serving_stack import Stack
+from tests.serving_stack import Stack, StackSpec
 
 pytestmark = pytest.mark.e2e  # the router and both workers as processes, fuzzed
 
 EXAMPLES_PER_OPERATION = 150
 
 
+# (conftest's `stack`) on `tiny`, in a registry of its own
+STACK = StackSpec(
+    db=3, router_flags=("--max-request-bytes", str(64 << 10), "--max-model-len", "32")
+)
+
+
 @pytest.fixture(scope="module")
-def router_api(redis_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[BaseSchema]:
-    workdir = tmp_path_factory.mktemp("fuzz")
-    model = make_tiny_model(workdir / "dsaserve-tiny-v4")
-    stack = Stack(model, redis_server.rsplit("/", 1)[0] + "/3", workdir)  # a registry of its own
-    try:
-        workers = [stack.worker("prefill"), stack.worker("decode")]
-        router = stack.router("--max-request-bytes", str(64 << 10), "--max-model-len", "32")
-        stack.wait_ready(*workers)
-        url = stack.wait_healthy(router)
-        yield schemathesis.openapi.from_url(url + "/openapi.json", wait_for_schema=60)
-    finally:
-        stack.stop()
+def router_api(stack: Stack) -> BaseSchema:
+    return schemathesis.openapi.from_url(stack.url + "/openapi.json", wait_for_schema=60)
 
 
 # Every operation of /openapi.json (a test below holds this list to the schema).
@@ -60,6 +53,8 @@ OTHER_APIS = [
     "POST /v1/messages/count_tokens",
     "POST /v1/responses",
     "GET /v1/responses/{response_id}",
+    "GET /v1/responses/{response_id}/input_items",
+    "DELETE /v1/responses/{response_id}",
 ]
 EXAMPLES_PER_OTHER_API = 40
 CHECKS = [

@@ -120,6 +120,44 @@ async def test_previous_response_id_continues_the_stored_conversation(
 
 
 @pytest.mark.asyncio
+async def test_a_stored_response_is_its_keys_alone_input_items_and_delete(
+    workers: Scripted, make_router: Any, v4_router_model_dir: Path
+) -> None:
+    """Key B gets 404 for key A's response on every route (get, continue, input items,
+    delete), as if it did not exist; A lists its input items a page at a time and deletes it."""
+    router = await make_router(model_dir=v4_router_model_dir, api_keys=("key-a", "key-b"))
+    a, b = router.openai("key-a"), router.openai("key-b")
+    workers.script(["Hello."])
+    first = await a.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "One"},
+            {"role": "assistant", "content": "Two"},
+            {"role": "user", "content": [{"type": "input_text", "text": "Three"}]},
+        ],
+    )
+    for attempt in (
+        b.responses.retrieve(first.id),
+        b.responses.create(model=MODEL, input="Go on", previous_response_id=first.id),
+        b.responses.input_items.list(first.id),
+        b.responses.delete(first.id),
+    ):
+        with pytest.raises(openai.NotFoundError, match="not found"):
+            await attempt
+    assert (await a.responses.retrieve(first.id)).id == first.id
+    texts = [item.content[0].text async for item in a.responses.input_items.list(first.id, limit=2)]
+    assert texts == ["Three", "Two", "One"]  # (newest first, fetched two at a time)
+    page = await a.responses.input_items.list(first.id, order="asc", limit=2)
+    assert [i.role for i in page.data] == ["user", "assistant"] and page.has_more
+    assert page.data[1].content[0].type == "output_text"
+    rest = await a.responses.input_items.list(first.id, order="asc", after=page.last_id)
+    assert [i.content[0].text for i in rest.data] == ["Three"] and not rest.has_more
+    await a.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match="deleted"):
+        await a.responses.retrieve(first.id)
+
+
+@pytest.mark.asyncio
 async def test_agents_sdk_runs_a_tool_loop(client: Any, workers: Scripted) -> None:
     """The Agents SDK's default model: the model calls a tool, the SDK runs it and sends its
     output back, the model answers; run and run_streamed."""

@@ -25,6 +25,15 @@ def cache_salt(*parts: str) -> bytes:
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=DIGEST_BYTES).digest()
 
 
+def salted(salt: bytes, cache_salt: str | None) -> bytes:
+    """The salt of one request's cache namespace: the cache's salt with the request's
+    `cache_salt` mixed in (vLLM's request field; the router also puts the API key's tenant
+    there), so requests with different ones share no block hash; without one, the cache's."""
+    if not cache_salt:
+        return salt
+    return hashlib.blake2b(salt + b"\0" + cache_salt.encode(), digest_size=DIGEST_BYTES).digest()
+
+
 def block_hashes(
     tokens: Sequence[int], salt: bytes, block: int, known: Sequence[bytes] = ()
 ) -> list[bytes]:

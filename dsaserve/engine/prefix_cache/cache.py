@@ -42,6 +42,13 @@ page (a copy of its first entries), so a prompt sharing L tokens with a cached o
 Its checkpoints (the end of every prompt, ...) own nothing: they keep the prefix's nodes (its
 pages) in the tree, the open page at their position, and the LRU order eviction follows.
 
+Namespaces: a request's `SamplingParams.cache_salt` (vLLM's field, which the router also uses
+for the tenant of an API key) names a tree of its own, rooted at the cache's salt with it mixed
+in (block_hash.salted): its prompts match only prefixes computed under the same salt, never
+another's, whatever their tokens, so a cache hit (time to first token, `cached_tokens`) says
+nothing across namespaces. Requests without one share the default tree (`root`). A namespace's
+root goes with its last node.
+
 Every decision here is bookkeeping on page ids; the scheduler runs it on rank 0, and the copies it
 plans (the step's CopyPlan, `begin_step`) run on every rank of a tensor-parallel group (the same
 page ids and host blocks everywhere).
@@ -55,7 +62,7 @@ from dataclasses import dataclass, field
 
 from dsaserve.engine.kv.layout import SLAB, ring_elems
 from dsaserve.engine.kv.pool import KVPool
-from dsaserve.engine.prefix_cache.block_hash import block_hashes
+from dsaserve.engine.prefix_cache.block_hash import block_hashes, salted
 from dsaserve.engine.prefix_cache.checkpoint import Capture, CopyPlan
 from dsaserve.engine.prefix_cache.host_tier import HostTier
 from dsaserve.engine.request import Request
@@ -131,7 +138,8 @@ class PrefixCache:
         block_hash.cache_salt of the model and layout; host: the second tier, if any."""
         self.pool, self.interval, self.salt, self.host = pool, interval, salt, host
         self.block = pool.page_size
-        self.root = Node(0, salt, (), None)
+        self.root = Node(0, salt, (), None)  # requests without a cache_salt start here
+        self._roots: dict[bytes, Node] = {salt: self.root}  # every namespace's, by its salt
         self._lru: OrderedDict[Checkpoint, None] = OrderedDict()  # on the device, oldest first
         self._host_lru: OrderedDict[Checkpoint, None] = OrderedDict()  # on the host tier
         self._step = 0  # the step being scheduled
@@ -249,7 +257,7 @@ class PrefixCache:
     def _walk(self, req: Request, tokens: Sequence[int]) -> Node:
         """The deepest node whose whole prefix `tokens` starts with."""
         B, hashes = self.block, self._hashes(req, tokens)
-        node = self.root
+        node = self._root(req, create=False)
         for d in range(len(hashes)):
             child = node.children.get(hashes[d])
             if child is None or child.tokens != tuple(tokens[d * B : (d + 1) * B]):
@@ -259,8 +267,19 @@ class PrefixCache:
 
     def _hashes(self, req: Request, tokens: Sequence[int]) -> list[bytes]:
         if len(req.block_hashes) < len(tokens) // self.block:
-            req.block_hashes = block_hashes(tokens, self.salt, self.block, req.block_hashes)
+            salt = salted(self.salt, req.params.cache_salt)
+            req.block_hashes = block_hashes(tokens, salt, self.block, req.block_hashes)
         return req.block_hashes
+
+    def _root(self, req: Request, create: bool) -> Node:
+        """The root of `req`'s namespace; an empty one, not kept, unless `create`."""
+        salt = salted(self.salt, req.params.cache_salt)
+        root = self._roots.get(salt)
+        if root is None:
+            root = Node(0, salt, (), None)
+            if create:
+                self._roots[salt] = root
+        return root
 
     # ---------------------------------------------------------------- restore
 
@@ -402,7 +421,7 @@ class PrefixCache:
     def _path(self, req: Request, tokens: Sequence[int], depth: int, create: bool) -> Node | None:
         """The node of tokens [0, depth * B) (made, with its ancestors, if `create`)."""
         B, hashes = self.block, self._hashes(req, tokens)
-        node = self.root
+        node = self._root(req, create)
         for d in range(depth):
             child = node.children.get(hashes[d])
             block = tuple(tokens[d * B : (d + 1) * B])
@@ -536,6 +555,8 @@ class PrefixCache:
             if self.events is not None:
                 self.events.append((node.hash, False))
             node, parent = parent, parent.parent
+        if parent is None and node is not self.root and not (node.children or node.checkpoints):
+            self._roots.pop(node.hash, None)  # (an empty namespace)
 
     def _count_device(self, node: Node, by: int, offload: bool = True) -> None:
         """Count a checkpoint onto or off the device at `node`; with `offload`, a node no
@@ -613,7 +634,7 @@ class PrefixCache:
         events, self.events = self.events or [], []
         if not snapshot:
             return None, events
-        hashes, stack = [], list(self.root.children.values())
+        hashes, stack = [], [n for root in self._roots.values() for n in root.children.values()]
         while stack:
             node = stack.pop()
             hashes.append(node.hash)

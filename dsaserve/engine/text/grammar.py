@@ -3,9 +3,13 @@
 A constrained request carries its grammar as llguidance's Lark-like text (what
 `engine.text.reply_grammar` writes from a request's response_format and tools). Compiling it
 for a tokenizer builds the lexer and the token trie walk; that is the expensive part, so a
-`GrammarCompiler` keeps each grammar it compiled (least recently used out) and gives every
-request a copy of the compiled matcher, which is cheap. The router validates with one (a bad
-grammar is a 400 before any GPU work), the engine constrains with another.
+`GrammarCompiler` keeps each grammar it compiled by its hash (least recently used out) and gives
+every request a copy of the compiled matcher, which is cheap. The router validates with one, in
+a process of its own under a time budget (a bad grammar is a 400 before any GPU work,
+services.router.grammars), the engine constrains with another, compiled off the engine's thread
+(llguidance drops the GIL while it compiles). What a matcher may spend computing one mask is
+bounded by llguidance's parser limits (its defaults: ~15 ms of lexer fuel, 50,000 Earley items a
+step); a grammar over them leaves the matcher in its error state, which ends that request only.
 
 Why llguidance (and not xgrammar, which vLLM and SGLang default to): it compiles a JSON schema
 lazily (an Earley parser over a derivative-based lexer), so a large or deeply nested schema
@@ -18,6 +22,7 @@ and it reports which JSON-schema keyword it does not implement, which becomes th
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from collections import OrderedDict
@@ -56,9 +61,9 @@ class GrammarCompiler:
             n_vocab=tokenizer.vocab_size,
             eos_token=sorted(eos_token_ids or tokenizer.eos_token_ids),
         )
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[bytes, llguidance.LLMatcher] = OrderedDict()  # by hash
         self._capacity = capacity
-        self._lock = threading.Lock()  # the router compiles off its event loop, in threads
+        self._lock = threading.Lock()  # grammars are compiled in threads
 
     def special_token(self, text: str) -> int | None:
         """The id of `text` where it is one token that llguidance keeps apart from text (a
@@ -71,16 +76,17 @@ class GrammarCompiler:
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher of `grammar` at its start; raises GrammarError if it does not
         compile."""
+        key = hashlib.sha256(grammar.encode()).digest()
         with self._lock:
-            compiled = self._compiled.get(grammar)
+            compiled = self._compiled.get(key)
             if compiled is not None:
-                self._compiled.move_to_end(grammar)
+                self._compiled.move_to_end(key)
                 return compiled.deep_copy()
         compiled = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if compiled.is_error():
             raise GrammarError(_readable(compiled.get_error()))
         with self._lock:
-            self._compiled[grammar] = compiled
+            self._compiled[key] = compiled
             while len(self._compiled) > self._capacity:
                 self._compiled.popitem(last=False)
         return compiled.deep_copy()

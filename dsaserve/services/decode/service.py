@@ -173,6 +173,11 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         drafts = list(request.kv.draft_token_ids)  # verified at its first step
         confidences = list(request.kv.draft_confidences)
         deadline = time.monotonic() + max(0.0, (request.kv.lease_expires_unix_ms - now_ms()) / 1000)
+        try:
+            grammar = await w.compile_grammar(params)
+        except RequestError as e:
+            w.metrics.fail("invalid_request")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         while True:
             try:
                 reserved = await w.loop.run(
@@ -184,6 +189,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                     outputs,
                     drafts,
                     confidences,
+                    grammar,
                 )
             except RequestError as e:
                 w.metrics.fail("invalid_request")

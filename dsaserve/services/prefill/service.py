@@ -72,8 +72,15 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         outputs = OutputQueue()
         self.active.add(rid)
         try:
+            grammar = await w.compile_grammar(params)
             await w.loop.run(
-                w.engine.add_request, rid, prompt, params, prefill_only=True, listener=outputs
+                w.engine.add_request,
+                rid,
+                prompt,
+                params,
+                prefill_only=True,
+                listener=outputs,
+                grammar=grammar,
             )
             out = await outputs.get()
             held = None

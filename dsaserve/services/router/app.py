@@ -41,16 +41,24 @@ from dsaserve.services.router.api.streaming import EventStream, OpenAIStream, an
 from dsaserve.services.router.clients import WorkerClients
 from dsaserve.services.router.decode_room import DecodeRoom
 from dsaserve.services.router.generation import launch
+from dsaserve.services.router.grammars import GrammarBuilder
 from dsaserve.services.router.metrics import RequestCounter, RouterMetrics
 from dsaserve.services.router.model import ServedModel
 from dsaserve.services.router.pd import PDFlow
 from dsaserve.services.router.selection import WorkerSelector
 from dsaserve.services.router.settings import RouterSettings
 from dsaserve.services.router.state import RouterState, router_state
+from dsaserve.services.router.tenancy import tenant_of
 
 
-def create_app(settings: RouterSettings, rng: random.Random | None = None) -> FastAPI:
-    """Build the app; the registry watcher starts and stops with the app's lifespan."""
+def create_app(
+    settings: RouterSettings,
+    rng: random.Random | None = None,
+    *,
+    start_grammar_processes: bool = False,
+) -> FastAPI:
+    """Build the app; the registry watcher starts and stops with the app's lifespan, and so do
+    the grammar processes with `start_grammar_processes` (else with the first grammar)."""
     s = settings
     model = ServedModel.load(s.model_dir, s.served_model_name, s.max_model_len, s.default_thinking)
     metrics = RouterMetrics(CollectorRegistry())
@@ -85,8 +93,9 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
     )
     flow = PDFlow(selector, clients, s.stall_timeout_s, room)
     store = ResponseStore(s.redis_url, s.response_ttl_s)
+    grammars = GrammarBuilder(s.model_dir, s.grammar_compile_timeout_s, s.max_grammar_bytes)
     state = RouterState(
-        s, model, metrics, watcher, clients, admission, key_limit, selector, flow, store
+        s, model, metrics, watcher, clients, admission, key_limit, selector, flow, store, grammars
     )
 
     @asynccontextmanager
@@ -94,9 +103,12 @@ def create_app(settings: RouterSettings, rng: random.Random | None = None) -> Fa
         await watcher.start()
         if cache is not None:
             cache.start()
+        if start_grammar_processes:
+            grammars.start()
         try:
             yield
         finally:
+            await grammars.stop()
             if cache is not None:
                 await cache.stop()
             await watcher.stop()
@@ -121,8 +133,9 @@ _state = router_state
 
 
 async def _require_api_key(request: Request) -> None:
-    """Let the request through with a valid key (then `request.state.api_key` is that key)."""
-    request.state.api_key = None
+    """Let the request through with a valid key (then `request.state.api_key` is that key and
+    `request.state.tenant` its tenant, tenancy.py)."""
+    request.state.api_key = request.state.tenant = None
     keys = _state(request).settings.api_keys
     if not keys:
         return
@@ -133,6 +146,7 @@ async def _require_api_key(request: Request) -> None:
     # compare_digest on every key: the time taken must not reveal how much of a key matched.
     valid = [hmac.compare_digest(presented, key.encode()) for key in keys]
     request.state.api_key = next((k for k, ok in zip(keys, valid, strict=True) if ok), None)
+    request.state.tenant = tenant_of(request.state.api_key)
     if scheme.lower() != "bearer" or request.state.api_key is None:
         raise APIError(
             401,
@@ -199,7 +213,7 @@ async def _generate(
                 run.events, OpenAIStream(reply), request.state, slots.pop_all().close
             )
         try:
-            return await answer(run.events, reply.chunks, reply.answer, request)
+            return await answer(run.events, reply.feed, reply.answer_parts, request)
         finally:
             await run.events.aclose()
 
@@ -211,7 +225,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     model = _state(request).model
     model.check_name(body.model)
     if isinstance(body, TokenizeChatRequest):
-        _, ids = await model.chat_ids(body, body.add_generation_prompt)
+        _, ids = await model.chat_ids(body)
     else:
         ids = await model.text_ids(body.prompt, body.add_special_tokens)
     texts = TokenTexts(model.tokenizer)
@@ -258,7 +272,8 @@ async def live() -> dict[str, str]:
 )
 async def health(request: Request) -> JSONResponse:
     """200 while a prefill and a decode worker can serve; says whether Redis is reachable
-    (while it is not, the router serves with the workers it last saw)."""
+    (while it is not, the router serves with the workers it last saw), what it ignored there,
+    and how often the registry watcher restarted after an error."""
     st = _state(request)
     reason = st.selector.unavailable_reason()
     body: dict[str, Any] = {
@@ -269,6 +284,10 @@ async def health(request: Request) -> JSONResponse:
         "registry": {
             "up": st.watcher.up,
             "last_refresh_age_s": round(st.watcher.last_refresh_age_s(), 3),
+            # entries under worker keys that are no trusted record (forged, stale, malformed)
+            "ignored_entries": st.watcher.untrusted,
+            "watcher_restarts": st.watcher.restarts,
+            "watcher_last_error": st.watcher.last_error,
         },
     }
     if reason is not None:

@@ -70,11 +70,7 @@ class ChatPrompt:
 
 
 def chat_prompt(
-    request: ChatPromptFields,
-    fmt: ChatFormat,
-    *,
-    default_thinking: bool,
-    add_generation_prompt: bool = True,
+    request: ChatPromptFields, fmt: ChatFormat, *, default_thinking: bool
 ) -> ChatPrompt:
     """Raises APIError (400) for options that contradict each other or that the format lacks,
     ValueError for a chat the format cannot render."""
@@ -97,12 +93,25 @@ def chat_prompt(
         for k, v in (request.chat_template_kwargs or {}).items()
         if k not in (*_SWITCHES, _EFFORT_KWARG)
     }
+    messages = [m.for_template() for m in request.messages]
+    # A continued final message: the reply's turn opens as a new one's, then its text.
+    prefill = messages.pop() if request.continue_final_message else None
     text = fmt.render(
-        [m.for_template() for m in request.messages],
+        messages,
         tools=tools,
         options=ChatOptions(thinking=thinking, reasoning_effort=effort, variables=variables),
-        add_generation_prompt=add_generation_prompt,
+        add_generation_prompt=request.add_generation_prompt or prefill is not None,
     )
+    if prefill is not None:
+        if opens_reasoning(text):
+            raise APIError(
+                400,
+                "An assistant prefill (the reply continuing the final assistant message) is not "
+                "served in thinking mode: the prefill would be taken for reasoning. Turn "
+                "thinking off or end the conversation with a user message.",
+                param="messages",
+            )
+        text += _text_of(prefill["content"])
     named = isinstance(choice, NamedToolChoice)
     offered = {tool["function"]["name"] for tool in tools or []}
     calls = ReplyConstraint(
@@ -117,6 +126,13 @@ def chat_prompt(
         calls=calls,
         max_tool_calls=1 if request.parallel_tool_calls is False else None,
     )
+
+
+def _text_of(content: str | list[dict[str, str]] | None) -> str:
+    """A message's text, its parts joined (as a template joins them)."""
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content)
+    return content or ""
 
 
 def _thinking(request: ChatPromptFields, default: bool) -> tuple[bool, str | None]:

@@ -8,6 +8,12 @@ connection whose request head is not complete within `--header-read-timeout` of 
 of its previous response: bytes trickled in do not extend it), and one that sends nothing for
 `--body-read-timeout` inside a body (unless the router itself paused reading). Above
 `--max-connections` open connections a new one gets a 503 and is closed before anything is read.
+
+Nor does llhttp bound a request head: a client could stream megabytes of one header, which the
+parser keeps until the head ends. A head that has more than `--h11-max-incomplete-event-size`
+bytes (counted as they arrive, so at most one read past the bound is ever held) or more than
+`--h11-max-header-count` header fields gets a 431 and its connection is closed (vLLM's flag
+names; their defaults here are nginx's order of magnitude, not vLLM's 4 MiB).
 """
 
 from __future__ import annotations
@@ -25,21 +31,30 @@ from dsaserve.services.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
-# Over the connection cap: the OpenAI error body, sent before the request is read.
-_FULL_BODY = json.dumps(
-    {
-        "error": {
-            "message": "The router has too many open connections; retry later.",
-            "type": "service_unavailable_error",
-            "param": None,
-            "code": "too_many_connections",
-        }
-    }
-).encode()
-_FULL = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-    b"connection: close\r\ncontent-length: " + str(len(_FULL_BODY)).encode() + b"\r\n\r\n"
-) + _FULL_BODY
+
+def _refusal(status: bytes, message: str, kind: str, code: str, extra: bytes = b"") -> bytes:
+    """A whole response with the OpenAI error body, written before the app sees the request,
+    after which the connection is closed."""
+    body = json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    ).encode()
+    return (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n" + extra
+        + b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+        + body
+    )  # fmt: skip
+
+
+LINGER_S = 2.0  # how long a refused connection's input is still read (and dropped)
+
+# Over the connection cap: sent before the request is read.
+_FULL = _refusal(
+    b"503 Service Unavailable",
+    "The router has too many open connections; retry later.",
+    "service_unavailable_error",
+    "too_many_connections",
+    b"retry-after: 1\r\n",
+)
 
 
 class BoundedHTTPProtocol(HttpToolsProtocol):
@@ -54,11 +69,16 @@ class BoundedHTTPProtocol(HttpToolsProtocol):
     header_timeout_s = 10.0
     body_timeout_s = 30.0
     max_connections = 0  # 0: no cap
+    max_head_bytes = 32 << 10
+    max_headers = 100
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._read_deadline: asyncio.TimerHandle | None = None
         self._in_message = False
+        self._head_bytes = 0  # bytes received since the head being read began
+        self._header_count = 0  # its header fields so far
+        self._refused = False  # a 431 went out: nothing more is read or answered
         if self.max_connections and len(self.connections) > self.max_connections:
             transport.write(_FULL)
             transport.close()
@@ -69,19 +89,73 @@ class BoundedHTTPProtocol(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if not self._in_message:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        # (after parsing: a read that also carries the body's start completes the head)
+        if not self._in_message and self._head_bytes > self.max_head_bytes:
+            self._refuse(f"more than {self.max_head_bytes} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_count = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.max_headers:
+            self._refuse(f"more than {self.max_headers} header fields")
+        if not self._refused:
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
+        self._head_bytes = 0
         super().on_headers_complete()
         self._in_message = True
         self._arm(self.body_timeout_s)
 
     def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
         super().on_body(body)
         self._arm(self.body_timeout_s)
 
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         super().on_message_complete()
         self._in_message = False
         self._disarm()
+
+    def _refuse(self, what: str) -> None:
+        """431 for a request head over a bound; the app never sees the request."""
+        if self._refused:
+            return
+        self._refused = True
+        self._disarm()
+        log.info("refusing a request head with %s", what)
+        message = (
+            f"The request head has {what}; the router accepts at most {self.max_head_bytes} "
+            f"bytes and {self.max_headers} header fields (--h11-max-incomplete-event-size, "
+            "--h11-max-header-count)."
+        )
+        self.transport.write(
+            _refusal(
+                b"431 Request Header Fields Too Large",
+                message,
+                "invalid_request_error",
+                "request_header_fields_too_large",
+            )
+        )
+        # A lingering close: closing with the rest of the head unread would send a reset,
+        # which can destroy the 431 before the client reads it. So the answer ends with a FIN,
+        # what still arrives is dropped unread, and the connection closes a little later.
+        self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -111,7 +185,7 @@ class BoundedHTTPProtocol(HttpToolsProtocol):
 
 
 def protocol_class(settings: RouterSettings) -> type[BoundedHTTPProtocol]:
-    """`BoundedHTTPProtocol` with the settings' deadlines and cap."""
+    """`BoundedHTTPProtocol` with the settings' deadlines and bounds."""
     return type(
         "RouterHTTPProtocol",
         (BoundedHTTPProtocol,),
@@ -119,6 +193,8 @@ def protocol_class(settings: RouterSettings) -> type[BoundedHTTPProtocol]:
             "header_timeout_s": settings.header_read_timeout_s,
             "body_timeout_s": settings.body_read_timeout_s,
             "max_connections": settings.connection_limit,
+            "max_head_bytes": settings.h11_max_incomplete_event_size,
+            "max_headers": settings.h11_max_header_count,
         },
     )
 

@@ -26,7 +26,7 @@ def run(settings: RouterSettings) -> None:
         log.warning(warning)  # on stderr at startup: the CLI's logging writes there
     if settings.connection_limit:
         http_server.raise_open_file_limit(settings.connection_limit + OTHER_FILES)
-    app = create_app(settings)
+    app = create_app(settings, start_grammar_processes=True)
     uvicorn.Server(
         http_server.config(app, settings, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     ).run()

@@ -9,7 +9,6 @@ completion and /tokenize of the same chat both come here, so prefill gets exactl
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import time
@@ -34,14 +33,11 @@ class ServedModel:
     chat_format: ChatFormat
     # Bounds a prompt's token count from its length (None: this tokenizer allows no bound).
     max_chars_per_token: int | None
-    grammars: GrammarCompiler  # structured outputs' grammars, checked before they are sent
+    # The `</think>` token, where it is one special token (what ends a reasoning), as the
+    # grammars name it (engine.text.grammar: llguidance's view of the vocabulary)
+    think_end_id: int | None
     default_thinking: bool = False  # a chat that does not say renders in thinking mode
     created: int = field(default_factory=lambda: int(time.time()))
-
-    @functools.cached_property
-    def think_end_id(self) -> int | None:
-        """The `</think>` token, where it is one special token (what ends a reasoning)."""
-        return self.grammars.special_token(THINK_END)
 
     @classmethod
     def load(
@@ -72,7 +68,8 @@ class ServedModel:
             tokenizer,
             chat_format(model_dir, tokenizer),
             tokenizer.max_chars_per_token(),
-            GrammarCompiler(tokenizer),
+            # (the compiler is let go at once: the router compiles in processes of its own)
+            GrammarCompiler(tokenizer).special_token(THINK_END),
             default_thinking,
         )
 
@@ -86,19 +83,13 @@ class ServedModel:
                 code="model_not_found",
             )
 
-    async def chat_ids(
-        self, request: ChatPromptFields, add_generation_prompt: bool = True
-    ) -> tuple[ChatPrompt, list[int]]:
+    async def chat_ids(self, request: ChatPromptFields) -> tuple[ChatPrompt, list[int]]:
         """The chat's prompt and its ids. Rendering and tokenizing run off the event loop (long
         prompts take milliseconds of CPU), and a prompt that cannot fit the context is refused
         before it is tokenized at all."""
         try:
             prompt = await asyncio.to_thread(
-                chat_prompt,
-                request,
-                self.chat_format,
-                default_thinking=self.default_thinking,
-                add_generation_prompt=add_generation_prompt,
+                chat_prompt, request, self.chat_format, default_thinking=self.default_thinking
             )
             self._check_fits(prompt.text, "messages")
             # The prompt holds bos already (the template or encoder wrote it).

@@ -95,6 +95,11 @@ class Generation:
     # max_tokens 0 (echo): prefill samples one token (the wire's least), which is dropped
     prompt_only: bool = False
 
+    @property
+    def cache_salt(self) -> str | None:
+        """The prefix-cache namespace its prompt may resume from."""
+        return self.sampling.cache_salt if self.sampling.HasField("cache_salt") else None
+
     def remaining(self, where: str) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
@@ -129,7 +134,7 @@ class PDFlow:
     async def _generate(self, gen: Generation, transit: Transit) -> AsyncGenerator[Event, None]:
         prefill_worker, first = await self._retry_once(
             "prefill",
-            lambda exclude: self._selector.prefill(exclude, gen.prompt_ids),
+            lambda exclude: self._selector.prefill(exclude, gen.prompt_ids, gen.cache_salt),
             lambda w: self._prefill(w, gen),
         )
         gen.timer.token()

@@ -28,9 +28,11 @@ class Policy(Protocol):
         workers: Sequence[WorkerRecord],
         inflight: Mapping[str, int],
         prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> WorkerRecord:
         """Pick one of `workers` (never empty); `inflight`: this router's calls per worker id;
-        `prompt`: the request's token ids (a prefill's; empty for a decode)."""
+        `prompt`: the request's token ids (a prefill's; empty for a decode); `cache_salt`: the
+        prefix-cache namespace it may resume from (engine.prefix_cache.block_hash.salted)."""
         ...
 
 
@@ -43,6 +45,7 @@ class RoundRobin:
         workers: Sequence[WorkerRecord],
         inflight: Mapping[str, int],
         prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> WorkerRecord:
         return workers[next(self._turn) % len(workers)]
 
@@ -58,6 +61,7 @@ class LeastLoad:
         workers: Sequence[WorkerRecord],
         inflight: Mapping[str, int],
         prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> WorkerRecord:
         lowest = min(load_of(w, inflight) for w in workers)
         return self._rng.choice([w for w in workers if load_of(w, inflight) == lowest])
@@ -75,6 +79,7 @@ class PowerOfTwo:
         workers: Sequence[WorkerRecord],
         inflight: Mapping[str, int],
         prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> WorkerRecord:
         if len(workers) == 1:
             return workers[0]
@@ -84,9 +89,10 @@ class PowerOfTwo:
 
 class CacheAware:
     """SGLang's cache_aware: the worker whose prefix cache holds the longest start of the prompt
-    (services.kv_events), unless its load exceeds the least loaded worker's by more than `bound`,
-    so a hot prefix spreads instead of piling up; ties, no match and unknown caches go to the
-    least loaded. Every pick is remembered as cached there until the worker says otherwise."""
+    in the request's namespace (services.kv_events), unless its load exceeds the least loaded
+    worker's by more than `bound`, so a hot prefix spreads instead of piling up; ties, no match
+    and unknown caches go to the least loaded. Every pick is remembered as cached there until
+    the worker says otherwise."""
 
     def __init__(
         self,
@@ -101,17 +107,19 @@ class CacheAware:
         workers: Sequence[WorkerRecord],
         inflight: Mapping[str, int],
         prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> WorkerRecord:
         if self._index is None or not prompt:
             return self._least.choose(workers, inflight)
-        matched = self._index.matched_tokens([w.worker_id for w in workers], prompt)
+        ids = [w.worker_id for w in workers]
+        matched = self._index.matched_tokens(ids, prompt, cache_salt)
         best = max(matched.values())
         pick = self._least.choose(
             [w for w in workers if matched[w.worker_id] == best] if best else workers, inflight
         )
         if load_of(pick, inflight) > min(load_of(w, inflight) for w in workers) + self._bound:
             pick = self._least.choose(workers, inflight)
-        self._index.routed(pick.worker_id, prompt)
+        self._index.routed(pick.worker_id, prompt, cache_salt)
         return pick
 
 

@@ -73,11 +73,17 @@ class WorkerSelector:
         return [w for w in self.live(role) if w.worker_id in self._benched]
 
     def _choose(
-        self, role: Role, candidates: list[WorkerRecord], prompt: Sequence[int] = ()
+        self,
+        role: Role,
+        candidates: list[WorkerRecord],
+        prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
     ) -> WorkerRecord:
         benched = {w.worker_id for w in self.unhealthy(role)}
         healthy = [w for w in candidates if w.worker_id not in benched]
-        return self._policies[role].choose(healthy or candidates, self._inflight, prompt)
+        return self._policies[role].choose(
+            healthy or candidates, self._inflight, prompt, cache_salt
+        )
 
     def unavailable_reason(self) -> str | None:
         """Why no request could be served right now, or None when a pair exists."""
@@ -108,7 +114,12 @@ class WorkerSelector:
             )
         return None
 
-    def prefill(self, exclude: Collection[str] = (), prompt: Sequence[int] = ()) -> WorkerRecord:
+    def prefill(
+        self,
+        exclude: Collection[str] = (),
+        prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
+    ) -> WorkerRecord:
         """A prefill worker for a request with these token ids (the policy may route by them)."""
         layouts = {w.layout_hash for w in self.live("decode")}
         candidates = [
@@ -118,7 +129,7 @@ class WorkerSelector:
         ]
         if not candidates:
             raise self._unavailable()
-        return self._choose("prefill", candidates, prompt)
+        return self._choose("prefill", candidates, prompt, cache_salt)
 
     def decode(self, layout_hash: str, exclude: Collection[str] = ()) -> WorkerRecord:
         candidates = [

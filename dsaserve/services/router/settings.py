@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from dsaserve.engine.config import setting
+from dsaserve.engine.text.chat.constraint import MAX_GRAMMAR_BYTES
 from dsaserve.services.connections import GrpcTLS
 from dsaserve.services.registry import DEFAULT_TTL_S
 from dsaserve.services.router.policy import DEFAULT_BALANCE_BOUND, POLICIES
@@ -40,6 +41,14 @@ class RouterSettings:
         "cache_aware: the most a worker's load (running + waiting + this router's calls) may "
         "exceed the least loaded worker's for a prefix it holds to still go there",
     )
+    prefix_cache_scope: str | None = setting(
+        None,
+        "who shares prefix-cache hits: key (a prompt resumes only from what requests with the "
+        "same API key computed, so its speed and cached_tokens tell nothing of other keys' "
+        "prompts) or global (every request; the only scope without API keys); default: key "
+        "when the router has API keys. A request's cache_salt (vLLM's field) partitions further",
+        choices=["global", "key"],
+    )
     max_inflight: int = setting(256, "requests running at once")
     max_queue: int = setting(1024, "requests waiting for a slot before 429s")
     max_queue_delay_s: float = setting(
@@ -61,6 +70,13 @@ class RouterSettings:
         "--max-inflight, so one key never also holds the queue others wait in; 0 = no limit)",
     )
     max_request_bytes: int = setting(8 << 20, "largest request body accepted; 413 above")
+    max_prompt_entries: int = setting(
+        1 << 19,
+        "most entries an answer may carry about its prompts, over all its generations (a prompt "
+        "token counts k + 1 with prompt_logprobs: k, and with echo 1, plus k + 1 with logprobs: "
+        "k), counted before any work; 400 above (the default fits 64 prompts of 2,048 tokens "
+        "echoed with logprobs 1, lm-eval's loglikelihood requests at their largest)",
+    )
     header_read_timeout_s: float = setting(
         10.0,
         "seconds a connection has to send a complete request head (from its opening or its "
@@ -72,10 +88,27 @@ class RouterSettings:
         "seconds a client may send nothing in the middle of a request body; closed after",
         flag="--body-read-timeout",
     )
+    h11_max_incomplete_event_size: int = setting(
+        32 << 10,
+        "largest request head (request line and header fields) in bytes; 431 above (vLLM's "
+        "flag name)",
+    )
+    h11_max_header_count: int = setting(
+        100, "most header fields a request may carry; 431 above (vLLM's flag name)"
+    )
     max_connections: int | None = setting(
         None,
         "open HTTP connections at most; a new one above gets a 503 before it is read (default: "
         "--max-inflight + --max-queue + 256; 0 = no limit)",
+    )
+    grammar_compile_timeout_s: float = setting(
+        1.5,
+        "seconds a structured output's grammar may take to build and compile (in a process of "
+        "its own, killed after); 400 above",
+        flag="--grammar-compile-timeout",
+    )
+    max_grammar_bytes: int = setting(
+        MAX_GRAMMAR_BYTES, "largest grammar a structured output may make, in bytes; 400 above"
     )
     max_model_len: int | None = setting(
         None, "longest prompt + output (default: the model's max_position_embeddings)"
@@ -136,6 +169,11 @@ class RouterSettings:
                 f"max_inflight_per_key must be >= 0, got {self.max_inflight_per_key}",
             ),
             (
+                self.prefix_cache_scope != "key" or bool(self.api_keys),
+                "--prefix-cache-scope key partitions the cache by --api-key; give the router "
+                "API keys",
+            ),
+            (
                 not self.max_inflight_per_key or bool(self.api_keys),
                 "max_inflight_per_key limits each --api-key; give the router API keys",
             ),
@@ -144,8 +182,21 @@ class RouterSettings:
                 "--header-read-timeout and --body-read-timeout must be positive",
             ),
             (
+                self.h11_max_incomplete_event_size >= 1024 and self.h11_max_header_count >= 16,
+                "--h11-max-incomplete-event-size must be >= 1024 and --h11-max-header-count "
+                ">= 16 (a client's ordinary headers must fit)",
+            ),
+            (
                 (self.max_connections or 0) >= 0,
                 f"max_connections must be >= 0, got {self.max_connections}",
+            ),
+            (
+                self.grammar_compile_timeout_s > 0 and self.max_grammar_bytes >= 1,
+                "--grammar-compile-timeout and --max-grammar-bytes must be positive",
+            ),
+            (
+                self.max_prompt_entries >= 1,
+                f"max_prompt_entries must be >= 1, got {self.max_prompt_entries}",
             ),
             (
                 self.max_request_bytes >= 1,
@@ -176,6 +227,11 @@ class RouterSettings:
         if self.max_connections is None:
             return self.max_inflight + self.max_queue + 256
         return self.max_connections
+
+    @property
+    def cache_by_key(self) -> bool:
+        """Whether each API key has a prefix-cache namespace of its own."""
+        return (self.prefix_cache_scope or ("key" if self.api_keys else "global")) == "key"
 
     @property
     def key_limit(self) -> int:

@@ -11,6 +11,7 @@ from dsaserve.services.registry import RegistryWatcher
 from dsaserve.services.router.admission import Admission, KeyLimit
 from dsaserve.services.router.api.responses.store import ResponseStore
 from dsaserve.services.router.clients import WorkerClients
+from dsaserve.services.router.grammars import GrammarBuilder
 from dsaserve.services.router.metrics import RouterMetrics
 from dsaserve.services.router.model import ServedModel
 from dsaserve.services.router.pd import PDFlow
@@ -30,6 +31,7 @@ class RouterState:
     selector: WorkerSelector
     flow: PDFlow
     responses: ResponseStore  # the Responses API's stored responses
+    grammars: GrammarBuilder  # structured outputs' grammars, compiled before they are sent
 
 
 def router_state(request: Request) -> RouterState:

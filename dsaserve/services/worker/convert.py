@@ -31,6 +31,7 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         grammar=p.grammar if p.HasField("grammar") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        cache_salt=p.cache_salt if p.HasField("cache_salt") else None,
         min_tokens=p.min_tokens,
         presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
         frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -28,6 +29,10 @@ from dsaserve.engine.demo_model import DEMO_MODEL_DIR
 from dsaserve.engine.engine_loop import EngineLoop
 from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine.prefix_cache.cache import CacheStats
+from dsaserve.engine.request import RequestError
+from dsaserve.engine.sampling_params import SamplingParams
+from dsaserve.engine.structured import GrammarState
+from dsaserve.engine.text.grammar import GrammarError
 from dsaserve.services import connections
 from dsaserve.services.auth import ClusterTokenCheck
 from dsaserve.services.kv_events import CacheEventPublisher
@@ -43,6 +48,7 @@ from dsaserve.services.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 ENGINE_WATCH_S = 0.5  # how often the worker checks that its engine thread still runs
+GRAMMAR_THREADS = 2  # grammars a worker compiles at once
 
 
 class RoleService:
@@ -130,6 +136,11 @@ class Worker:
         bind_ucx_to(self.advertise_host)
         # NIXL is not thread-safe: one thread makes every call on the agent.
         self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
+        # Grammars compile here, never on the engine's thread (llguidance drops the GIL while
+        # it compiles): a long compile delays its own request, not the others' steps.
+        self._grammar_threads = concurrent.futures.ThreadPoolExecutor(
+            GRAMMAR_THREADS, thread_name_prefix="grammar"
+        )
         regions = [Region(r.name, r.group, r.tensor) for r in self.engine.pool.regions()]
         # One agent name per process start: peers that cached a restarted worker's old agent
         # see a new name in its KV handles, never a stale connection under the old one.
@@ -165,6 +176,17 @@ class Worker:
         """Run fn on the NIXL thread; the future outlives a cancelled awaiter (a READ in flight
         cannot be stopped)."""
         return self._nixl_thread.submit(fn, *args, **kwargs)
+
+    async def compile_grammar(self, params: SamplingParams) -> GrammarState | None:
+        """The state of the request's grammar (None: it has none), compiled off the engine's
+        thread; RequestError if it does not compile."""
+        if params.grammar is None:
+            return None
+        compile_ = functools.partial(self.engine.constraints.state, params.grammar)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._grammar_threads, compile_)
+        except GrammarError as e:
+            raise RequestError(f"the grammar does not compile: {e}") from None
 
     async def serve(self, service: RoleService) -> None:
         s = self.settings
@@ -224,6 +246,7 @@ class Worker:
         self.engine.close()
         await self.in_nixl_thread(self.transfer.close)
         self._nixl_thread.shutdown()
+        self._grammar_threads.shutdown(cancel_futures=True)
         if probes is not None:
             probes.stop()
 

@@ -21,6 +21,10 @@ chat format writes it (see `dsml`):
   validate.
 - A strict schema is compiled exactly, and a keyword llguidance does not implement is an
   error naming it; a non-strict one leniently (unknown keywords ignored), as vLLM does.
+- Either way, a schema with no finite instance (a `$ref` cycle with no way out,
+  engine.text.schema_bounds) is an error naming its refs, and the grammar may not grow past
+  `max_bytes` (a tool's `$defs` go with each of its parameters, so many parameters of a schema
+  with large definitions would otherwise multiply it).
 
 llguidance's lexer does not split one free-text lexeme from a literal that follows it, so free
 text and what ends it are one terminal (`CONTENT_THEN_CALLS`, `STRING_VALUE`); a marker that
@@ -46,6 +50,7 @@ from dsaserve.engine.text.chat.tokens import (
 )
 from dsaserve.engine.text.chat.tokens import PARAMETER_OPEN as PARAM_OPEN
 from dsaserve.engine.text.grammar import GrammarCompiler, GrammarError
+from dsaserve.engine.text.schema_bounds import unending_refs
 
 # Keywords that leave a string parameter plain text (the release's string="true" form).
 _PLAIN_STRING_KEYS = frozenset({"type", "description", "title", "default", "examples"})
@@ -97,17 +102,22 @@ class ReplyConstraint:
         )
 
 
+MAX_GRAMMAR_BYTES = 4 << 20
+
+
 def reply_grammar(
     constraint: ReplyConstraint,
     compiler: GrammarCompiler,
     dialect: Dialect,
     opens_reasoning: bool,
+    max_bytes: int = MAX_GRAMMAR_BYTES,
 ) -> str | None:
     """The grammar of the whole reply (None when nothing constrains it); raises GrammarError
-    (its `param` the request field at fault) for a schema or a format it cannot constrain."""
+    (its `param` the request field at fault) for a schema or a format it cannot constrain, or a
+    grammar that would be longer than `max_bytes`."""
     if not constraint.constrains(opens_reasoning):
         return None
-    g = _Writer(compiler)
+    g = _Writer(compiler, max_bytes)
     body = []
     if constraint.json is not None and not constraint.calls_required:
         body.append(g.json(constraint.json.schema, constraint.json.strict, constraint.json.param))
@@ -143,8 +153,9 @@ def _lit(text: str) -> str:
 class _Writer:
     """Rules of one grammar, named as they are made."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, max_bytes: int) -> None:
         self._compiler = compiler
+        self._room = max_bytes  # what the schemas written so far leave of the size bound
         self.rules: list[str] = []
 
     def reasoning(self, budget: int | None) -> str:
@@ -164,8 +175,16 @@ class _Writer:
         return "REASONING"
 
     def json(self, schema: Mapping[str, Any] | None, strict: bool, param: str) -> str:
-        """A JSON value of `schema` (None: any object), checked now when strict."""
+        """A JSON value of `schema` (None: any object): one with a finite instance, checked
+        now when strict."""
         schema = {"type": "object"} if schema is None else dict(schema)
+        if refs := unending_refs(schema):
+            named = ", ".join(repr(r) for r in refs[:3]) + (" ..." if len(refs) > 3 else "")
+            raise GrammarError(
+                f"{param}: the schema has no finite instance: every value of {named} must "
+                "contain another (a $ref cycle with no way out)",
+                param=param,
+            )
         if strict:
             try:
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
@@ -175,7 +194,16 @@ class _Writer:
             if error and not error.startswith("WARNING"):
                 raise GrammarError(f"{param}: {error}", param=param)
         schema["x-guidance"] = {"lenient": not strict, **_JSON_LAYOUT}
-        return f"%json {json.dumps(schema, ensure_ascii=False)}"
+        text = f"%json {json.dumps(schema, ensure_ascii=False)}"
+        self._room -= len(text)
+        if self._room < 0:
+            raise GrammarError(
+                f"{param}: the reply's grammar would be larger than the router allows "
+                "(--max-grammar-bytes); send smaller schemas, or fewer parameters sharing "
+                "large $defs",
+                param=param,
+            )
+        return text
 
     def invoke(self, tool: ToolSchema, forced: bool) -> str:
         """The rule name of one call of `tool`; its arguments follow the schema where the tool

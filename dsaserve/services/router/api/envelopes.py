@@ -11,14 +11,17 @@ until then), not only the last one.
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dsaserve.services.router.choices import ChatChoice, Choice
 from dsaserve.services.router.pd import Event, Finish
 
 JSON = dict[str, Any]
+# As Starlette's JSONResponse writes a body.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 
 
 class Reply:
@@ -64,14 +67,28 @@ class Reply:
             out.append({**self._head(self.chunk_object), "choices": [], "usage": self._usage()})
         return out
 
-    def answer(self) -> JSON:
-        """The whole answer, once every choice has finished."""
-        choices = [choice.answer() for choice in self.choices]
-        answer = {**self._head(self.object), "choices": choices, "usage": self._usage()}
+    def feed(self, index: int, event: Event) -> None:
+        """Choice `index`'s event, for a whole answer: taken in, nothing rendered yet."""
+        choice = self.choices[index]
+        if isinstance(event, Finish):
+            self._finishes[index] = event
+            choice.finish(event)
+        else:
+            choice.record(event)
+
+    def answer_parts(self) -> Iterator[bytes]:
+        """The whole answer's JSON once every choice has finished, written a choice at a time:
+        each is rendered, encoded and let go before the next (with its logprobs a choice may
+        be megabytes; the answer, their sum)."""
+        head = _ENCODER.encode(self._head(self.object))
+        yield (head[:-1] + ',"choices":[').encode()
+        for i, choice in enumerate(self.choices):
+            yield ("," if i else "").encode() + _ENCODER.encode(choice.answer()).encode()
+        tail = '],"usage":' + _ENCODER.encode(self._usage())
         first = self.choices[0]
-        if isinstance(first, ChatChoice) and first.prompt_logprobs is not None:
-            answer["prompt_logprobs"] = first.prompt_logprobs  # (vLLM: the chat's, once)
-        return answer
+        if isinstance(first, ChatChoice) and (scores := first.prompt_logprobs()) is not None:
+            tail += ',"prompt_logprobs":' + _ENCODER.encode(scores)  # (vLLM: the chat's, once)
+        yield (tail + "}").encode()
 
     def _usage(self) -> JSON:
         prompt = self.prompt_tokens

@@ -54,7 +54,6 @@ GENERATION: Mapping[str, NoOp] = {
     "return_tokens_as_token_ids": FALSE,
     "return_token_ids": FALSE,
     "logits_processors": NULL,
-    "cache_salt": NULL,
     "kv_transfer_params": NULL,
     "vllm_xargs": NULL,
 }
@@ -70,8 +69,6 @@ CHAT: Mapping[str, NoOp] = {
     "web_search_options": NULL,
     # vLLM's chat extensions, at their defaults
     "echo": FALSE,
-    "add_generation_prompt": NoOp((True,)),
-    "continue_final_message": FALSE,
     "add_special_tokens": FALSE,
     "documents": NULL,
     "chat_template": NULL,

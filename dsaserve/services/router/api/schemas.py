@@ -21,9 +21,11 @@ from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     Tag,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -37,6 +39,14 @@ MAX_STOP_STRINGS = 4
 UINT32_MAX = 2**32 - 1  # max_tokens on the wire
 INT32_MAX = 2**31 - 1  # top_k on the wire
 INT64 = 2**63  # OpenAI's seed is a signed 64-bit integer
+# What `stop` takes on the wire, as OpenAI's does (a validator below makes it a list)
+STOP_ON_THE_WIRE = {
+    "anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP_STRINGS},
+        {"type": "null"},
+    ]
+}
 SEED_SPAN = 2**63  # the worker takes seeds in [0, 2**63) (a torch generator's range)
 MAX_CHOICES = 16  # `n`: each choice is a generation of its own (fanout.py)
 MAX_PROMPTS = 64  # a completion's batch of prompts
@@ -116,12 +126,12 @@ class _GenerationRequest(_Body):
 
     model: Text | None = None  # None = the one served model
     max_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     # -1 and 0 both mean off (vLLM accepts both)
     top_k: StrictInt | None = Field(default=None, ge=-1, le=INT32_MAX)
     seed: StrictInt | None = Field(default=None, ge=-INT64, lt=INT64)
-    stop: list[Text] = Field(default_factory=list)  # OpenAI also takes a single string
+    stop: Annotated[list[Text], WithJsonSchema(STOP_ON_THE_WIRE)] = Field(default_factory=list)
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]] = Field(
         default_factory=list
     )
@@ -135,13 +145,15 @@ class _GenerationRequest(_Body):
     user: Text | None = None  # an end-user id for the provider's abuse monitoring: unused here
     # vLLM's: each prompt token's logprob (the first: null) and this many alternatives
     prompt_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: the prompt resumes only from prefixes cached under the same salt (and key)
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)
     # OpenAI's penalties and bias, vLLM's sampling extensions (dsaserve.engine.logits_processors)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    logit_bias: dict[TokenIdKey, float] | None = None  # biases clamped to [-100, 100]
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[TokenIdKey, StrictFloat] | None = None  # biases clamped to [-100, 100]
     min_tokens: StrictInt = Field(default=0, ge=0, le=UINT32_MAX)
-    repetition_penalty: float | None = Field(default=None, gt=0.0)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, gt=0.0)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     bad_words: list[Annotated[Text, Field(min_length=1)]] | None = None
     allowed_token_ids: list[Annotated[StrictInt, Field(ge=0, le=UINT32_MAX)]] | None = Field(
         default=None, min_length=1
@@ -199,17 +211,28 @@ class _GenerationRequest(_Body):
         """Alternatives per prompt token the prefill worker should list (None: none)."""
         return self.prompt_logprobs
 
+    def prompt_entries_per_token(self) -> int:
+        """What the answer carries about each prompt token of each generation, in entries (a
+        logprob, an alternative, an echoed token): with `prompt_logprobs: k`, k + 1."""
+        return 0 if self.prompt_logprobs is None else self.prompt_logprobs + 1
+
     def sampling(
-        self, max_tokens: int, choice: int = 0, grammar: str | None = None
+        self,
+        max_tokens: int,
+        choice: int = 0,
+        grammar: str | None = None,
+        cache_salt: str | None = None,
     ) -> pb.SamplingParams:
-        """The wire sampling params of choice `choice` (`grammar`: the structured output's);
-        unset fields stay unset so the worker applies its defaults."""
+        """The wire sampling params of choice `choice` (`grammar`: the structured output's;
+        `cache_salt`: the prefix-cache namespace, tenancy.cache_namespace); unset fields stay
+        unset so the worker applies its defaults."""
         params = pb.SamplingParams(
             max_tokens=max_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             grammar=grammar,
+            cache_salt=cache_salt,
         )
         if (logprobs := self.logprobs_count()) is not None:
             params.logprobs = logprobs
@@ -351,6 +374,27 @@ class ChatPromptFields(_Body):
     parallel_tool_calls: StrictBool | None = None
     reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the prompt ends with the assistant turn's opening (the reply is a new message)
+    add_generation_prompt: StrictBool = True
+    # vLLM's: the reply continues the final message, an assistant's text (a prefill)
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _what_is_continued(self) -> ChatPromptFields:
+        if not self.continue_final_message:
+            return self
+        last = self.messages[-1]
+        if last.role != "assistant" or last.tool_calls:
+            raise ValueError(
+                "continue_final_message continues an assistant's text: the last message must "
+                f"be an assistant message without tool calls, not a {last.role} message"
+            )
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError(
+                "add_generation_prompt and continue_final_message cannot both be true (the "
+                "reply either starts a new message or continues the last one)"
+            )
+        return self
 
     @field_validator("tools")
     @classmethod
@@ -395,6 +439,15 @@ class ChatCompletionRequest(ChatPromptFields, _GenerationRequest):
             raise ValueError("needs logprobs: true")
         return top
 
+    @model_validator(mode="after")
+    def _a_reply_has_its_turn(self) -> ChatCompletionRequest:
+        if not self.add_generation_prompt and not self.continue_final_message:
+            raise ValueError(
+                "add_generation_prompt: false is served only with continue_final_message: true "
+                "(a reply is a new assistant message or continues the last one)"
+            )
+        return self
+
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -431,6 +484,11 @@ class CompletionRequest(_GenerationRequest):
         ]
         return max(wanted, default=None)
 
+    def prompt_entries_per_token(self) -> int:
+        # echo: the token, and with logprobs: k its logprob and k alternatives
+        echoed = 0 if not self.echo else 1 + (0 if self.logprobs is None else self.logprobs + 1)
+        return super().prompt_entries_per_token() + echoed
+
     def prompts(self) -> list[str | list[int]]:
         """Every prompt of the request, in order."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
@@ -465,7 +523,6 @@ class TokenizeChatRequest(ChatPromptFields):
     """vLLM's /tokenize of a chat: the prompt a chat completion would send to prefill."""
 
     model: Text | None = None
-    add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
 
 

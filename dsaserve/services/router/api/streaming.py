@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
 
 from starlette.datastructures import State
@@ -140,11 +140,12 @@ class EventStream(StreamingResponse):
 async def answer(
     events: AsyncGenerator[Indexed, None],
     feed: Callable[[int, Event], object],
-    build: Callable[[], dict[str, Any]],
+    build: Callable[[], dict[str, Any] | Iterator[bytes]],
     request: Request,
 ) -> Response:
-    """The whole answer as one JSON object: every event to `feed`, then `build()`'s body;
-    stops the generation if the client disconnects."""
+    """The whole answer as one JSON object: every event to `feed`, then `build()`'s body (an
+    object, or its JSON in parts, written as they come: `JSONParts`); stops the generation if
+    the client disconnects."""
     collecting = asyncio.ensure_future(_collect(events, feed))
     watching = asyncio.ensure_future(_disconnected(request))
     try:
@@ -159,7 +160,22 @@ async def answer(
         request.state.failure = client_closed()
         return Response(status_code=CLIENT_CLOSED)
     collecting.result()  # re-raises an APIError from the flow
-    return JSONResponse(build())
+    body = build()
+    return JSONResponse(body) if isinstance(body, dict) else JSONParts(body)
+
+
+class JSONParts(StreamingResponse):
+    """A JSON body written part by part as `parts` makes them, the event loop free between
+    two: the router never holds a large answer whole, nor stalls other streams to encode it."""
+
+    def __init__(self, parts: Iterator[bytes]) -> None:
+        super().__init__(_one_at_a_time(parts), media_type="application/json")
+
+
+async def _one_at_a_time(parts: Iterator[bytes]) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+        await asyncio.sleep(0)  # (let other requests run before the next part is made)
 
 
 async def _collect(

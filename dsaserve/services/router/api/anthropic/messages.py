@@ -9,11 +9,17 @@ as its typed events (`message_start`, `content_block_start` / `_delta` / `_stop`
 `stop_reason: "stop_sequence"` and names it. `POST /v1/messages/count_tokens` counts the prompt
 the same request would send.
 
+A conversation that ends with an assistant message of text is an assistant prefill, as
+Anthropic documents it: the reply continues that text (the chat path's vLLM
+`continue_final_message`), and the answer holds only what follows it. As on Anthropic's API,
+the prefill may not end in whitespace, and it is refused with thinking on (it would be read as
+reasoning).
+
 What the chat path cannot do is refused by name, as on the OpenAI routes: images and documents,
-server tools, assistant prefill (a conversation must end with a user turn). `thinking.
-budget_tokens` is accepted but not enforced apart: `max_tokens` bounds the whole reply. Thinking
-blocks carry an empty `signature` (nothing here signs them); sent back, they render as the
-turn's reasoning. Errors have Anthropic's shape (`{"type": "error", "error": {type, message}}`).
+server tools. `thinking.budget_tokens` is accepted but not enforced apart: `max_tokens` bounds
+the whole reply. Thinking blocks carry an empty `signature` (nothing here signs them); sent
+back, they render as the turn's reasoning. Errors have Anthropic's shape (`{"type": "error",
+"error": {type, message}}`).
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    Discriminator,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+)
 
 from dsaserve.services.router.api.body import LimitedRoute
 from dsaserve.services.router.api.errors import APIError, error_responses, renamed_params
@@ -195,6 +209,8 @@ class MessagesPrompt(_Body):
             if config.format is not None:
                 schema = {"name": "output", "schema": config.format.schema_, "strict": True}
                 body["response_format"] = {"type": "json_schema", "json_schema": schema}
+        if self.messages[-1].role == "assistant":
+            body["continue_final_message"] = _prefill(self.messages[-1], len(self.messages) - 1)
         return body
 
     def chat(self, **fields: Any) -> ChatCompletionRequest:
@@ -211,8 +227,8 @@ class MessagesRequest(MessagesPrompt):
     max_tokens: StrictInt = Field(ge=1, le=UINT32_MAX)
     stop_sequences: list[Text] | None = None
     stream: StrictBool = False
-    temperature: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     top_k: StrictInt | None = Field(default=None, ge=0)
     metadata: JSON | None = None  # (user_id: for the provider's abuse monitoring)
 
@@ -233,6 +249,23 @@ def _text(content: str | list[TextBlock] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     return "\n".join(block.text for block in content)
+
+
+def _prefill(message: InputMessage, index: int) -> bool:
+    """Check a final assistant message as an assistant prefill: text, not ending in
+    whitespace (Anthropic's rule)."""
+    blocks = [message.content] if isinstance(message.content, str) else message.content
+    texts = [b if isinstance(b, str) else b.text for b in blocks if isinstance(b, str | TextBlock)]
+    where = f"messages[{index}].content"
+    if len(texts) != len(blocks):
+        raise APIError(
+            400, "A final assistant message (a prefill) may hold only text blocks", param=where
+        )
+    if "".join(texts) != "".join(texts).rstrip():
+        raise APIError(
+            400, "final assistant content cannot end with trailing whitespace", param=where
+        )
+    return True
 
 
 def _chat_messages(request: MessagesPrompt) -> list[JSON]:

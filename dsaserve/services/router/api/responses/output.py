@@ -39,13 +39,17 @@ class ResponseWriter:
         request: JSON,
         conversation: list[JSON],
         store: ResponseStore | None,
+        input_items: list[JSON],
+        owner: str | None,
     ) -> None:
         """request: the request's fields (echoed in the response); conversation: the chat
-        messages the response answers (without instructions), kept with it when `store`."""
+        messages the response answers (without instructions), kept with it when `store`, with
+        the request's `input_items`, as `owner`'s."""
         choice = run.choices[0]
         assert isinstance(choice, ChatChoice)
         self._run, self._choice, self._request = run, choice, request
         self._conversation, self._store = conversation, store
+        self._input_items, self._owner = input_items, owner
         self.id = "resp_" + run.request_id.partition("-")[2]
         self._created = int(time.time())
         self._items: list[JSON] = []  # streamed so far
@@ -70,7 +74,9 @@ class ResponseWriter:
         if self._store is not None and self.response is not None:
             message = self._choice.answer()["message"]
             reply = {k: v for k, v in message.items() if v is not None or k == "content"}
-            stored = StoredResponse(self.response, [*self._conversation, reply])
+            stored = StoredResponse(
+                self.response, [*self._conversation, reply], self._input_items, self._owner
+            )
             await self._store.put(stored)
 
     def _whole_items(self) -> list[JSON]:

@@ -1,4 +1,6 @@
-"""OpenAI's Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`) over the chat path.
+"""OpenAI's Responses API over the chat path: `POST /v1/responses`; of a stored response
+`GET /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and `DELETE /v1/responses/{id}`
+(each only for the API key that made it: another gets 404).
 
 `input` (a text, or items: messages, `function_call`s, their `function_call_output`s and
 `reasoning` items, as the API returns them) becomes chat messages after `instructions` and, with
@@ -20,14 +22,16 @@ What the chat path cannot do is refused by name: other tools than functions, ima
 from __future__ import annotations
 
 import contextlib
+import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from pydantic import (
     Discriminator,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     Tag,
     ValidationError,
@@ -38,7 +42,6 @@ from dsaserve.services.router.api import fields
 from dsaserve.services.router.api.body import LimitedRoute
 from dsaserve.services.router.api.errors import APIError, error_responses, renamed_params
 from dsaserve.services.router.api.responses.output import ResponseWriter
-from dsaserve.services.router.api.responses.store import StoredResponse
 from dsaserve.services.router.api.schemas import (
     UINT32_MAX,
     ChatCompletionRequest,
@@ -176,8 +179,8 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None
     max_output_tokens: StrictInt | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: Text | None = None
@@ -235,6 +238,32 @@ class ResponsesRequest(_Body):
             detail = e.errors()[0]
             where = ".".join(str(p) for p in detail["loc"])
             raise APIError(400, f"Invalid request ({where}): {detail['msg']}") from None
+
+
+_ITEM_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
+
+
+def _input_items(items: str | list[Any]) -> list[JSON]:
+    """The request's input as the API lists it back (`input_items`): items with their type,
+    an id (theirs, or a new one), a status and content parts."""
+    if isinstance(items, str):
+        items = [MessageItem(role="user", content=items)]
+    out = []
+    for item in items:
+        data = item.model_dump(exclude_none=True)
+        kind = data.setdefault("type", "message")
+        data.setdefault("id", f"{_ITEM_ID_PREFIXES[kind]}_{uuid.uuid4().hex}")
+        data.setdefault("status", "completed")
+        if kind == "message" and isinstance(data["content"], str):
+            part = "output_text" if data["role"] == "assistant" else "input_text"
+            data["content"] = [{"type": part, "text": data["content"]}]
+        out.append(data)
+    return out
 
 
 def _text(content: str | list[TextPart]) -> str:
@@ -298,17 +327,24 @@ _RESPONSE: dict[int | str, dict[str, Any]] = {
     "/v1/responses", responses={**_RESPONSE, **error_responses(400, 401, 404, 413, 429, 503, 504)}
 )
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    store = router_state(request).responses
+    store, owner = router_state(request).responses, request.state.tenant
     history: list[JSON] = []
     if body.previous_response_id is not None:
-        previous = await store.get(body.previous_response_id, "previous_response_id")
+        previous = await store.get(body.previous_response_id, owner, "previous_response_id")
         history = previous.messages
     chat, conversation = body.chat(history)
     with contextlib.ExitStack() as slots:
         with renamed_params(_PARAMS):
             run = await launch(request, chat, "resp", "input", slots)
         echoed = body.model_dump(exclude={"input"})
-        writer = ResponseWriter(run, echoed, conversation, store if body.store else None)
+        writer = ResponseWriter(
+            run,
+            echoed,
+            conversation,
+            store if body.store else None,
+            _input_items(body.input),
+            owner,
+        )
         if body.stream:
             return EventStream(run.events, writer, request.state, slots.pop_all().close)
         try:
@@ -322,5 +358,44 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 @router.get("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
 async def get_response(response_id: str, request: Request) -> JSON:
     """A stored response (store: true), while its TTL lasts."""
-    stored: StoredResponse = await router_state(request).responses.get(response_id)
+    stored = await router_state(request).responses.get(response_id, request.state.tenant)
     return stored.response
+
+
+@router.get(
+    "/v1/responses/{response_id}/input_items", responses=error_responses(400, 401, 404, 503)
+)
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    after: str | None = None,
+    before: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+    include: Annotated[list[str] | None, Query()] = None,  # (nothing to add to these items)
+) -> JSON:
+    """The input items of a stored response's request, a page at a time (OpenAI's cursor
+    list: `after`/`before` an item id, `limit`, `order` "desc" by default)."""
+    stored = await router_state(request).responses.get(response_id, request.state.tenant)
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    ids = [item["id"] for item in items]
+    for cursor, name in ((after, "after"), (before, "before")):
+        if cursor is not None and cursor not in ids:
+            raise APIError(400, f"No input item with id '{cursor}' in this response.", param=name)
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(items)
+    page = items[start:end][:limit] if before is None else items[start:end][-limit:]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": (start + len(page) < end) if before is None else (end - len(page) > start),
+    }
+
+
+@router.delete("/v1/responses/{response_id}", responses=error_responses(401, 404, 503))
+async def delete_response(response_id: str, request: Request) -> JSON:
+    """Delete a stored response: it can no longer be read or continued."""
+    await router_state(request).responses.delete(response_id, request.state.tenant)
+    return {"id": response_id, "object": "response", "deleted": True}
