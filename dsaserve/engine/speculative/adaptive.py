@@ -113,7 +113,7 @@ class DraftLength:
             for i, c in enumerate(conf or self.accept):
                 v *= c
                 chances.append((v, r, i))
-        chances.sort(key=lambda t: (-t[0], t[2]))
+        chances.sort(key=lambda t: (-t[0], t[2]))  # (ties by position: prefixes stay prefixes)
         tokens, rows = float(batch), batch
         seconds = self.target(rows) + self.draft(batch * self.max)
         slope = max(self.target(rows + 1) - self.target(rows), 1e-12)
@@ -121,8 +121,6 @@ class DraftLength:
         for v, r, i in chances:
             if v * seconds <= slope * tokens:
                 break
-            if i != lengths[r]:  # (never: a request's chances fall along its block)
-                continue
             lengths[r], tokens, rows = i + 1, tokens + v, rows + 1
             seconds = self.target(rows) + self.draft(batch * self.max)
         return lengths
