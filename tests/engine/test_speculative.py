@@ -486,3 +486,17 @@ def test_confidence_scheduled_dspark_keeps_greedy_tokens_and_verifies_fewer_rows
     assert stats.num_draft_tokens < 5 * stats.num_drafts  # some blocks cut short
     assert stats.drafts_per_pos[0] >= stats.drafts_per_pos[-1]
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("method", HEADS)
+def test_the_fp8_kv_cache_holds_the_draft_heads_state_too(method):
+    """--kv-cache-dtype fp8: the draft layers' rows (MTP's, DSpark's context) are stored in the
+    584-byte FP8 rows like every layer's; greedy tokens are those of the FP8 engine without
+    speculation, and drafts are accepted."""
+    model, k = HEADS[method]
+    fp8 = dict(ENGINE, kv_cache_dtype="fp8")
+    want = LLM(DEMO_MODEL_DIR, **fp8).generate(PROMPTS[:2], GREEDY)
+    spec = LLM(model, speculative_config=_spec(k, method), **fp8)
+    got = spec.generate(PROMPTS[:2], GREEDY)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert spec.engine.speculator.stats.num_accepted_tokens > 0
