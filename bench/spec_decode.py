@@ -1,9 +1,11 @@
-"""Speculative decoding with the demo model's MTP layer on a CPU (or a GPU): acceptance and steps.
+"""Speculative decoding with the demo model's draft heads on a CPU (or a GPU): acceptance, steps.
 
     python -m bench.spec_decode --out bench/results/cpu-spec-decode.json
     python -m bench.spec_decode --device cuda --out bench/results/h200-spec-decode.json
 
-For K = 0 (no speculation), 1, 2, 3 (and the adaptive rule at K = 3) the demo model continues
+For K = 0 (no speculation), 1, 2, 3 (and the adaptive rule at K = 3) with the MTP layer, and
+gamma = 5 with the DSpark head (dsaserve-demo-v4-dspark: the same main model), its whole block
+verified every step ("fixed") and verified by confidence ("adaptive"), the demo model continues
 held-out Shakespeare greedily, one request at a time (prompts: the first --prompt-bytes of
 held-out windows, --max-tokens each): the mean acceptance length (tokens a verifying step emits:
 1 + accepted drafts, vLLM's figure), the acceptance rate of each draft position, decode steps
@@ -34,15 +36,16 @@ import openai
 from bench.harness import prologue, write_record
 from bench.numerics import BOS, greedy_agreement, heldout_windows
 from dsaserve.engine.config import EngineConfig
-from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.demo_model import DEMO_DSPARK_MODEL_DIR, DEMO_MODEL_DIR
 from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine.sampling_params import SamplingParams
 from loadtest.up_stack import UpStack
 
 
 def run(spec: dict | None, prompts: list[list[int]], max_tokens: int, device: str = "cpu") -> dict:
+    model = DEMO_DSPARK_MODEL_DIR if spec and spec["method"] == "dspark" else DEMO_MODEL_DIR
     engine = LLMEngine(
-        DEMO_MODEL_DIR,
+        model,
         EngineConfig(
             device=device,
             dtype="float32" if device == "cpu" else "bfloat16",
@@ -83,6 +86,7 @@ def run(spec: dict | None, prompts: list[list[int]], max_tokens: int, device: st
         row["acceptance_per_position"] = [
             round(a / max(spec_stats.num_drafts, 1), 4) for a in spec_stats.accepted_per_pos
         ]
+        row["verified_per_position"] = list(spec_stats.drafts_per_pos)
         row["drafts"] = spec_stats.num_drafts
     return row
 
@@ -145,6 +149,8 @@ def main() -> None:
     configs.append(
         ("adaptive K<=3", {"method": "mtp", "num_speculative_tokens": 3, "adaptive": True})
     )
+    dspark = {"method": "dspark", "num_speculative_tokens": 5}
+    configs += [("dspark g=5", dspark), ("dspark g=5 conf", {**dspark, "adaptive": True})]
     rows = {}
     for name, spec in configs:
         rows[name] = run(spec, prompts, args.max_tokens, args.device)
@@ -152,14 +158,14 @@ def main() -> None:
         rows[name]["greedy_agreement_vs_k0"] = same
         assert same == 1.0 or args.device != "cpu", f"{name}: greedy tokens differ"
     base = rows["K=0"]
-    print(f"{'config':>14} {'accept len':>10} {'per position':>22} {'steps/token':>11} "
+    print(f"{'config':>15} {'accept len':>10} {'per position':>38} {'steps/token':>11} "
           f"{'s/token':>9} {'vs K=0':>7}")  # fmt: skip
     for name, row in rows.items():
         ratio = row["seconds_per_output_token"] / base["seconds_per_output_token"]
         row["seconds_vs_k0"] = round(ratio, 3)
         print(
-            f"{name:>14} {row.get('mean_acceptance_length', 1.0):>10.3f} "
-            f"{str(row.get('acceptance_per_position', '-')):>22} "
+            f"{name:>15} {row.get('mean_acceptance_length', 1.0):>10.3f} "
+            f"{str(row.get('acceptance_per_position', '-')):>38} "
             f"{row['decode_steps_per_output_token']:>11.3f} "
             f"{row['seconds_per_output_token']:>9.4f} {ratio:>7.3f}"
         )

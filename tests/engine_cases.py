@@ -139,8 +139,9 @@ def check_moved_request_decodes_as_if_never_moved(
         group.allocator.allocate(3)
     assert decode.pool.layout_hash() == prefill.pool.layout_hash()
     reserved = decode.handoff.reserve(
-        "r", prompt, first, params, draft_token_ids=held.draft_token_ids
-    )
+        "r", prompt, first, params, draft_token_ids=held.draft_token_ids,
+        draft_confidences=held.draft_confidences,
+    )  # fmt: skip
     assert reserved is not None
     move(prefill.pool, held, decode.pool, reserved)
     decode.handoff.join("r")

@@ -64,7 +64,7 @@ class Handoff:
         vocab_size: int,
     ) -> None:
         """finish: ends a request wherever it is (the engine's); max_drafts: the drafts a
-        transferred request may carry (speculative decoding's K, else 0)."""
+        transferred request may carry (speculative decoding's K or gamma, else 0)."""
         self.scheduler, self.runner, self.prefix_cache = scheduler, runner, prefix_cache
         self.pool: KVPool = runner.pool
         self.new_request, self.finish = new_request, finish
@@ -81,7 +81,9 @@ class Handoff:
             raise KeyError(request_id)
         staged = self.staged.get(request_id)
         pages = {STAGING: staged} if staged else req.kv_pages()
-        return KVPages(pages, req.num_computed, tuple(req.draft_token_ids))
+        return KVPages(
+            pages, req.num_computed, tuple(req.draft_token_ids), tuple(req.draft_confidences)
+        )
 
     def stage(self, request_id: str) -> KVPages:
         """Pack a held request's KV into staging blocks and free its pages and slab row; when
@@ -120,17 +122,27 @@ class Handoff:
         params: SamplingParams,
         listener: Listener | None = None,
         draft_token_ids: Sequence[int] = (),
+        draft_confidences: Sequence[float] = (),
         grammar: GrammarState | None = None,
     ) -> KVPages | None:
         """Allocate pages for a prefilled request (prompt KV computed elsewhere, first token
-        already sampled and sent, with the drafts after it when speculating: its first step
-        verifies them); None when the pools are full right now. `grammar`: its grammar's state,
-        compiled already (as the engine's new_request takes it)."""
+        already sampled and sent, with the drafts after it when speculating, and DSpark's
+        confidences in them: its first step verifies them); None when the pools are full right
+        now. `grammar`: its grammar's state, compiled already (as the engine's new_request takes
+        it)."""
         most, vocab = self.max_drafts, self.vocab_size
         if len(draft_token_ids) > most or any(not 0 <= t < vocab for t in draft_token_ids):
             raise RequestError(
                 f"a prefilled request carries at most {most} draft token ids in [0, {vocab}); "
                 f"got {list(draft_token_ids)[:8]}"
+            )
+        if draft_confidences and (
+            len(draft_confidences) != len(draft_token_ids)
+            or not all(0.0 <= c <= 1.0 for c in draft_confidences)
+        ):
+            raise RequestError(
+                "draft confidences must be one probability in [0, 1] per draft token id; got "
+                f"{list(draft_confidences)[:8]} for {len(draft_token_ids)} drafts"
             )
         req = self.new_request(
             request_id, prompt_token_ids, params, listener=listener, grammar=grammar
@@ -143,6 +155,7 @@ class Handoff:
                 f"request {request_id!r} already finished at its first token ({reason})"
             )
         req.draft_token_ids = list(draft_token_ids)
+        req.draft_confidences = list(draft_confidences)
         cache = self.prefix_cache
         plan = cache.begin_step() if cache else None
         # (a conversation's earlier turns decoded here left their pages: the transfer skips them)

@@ -51,6 +51,7 @@ from dsaserve.engine.rank import build_runner, device_of, follower_main, keeps_q
 from dsaserve.engine.request import Listener, Request, RequestError, RequestOutput, Status
 from dsaserve.engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from dsaserve.engine.scheduler import Scheduler
+from dsaserve.engine.speculative.config import MTP
 from dsaserve.engine.speculative.draft_head import draft_config
 from dsaserve.engine.speculative.speculator import Speculator
 from dsaserve.engine.step import RowSpan
@@ -83,9 +84,10 @@ class LLMEngine:
                 f"{config.data_parallel_size} x tensor-parallel {config.tensor_parallel_size})"
             )
         check_kv_cache_dtype(cfg, config.kv_cache_dtype, config.page_size)
-        spec = self.speculative = config.speculative
-        if spec is not None:  # (a ConfigError before any process starts)
-            draft_config(cfg, spec)
+        spec = config.speculative
+        if spec is not None:  # (a ConfigError before any process starts; gamma resolved)
+            _, spec = draft_config(cfg, spec, model_dir)
+        self.speculative = spec
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self.followers = None
@@ -118,8 +120,9 @@ class LLMEngine:
                 self.pool, config.prefix_cache_checkpoint_interval, salt, self.runner.host
             )
         drafts = spec.num_speculative_tokens if spec else 0
+        past = drafts if spec is not None and spec.method == MTP else 0  # (Scheduler's)
         self.scheduler = Scheduler(
-            self.pool, config.max_num_batched_tokens, self.prefix_cache, drafts
+            self.pool, config.max_num_batched_tokens, self.prefix_cache, past
         )
         vocab = self.tokenizer.vocab_size
         self.constraints = Constraints(self.tokenizer, self.eos_token_ids)
@@ -131,7 +134,8 @@ class LLMEngine:
             drafts, vocab,
         )  # fmt: skip
         self.loans = Loans(self.handoff)
-        self.speculator = None if spec is None else Speculator(self.runner, spec, vocab)
+        noise = cfg.dspark.noise_token_id if getattr(cfg, "dspark", None) else None
+        self.speculator = None if spec is None else Speculator(self.runner, spec, vocab, noise)
         # may change between steps (a bench); speculative steps wait for each step: the
         # accepted drafts decide where the next one starts
         self.async_scheduling = config.async_scheduling and spec is None
@@ -306,6 +310,8 @@ class LLMEngine:
         handed to each request's listener): this step's, or with async scheduling the previous
         step's, whose ids are waited for once this one is queued."""
         with profiled("schedule"):
+            if self.speculator is not None:
+                self.speculator.plan(self.scheduler.running)
             batch = self.scheduler.schedule()
         if self._agree(bool(batch)) and not batch:
             self.runner.call("pad_step")  # another data-parallel engine computes

@@ -94,8 +94,8 @@ def build_runner(
     family = models.family(model_dir)
     cfg = family.ModelConfig.from_dir(model_dir)
     spec = config.speculative
-    if spec is not None:  # the MTP layer's KV state in the pools
-        cfg = draft_config(cfg, spec)
+    if spec is not None:  # the draft head's KV state in the pools, gamma resolved
+        cfg, spec = draft_config(cfg, spec, model_dir)
     dtype = DTYPES[config.dtype]
     model: Model
     if config.simulate is not None:  # no weights: steps take the profile's time
@@ -105,7 +105,7 @@ def build_runner(
         model = family.build_model(cfg, dtype, device, keeps_quantized(config, cfg), tp)
         family.load_weights(model, model_dir)
         if spec is not None:
-            check_loaded(model, str(model_dir))
+            check_loaded(model, str(model_dir), spec)
     max_context = config.max_model_len or cfg.max_position_embeddings
     kv_cfg = KVCacheConfig(
         memory_bytes=tp.agree(_kv_budget(config, device), device),

@@ -46,8 +46,9 @@ class Scheduler:
         cache: PrefixCache | None = None,
         draft_tokens: int = 0,
     ) -> None:
-        """draft_tokens: speculative decoding's most drafts per step (the MTP layer writes that
-        many positions past a request's newest token, so its pages cover them)."""
+        """draft_tokens: positions past a request's newest token and its drafts that speculative
+        decoding writes (the MTP layer's passes: K; DSpark's block writes only scratch rows: 0),
+        so its pages cover them."""
         self.pool, self.cache = pool, cache
         self.draft_tokens = draft_tokens
         self.token_budget = max_num_batched_tokens
@@ -218,7 +219,8 @@ class Scheduler:
         self.free_kv(req)
         self.num_preemptions += 1
         req.num_computed = 0
-        req.draft_token_ids = []  # (its MTP layer's state went with its pages)
+        req.draft_token_ids = []  # (its draft head's state went with its pages)
+        req.draft_confidences = []
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 

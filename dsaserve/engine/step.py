@@ -73,6 +73,10 @@ class StepInputs:
     max_position: int
     num_decode: int  # rows [0, num_decode) are single-token decode rows
     segments: list[Segment] = field(default_factory=list)
+    # DSpark draft blocks (engine.layers.dspark): every span is one block of `block` rows, each
+    # of which attends to the sliding window before its block and to its whole block, and
+    # persists nowhere; 0: a step of the target (or an MTP pass), causal
+    block: int = 0
 
     @property
     def num_rows(self) -> int:

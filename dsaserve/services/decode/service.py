@@ -157,6 +157,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         w, rid = self.w, request.request_id
         prompt, first = list(request.prompt_token_ids), request.first_token_id
         drafts = list(request.kv.draft_token_ids)  # verified at its first step
+        confidences = list(request.kv.draft_confidences)
         deadline = time.monotonic() + max(0.0, (request.kv.lease_expires_unix_ms - now_ms()) / 1000)
         try:
             grammar = await w.compile_grammar(params)
@@ -166,7 +167,15 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         while True:
             try:
                 reserved = await w.loop.run(
-                    w.engine.handoff.reserve, rid, prompt, first, params, outputs, drafts, grammar
+                    w.engine.handoff.reserve,
+                    rid,
+                    prompt,
+                    first,
+                    params,
+                    outputs,
+                    drafts,
+                    confidences,
+                    grammar,
                 )
             except RequestError as e:
                 w.metrics.fail("invalid_request")

@@ -143,6 +143,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                     address=w.address,
                     step_ms=step_ms,
                     draft_token_ids=held.draft_token_ids,
+                    draft_confidences=held.draft_confidences,
                 )
             )
         return response

@@ -104,7 +104,7 @@ class PageIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms", "address", "step_ms", "draft_token_ids")
+    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms", "address", "step_ms", "draft_token_ids", "draft_confidences")
     class PagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class KVHandle(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     agent_name: str
     layout_hash: str
@@ -132,7 +133,8 @@ class KVHandle(_message.Message):
     address: str
     step_ms: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., address: _Optional[str] = ..., step_ms: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., address: _Optional[str] = ..., step_ms: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source")

@@ -76,6 +76,9 @@ class MTPLayer(Block):
 
 
 class DeepseekV32(torch.nn.Module):
+    # (dropped by the loader when the checkpoint stores none)
+    optional_modules: tuple[str, ...] = ("mtp",)
+
     def __init__(
         self, cfg: ModelConfig, quant: Quantization | None = None, tp: TensorParallel = SINGLE
     ) -> None:
