@@ -221,6 +221,7 @@ def write_card(path: Path, log: dict) -> None:
         '`max_tokens` unless the request stops it, e.g. with `"stop": ["\\n\\n"]`.',
         "",
         *_mtp_section(log.get("mtp")),
+        *_dspark_section(log.get("dspark")),
         "## Limitations",
         "",
         f"- Trained on {args['seq_len']}-token windows: "
@@ -279,6 +280,58 @@ def _mtp_section(mtp: dict | None) -> list[str]:
                 f"{', '.join(f'{a:.2f}' for a in row['acceptance_per_position'])} | "
                 f"{row['decode_steps_per_output_token']:.2f} |"
                 for k, row in acc["rows"].items()
+            ],
+            "",
+        ]
+    return lines
+
+
+def _dspark_section(dspark: dict | None) -> list[str]:
+    """The DSpark head of dsaserve-demo-v4-dspark: how it was trained, and what speculative
+    decoding gets from it beside the MTP layer (bench/spec_decode.py's rows, when recorded)."""
+    if not dspark:
+        return []
+    a, held, data = dspark["args"], dspark["heldout"], dspark["data"]
+    lines = [
+        "## DSpark (block drafting, `dsaserve-demo-v4-dspark`)",
+        "",
+        "`dsaserve-demo-v4-dspark` beside this model is the same model with a DSpark head "
+        "instead of the MTP layer",
+        "(both live under `mtp.*`, as DeepSeek ships V4-Flash-0731 beside V4-Flash): "
+        f"{a['layers']} sliding-window draft layer(s)",
+        f"reading layers {dspark['taps']} of the model, blocks of {a['gamma']} (the anchor and "
+        f"noise token {dspark['noise_token_id']}), a rank-{a['rank']} Markov head and a",
+        "confidence head, trained on the frozen model by `scripts/demo_dspark.py` on a shared "
+        f"2-core CPU ({dspark['steps']} steps, {dspark['train_s']:.0f} s in "
+        f"{len(dspark.get('runs', [])) or 1} runs of about 5 minutes, each going on from the "
+        "last) on",
+        f"{data['sequences']} greedy continuations by the model of {a['prompt_bytes']}-byte "
+        "training-text prompts: each block row scored on the model's",
+        "greedy token (cross-entropy plus the KL to its distribution), the Markov head fed the "
+        "accepted prefix, the confidence head",
+        "on whether the row's draft is that token. Anchoring a block at every generated token "
+        f"of {data['heldout_sequences']} continuations held apart, drafting as the engine does,",
+        f"the mean acceptance length is {held['mean_acceptance_length']:.2f} (by position: "
+        f"{', '.join(f'{v:.2f}' for v in held['acceptance_per_position'])}); decoding anchors "
+        "its blocks where the last one's",
+        "run ended, more often at a hard token, so a decode's acceptance is lower (the table).",
+        '`--speculative-config \'{"method": "dspark"}\'` drafts with it (gamma 5, or '
+        "`num_speculative_tokens` up to 5).",
+        "",
+    ]
+    acc = dspark.get("acceptance")
+    if acc:
+        lines += [
+            f"Greedy continuations of held-out text ({acc['command']}), both heads, tokens "
+            "identical to no speculation:",
+            "",
+            "| drafting | acceptance length | acceptance by position | decode steps per token |",
+            "|---|---|---|---|",
+            *[
+                f"| {name} | {row['mean_acceptance_length']:.2f} | "
+                f"{', '.join(f'{v:.2f}' for v in row['acceptance_per_position'])} | "
+                f"{row['decode_steps_per_output_token']:.2f} |"
+                for name, row in acc["rows"].items()
             ],
             "",
         ]

@@ -9,11 +9,11 @@ from collections.abc import Callable
 import torch
 
 from dsaserve.engine.config import EngineConfig
-from dsaserve.engine.kv.layout import STAGING
+from dsaserve.engine.kv.layout import SLAB, STAGING
 from dsaserve.engine.kv.pool import KVPool
 from dsaserve.engine.kv.staging import CHUNK_BLOCKS, RING_SLOTS
 from dsaserve.engine.llm_engine import LLMEngine
-from dsaserve.engine.request import RequestOutput
+from dsaserve.engine.request import KVPages, RequestOutput
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.kernels import kv_quant
 
@@ -91,6 +91,25 @@ def move_staged(
         unpack(j // CHUNK_BLOCKS, (j // CHUNK_BLOCKS) % RING_SLOTS)
 
 
+def move(src: KVPool, held: KVPages, dst: KVPool, reserved: KVPages) -> int:
+    """What a pull does, with copies for READs: the first part of the staged stream, or the
+    held pages, but the pages `reserved` shares from its engine's prefix cache (KVPool.missing),
+    into the first of the reserved pages (a borrowed prefix fills only some). Returns the pages
+    moved (the slab row not counted)."""
+    skip = reserved.reused_tokens
+    if STAGING in held.pages:
+        unpack = dst.unpacker(reserved.pages, skip)
+        blocks = held.pages[STAGING][: -(-unpack.nbytes // dst.staging.block_bytes)]
+        move_staged(src, blocks, dst, unpack)
+        return sum(len(p) for g, p in dst.missing(reserved.pages, skip).items() if g != SLAB)
+    theirs = src.missing(held.pages, skip)
+    ours = {g: p[: len(theirs[g])] for g, p in dst.missing(reserved.pages, skip).items()}
+    for a, b in zip(src.regions(), dst.regions(), strict=True):
+        if a.group in theirs:
+            b.tensor[ours[b.group]] = a.tensor[theirs[a.group]]
+    return sum(len(pages) for group, pages in ours.items() if group != SLAB)
+
+
 def check_moved_request_decodes_as_if_never_moved(
     model: str | os.PathLike,
     config: EngineConfig,
@@ -120,15 +139,11 @@ def check_moved_request_decodes_as_if_never_moved(
         group.allocator.allocate(3)
     assert decode.pool.layout_hash() == prefill.pool.layout_hash()
     reserved = decode.handoff.reserve(
-        "r", prompt, first, params, draft_token_ids=held.draft_token_ids
-    )
-    if via == "staging":
-        unpack = decode.pool.unpacker(reserved.pages)
-        move_staged(prefill.pool, held.pages[STAGING], decode.pool, unpack)
-    else:
-        for src, dst in zip(prefill.pool.regions(), decode.pool.regions(), strict=True):
-            if src.group in held.pages:
-                dst.tensor[reserved.pages[dst.group]] = src.tensor[held.pages[src.group]]
+        "r", prompt, first, params, draft_token_ids=held.draft_token_ids,
+        draft_confidences=held.draft_confidences,
+    )  # fmt: skip
+    assert reserved is not None
+    move(prefill.pool, held, decode.pool, reserved)
     decode.handoff.join("r")
     assert [first] + [t for o in drain(decode)["r"] for t in o.new_token_ids] == want
     if alone.speculator is not None:  # drafts from the first decode step on, as never moved

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import grpc
 import httpx
 import openai
 
+from dsaserve.engine.llm import LLM
+from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.services.auth import token_metadata
 from dsaserve.services.rpc import grpc_api, pb
 from tests.conftest import free_port
@@ -94,7 +97,9 @@ class Proc:
         ) as r:
             text = r.read().decode()
         for line in text.splitlines():
-            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            if line.split("{")[0].split(" ")[0] == name and all(
+                f'{k}="{v}"' in line for k, v in labels.items()
+            ):
                 return float(line.split()[-1])
         return 0.0
 
@@ -355,3 +360,26 @@ FORECAST = {
         },
     },
 }
+
+
+def served_completion(
+    client: openai.OpenAI, prompt: list[int], uncached: LLM, max_tokens: int = 8
+) -> tuple[int, list[int]]:
+    """Complete `prompt` greedily through a stack, with 5 logprobs a token; its answer (text,
+    each token's logprob) must be the engine's without a prefix cache. Returns (the cached
+    prompt tokens, the answer's token ids)."""
+    r = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=5,
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=5)
+    want = uncached.generate([prompt], params)[0]
+    got = r.choices[0]
+    assert got.text == want.text
+    assert want.logprobs is not None
+    for served, offline in zip(got.logprobs.token_logprobs, want.logprobs, strict=True):
+        assert math.isclose(served, offline.logprob, abs_tol=1e-4), (served, offline.logprob)
+    return r.usage.prompt_tokens_details.cached_tokens, want.token_ids

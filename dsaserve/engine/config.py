@@ -15,6 +15,7 @@ from typing import Any
 from dsaserve.engine.speculative.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16")
+DEFAULT_MAX_NUM_SEQS = 256
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -66,7 +67,13 @@ class EngineConfig:
         flag="--block-size",
         aliases=("--page-size",),
     )
-    max_num_seqs: int = setting(256, "requests that may hold KV at once")
+    max_num_seqs: int | None = setting(
+        None,
+        f"requests that may hold KV at once (default: {DEFAULT_MAX_NUM_SEQS}, or as many as half "
+        "of the KV budget holds the fixed state of, where that is fewer: window ring, open "
+        "entry pages, compressor rings; a number asked for is lowered only where the budget "
+        "cannot hold it beside any context; the log says so)",
+    )
     max_num_batched_tokens: int = setting(8192, "rows one forward step may compute")
     max_model_len: int | None = setting(
         None,
@@ -186,7 +193,10 @@ class EngineConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
             ),
             (self.page_size >= 1, f"the block size must be >= 1, got {self.page_size}"),
-            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (
+                self.max_num_seqs is None or self.max_num_seqs >= 1,
+                f"max_num_seqs must be >= 1, got {self.max_num_seqs}",
+            ),
             (
                 self.max_num_batched_tokens >= 1,
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",

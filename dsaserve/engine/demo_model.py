@@ -10,3 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "assets" / "dsaserve-demo-v4"
+# The demo model with a trained DSpark head instead of its MTP layer (both live under `mtp.*`,
+# so they are two checkpoints, as DeepSeek ships V4-Flash-0731 beside V4-Flash):
+# scripts/demo_dspark.py makes it, the demo model's README gives both heads' acceptance.
+DEMO_DSPARK_MODEL_DIR = DEMO_MODEL_DIR.parent / "dsaserve-demo-v4-dspark"

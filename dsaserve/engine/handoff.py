@@ -4,7 +4,7 @@
   its KV (status HELD) for a reader on a decode worker until `release`. `stage` packs it into the
   pool's staging blocks (engine.kv.staging), which a reader pulls in a few large READs, and frees
   its pages; `held_pages` says where it is. How long a reader may take is the prefill worker's
-  lease table's business (services.prefill.leases), which releases what it gives up.
+  lease table's business (services.worker.leases), which releases what it gives up.
 - Decode of a transferred request: `reserve` builds it with its first token (sampled on the
   prefill worker) and allocates its pages, a transfer fills them, `join` starts decoding it.
 """
@@ -19,6 +19,7 @@ import torch
 from dsaserve.engine.kv.layout import STAGING
 from dsaserve.engine.kv.pool import KVPool
 from dsaserve.engine.prefix_cache.cache import PrefixCache
+from dsaserve.engine.prefix_cache.checkpoint import CopyPlan
 from dsaserve.engine.request import KVPages, Listener, Request, RequestError, Status
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.sampling_params import SamplingParams
@@ -35,9 +36,20 @@ class NewRequest(Protocol):
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
+        prefill_only: bool = False,
         listener: Listener | None = None,
         grammar: GrammarState | None = None,
     ) -> Request: ...
+
+
+def copy_now(runner: ModelRunner, plan: CopyPlan | None) -> None:
+    """Run the prefix cache's copies outside a step, and wait for the device: a transfer that
+    reads or writes these pages next does not wait for the engine's stream (nor for the steps
+    before, which may still write pages freed meanwhile)."""
+    if plan:
+        runner.call("copy_pages", plan)
+    if runner.device.type == "cuda":
+        torch.cuda.current_stream(runner.device).synchronize()
 
 
 class Handoff:
@@ -52,7 +64,7 @@ class Handoff:
         vocab_size: int,
     ) -> None:
         """finish: ends a request wherever it is (the engine's); max_drafts: the drafts a
-        transferred request may carry (speculative decoding's K, else 0)."""
+        transferred request may carry (speculative decoding's K or gamma, else 0)."""
         self.scheduler, self.runner, self.prefix_cache = scheduler, runner, prefix_cache
         self.pool: KVPool = runner.pool
         self.new_request, self.finish = new_request, finish
@@ -69,7 +81,9 @@ class Handoff:
             raise KeyError(request_id)
         staged = self.staged.get(request_id)
         pages = {STAGING: staged} if staged else req.kv_pages()
-        return KVPages(pages, req.num_computed, tuple(req.draft_token_ids))
+        return KVPages(
+            pages, req.num_computed, tuple(req.draft_token_ids), tuple(req.draft_confidences)
+        )
 
     def stage(self, request_id: str) -> KVPages:
         """Pack a held request's KV into staging blocks and free its pages and slab row; when
@@ -108,26 +122,31 @@ class Handoff:
         params: SamplingParams,
         listener: Listener | None = None,
         draft_token_ids: Sequence[int] = (),
+        draft_confidences: Sequence[float] = (),
         grammar: GrammarState | None = None,
     ) -> KVPages | None:
         """Allocate pages for a prefilled request (prompt KV computed elsewhere, first token
-        already sampled and sent, with the drafts after it when speculating: its first step
-        verifies them); None when the pools are full right now. `grammar`: its grammar's state,
-        compiled already (as the engine's new_request takes it)."""
+        already sampled and sent, with the drafts after it when speculating, and DSpark's
+        confidences in them: its first step verifies them); None when the pools are full right
+        now. `grammar`: its grammar's state, compiled already (as the engine's new_request takes
+        it)."""
         most, vocab = self.max_drafts, self.vocab_size
         if len(draft_token_ids) > most or any(not 0 <= t < vocab for t in draft_token_ids):
             raise RequestError(
                 f"a prefilled request carries at most {most} draft token ids in [0, {vocab}); "
                 f"got {list(draft_token_ids)[:8]}"
             )
+        if draft_confidences and (
+            len(draft_confidences) != len(draft_token_ids)
+            or not all(0.0 <= c <= 1.0 for c in draft_confidences)
+        ):
+            raise RequestError(
+                "draft confidences must be one probability in [0, 1] per draft token id; got "
+                f"{list(draft_confidences)[:8]} for {len(draft_token_ids)} drafts"
+            )
         req = self.new_request(
             request_id, prompt_token_ids, params, listener=listener, grammar=grammar
         )
-        # Pages freed while a step runs may still be written by it; the transfer that fills
-        # the pages given here does not wait for the device's stream.
-        device = self.runner.device
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
         # Replay the first token so stop strings and text offsets continue where prefill left off.
         reason = req.append_token(first_token_id)
         req.text.take(finished=reason is not None)
@@ -136,20 +155,21 @@ class Handoff:
                 f"request {request_id!r} already finished at its first token ({reason})"
             )
         req.draft_token_ids = list(draft_token_ids)
-        plan = self.prefix_cache.begin_step() if self.prefix_cache else None
-        reserved = self.scheduler.reserve(req)
-        if plan:  # evictions to the host tier: read before the transfer writes the pages
-            self.runner.call("copy_pages", plan)
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
-        if not reserved:
+        req.draft_confidences = list(draft_confidences)
+        cache = self.prefix_cache
+        plan = cache.begin_step() if cache else None
+        # (a conversation's earlier turns decoded here left their pages: the transfer skips them)
+        reused = self.scheduler.reserve(req, cache.lookup_pages(req) if cache else None)
+        copy_now(self.runner, plan)  # (evictions to and loads from the host tier)
+        if reused is None:
             return None
-        return KVPages(pages=req.kv_pages(), num_tokens=len(prompt_token_ids))
+        return KVPages(req.kv_pages(), len(prompt_token_ids), reused_tokens=reused)
 
-    def join(self, request_id: str) -> None:
-        """The reserved request's KV has arrived (in rank 0's pools): decode it from the next
-        step on, with a copy on every rank."""
+    def join(self, request_id: str, computed: int | None = None) -> None:
+        """The reserved request's KV has arrived (in rank 0's pools), that of its first
+        `computed` tokens (default: its prompt): from the next step on it decodes (or computes
+        the rest of its prompt: engine.loans), with a copy on every rank."""
         req = self.scheduler.requests[request_id]
         self.runner.call("share_pages", req.kv_pages())
-        req.num_computed = len(req.prompt_token_ids)
+        req.num_computed = len(req.prompt_token_ids) if computed is None else computed
         self.scheduler.join(req)

@@ -34,6 +34,7 @@ class Result:
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the params asked
     # one per prompt token after the first, when the params asked (prompt_logprobs)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens resumed from the prefix cache (vLLM's name)
 
 
 class LLM:
@@ -82,6 +83,7 @@ class LLM:
         logprobs: dict[str, list[TokenLogprobs]] = {k: [] for k in keys}
         prompt_logprobs: dict[str, list[TokenLogprobs] | None] = dict.fromkeys(keys)
         reasons: dict[str, str] = {}
+        cached: dict[str, int] = dict.fromkeys(keys, 0)
         try:
             while len(reasons) < len(keys):
                 for out in self.engine.step():
@@ -90,6 +92,7 @@ class LLM:
                     logprobs[out.request_id] += out.logprobs or []
                     if out.prompt_logprobs is not None:
                         prompt_logprobs[out.request_id] = out.prompt_logprobs
+                    cached[out.request_id] = out.cached_tokens
                     if out.finished:
                         assert out.finish_reason is not None  # (a finished output says why)
                         reasons[out.request_id] = out.finish_reason
@@ -105,6 +108,7 @@ class LLM:
                 finish_reason=reasons[k],
                 logprobs=logprobs[k] if q.logprobs is not None else None,
                 prompt_logprobs=prompt_logprobs[k],
+                num_cached_tokens=cached[k],
             )
             for k, p, q in zip(keys, ids, params, strict=True)
         ]

@@ -26,6 +26,7 @@ the group (a data-parallel group is one failure domain, as a tensor-parallel one
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 
@@ -36,6 +37,7 @@ from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.handoff import Handoff
 from dsaserve.engine.kv.layout import check_kv_cache_dtype
 from dsaserve.engine.load import Load
+from dsaserve.engine.loans import Loans
 from dsaserve.engine.logits_processors import bad_words_ids
 from dsaserve.engine.model_dir import model_identity
 from dsaserve.engine.outputs import StepOutputs, request_output
@@ -46,9 +48,10 @@ from dsaserve.engine.prefix_cache.block_hash import cache_salt
 from dsaserve.engine.prefix_cache.cache import PrefixCache
 from dsaserve.engine.profile.ranges import profiled
 from dsaserve.engine.rank import build_runner, device_of, follower_main, keeps_quantized, world_of
-from dsaserve.engine.request import Listener, Request, RequestError, RequestOutput
+from dsaserve.engine.request import Listener, Request, RequestError, RequestOutput, Status
 from dsaserve.engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from dsaserve.engine.scheduler import Scheduler
+from dsaserve.engine.speculative.config import MTP
 from dsaserve.engine.speculative.draft_head import draft_config
 from dsaserve.engine.speculative.speculator import Speculator
 from dsaserve.engine.step import RowSpan
@@ -81,9 +84,10 @@ class LLMEngine:
                 f"{config.data_parallel_size} x tensor-parallel {config.tensor_parallel_size})"
             )
         check_kv_cache_dtype(cfg, config.kv_cache_dtype, config.page_size)
-        spec = self.speculative = config.speculative
-        if spec is not None:  # (a ConfigError before any process starts)
-            draft_config(cfg, spec)
+        spec = config.speculative
+        if spec is not None:  # (a ConfigError before any process starts; gamma resolved)
+            _, spec = draft_config(cfg, spec, model_dir)
+        self.speculative = spec
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | self.tokenizer.eos_token_ids
         self.followers = None
@@ -103,6 +107,10 @@ class LLMEngine:
             self.close()
             raise
         self.model, self.pool = self.runner.model, self.runner.pool
+        # (what the budget holds: build_runner may have lowered it)
+        self.config = config = dataclasses.replace(
+            config, max_num_seqs=self.pool.kv_cfg.max_num_seqs
+        )
         self.max_model_len = self.runner.max_context
         self.prefix_cache = None
         if config.enable_prefix_caching:
@@ -112,8 +120,9 @@ class LLMEngine:
                 self.pool, config.prefix_cache_checkpoint_interval, salt, self.runner.host
             )
         drafts = spec.num_speculative_tokens if spec else 0
+        past = drafts if spec is not None and spec.method == MTP else 0  # (Scheduler's)
         self.scheduler = Scheduler(
-            self.pool, config.max_num_batched_tokens, self.prefix_cache, drafts
+            self.pool, config.max_num_batched_tokens, self.prefix_cache, past
         )
         vocab = self.tokenizer.vocab_size
         self.constraints = Constraints(self.tokenizer, self.eos_token_ids)
@@ -124,7 +133,9 @@ class LLMEngine:
             self.scheduler, self.runner, self.prefix_cache, self.new_request, self._finish,
             drafts, vocab,
         )  # fmt: skip
-        self.speculator = None if spec is None else Speculator(self.runner, spec, vocab)
+        self.loans = Loans(self.handoff)
+        noise = cfg.dspark.noise_token_id if getattr(cfg, "dspark", None) else None
+        self.speculator = None if spec is None else Speculator(self.runner, spec, vocab, noise)
         # may change between steps (a bench); speculative steps wait for each step: the
         # accepted drafts decide where the next one starts
         self.async_scheduling = config.async_scheduling and spec is None
@@ -259,7 +270,14 @@ class LLMEngine:
         return True
 
     def _finish(self, req: Request, reason: str) -> None:
-        """End a request wherever it is; frees its pages, slab row and staging blocks."""
+        """End a request wherever it is; frees its pages, slab row and staging blocks. What one
+        that ran to its end computed stays in the prefix cache (`PrefixCache.keep`), copied on
+        the engine's stream before anything can write its pages again."""
+        cache = self.prefix_cache
+        if cache is not None and reason != "abort" and req.status is Status.RUNNING:
+            plan = cache.keep(req)
+            if plan:
+                self.runner.call("copy_pages", plan)
         self.scheduler.finish(req, reason)
         self.handoff.drop_staged(req.request_id)
 
@@ -292,6 +310,8 @@ class LLMEngine:
         handed to each request's listener): this step's, or with async scheduling the previous
         step's, whose ids are waited for once this one is queued."""
         with profiled("schedule"):
+            if self.speculator is not None:
+                self.speculator.plan(self.scheduler.running)
             batch = self.scheduler.schedule()
         if self._agree(bool(batch)) and not batch:
             self.runner.call("pad_step")  # another data-parallel engine computes

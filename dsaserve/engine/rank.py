@@ -11,6 +11,7 @@ then the warm-up steps of the graph captures, in the same order.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Protocol
 
@@ -18,8 +19,16 @@ import torch
 import torch.distributed as dist
 
 from dsaserve.engine import models
-from dsaserve.engine.config import EngineConfig
-from dsaserve.engine.kv.layout import KVCacheConfig, checkpoint_bytes, default_checkpoint_rows
+from dsaserve.engine.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
+from dsaserve.engine.kv.layout import (
+    SEQUENCE_SHARE,
+    KVCacheConfig,
+    KVModel,
+    checkpoint_bytes,
+    default_checkpoint_rows,
+    fit_max_num_seqs,
+    sequence_bytes,
+)
 from dsaserve.engine.kv.pool import KVPool
 from dsaserve.engine.parallel.channel import Channel
 from dsaserve.engine.parallel.group import TensorParallel
@@ -33,6 +42,8 @@ from dsaserve.engine.text.tokenizer import Tokenizer
 DEFAULT_CPU_KV_BYTES = 512 << 20
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+log = logging.getLogger(__name__)
 
 
 class Quantized(Protocol):
@@ -83,8 +94,8 @@ def build_runner(
     family = models.family(model_dir)
     cfg = family.ModelConfig.from_dir(model_dir)
     spec = config.speculative
-    if spec is not None:  # the MTP layer's KV state in the pools
-        cfg = draft_config(cfg, spec)
+    if spec is not None:  # the draft head's KV state in the pools, gamma resolved
+        cfg, spec = draft_config(cfg, spec, model_dir)
     dtype = DTYPES[config.dtype]
     model: Model
     if config.simulate is not None:  # no weights: steps take the profile's time
@@ -94,13 +105,13 @@ def build_runner(
         model = family.build_model(cfg, dtype, device, keeps_quantized(config, cfg), tp)
         family.load_weights(model, model_dir)
         if spec is not None:
-            check_loaded(model, str(model_dir))
+            check_loaded(model, str(model_dir), spec)
     max_context = config.max_model_len or cfg.max_position_embeddings
     kv_cfg = KVCacheConfig(
         memory_bytes=tp.agree(_kv_budget(config, device), device),
         staging_bytes=config.kv_staging_memory_bytes,
         page_size=config.page_size,
-        max_num_seqs=config.max_num_seqs,
+        max_num_seqs=config.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
         max_num_batched_tokens=config.max_num_batched_tokens,
         kv_cache_dtype=config.kv_cache_dtype,
         speculative_tokens=spec.num_speculative_tokens if spec else 0,
@@ -115,6 +126,7 @@ def build_runner(
         else:  # a family without per-position state needs no checkpoint (each == 0)
             rows = size // each if each else 0
         kv_cfg = dataclasses.replace(kv_cfg, checkpoint_rows=rows)
+    kv_cfg = _fit_sequences(cfg, kv_cfg, dtype.itemsize, config.max_num_seqs, tp.rank == 0)
     pool = KVPool(cfg, kv_cfg, dtype=dtype, device=device, max_context=max_context)
     host = None
     if config.enable_prefix_caching and config.kv_offloading_size:
@@ -132,9 +144,32 @@ def build_runner(
     ):
         # (torch's grouped GEMM of other dtypes syncs with the host on CUDA, and so do the
         # expert-parallel all-to-alls' sizes: eager there)
-        sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= config.max_num_seqs]
+        sizes = [b for b in DEFAULT_GRAPH_BATCH_SIZES if b <= kv_cfg.max_num_seqs]
         runner.capture_decode_graphs(sizes)
     return runner
+
+
+def _fit_sequences(
+    cfg: KVModel, kv_cfg: KVCacheConfig, esize: int, asked: int | None, say: bool
+) -> KVCacheConfig:
+    """`kv_cfg` with max_num_seqs lowered to what the budget holds (engine.kv.layout.
+    fit_max_num_seqs: the default to a share of it, an `asked` number only where it leaves
+    nothing for context), said in the log (`say`: on one rank), as vLLM reports the
+    concurrency its blocks allow."""
+    seqs = fit_max_num_seqs(cfg, kv_cfg, esize, share=SEQUENCE_SHARE if asked is None else 1)
+    if seqs < kv_cfg.max_num_seqs and say:  # (a warning only where it was asked for)
+        log.log(
+            logging.INFO if asked is None else logging.WARNING,
+            "max_num_seqs lowered from %d to %d: the KV cache budget of %.1f MiB holds the fixed "
+            "state of %d sequences (%.2f MiB each: window ring, open entry pages, compressor "
+            "rings) beside their context; raise --kv-cache-memory-bytes for more",
+            kv_cfg.max_num_seqs,
+            seqs,
+            kv_cfg.memory_bytes / 2**20,
+            seqs,
+            sequence_bytes(cfg, kv_cfg, esize) / 2**20,
+        )
+    return dataclasses.replace(kv_cfg, max_num_seqs=seqs)
 
 
 def _kv_budget(config: EngineConfig, device: torch.device) -> int:

@@ -47,9 +47,14 @@ class KVPages:
 
     pages: dict[str, list[int]]  # pool group -> page ids in logical order ("slab" -> [row])
     num_tokens: int  # tokens whose KV the pages hold
-    # speculative decoding: the MTP layer's drafts after the first token, which the reader's
-    # first step verifies (the prefill worker drafts as a local engine does after a prefill)
+    # speculative decoding: the draft head's drafts after the first token, which the reader's
+    # first step verifies (the prefill worker drafts as a local engine does after a prefill),
+    # and DSpark's confidence in each (empty without a confidence head)
     draft_token_ids: tuple[int, ...] = ()
+    draft_confidences: tuple[float, ...] = ()
+    # a transfer's target: the first tokens whose full entry pages it shares from its engine's
+    # prefix cache, which the transfer leaves alone (KVPool.missing)
+    reused_tokens: int = 0
 
 
 Listener = Callable[[RequestOutput], None]
@@ -83,9 +88,11 @@ class Request:
     num_inflight: int = 0
     inflight_row: int = 0  # the newest one's row in its step's sampled ids
     num_computed: int = 0  # tokens whose KV is in the pool
-    # speculative decoding: the MTP layer's drafts of the tokens after the newest, which the
-    # next step verifies (never counted in num_tokens)
+    # speculative decoding: the draft head's drafts of the tokens after the newest, which the
+    # next step verifies (never counted in num_tokens), and (DSpark's confidence head) the
+    # chance of each being accepted given the ones before were
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_confidences: list[float] = field(default_factory=list)
     page_tables: dict[str, list[int]] = field(default_factory=dict)  # pool group -> page ids
     slab: int | None = None  # the request's slab row (its compressor rings, its page tables)
     status: Status = Status.WAITING

@@ -88,6 +88,18 @@ class DraftModel(Model, Protocol):
         ...
 
 
+class BlockDraftModel(Model, Protocol):
+    """A model with a block drafter (DSpark; engine.speculative.dspark_drafter): its every step
+    writes the drafter's context, and `draft_block` drafts."""
+
+    def draft_block(
+        self, pool: KVPool, inputs: StepInputs, anchors: torch.Tensor, vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Blocks of `inputs.block` rows (one span each) whose first tokens are anchors [B] ->
+        (drafts [B, block] among the first `vocab` ids, confidences [B, block] fp32 or None)."""
+        ...
+
+
 @dataclass(frozen=True)
 class LastStep:
     """The rows of the last `execute`, for the draft head's pass over the same rows."""
@@ -141,8 +153,9 @@ class ModelRunner:
         decode steps eagerly, so that a profiler sees every kernel (engine.profile)."""
         self.graphs_enabled = enabled
 
-    def call(self, method: str, *args: object) -> torch.Tensor | None:
-        """Run `method(*args)` on every rank of the group (rank 0 calls; the others follow)."""
+    def call(self, method: str, *args: object) -> Any:
+        """Run `method(*args)` on every rank of the group (rank 0 calls; the others follow);
+        rank 0's result."""
         if self.channel is not None:
             writes, self.pool.table_writes = self.pool.table_writes, []
             assert writes is not None  # (kept since the channel exists: __init__)
@@ -254,6 +267,16 @@ class ModelRunner:
         streams = self.streams[to_device(stream_rows, torch.int64, self.device)]
         logits, self.streams = cast(DraftModel, self.model).draft(self.pool, inputs, streams, rows)
         return logits
+
+    def draft_block(
+        self, spans: list[RowSpan], vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every rank: the block drafter over `spans` (one block each, its anchor then noise
+        tokens; equal lengths); (drafts, confidences) [len(spans), block] on the device."""
+        inputs, _ = self._inputs(spans, 0, [])
+        inputs.block = spans[0].num_rows
+        anchors = inputs.token_ids[inputs.req_row0]  # [B]
+        return cast(BlockDraftModel, self.model).draft_block(self.pool, inputs, anchors, vocab)
 
     def _inputs(
         self, spans: list[RowSpan], num_decode: int, logit_rows: list[int] | None

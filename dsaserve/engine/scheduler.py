@@ -48,8 +48,9 @@ class Scheduler:
         cache: PrefixCache | None = None,
         draft_tokens: int = 0,
     ) -> None:
-        """draft_tokens: speculative decoding's most drafts per step (the MTP layer writes that
-        many positions past a request's newest token, so its pages cover them)."""
+        """draft_tokens: positions past a request's newest token and its drafts that speculative
+        decoding writes (the MTP layer's passes: K; DSpark's block writes only scratch rows: 0),
+        so its pages cover them."""
         self.pool, self.cache = pool, cache
         self.draft_tokens = draft_tokens
         self.token_budget = max_num_batched_tokens
@@ -65,16 +66,37 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def reserve(self, req: Request) -> bool:
-        """Give `req` pages for its prompt without scheduling it (a transfer will fill them)."""
-        if not self.try_allocate(req, req.num_tokens - 1):
-            return False
+    def reserve(self, req: Request, hit: Hit | None = None, need: int | None = None) -> int | None:
+        """Give `req` pages for `need` tokens (default: its prompt) without scheduling it (a
+        transfer will fill them), sharing the full entry pages of the prefix `hit` names where
+        it can. Returns the tokens whose pages it shares (the transfer fills the rest:
+        KVPool.missing), None when the pools are full."""
+        need = req.num_tokens - 1 if need is None else need
+        if hit is not None and self._share(req, hit, need):
+            shared = hit.position
+        elif self.try_allocate(req, need):
+            shared = 0
+        else:
+            return None
         req.status = Status.RESERVED
         self.requests[req.request_id] = req
+        return shared
+
+    def lend(self, req: Request, hit: Hit, copies: CopyPlan) -> bool:
+        """Hold `req` for a reader with the state of its cached prefix `hit`, restored into
+        pages of its own (the copies planned); False without room."""
+        if not self._share(req, hit, hit.position):
+            return False
+        assert self.cache is not None
+        self.cache.restore(req, hit, copies)
+        req.status = Status.HELD
+        self.requests[req.request_id] = req
+        self.num_held += 1
         return True
 
     def join(self, req: Request) -> None:
-        """A reserved request whose KV has arrived starts decoding."""
+        """A reserved request whose KV has arrived starts decoding (or, its prompt not all
+        there, computing the rest of it)."""
         assert req.status is Status.RESERVED
         req.status = Status.RUNNING
         self.running.append(req)
@@ -177,16 +199,21 @@ class Scheduler:
         return True
 
     def _resume(self, req: Request, hit: Hit, copies: CopyPlan) -> bool:
+        if not self._share(req, hit, req.num_tokens + self.draft_tokens):
+            return False
+        assert self.cache is not None
+        self.cache.restore(req, hit, copies)
+        return True
+
+    def _share(self, req: Request, hit: Hit, need: int) -> bool:
+        """Give `req` pages for `need` tokens, the full entry pages of `hit`'s prefix shared
+        (brought back from the host tier where they went); False if there is no room."""
         cache = self.cache
         assert cache is not None
         cache.pin(hit)  # (evictions that make room for it must not take it)
         try:
             shared = cache.shared_pages(hit) if cache.bring_back(hit) else None
-            need = req.num_tokens + self.draft_tokens
-            if shared is None or not self.try_allocate(req, need, shared):
-                return False
-            cache.restore(req, hit, copies)
-            return True
+            return shared is not None and self.try_allocate(req, need, shared)
         finally:
             cache.unpin(hit)
 
@@ -207,7 +234,8 @@ class Scheduler:
         self.free_kv(req)
         self.num_preemptions += 1
         req.num_computed = 0
-        req.draft_token_ids = []  # (its MTP layer's state went with its pages)
+        req.draft_token_ids = []  # (its draft head's state went with its pages)
+        req.draft_confidences = []
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 

@@ -92,6 +92,10 @@ class StepInputs:
     # [B, KVModel.token_lookback] int64: each request's tokens before its first row of the step,
     # the newest last, -1 before its sequence's start (None: the family reads none)
     lookback: torch.Tensor | None = None
+    # DSpark draft blocks (engine.layers.dspark): every span is one block of `block` rows, each
+    # of which attends to the sliding window before its block and to its whole block, and
+    # persists nowhere; 0: a step of the target (or an MTP pass), causal
+    block: int = 0
 
     @property
     def num_rows(self) -> int:

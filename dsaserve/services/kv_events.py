@@ -226,11 +226,16 @@ class CacheIndex(_RedisTask):
     # ---------------------------------------------------------------- routing
 
     def matched_tokens(
-        self, worker_ids: Sequence[str], prompt: Sequence[int], cache_salt: str | None = None
+        self,
+        worker_ids: Sequence[str],
+        prompt: Sequence[int],
+        cache_salt: str | None = None,
+        routed: bool = True,
     ) -> dict[str, int]:
         """Per worker, the tokens of `prompt` its cache holds as far as known (whole blocks from
         the start) in the namespace of `cache_salt`, as the worker hashes them (block_hash.
-        salted); 0 for a worker unknown, out of sync or silent for STALE_S."""
+        salted; `routed`: counting what was sent there lately, not only what the worker said it
+        holds); 0 for a worker unknown, out of sync or silent for STALE_S."""
         now, out = time.monotonic(), {}
         hashes: dict[tuple[bytes, int], list[bytes]] = {}  # by hashing parameters
         for worker_id in worker_ids:
@@ -242,7 +247,7 @@ class CacheIndex(_RedisTask):
             if params not in hashes:
                 hashes[params] = block_hashes(prompt, salted(w.salt, cache_salt), w.block)
             for h in hashes[params]:
-                if h not in w.hashes and w.routed.get(h, 0.0) < now:
+                if h not in w.hashes and (not routed or w.routed.get(h, 0.0) < now):
                     break
                 out[worker_id] += w.block
         return out

@@ -1,6 +1,6 @@
 """`dsaserve make-tiny-model DIR`: write a tiny random checkpoint of a served family (every layer
-kind of DeepSeek-V4 by default; `--model-type deepseek_v32` for DeepSeek-V3.2,
-`deepseek_v41` for DeepSeek-V4.1)."""
+kind of DeepSeek-V4 by default; `--model-type deepseek_v32` for DeepSeek-V3.2, `deepseek_v41` for
+DeepSeek-V4.1; `--draft dspark`: a V4 with a DSpark head)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ class MakeTinyModelSettings:
         "experts, FP8 Engram tables, the parts not served), sharded, a padded vocabulary",
         choices=FORMATS,
     )
+    draft: str = setting(
+        "mtp",
+        "the draft head (V4): mtp, the format's own (an MTP layer in the release format, none "
+        "in dense); dspark: a DSpark head in the release's layout (V4-Flash-0731's), for "
+        '--speculative-config \'{"method": "dspark"}\'',
+        choices=("mtp", "dspark"),
+    )
 
 
 Settings = MakeTinyModelSettings
@@ -40,4 +47,7 @@ Settings = MakeTinyModelSettings
 
 def run(s: MakeTinyModelSettings) -> None:
     tiny = importlib.import_module(f"{FAMILIES[s.model_type]}.tiny")
-    print(tiny.make_tiny_model(s.dir, seed=s.seed, fmt=s.format))
+    if s.draft != "mtp" and s.model_type != "deepseek_v4":
+        raise SystemExit(f"--draft {s.draft}: only deepseek_v4 tiny checkpoints carry one")
+    extra = {"draft": s.draft} if s.draft != "mtp" else {}
+    print(tiny.make_tiny_model(s.dir, seed=s.seed, fmt=s.format, **extra))

@@ -232,6 +232,7 @@ def run(s: UpSettings) -> None:
         }
         visible = visible_gpus() if s.engine.device == "cuda" else []
         placements = place(s, visible, model_splits(model, s.engine))
+        metrics = {role: _free_port() for role in ROLES}
         for role in ROLES:
             where = placements[role]
             gpus = f"GPUs {','.join(where.devices)}" if where.devices else s.engine.device
@@ -247,7 +248,7 @@ def run(s: UpSettings) -> None:
                 + engine_flags(engine)
                 + own
                 + ["--host", "127.0.0.1"]
-                + ["--port", str(_free_port()), "--metrics-port", str(_free_port())],
+                + ["--port", str(_free_port()), "--metrics-port", str(metrics[role])],
                 {**env, **sees},
             )
         router = []
@@ -261,7 +262,7 @@ def run(s: UpSettings) -> None:
         url = f"http://{'127.0.0.1' if s.host in ('0.0.0.0', '::') else s.host}:{s.port}"
         _wait_healthy(url, stack, s.startup_timeout, lambda: stopping)
         if not stopping:
-            _print_banner(url, model, s.api_keys)
+            _print_banner(url, model, s.api_keys, metrics)
         while not stopping:
             stack.check()
             time.sleep(0.2)
@@ -284,7 +285,7 @@ def _wait_healthy(url: str, stack: Stack, timeout: float, stopping: Callable[[],
         time.sleep(0.25)
 
 
-def _print_banner(url: str, model: str, api_keys: tuple[str, ...]) -> None:
+def _print_banner(url: str, model: str, api_keys: tuple[str, ...], metrics: dict[str, int]) -> None:
     name = os.path.basename(os.path.normpath(model))
     auth = f" -H 'Authorization: Bearer {api_keys[0]}'" if api_keys else ""
     body = json.dumps(
@@ -293,6 +294,10 @@ def _print_banner(url: str, model: str, api_keys: tuple[str, ...]) -> None:
     print(
         f"\ndsaserve is up: {url}  (model {name!r}; Ctrl-C stops everything)\n"
         f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
-        f"-d '{body}'\n",
+        f"-d '{body}'\n"
+        + "".join(
+            f"  {role} worker metrics: http://127.0.0.1:{port}/metrics\n"
+            for role, port in metrics.items()
+        ),
         flush=True,
     )

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
+from dsaserve.engine import models
 from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.kv.layout import (
+    KVBudgetError,
+    KVCacheConfig,
+    checkpoint_bytes,
+    default_checkpoint_rows,
+    scratch_bytes,
+    sequence_bytes,
+)
 from dsaserve.engine.llm import LLM
 from dsaserve.engine.llm_engine import LLMEngine
 from dsaserve.engine.request import RequestError
 from dsaserve.engine.sampling_params import SamplingParams
-from tests.engine_cases import PROMPTS, assert_all_free, drain
+from tests.engine_cases import PROMPTS, assert_all_free, byte_ids, drain
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -103,6 +114,32 @@ def test_request_that_can_never_fit_is_rejected(tiny):
     with pytest.raises(RequestError, match=r"KV pool, which has \d+; lower max_tokens"):
         engine.add_request("big", list(range(200)) * 10, SamplingParams(max_tokens=100))
     assert_all_free(engine)
+
+
+def test_max_num_seqs_is_lowered_to_what_the_budget_holds(tiny, caplog):
+    """The default max_num_seqs gives sequences' fixed state at most half of what the scratch
+    rows and checkpoints leave; an asked number is kept while the budget holds it beside some
+    context, else lowered; a budget that holds no sequence is refused, naming the flag."""
+    small = dict(kv_cache_memory_bytes=4 << 20, page_size=4, max_num_batched_tokens=32)
+    kv = KVCacheConfig(4 << 20, 4, 256, 32)
+    cfg = models.family(tiny).ModelConfig.from_dir(tiny)
+    ckpt = default_checkpoint_rows(cfg, kv, 4) * checkpoint_bytes(cfg, 4, 4)
+    half = (kv.memory_bytes - scratch_bytes(cfg, kv, 4) - ckpt) // 2
+    with caplog.at_level(logging.INFO, logger="dsaserve.engine.rank"):
+        engine = LLMEngine(tiny, EngineConfig(**small))
+    seqs = engine.config.max_num_seqs
+    assert seqs == half // sequence_bytes(cfg, kv, 4) < 256
+    assert engine.pool.slab.num_free == seqs  # (the dummy row taken)
+    assert f"max_num_seqs lowered from 256 to {seqs}" in caplog.text
+    engine.add_request("a", byte_ids(40, 1), GREEDY)
+    drain(engine)
+    assert_all_free(engine)
+    asked = LLMEngine(tiny, EngineConfig(**small, max_num_seqs=seqs + 1))
+    assert asked.config.max_num_seqs == seqs + 1
+    too_many = LLMEngine(tiny, EngineConfig(**small, max_num_seqs=10 * seqs))
+    assert seqs + 1 < too_many.config.max_num_seqs < 10 * seqs
+    with pytest.raises(KVBudgetError, match="raise --kv-cache-memory-bytes"):
+        LLMEngine(tiny, EngineConfig(**dict(small, kv_cache_memory_bytes=200_000)))
 
 
 def test_context_length_caps_prompt_plus_output(tiny):

@@ -75,7 +75,7 @@ def test_every_pool_is_a_view_of_one_arena_at_whole_cells() -> None:
     assert pool.slab_rows[2].sum() == sum(t[2].numel() for t in rings)
     assert pool.slab_rows[[0, 1, 3, 4]].abs().sum() == 0
     layout = pool.layout()
-    assert layout["version"] == 2 and [r[0] for r in layout["regions"][-2:]] == [SLAB, STAGING]
+    assert layout["version"] == 3 and [r[0] for r in layout["regions"][-2:]] == [SLAB, STAGING]
 
 
 def test_a_staged_state_lands_in_other_pages_byte_for_byte() -> None:
@@ -89,7 +89,7 @@ def test_a_staged_state_lands_in_other_pages_byte_for_byte() -> None:
     assert blocks is not None and len(blocks) > 2 * CHUNK_BLOCKS
 
     unpack = decode.unpacker(ours)
-    assert unpack.nbytes == prefill.cells(theirs).size * prefill.cell_bytes
+    assert unpack.nbytes == prefill.stream(theirs).size * prefill.cell_bytes
     move_staged(prefill, blocks, decode, unpack)
     for mine, other in zip(decode.regions(), prefill.regions(), strict=True):
         if mine.group == STAGING:
@@ -102,6 +102,21 @@ def test_a_staged_state_lands_in_other_pages_byte_for_byte() -> None:
     changed[decode.cells(ours)] = True
     kept = torch.from_numpy(~changed)
     assert torch.equal(decode.cell_rows[kept], before.view(decode.cell_rows.shape)[kept])
+
+
+def test_the_pages_a_reader_lacks_are_the_start_of_the_stream() -> None:
+    """The stream puts the newest pages first: leaving out the full entry pages of a prefix
+    (which a reader's cache holds) leaves the start of the whole stream, the bytes of the
+    pages left, so a pull of the rest reads the first blocks only."""
+    pool = _pool(4 << 20, 1 << 20)
+    pages = _churned(pool, 700, seed=1)
+    whole = pool.stream(pages)
+    assert np.array_equal(np.sort(whole), np.sort(pool.cells(pages)))  # every cell, once
+    for skip in (0, 3, 16, 64, 200, 650, 700):
+        part = pool.stream(pages, skip)
+        assert np.array_equal(part, whole[: part.size]), skip
+        assert part.size * pool.cell_bytes == pool.stream_bytes(pool.missing(pages, skip))
+    assert pool.stream(pages, 700).size < whole.size // 3
 
 
 def test_a_request_staged_by_one_engine_decodes_on_another_as_if_never_moved(tiny) -> None:

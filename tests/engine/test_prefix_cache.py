@@ -5,6 +5,7 @@ behind however the pools, the scheduler and the requests treat it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -21,7 +22,7 @@ from dsaserve.engine.prefix_cache.block_hash import block_hashes, cache_salt
 from dsaserve.engine.prefix_cache.checkpoint import CopyPlan
 from dsaserve.engine.request import RequestOutput, Status
 from dsaserve.engine.sampling_params import SamplingParams
-from tests.engine_cases import assert_all_free, byte_ids, drain, move_staged
+from tests.engine_cases import assert_all_free, byte_ids, drain, move, move_staged
 from tests.release_reference import ENGINE, TOKENS, release_ids
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -80,8 +81,15 @@ def test_a_resumed_request_computes_what_it_computes_from_zero(served, length):
     engine, rec = served
     x, tail = release_ids(length, length), release_ids(6, 10_000 + length)
     assert _check_against_zero(engine, rec, f"first{length}", x) == 0
+    answer = torch.stack(rec.rows[f"first{length}"]).argmax(-1).tolist()
+    if tail[0] == answer[0]:  # (else it would resume inside the answer's state, below)
+        tail[0] = (tail[0] + 1) % TOKENS
     # the next turn extends the prompt: it resumes at its very end
     assert _check_against_zero(engine, rec, f"extends{length}", x + tail) == length
+    # the next turn of a conversation: the answer's state was kept when it ended, up to its
+    # last token (sampled, never computed)
+    turn = x + answer + tail
+    assert _check_against_zero(engine, rec, f"turn{length}", turn) == length + len(answer) - 1
     # sent again: one token short of the end (something must be computed to sample)
     assert _check_against_zero(engine, rec, f"again{length}", x) == length - 1
     # the last shared token differs: resumed one short, where that token is recomputed
@@ -200,9 +208,20 @@ def test_deepseek_v32_resumes_wherever_a_prompt_parts_from_a_cached_one(tmp_path
     assert [_check_against_zero(small, rec, f"p{i}", p) for i, p in enumerate(prompts)] == [0] * 6
     cache = small.prefix_cache
     assert cache is not None and cache.stats.evictions and not cache.stats.host_loads
+    first = [n for n in _nodes(cache.root) if n.end <= 144 and _on_path(n, prompts[0])]
+    assert len(first) == 18 and all(n.host is not None for n in first)  # (on the host tier)
     assert _check_against_zero(small, rec, "back", prompts[0] + turn) == 150
-    assert cache.stats.host_loads == 1
+    assert all(n.host is None and n.pages for n in first)  # (back on the device)
     assert_all_free(small)
+
+
+def _on_path(node, tokens: list[int]) -> bool:  # type: ignore[no-untyped-def]
+    """Whether `node`'s prefix is the start of `tokens`."""
+    while node.parent is not None:
+        if tuple(tokens[node.end - len(node.tokens) : node.end]) != node.tokens:
+            return False
+        node = node.parent
+    return True
 
 
 @pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v32"])
@@ -252,7 +271,7 @@ def test_a_tiny_pool_evicts_and_still_answers_right(tiny):
         page_size=8,
         max_num_seqs=4,
         max_num_batched_tokens=64,
-        prefix_cache_checkpoint_memory_bytes=260_000,  # three checkpoints
+        prefix_cache_checkpoint_memory_bytes=440_000,  # five (answers leave some too)
     )
     plain = LLMEngine(tiny, EngineConfig(enable_prefix_caching=False, **tight))
     engine = LLMEngine(tiny, EngineConfig(**tight))
@@ -397,6 +416,70 @@ def test_a_resumed_prefill_only_request_moves_to_a_decode_engine_like_any_other(
     assert prefill.handoff.release("r")
     assert_all_free(prefill)
     assert_all_free(decode)
+
+
+@pytest.fixture(scope="module")
+def v32(tmp_path_factory):
+    return make_v32(tmp_path_factory.mktemp("v32-turns"))
+
+
+@pytest.mark.parametrize("family, via", [("v4", "staging"), ("v4", "pages"), ("v32", "staging")])
+def test_a_conversations_next_turn_computes_and_moves_only_its_new_tokens(request, family, via):
+    """A decode engine keeps what a turn computed (prompt and answer) when it ends. The next
+    turn's prefill engine borrows that state (a loan: the decode engine's checkpoint restored
+    into pages it holds, pulled but for the pages the prefill engine's cache holds) and computes
+    only the new tokens; the decode engine shares the full pages it kept and moves only the rest
+    (the ring pages, the slab row and the entry pages past them). A decode engine that lost the
+    conversation (its cache emptied) lends nothing and takes everything. Answers are those of an
+    engine that never moved anything; every page comes back. DeepSeek-V3.2 (no per-position
+    state, no ring) alike."""
+    model = request.getfixturevalue("tiny" if family == "v4" else "v32")
+    config = EngineConfig(page_size=8, max_num_batched_tokens=64)
+    prefill, decode = LLMEngine(model, config), LLMEngine(model, config)
+    alone = LLMEngine(model, dataclasses.replace(config, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    pool, conversation, computed, last_prompt = decode.pool, byte_ids(300, 40), 0, 0
+    for turn in range(4):
+        rid, lost = f"t{turn}", turn == 3
+        if lost:
+            assert decode.prefix_cache is not None
+            decode.prefix_cache.clear()
+        want = [t for o in _run(alone, rid, conversation, params) for t in o.new_token_ids]
+        have = prefill.loans.resume_position(conversation, params)
+        assert have == last_prompt
+        loan = decode.loans.lend("loan", conversation, have)
+        assert (loan is not None) == (0 < turn and not lost)
+        if loan is not None:
+            adopted = prefill.loans.adopt(rid, conversation, params, None, loan.num_tokens)
+            assert adopted is not None
+            move(decode.pool, loan, prefill.pool, adopted)
+            assert decode.handoff.release("loan")
+            prefill.loans.start(rid, loan.num_tokens)
+        else:
+            prefill.add_request(rid, conversation, params, prefill_only=True)
+        (out,) = drain(prefill)[rid]
+        # the previous turn's prompt and answer (but the answer's last token, sampled and never
+        # computed) when the decode engine kept them, else the previous prompt
+        assert out.cached_tokens == (have if lost or not turn else computed)
+        held = prefill.handoff.stage(rid) if via == "staging" else None
+        held = held or prefill.handoff.held_pages(rid)
+        reserved = decode.handoff.reserve(rid, conversation, out.new_token_ids[0], params)
+        assert reserved is not None
+        # the full pages of what the decode engine kept, block by block
+        assert reserved.reused_tokens == (0 if lost else computed // 8 * 8)
+        moved = move(prefill.pool, held, pool, reserved)
+        shared = sum(
+            (reserved.reused_tokens // g.ratio) // 8 for g in pool.groups.values() if g.ratio
+        )
+        assert moved == sum(len(reserved.pages[g]) for g in pool.groups) - shared
+        decode.handoff.join(rid)
+        got = out.new_token_ids + [t for o in drain(decode)[rid] for t in o.new_token_ids]
+        assert got == want
+        assert prefill.handoff.release(rid)
+        computed, last_prompt = len(conversation) + len(got) - 1, len(conversation)
+        conversation = conversation + got + byte_ids(40, 41 + turn)
+    for engine in (prefill, decode):
+        assert_all_free(engine)
 
 
 # ---------------------------------------------------------------- the pieces

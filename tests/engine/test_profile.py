@@ -302,6 +302,22 @@ def test_kernels_without_a_range_of_their_own_go_to_the_part_their_name_belongs_
     )
 
 
+def test_a_draft_heads_layers_count_as_drafting_split_by_kernel_class():
+    """Inside `draft` (a WHOLE part) the draft layers' own ranges do not take the time: the
+    report says what drafting costs, by kernel class."""
+    spans = [Span("draft", 0, 100), Span("attention", 10, 50), Span("sparse_mla", 20, 30)]
+    kernels = [
+        Kernel("_sparse_mla_decode_kernel", 22, 26),
+        Kernel("_rms_norm_kernel", 12, 13),
+        Kernel("gemm_of_a_draft_layer", 60, 70, part="draft"),
+    ]
+    cells = _device_cells(kernels, spans, wall=100)
+    assert cells[("draft", "attention")] == pytest.approx(4)
+    assert cells[("draft", "elementwise")] == pytest.approx(1)
+    assert cells[("draft", "gemm")] == pytest.approx(10)
+    assert not any(part in ("attention", "sparse_mla") for part, _ in cells)
+
+
 def test_the_innermost_span_wins_and_a_name_does_not_pull_a_kernel_out_of_it():
     # The indexer's own compressor: its compress kernel lies in the indexer span, not in the
     # layer's compressor part.

@@ -89,10 +89,13 @@ def test_synchronous_steps_decode_the_same_tokens(tiny: Path, reference: Referen
 @pytest.mark.parametrize(
     ("option", "error", "message"),
     [
-        (
-            {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
-            ConfigError,
-            "the deepseek_v41 family's draft head is not run here",
+        *(
+            (
+                {"speculative_config": {"method": method, "num_speculative_tokens": 1}},
+                ConfigError,
+                "the deepseek_v41 family's draft head is not run here",
+            )
+            for method in ("mtp", "dspark")
         ),
         (
             {"kv_cache_dtype": "fp8"},

@@ -405,3 +405,29 @@ def test_scales_that_are_not_powers_of_two_are_refused(family, tmp_path):
         model = family.package.build_model(cfg, dtype, torch.device("cpu"), quantized=quantized)
         with pytest.raises(WeightsError, match="q_b_proj.*not all positive powers of two"):
             family.package.load_weights(model, path)
+
+
+# ---------------------------------------------------------------- DeepSeek-V4.1's own
+
+V41_DSPARK = {  # the release's DSpark fields (shared/reference/v41-dspark.md section 1.3)
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 257,
+    "dspark_target_layer_ids": [5, 6, 7],
+    "dspark_markov_rank": 16,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 3,
+}
+
+
+@families("deepseek_v41")
+def test_v41_reads_its_dspark_head_as_v4_does(family):
+    """The DSpark head's fields are read and checked by the spec V4's head uses (the seam a V4.1
+    drafter fills); the head itself is not run: no draft layers in the config."""
+    cfg = family.package.ModelConfig.from_hf(family.tiny.tiny_config(272) | V41_DSPARK)
+    assert cfg.dspark is not None and cfg.dspark.target_layer_ids == (5, 6, 7)
+    assert (cfg.dspark.block_size, cfg.dspark.num_experts_per_tok) == (5, 3)
+    assert not hasattr(cfg, "draft_layers")
+    wrong = family.tiny.tiny_config(272) | V41_DSPARK | {"dspark_target_layer_ids": [7, 9]}
+    with pytest.raises(ConfigError, match="`dspark_target_layer_ids`"):
+        family.package.ModelConfig.from_hf(wrong)

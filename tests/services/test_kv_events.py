@@ -173,3 +173,32 @@ async def test_cache_aware_prefers_the_holder_within_the_bound(redis_url) -> Non
         assert CacheAware(None).choose([a, b], {}, hot).worker_id == "b"  # no index: least load
     finally:
         await index.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_decode_worker_gets_the_conversation_it_holds_while_it_has_room(redis_url) -> None:
+    """cache_aware over decode workers: the one holding the prompt's start takes it while its
+    KV use is under the room predicate (the router's --decode-kv-threshold), else the least
+    loaded; what a router just sent somewhere counts only where asked (`routed`)."""
+    turn, other = byte_ids(64, 10), byte_ids(64, 11)
+    index = CacheIndex(redis_url, lambda: ["d1", "d2"])
+    index.start()
+    try:
+        await add(redis_url, "d1", CacheEvent("i", 1, True, held([turn]), salt=SALT, block=BLOCK))
+        await add(redis_url, "d2", CacheEvent("i", 1, True, [], salt=SALT, block=BLOCK))
+        await wait_until(lambda: index.matched_tokens(["d1"], turn)["d1"] == 64, "the resets")
+
+        def decode(worker_id: str, used: int, running: int = 0) -> WorkerRecord:
+            load = Load(running=running, free_pages=100 - used, total_pages=100)
+            return WorkerRecord(worker_id, "decode", f"{worker_id}:1", "m", "L", "a", load=load)
+
+        room = lambda w: w.load.total_pages - w.load.free_pages <= 0.9 * w.load.total_pages
+        policy = CacheAware(index, bound=4, room=room)
+        assert policy.choose([decode("d1", 50, 1), decode("d2", 0)], {}, turn).worker_id == "d1"
+        # the holder is full: the other, busier as it is
+        assert policy.choose([decode("d1", 95), decode("d2", 0, 1)], {}, turn).worker_id == "d2"
+        index.routed("d2", other)
+        assert index.matched_tokens(["d2"], other) == {"d2": 64}
+        assert index.matched_tokens(["d2"], other, routed=False) == {"d2": 0}
+    finally:
+        await index.stop()

@@ -12,9 +12,9 @@ import pytest
 
 from dsaserve.engine.config import EngineConfig
 from dsaserve.services.auth import token_metadata
-from dsaserve.services.prefill.leases import LeaseTable
 from dsaserve.services.prefill.service import PrefillService
 from dsaserve.services.rpc import grpc_api, pb
+from dsaserve.services.worker.leases import LeaseTable
 from dsaserve.services.worker.process import Worker, now_ms
 from dsaserve.services.worker.settings import PrefillSettings
 from tests.serving_stack import slow_profile

@@ -9,6 +9,7 @@ import pytest
 
 from dsaserve.engine.load import Load
 from dsaserve.services.registry import WorkerRecord
+from dsaserve.services.router.conversations import Conversations
 from dsaserve.services.router.policy import (
     POLICIES,
     LeastLoad,
@@ -84,3 +85,24 @@ def test_make_policy_builds_every_listed_policy(name: str) -> None:
 def test_make_policy_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="round_robin"):
         make_policy("fastest")
+
+
+def test_conversations_name_the_decode_worker_of_the_generation_a_prompt_continues() -> None:
+    """The router's record of finished generations: a prompt that starts with all of one's
+    tokens and goes on finds its decode worker and its length, the longest such one first
+    (inside a block as well as across one); the oldest are forgotten past the capacity."""
+    tokens = list(range(1, 400))
+    record = Conversations(capacity=3)
+    record.decoded("d1", tokens[:130])  # ends inside a block
+    assert record.holder(tokens[:200]) == ("d1", 130)
+    assert record.holder(tokens[:131]) == ("d1", 130)
+    assert record.holder(tokens[:130]) is None  # (sent again: nothing past it)
+    assert record.holder([0] + tokens[1:200]) is None  # another conversation
+    assert record.holder(tokens[:200], "tenant-b") is None  # another namespace
+    record.decoded("d9", tokens[:130], "tenant-b")
+    assert record.holder(tokens[:200], "tenant-b") == ("d9", 130)
+    record.decoded("d2", tokens[:192])  # ends at a block's end
+    assert record.holder(tokens[:300]) == ("d2", 192)
+    record.decoded("d3", [7, 8, 9])
+    assert record.holder(tokens[:140]) is None  # d1's, the oldest, forgotten
+    assert record.holder(tokens[:300]) == ("d2", 192)

@@ -22,7 +22,8 @@ from dsaserve.kernels.kv_quant import KV_DIM, KV_ROPE, V32_DIM, index_token_byte
 SLAB = "slab"
 STAGING = "staging"
 STAGING_SHARE = 16  # by default staged requests get 1/16 of the budget left after fixed costs
-CHECKPOINT_SHARE = 8  # prefix caching: checkpoints get 1/8 of the budget left after fixed costs
+CHECKPOINT_SHARE = 8  # prefix caching: checkpoints get 1/8 of the budget past the scratch rows
+SEQUENCE_SHARE = 2  # sequences' fixed state: at most 1/2 of what scratch rows and checkpoints leave
 
 
 class KVBudgetError(ValueError):
@@ -169,6 +170,18 @@ def ring_pages(model: KVModel, page_size: int, spare: int = 0) -> int:
     return math.ceil((model.sliding_window + spare) / page_size)
 
 
+def pages_past(model: KVModel, page_size: int, tokens: int, held: int, spare: int = 0) -> int:
+    """Pages, over every group, of a request of `tokens` computed tokens but the full entry
+    pages of its first `held` (which a reader's prefix cache holds): every window ring page,
+    and the entry pages past those. What a decode worker pulls (KVPool.missing)."""
+    ring = ring_pages(model, page_size, spare)
+    return sum(
+        ring
+        + (-(-(tokens // g.ratio) // page_size) - (held // g.ratio) // page_size if g.ratio else 0)
+        for g in model.kv_groups()
+    )
+
+
 def row_bytes(model: KVModel, esize: int, fp8: bool = False) -> tuple[int, int]:
     """Bytes of one cached row: (attention entry or window row, index key); model-dtype rows of
     esize-byte elements, or kernels.kv_quant's FP8 rows (584 for V4's, 656 for V3.2's; Di + 4)."""
@@ -242,30 +255,56 @@ def ring_elems(model: KVModel, spare: int = 0) -> int:
     return sum(2 * (r.rows + spare) * r.features for r in model.compressor_rings())
 
 
+def scratch_bytes(model: KVModel, kv_cfg: KVCacheConfig, esize: int) -> int:
+    """What the scratch rows and trash rows behind every layer's pages cost (a step's rows)."""
+    P, B = kv_cfg.page_size, scratch_rows(model, kv_cfg)
+    kv_row, index_row = row_bytes(model, esize, kv_cfg.fp8)
+    total = 0
+    for g in model.kv_groups():
+        if kv_cfg.fp8:  # scratch + trash rows in whole pages, the index trash row in a page
+            extra = scratch_pages(P, B) * P * kv_row + (P * index_row if g.indexed else 0)
+        else:
+            extra = (B + 2) * group_row_bytes(model, g, esize)
+        total += extra * len(g.layers)
+    return total
+
+
+def sequence_bytes(model: KVModel, kv_cfg: KVCacheConfig, esize: int) -> int:
+    """What a sequence holds whatever its length: its window ring's pages and one open entry page
+    in every group, and its slab row (every compressor's rings)."""
+    P = kv_cfg.page_size
+    ring = ring_pages(model, P, kv_cfg.speculative_tokens)
+    pages = sum(
+        (ring + (1 if g.ratio else 0))
+        * P
+        * group_row_bytes(model, g, esize, kv_cfg.fp8)
+        * len(g.layers)
+        for g in model.kv_groups()
+    )
+    return pages + ring_elems(model, kv_cfg.speculative_tokens) * esize
+
+
 def _fixed_and_per_token(
     model: KVModel, kv_cfg: KVCacheConfig, esize: int
 ) -> tuple[float, float, dict[str, tuple[int, int]]]:
     """(fixed bytes, bytes a token of capacity costs, group -> (base pages, ratio)) of a plan:
-    scratch, slab rows, each sequence's ring pages plus one partial page per compressed group,
-    each checkpoint's ring pages."""
-    P, S, B = kv_cfg.page_size, kv_cfg.max_num_seqs, scratch_rows(model, kv_cfg)
-    spare = kv_cfg.speculative_tokens
-    ring = ring_pages(model, P, spare)
-    kv_row, index_row = row_bytes(model, esize, kv_cfg.fp8)
-    fixed, per_token, pages = 0.0, 0.0, {}
+    scratch, each sequence's fixed state (`sequence_bytes`), each checkpoint's."""
+    P, S = kv_cfg.page_size, kv_cfg.max_num_seqs
+    ring = ring_pages(model, P, kv_cfg.speculative_tokens)
+    per_token, pages = 0.0, {}
     for g in model.kv_groups():
-        row = group_row_bytes(model, g, esize, kv_cfg.fp8)
-        page = P * row * len(g.layers)
-        base_pages = S * (ring + (1 if g.ratio else 0)) + kv_cfg.checkpoint_rows * ring
-        pages[g.name] = (base_pages, g.ratio)
-        if kv_cfg.fp8:  # scratch + trash rows in whole pages, the index trash row in a page
-            extra = scratch_pages(P, B) * P * kv_row + (P * index_row if g.indexed else 0)
-        else:
-            extra = (B + 2) * row
-        fixed += base_pages * page + extra * len(g.layers)
+        pages[g.name] = (
+            S * (ring + (1 if g.ratio else 0)) + kv_cfg.checkpoint_rows * ring,
+            g.ratio,
+        )
         if g.ratio:
-            per_token += page / (g.ratio * P)
-    fixed += (S + kv_cfg.checkpoint_rows) * ring_elems(model, spare) * esize
+            per_token += group_row_bytes(model, g, esize, kv_cfg.fp8) * len(g.layers) / g.ratio
+    each = checkpoint_bytes(model, P, esize, kv_cfg.fp8, kv_cfg.speculative_tokens)
+    fixed = (
+        scratch_bytes(model, kv_cfg, esize)
+        + S * sequence_bytes(model, kv_cfg, esize)
+        + kv_cfg.checkpoint_rows * each
+    )
     return fixed, per_token, pages
 
 
@@ -283,15 +322,44 @@ def checkpoint_bytes(
 
 
 def default_checkpoint_rows(model: KVModel, kv_cfg: KVCacheConfig, esize: int) -> int:
-    """Checkpoints for prefix caching: 1/CHECKPOINT_SHARE of the budget left after the other
-    fixed costs; none for a family that keeps no per-position state (a checkpoint of it would
-    hold nothing)."""
+    """Checkpoints for prefix caching: 1/CHECKPOINT_SHARE of the budget past the scratch rows,
+    whatever max_num_seqs is (taken after the sequences' fixed state, at the default 256 they
+    left one checkpoint of the demo model's 512 MiB, and the cache kept almost nothing); none
+    for a family that keeps no per-position state (a checkpoint of it would hold nothing)."""
     each = checkpoint_bytes(model, kv_cfg.page_size, esize, kv_cfg.fp8, kv_cfg.speculative_tokens)
     if each == 0:
         return 0
-    fixed, _, _ = _fixed_and_per_token(model, kv_cfg, esize)
-    spare = kv_cfg.memory_bytes - fixed
-    return max(0, int(spare)) // CHECKPOINT_SHARE // each
+    spare = kv_cfg.memory_bytes - scratch_bytes(model, kv_cfg, esize)
+    return max(0, spare) // CHECKPOINT_SHARE // each
+
+
+def fit_max_num_seqs(
+    model: KVModel, kv_cfg: KVCacheConfig, esize: int, share: int = SEQUENCE_SHARE
+) -> int:
+    """The most sequences, up to max_num_seqs, whose fixed state (`sequence_bytes`) takes at
+    most 1/share of what the scratch rows and the checkpoints leave of the budget, and less
+    than all of it (share 1: an asked number, lowered only where it leaves nothing for
+    context). The default share, SEQUENCE_SHARE, keeps the other half for context and staging:
+    a sequence's fixed state is worth thousands of tokens of context on a small model, and
+    at 256 sequences it took 97% of the demo model's default budget. Raises KVBudgetError,
+    naming the flags, when not one fits."""
+    each = checkpoint_bytes(model, kv_cfg.page_size, esize, kv_cfg.fp8, kv_cfg.speculative_tokens)
+    scratch = scratch_bytes(model, kv_cfg, esize)
+    left = kv_cfg.memory_bytes - scratch - kv_cfg.checkpoint_rows * each
+    seq = sequence_bytes(model, kv_cfg, esize)
+    fits = max(0, left - 1) // (share * seq)
+    if fits < 1:
+        raise KVBudgetError(
+            f"KV cache budget of {kv_cfg.memory_bytes / 2**20:.1f} MiB leaves "
+            f"{max(0, left) / 2**20:.1f} MiB past the scratch rows of "
+            f"--max-num-batched-tokens {kv_cfg.max_num_batched_tokens} "
+            f"({scratch / 2**20:.1f} MiB) and the prefix cache's checkpoints "
+            f"({kv_cfg.checkpoint_rows * each / 2**20:.1f} MiB): too little for one sequence "
+            f"({seq / 2**20:.2f} MiB of fixed state and its context); raise "
+            "--kv-cache-memory-bytes or lower --max-num-batched-tokens or "
+            "--prefix-cache-checkpoint-memory-bytes"
+        )
+    return min(kv_cfg.max_num_seqs, fits)
 
 
 def plan_pages(

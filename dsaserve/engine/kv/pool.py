@@ -306,11 +306,11 @@ class KVPool:
         return out
 
     def cells(self, pages: Mapping[str, Sequence[int]]) -> np.ndarray:
-        """The arena cells of a request's KV state in stream order: region by region (in
-        `regions()` order), the request's pages in its page-table order. [n] int64.
+        """The arena cells of pages, region by region (in `regions()` order), each region's
+        pages in the order given: what the prefix cache's copies and the host tier move
+        (a request's transfer order is `stream`'s). [n] int64.
 
-        pages: group -> page ids, the slab row under "slab" (as `Handoff.held_pages`); a
-        group left out adds nothing."""
+        pages: group -> page ids, slab rows under "slab"; a group left out adds nothing."""
         parts = []
         for group, (first, per) in self._page_cells.items():
             ids = np.asarray(pages.get(group, ()), dtype=np.int64)
@@ -321,6 +321,60 @@ class KVPool:
             parts.append(np.repeat(starts, lengths) + np.arange(lengths.sum()) - skip)
         return np.concatenate(parts)
 
+    def stream(self, pages: Mapping[str, Sequence[int]], skip: int = 0) -> np.ndarray:
+        """The arena cells of a request's KV state in transfer order, what staging packs and a
+        pull unpacks: its slab row, each group's window ring pages, then its entry pages from
+        the newest to the oldest (by the position each page's entries end at; ties in group
+        order), a page's regions together. [n] int64.
+
+        Why newest first: a reader that already holds a prefix's full entry pages (a decode
+        worker's cache, `missing`) lacks exactly those ending past the prefix, so what it
+        pulls is the start of the stream: `skip` leaves out the pages of the first `skip`
+        tokens, and the rest is a prefix of the whole.
+
+        pages: group -> page ids in page-table order (ring pages, then entry pages), the slab
+        row under "slab" (as `Handoff.held_pages`)."""
+        units: list[tuple[int, int, int, int]] = []  # (-end, group order, page order, page id)
+        order = list(self._page_cells)
+        for rank, group in enumerate(order):
+            table = list(pages.get(group, ()))
+            if group == SLAB:
+                units += [(-(1 << 62), rank, k, i) for k, i in enumerate(table)]
+                continue
+            ring, ratio = self.ring_pages, self.groups[group].ratio
+            units += [(-(1 << 61), rank, k, i) for k, i in enumerate(table[:ring])]
+            for k, i in enumerate(table[ring:]):
+                end = (k + 1) * self.page_size * ratio
+                if end > skip:
+                    units.append((-end, rank, k, i))
+        units.sort()
+        ids = np.array([u[3] for u in units], dtype=np.int64)
+        groups = np.array([u[1] for u in units], dtype=np.int64)
+        # Runs of cells, unit by unit and in each unit region by region: run (u, r) starts at
+        # first[r] + ids[u] * per[r] of the unit's group.
+        runs = np.array([self._page_cells[g].shape[1] for g in order], np.int64)[groups]
+        at = np.cumsum(runs) - runs  # each unit's first run
+        starts, lengths = np.zeros((2, int(runs.sum())), np.int64)
+        for rank, group in enumerate(order):
+            first, per = self._page_cells[group]
+            mine = np.flatnonzero(groups == rank)
+            slots = at[mine, None] + np.arange(per.size)[None, :]  # [units, regions]
+            starts[slots] = first[None, :] + ids[mine, None] * per[None, :]
+            lengths[slots] = per[None, :]
+        offset = np.repeat(np.cumsum(lengths) - lengths, lengths)  # each cell's run offset
+        return np.repeat(starts, lengths) + np.arange(lengths.sum()) - offset
+
+    def missing(self, pages: Mapping[str, Sequence[int]], skip: int) -> dict[str, list[int]]:
+        """A request's pages (as `stream` takes them) but the full entry pages of its first
+        `skip` tokens, which a reader sharing them from its own cache already holds."""
+        out: dict[str, list[int]] = {}
+        for group, ids in pages.items():
+            ratio = self.groups[group].ratio if group in self.groups else 0
+            held = (skip // ratio) // self.page_size if ratio else 0
+            ring = self.ring_pages if group in self.groups else 0
+            out[group] = [*ids[:ring], *ids[ring + held :]]
+        return out
+
     def stream_bytes(self, pages: Mapping[str, Sequence[int]]) -> int:
         """Bytes of a request's KV state: cells(pages).size * cell_bytes, without the cells."""
         cells = sum(
@@ -329,19 +383,20 @@ class KVPool:
         return cells * self.cell_bytes
 
     def stage(self, pages: Mapping[str, Sequence[int]]) -> list[int] | None:
-        """Pack a request's KV state into free staging blocks (see KVStaging.stage)."""
-        return self.staging.stage(self.cell_rows, self.cells(pages))
+        """Pack a request's KV state into free staging blocks, in `stream` order (see
+        KVStaging.stage)."""
+        return self.staging.stage(self.cell_rows, self.stream(pages))
 
-    def unpacker(self, pages: Mapping[str, Sequence[int]]) -> Unpacker:
-        """What scatters a pulled stream into these pages (see KVStaging.unpacker)."""
-        return self.staging.unpacker(
-            self.cell_rows, self.stream_bytes(pages), lambda: self.cells(pages)
-        )
+    def unpacker(self, pages: Mapping[str, Sequence[int]], skip: int = 0) -> Unpacker:
+        """What scatters a pulled stream (its first part, where `skip` leaves out the reader's
+        own pages: `stream`) into these pages (see KVStaging.unpacker)."""
+        nbytes = self.stream_bytes(self.missing(pages, skip))
+        return self.staging.unpacker(self.cell_rows, nbytes, lambda: self.stream(pages, skip))
 
     def layout(self) -> dict:
         """What must agree between two workers for their pages to be interchangeable."""
         return {
-            "version": 2,  # 2: one slab region, the staging blocks, the stream order of `cells`
+            "version": 3,  # 3: the `stream` order, newest pages first
             "family": self.cfg.family,
             "dtype": str(self.dtype).removeprefix("torch."),
             # how rows are stored: a bf16 and an FP8 worker must never pair (their region

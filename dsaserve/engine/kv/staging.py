@@ -30,9 +30,10 @@ Memory: staged requests get 1/16 of the KV budget left after fixed costs (or
 KVCacheConfig.staging_bytes); the ring (RING_SLOTS chunks, 100 MB on V4-Flash) is outside the
 budget. A decode worker only uses the ring: its share for staged requests sits idle.
 
-Stream: the request's pages region by region in `KVPool.regions()` order (each layer's pages in
-page-table order, then the slab row), which is what a page READ moves too; block i of a request
-holds bytes [i * block_bytes, (i + 1) * block_bytes) of it. Both workers derive the stream from
+Stream: `KVPool.stream`'s order, the slab row, the window ring pages, then the entry pages from
+the newest to the oldest (each page's regions together), so a reader whose prefix cache holds a
+prefix's full pages pulls the stream's first blocks only; block i of a request holds bytes
+[i * block_bytes, (i + 1) * block_bytes) of it. Both workers derive the stream from
 the layout they share (its hash covers regions, their order and the block size), so only block
 ids travel. The ring and its chunk size are the puller's own.
 

@@ -15,9 +15,10 @@ the checkpoint tensor along one dim (read as a slice, so a rank never holds the 
 quantized codes and their block scales are cut at the same block boundary, dequantized ones are
 cut after dequantization); stacked experts marked by shard_experts take only their range.
 
-The multi-token-prediction layers (`mtp.N.*`) load when the checkpoint has any of their tensors;
-a checkpoint without them drops them from the model. Anything else missing, unexpected,
-mis-shaped or in the wrong format is reported in one error.
+A model's optional modules (its draft heads: the multi-token-prediction layers `mtp`, a DSpark
+head; `optional_modules`) load when the checkpoint has any of their tensors; a checkpoint without
+them drops them from the model, and the tensors of one the model did not build are not read.
+Anything else missing, unexpected, mis-shaped or in the wrong format is reported in one error.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ class LoadableModel(Protocol):
     """What the loader reads of a family's model besides its parameters."""
 
     tp: TensorParallel
-    mtp: torch.nn.ModuleList  # the multi-token-prediction layers (dropped when not stored)
+    # dotted names of submodules dropped when not stored (a ModuleList is emptied, a module
+    # set to None); their tensors are skipped where the model has none
+    optional_modules: tuple[str, ...]
 
     def state_dict(self, *, keep_vars: bool) -> dict[str, Any]: ...
 
@@ -172,12 +175,27 @@ def load_checkpoint(
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
         keys = {key: h for h in handles for key in h.keys()}
-        mtp = [k for k in keys if target(k).param.startswith("mtp.") and not skip(k)]
-        if not mtp:
-            if len(model.mtp):
-                log.info("the checkpoint has no MTP tensors: its MTP layers are not loaded")
-            model.mtp = torch.nn.ModuleList()
-        loader = _Loader(model, keys, target, skip, fp8_block)
+        params = [target(k).param for k in keys if not skip(k)]
+        absent = []  # prefixes of optional modules the model has not (or no longer)
+        for name in model.optional_modules:
+            prefix = name + "."
+            parent, _, leaf = name.rpartition(".")
+            owner: Any = model
+            for part in parent.split(".") if parent else ():
+                owner = getattr(owner, part, None)
+            module = getattr(owner, leaf, None)
+            if (
+                module is not None
+                and len(list(module.parameters()))
+                and not any(p.startswith(prefix) for p in params)
+            ):
+                log.info("the checkpoint stores no %s tensors: not loaded", name)
+                empty = isinstance(module, torch.nn.ModuleList)
+                setattr(owner, leaf, torch.nn.ModuleList() if empty else None)
+                module = None
+            if module is None or not len(list(module.parameters())):
+                absent.append(prefix)
+        loader = _Loader(model, keys, target, skip, fp8_block, tuple(absent))
         total = sum(os.path.getsize(f) for f in files)
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="loading weights", disable=total < 2**30
@@ -207,12 +225,14 @@ class _Loader:
         target: Callable[[str], Target],
         skip: Callable[[str], bool],
         fp8_block: int,
+        absent: tuple[str, ...],
     ) -> None:
-        self.tp, self.target, self.skip, self.fp8_block = model.tp, target, skip, fp8_block
+        """absent: parameter prefixes of optional modules the model does not have."""
+        self.tp, self.target, self.skip, self.absent = model.tp, target, skip, absent
+        self.fp8_block = fp8_block
         # parameters and persistent buffers (not the tables a module computes, as RoPE's)
         self.state: dict[str, torch.Tensor] = model.state_dict(keep_vars=True)
         self.keys = keys  # checkpoint name -> the open file holding it
-        self.mtp = len(model.mtp) > 0  # (config.json may turn the checkpoint's MTP layers off)
         self.scale_of = {
             key.removesuffix(suffix) + ".weight": key
             for key in keys
@@ -232,7 +252,7 @@ class _Loader:
         if key in self.scales or self.skip(key):
             return 0
         target = self.target(key)
-        if not self.mtp and target.param.startswith("mtp."):
+        if target.param.startswith(self.absent):  # (config.json turned that head off)
             return 0
         param = self.state.get(target.param)
         if param is None:

@@ -239,6 +239,15 @@ class PrefixCache:
         best = max(candidates, key=lambda hit: hit.position)
         return best if best.position >= 1 else None
 
+    def lookup_pages(self, req: Request, limit: int | None = None) -> Hit | None:
+        """Where a request whose state arrives from elsewhere (a transfer brings its rings,
+        slab row and open pages) can share the full entry pages of its prompt (of its first
+        `limit` tokens): the deepest cached node it starts with (None: none)."""
+        node = self._walk(req, req.prompt_token_ids[:limit])
+        while node.parent is not None and node.step >= self._step:
+            node = node.parent
+        return None if node.parent is None else Hit(node.end, node)
+
     def shared_length(self, req: Request) -> int:
         """How many of `req`'s leading tokens some cached prefix shares (checkpoint or not)."""
         tokens = known_tokens(req)
@@ -392,25 +401,53 @@ class PrefixCache:
         (restorable after this step), their pages taken from the free ones or by evicting older
         checkpoints (skipped where neither gives room); plans the copy of the request's rings as
         of `start`, which the step completes (engine.prefix_cache.checkpoint)."""
-        pool = self.pool
         tokens = known_tokens(req)
         out = []
-        rows = 0 if self.stateless else 1
-        for c in self.capture_positions(req, start, n):
+        # (deepest first: where rows run short, the prompt's end is what a repeat resumes from)
+        for c in reversed(self.capture_positions(req, start, n)):
             if c > len(tokens) or self._holds(req, tokens, c):
                 continue
-            if not self.make_room(dict.fromkeys(pool.groups, pool.ring_pages), rows):
+            ck = self._checkpoint(req, tokens, c, plan, self._step)
+            if ck is None:
                 break
-            if self.stateless:  # (nothing of its own to copy: its nodes take the pages)
-                self._register(req, tokens, c, dict.fromkeys(pool.groups, []), None)
-                continue
-            ring = {g: self._alloc(g, pool.ring_pages) for g in pool.groups}
-            slab = pool.checkpoint_slab.allocate(1, cached=True)[0]
-            self._register(req, tokens, c, ring, slab)
-            now = {g: req.page_tables[g][: pool.ring_pages] for g in pool.groups}
-            plan.add({**now, SLAB: [req.slab_row]}, {**ring, SLAB: [slab]})
-            out.append(Capture(c, slab, ring))
+            if ck.slab is not None:
+                out.append(Capture(c, ck.slab, ck.ring))
         return tuple(out)
+
+    def keep(self, req: Request) -> CopyPlan:
+        """What a request that ran to its end computed stays: the full entry pages of its known
+        tokens on their nodes and a checkpoint of its state at its last computed position
+        (its prompt and answer: what its conversation's next turn starts with), where room can
+        be made. Returns the copies, which must run before its pages are written again (on the
+        engine's stream, before any later step or transfer)."""
+        tokens = known_tokens(req)
+        c = min(req.num_computed, len(tokens))
+        step_plan, self._plan = self._plan, CopyPlan()  # (evictions' saves go with the copies)
+        try:
+            if c >= 1 and not self._holds(req, tokens, c):
+                # (whole once these copies have run, before any later step: resumable at once)
+                self._checkpoint(req, tokens, c, self._plan, self._step - 1)
+            return self._plan
+        finally:
+            self._plan = step_plan
+
+    def _checkpoint(
+        self, req: Request, tokens: Sequence[int], c: int, plan: CopyPlan, step: int
+    ) -> Checkpoint | None:
+        """Register a checkpoint of `req` at `c`, whole after step `step`, and plan the copy of
+        its rings as they are into the checkpoint's own (a stateless family's owns none); None
+        without room."""
+        pool = self.pool
+        rows = 0 if self.stateless else 1
+        if not self.make_room(dict.fromkeys(pool.groups, pool.ring_pages), rows):
+            return None
+        if self.stateless:  # (nothing of its own to copy: its nodes take the pages)
+            return self._register(req, tokens, c, dict.fromkeys(pool.groups, []), None, step)
+        ring = {g: self._alloc(g, pool.ring_pages) for g in pool.groups}
+        slab = pool.checkpoint_slab.allocate(1, cached=True)[0]
+        now = {g: req.page_tables[g][: pool.ring_pages] for g in pool.groups}
+        plan.add({**now, SLAB: [req.slab_row]}, {**ring, SLAB: [slab]})
+        return self._register(req, tokens, c, ring, slab, step)
 
     def _holds(self, req: Request, tokens: Sequence[int], c: int) -> bool:
         """Whether a checkpoint at `c` of these tokens exists."""
@@ -444,6 +481,7 @@ class PrefixCache:
         c: int,
         ring: dict[str, list[int]],
         slab: int | None,
+        step: int,
     ) -> Checkpoint:
         node = self._path(req, tokens, c // self.block, create=True)
         assert node is not None, "a hash collision with a cached prefix"
@@ -456,12 +494,12 @@ class PrefixCache:
                 holder = chain[(k + 1) * self._page_tokens[g] // B]
                 if g not in holder.pages and g not in holder.host_groups:
                     holder.pages[g] = table[first + k]
-                    holder.step = self._step
+                    holder.step = step
                     alloc.incref([holder.pages[g]], cached=True)
             if (c // r) % P:
                 opened[g] = table[first + (c // r) // P]
                 alloc.incref([opened[g]], cached=True)
-        ck = Checkpoint(c, node, tuple(tokens[node.end : c]), ring, slab, opened, self._step)
+        ck = Checkpoint(c, node, tuple(tokens[node.end : c]), ring, slab, opened, step)
         node.checkpoints.append(ck)
         self._lru[ck] = None
         self._count_device(node, +1)

@@ -15,7 +15,9 @@ Python between ops). A kernel's part is, in this order of trust:
    part is the one found or lies inside it (a sparse-MLA kernel in `attention` is in
    `sparse_mla`; a range of Triton launches only has no annotation of its own); a name that
    points outside the part found (the compressor kernel inside `indexer`: the indexer's own
-   compressor) does not move it.
+   compressor) does not move it;
+4. inside a WHOLE part (`draft`: a draft head's layers), that part, its class still the one the
+   innermost part gives.
 
 Classes: communication (NCCL kernels, gloo / c10d ops), attention (the sparse-MLA kernel, and
 everything under `sparse_mla`), indexer (scoring + top-k, everything under `indexer_topk`), moe
@@ -29,7 +31,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dsaserve.engine.profile.ranges import PARTS, PREFIX
+from dsaserve.engine.profile.ranges import PARTS, PREFIX, WHOLE
 
 OTHER = "other"  # part: work outside every range
 HOST = "host"  # part and class: step time no kernel / op covers
@@ -103,6 +105,7 @@ class Kernel:
     start: float
     end: float
     part: str | None = None  # the launching op's innermost part (OTHER: none); None: not linked
+    whole: str | None = None  # the WHOLE part enclosing the launching op, if any
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class CpuOp:
     name: str
     self_us: float
     part: str  # its innermost part (its own, for a range)
+    whole: str | None = None  # the WHOLE part enclosing it, if any
 
 
 Cells = dict[tuple[str, str], float]  # (part, class) -> µs (or ms)
@@ -179,6 +183,13 @@ class Timeline:
                 return self.spans[i].part
         return None
 
+    def whole(self, t: float) -> str | None:
+        """The WHOLE part whose span contains time t, if any."""
+        for i in range(bisect.bisect_right(self.starts, t) - 1, -1, -1):
+            if self.spans[i].end > t and self.spans[i].part in WHOLE:
+                return self.spans[i].part
+        return None
+
 
 def kernel_part(kernel: Kernel, timeline: Timeline) -> str:
     part = kernel.part if kernel.part not in (None, OTHER) else None
@@ -198,7 +209,8 @@ def attribute_device(kernels: Iterable[Kernel], spans: Iterable[Span], wall_us: 
     busy = 0.0
     for k in kernels:
         part = kernel_part(k, timeline)
-        key = (part, kernel_class(k.name, part))
+        whole = k.whole or timeline.whole((k.start + k.end) / 2)
+        key = (whole or part, kernel_class(k.name, part))
         cells[key] = cells.get(key, 0.0) + (k.end - k.start)
         busy += k.end - k.start
     cells[HOST, HOST] = max(0.0, wall_us - busy)
@@ -213,7 +225,7 @@ def attribute_cpu(ops: Iterable[CpuOp], wall_us: float) -> Cells:
     covered = 0.0
     for op in ops:
         cls = HOST if range_part(op.name) else kernel_class(op.name, op.part)
-        key = (op.part, cls)
+        key = (op.whole or op.part, cls)
         cells[key] = cells.get(key, 0.0) + op.self_us
         covered += op.self_us
     cells[HOST, HOST] = cells.get((HOST, HOST), 0.0) + max(0.0, wall_us - covered)

@@ -25,7 +25,7 @@ from dsaserve.engine.profile.attribution import (
     range_part,
 )
 from dsaserve.engine.profile.floors import ExpertLoad
-from dsaserve.engine.profile.ranges import PREFIX
+from dsaserve.engine.profile.ranges import PREFIX, WHOLE
 
 
 @dataclass
@@ -48,20 +48,22 @@ def _cpu_events(events: Iterable[Any]) -> list[Any]:  # torch FunctionEvents
     return [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_async]
 
 
-def op_parts(events: Iterable[Any]) -> dict[int, str]:
+def op_parts(events: Iterable[Any]) -> dict[int, tuple[str, str | None]]:
     """Each CPU op's (FunctionEvent's) innermost part, by id: its own range, or its nearest
-    enclosing one, or OTHER."""
-    parts: dict[int, str] = {}
+    enclosing one, or OTHER; and the WHOLE part enclosing it (or itself), if any."""
+    parts: dict[int, tuple[str, str | None]] = {}
     for e in sorted(_cpu_events(events), key=lambda e: e.time_range.start):  # parents first
         parent = e.cpu_parent
-        parts[e.id] = range_part(e.name) or (parts.get(parent.id, OTHER) if parent else OTHER)
+        outer, whole = parts.get(parent.id, (OTHER, None)) if parent else (OTHER, None)
+        part = range_part(e.name) or outer
+        parts[e.id] = (part, whole or (part if part in WHOLE else None))
     return parts
 
 
 def cpu_ops(events: Iterable[Any]) -> list[CpuOp]:
     """The CPU ops of a profile (FunctionEvents) with their self times and parts."""
     parts = op_parts(events)
-    return [CpuOp(e.name, e.self_cpu_time_total, parts[e.id]) for e in _cpu_events(events)]
+    return [CpuOp(e.name, e.self_cpu_time_total, *parts[e.id]) for e in _cpu_events(events)]
 
 
 def _not_work(name: str) -> bool:
@@ -89,7 +91,8 @@ def device_records(prof: torch.profiler.profile) -> tuple[list[Kernel], list[Spa
                 spans.append(Span(part, start, end))
             continue
         linked = ev.linked_correlation_id()
-        kernels.append(Kernel(ev.name(), start, end, part_by_op.get(linked) if linked else None))
+        part, whole = part_by_op.get(linked, (None, None)) if linked else (None, None)
+        kernels.append(Kernel(ev.name(), start, end, part, whole))
     return kernels, spans
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from dsaserve.engine.config import EngineConfig
+from dsaserve.engine.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from dsaserve.engine.kv.layout import STAGING
 from dsaserve.engine.kv.pool import KVPool
 from dsaserve.engine.llm_engine import LLMEngine
@@ -59,10 +59,11 @@ def check(n: int, context: int, steps: int, max_model_len: int, config: EngineCo
             f"{max_model_len - steps - 1} at most); lower --context or --steps, or raise "
             "--max-model-len"
         )
-    if n > config.max_num_seqs:
+    seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    if n > seqs:
         raise HistoryError(
-            f"--concurrency {n} is more requests than --max-num-seqs {config.max_num_seqs} "
-            "lets hold KV at once; raise --max-num-seqs"
+            f"--concurrency {n} is more requests than --max-num-seqs {seqs} lets hold KV at "
+            "once; raise --max-num-seqs (or --kv-cache-memory-bytes, where the budget lowered it)"
         )
     if n > config.max_num_batched_tokens:
         raise HistoryError(

@@ -26,10 +26,13 @@ PARTS: dict[str, str | None] = {
     "head": None,  # final mHC collapse, norm, LM head
     "sample": None,  # sampling and logprobs
     "verify": None,  # speculative decoding: which drafts the target accepts, their logprobs
-    "draft": None,  # speculative decoding: the MTP layer's passes (its own parts nest inside)
+    "draft": None,  # speculative decoding: the draft head (MTP passes; DSpark context, blocks)
     "wait": None,  # the host waits for a step's sampled ids (async scheduling: the step before)
     "outputs": None,  # the ids to their requests: stop checks, text, listeners (host only)
 }
+# parts that keep what runs inside them: a draft head's layers (their mhc, attention, moe ranges)
+# count as `draft`, so the report says what drafting costs, split by kernel class
+WHOLE = frozenset({"draft"})
 PREFIX = "dsaserve."
 
 

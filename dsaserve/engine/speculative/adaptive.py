@@ -1,4 +1,4 @@
-"""How many drafts the next step asks for (`"adaptive": true` in --speculative-config).
+"""How many drafts the next step verifies (`"adaptive": true` in --speculative-config).
 
 Verification pays per row: a step that verifies k drafts for each of B requests computes
 B (1 + k) target rows, and drafting them costs the MTP layer's passes. At one request the rows
@@ -18,6 +18,16 @@ they would save (why SGLang turns MTP off there). The rule, once per step:
 k* = 0 skips the MTP layer altogether (its KV state at the positions skipped stays stale: drafts
 after it are worse for a window, never wrong: verification keeps every token exact). Until both
 lines have two distinct batch sizes to fit, K is used.
+
+DSpark drafts its whole block in one pass whatever is verified, and its confidence head says,
+per request and position, how likely each draft is accepted: c_{r,i} (or, without the head, the
+measured c_i). So the choice is per request (`verify_lengths`), after drafting: with
+v_{r,i} = prod_{j<=i} c_{r,j} the chance draft i of request r is emitted, the batch emits
+B + sum of the verified v's for target(B + verified drafts) + draft(B gamma) seconds, and the
+drafts worth verifying are the largest v's while each adds more than the batch's rate pays for
+its row: v > slope * tokens / seconds (the line's slope: a row's cost). Each request's v's fall
+along its block, so the chosen ones are a prefix of it; none (0) where a row costs more than its
+draft is likely to emit.
 """
 
 from __future__ import annotations
@@ -58,14 +68,8 @@ class DraftLength:
         self.max, self.adaptive = spec.num_speculative_tokens, spec.adaptive
         self.accept = [_PRIOR] * self.max  # c_i
         self.target, self.draft = _Line(), _Line()
-        self._seen = (0, [0] * self.max)  # counters at the last update: drafts, per position
-        self.offered = [0] * self.max  # drafts offered at each position (counted by `offer`)
-        self._offered_seen = [0] * self.max
-
-    def offer(self, drafts: int) -> None:
-        """A request verifies `drafts` drafts this step (positions 0..drafts-1 offered)."""
-        for i in range(drafts):
-            self.offered[i] += 1
+        # the counters at the last update: accepted and verified drafts per position
+        self._seen = ([0] * self.max, [0] * self.max)
 
     def time_target(self, rows: int, seconds: float) -> None:
         self.target.add(rows, seconds)
@@ -93,14 +97,43 @@ class DraftLength:
                 best, best_rate = k, rate
         return best
 
+    def verify_lengths(
+        self, confidences: list[list[float]], batch: int, stats: SpecDecodeStats
+    ) -> list[int]:
+        """How many of each drafting request's drafts the next step of `batch` running requests
+        verifies; confidences[r]: request r's per draft (an empty list: use the measured
+        acceptance for each of its K drafts)."""
+        self._update(stats)
+        # (the draft line may have one batch size only: its mean is all this rule reads)
+        if not self.adaptive or not self.target.ready:
+            return [self.max] * len(confidences)
+        chances = []  # (v, request, position): prefix chances, falling along each block
+        for r, conf in enumerate(confidences):
+            v = 1.0
+            for i, c in enumerate(conf or self.accept):
+                v *= c
+                chances.append((v, r, i))
+        chances.sort(key=lambda t: (-t[0], t[2]))  # (ties by position: prefixes stay prefixes)
+        tokens, rows = float(batch), batch
+        seconds = self.target(rows) + self.draft(batch * self.max)
+        slope = max(self.target(rows + 1) - self.target(rows), 1e-12)
+        lengths = [0] * len(confidences)
+        for v, r, i in chances:
+            if v * seconds <= slope * tokens:
+                break
+            lengths[r], tokens, rows = i + 1, tokens + v, rows + 1
+            seconds = self.target(rows) + self.draft(batch * self.max)
+        return lengths
+
     def _update(self, stats: SpecDecodeStats) -> None:
-        """Fold the counters' growth since the last call into the acceptance averages."""
+        """Fold the counters' growth since the last call into the acceptance averages: c_i =
+        drafts accepted at i / drafts verified at i whose position i - 1 was accepted."""
+        accepted, verified = self._seen
         for i in range(self.max):
-            offered = self.offered[i] - self._offered_seen[i]
-            accepted = stats.accepted_per_pos[i] - self._seen[1][i]
-            reached = (stats.accepted_per_pos[i - 1] - self._seen[1][i - 1]) if i else offered
+            offered = stats.drafts_per_pos[i] - verified[i]
+            got = stats.accepted_per_pos[i] - accepted[i]
+            reached = (stats.accepted_per_pos[i - 1] - accepted[i - 1]) if i else offered
             if offered and reached:
-                rate = min(1.0, accepted / min(offered, reached))
+                rate = min(1.0, got / min(offered, reached))
                 self.accept[i] = _DECAY * self.accept[i] + (1 - _DECAY) * rate
-        self._seen = (stats.num_drafts, list(stats.accepted_per_pos))
-        self._offered_seen = list(self.offered)
+        self._seen = (list(stats.accepted_per_pos), list(stats.drafts_per_pos))

@@ -7,6 +7,12 @@ and the prefill worker reuses freed memory at once, so the pulled KV is used onl
 says it was held until the READ had finished; otherwise the request ends with a clear error
 (cause "lease_expired"), never with tokens computed from someone else's KV.
 
+A request whose prompt starts with a conversation this worker decoded before shares the full
+entry pages of that prefix from its prefix cache (`Handoff.reserve`) and pulls only the rest:
+the staged stream puts the newest pages first, so that is the stream's first blocks
+(KVPool.stream), or the pages past the shared ones. `dsaserve_kv_pulled_pages_total` and
+`dsaserve_kv_reused_pages_total` count both.
+
 Before the first pull from a prefill agent, the prefill worker's Describe (gRPC, at the handle's
 address) gives its NIXL descriptor. The registry is not asked: while Redis is down a decode
 worker still pairs with a prefill worker it has not met (e.g. one restarted as a new agent).
@@ -21,7 +27,6 @@ READ has ended: it writes into them until then.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,39 +34,26 @@ from collections.abc import AsyncIterator
 import grpc
 
 from dsaserve.engine.engine_loop import OutputQueue
-from dsaserve.engine.kv.layout import STAGING
-from dsaserve.engine.load import step_deadline
 from dsaserve.engine.request import KVPages, RequestError
 from dsaserve.engine.sampling_params import SamplingParams
-from dsaserve.services import connections
-from dsaserve.services.auth import token_metadata
 from dsaserve.services.decode.multiplex import CallContext, multiplex
 from dsaserve.services.rpc import grpc_api, pb
-from dsaserve.services.transfer import TransferError, TransferStats
 from dsaserve.services.worker.convert import (
     FINISH_REASONS,
     logprobs_to_proto,
     sampling_from_proto,
     stop_reason_to_proto,
 )
+from dsaserve.services.worker.leases import LeaseTable
 from dsaserve.services.worker.process import RoleService, Worker, now_ms
+from dsaserve.services.worker.pull import KVPuller, PullFailed
 from dsaserve.services.worker.settings import DecodeSettings
 
 log = logging.getLogger(__name__)
 RESERVE_RETRY_S = 0.01  # how often a request waiting for free pages retries
-CLAIM_MARGIN_S = 5.0  # a claim outlasts the READ's own timeout by this much
-# Bound on one Claim, Release or Describe call: at least this, longer for a prefill worker
-# whose steps are slow (a loaded host answers every RPC slowly, the control ones too).
-CONTROL_TIMEOUT_S = 10.0
-CONTROL_STEPS = 10
-
-
-class PullFailed(Exception):
-    """The prefilled KV could not be pulled; `cause` labels it for metrics and the router."""
-
-    def __init__(self, cause: str, message: str) -> None:
-        super().__init__(message)
-        self.cause = cause
+LOAN_CHECK_S = 0.05  # how often loans are checked for an expired lease
+MAX_HOLD_S = 600.0  # the longest hold a borrower may ask for
+LOAN = "{}.loan"  # a loan's id in the engine (the borrower's request decodes here next)
 
 
 class DecodeService(RoleService, grpc_api.DecodeServicer):
@@ -69,13 +61,9 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         super().__init__(worker)
         settings = worker.settings
         assert isinstance(settings, DecodeSettings)
-        self.transfer_timeout = settings.transfer_timeout
         self.stream_interval = settings.stream_interval
-        self.metadata = token_metadata(settings.cluster_token)
-        self.tls = settings.tls
-        self.peers: dict[str, str] = {}  # prefill worker id -> its NIXL agent we have loaded
-        self.prefill_stubs: dict[str, grpc_api.PrefillStub] = {}  # by address
-        self.reads: dict[str, concurrent.futures.Future[TransferStats]] = {}  # READs in flight
+        self.puller = KVPuller(worker, settings.transfer_timeout)
+        self.loans = LeaseTable()  # what prefill workers borrow from our prefix cache
 
     def register(self, server: grpc.aio.Server) -> None:
         grpc_api.add_DecodeServicer_to_server(self, server)
@@ -108,9 +96,11 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
             outputs = OutputQueue()
             reserved = await self._reserve(request, params, outputs, context)
             try:
-                await self._pull(rid, kv, reserved, context)
+                await self._pull(rid, kv, reserved)
             except PullFailed as e:
                 w.metrics.fail(e.cause)
+                if e.cause == "layout_mismatch":
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
                 log.warning("KV pull for %s from %s failed: %s", rid, kv.worker_id, e)
                 yield pb.DecodeResponse(error=pb.DecodeError(message=str(e), cause=e.cause))
                 return
@@ -146,11 +136,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         finally:
             self.active.discard(rid)
             if not finished:  # error, abort or a cancelled stream: free whatever we reserved
-                read = self.reads.pop(rid, None)
-                if read is None:
-                    w.loop.call(w.engine.abort, rid)
-                else:  # (runs at once if the READ is over)
-                    read.add_done_callback(lambda _: w.loop.call(w.engine.abort, rid))
+                w.abort(rid)
 
     async def DecodeStream(
         self,
@@ -171,6 +157,7 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         w, rid = self.w, request.request_id
         prompt, first = list(request.prompt_token_ids), request.first_token_id
         drafts = list(request.kv.draft_token_ids)  # verified at its first step
+        confidences = list(request.kv.draft_confidences)
         deadline = time.monotonic() + max(0.0, (request.kv.lease_expires_unix_ms - now_ms()) / 1000)
         try:
             grammar = await w.compile_grammar(params)
@@ -180,7 +167,15 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
         while True:
             try:
                 reserved = await w.loop.run(
-                    w.engine.handoff.reserve, rid, prompt, first, params, outputs, drafts, grammar
+                    w.engine.handoff.reserve,
+                    rid,
+                    prompt,
+                    first,
+                    params,
+                    outputs,
+                    drafts,
+                    confidences,
+                    grammar,
                 )
             except RequestError as e:
                 w.metrics.fail("invalid_request")
@@ -196,20 +191,16 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                 )
             await asyncio.sleep(RESERVE_RETRY_S)
 
-    async def _pull(
-        self, rid: str, kv: pb.KVHandle, reserved: KVPages, context: CallContext
-    ) -> None:
-        """Claim, READ, Release; raises PullFailed unless the pages read were intact."""
-        w = self.w
-        prefill = self._prefill(kv.address)
-        control_s = step_deadline(CONTROL_TIMEOUT_S, CONTROL_STEPS, kv.step_ms)
-        peer = await self._peer(kv, prefill, context, control_s)
-        hold_ms = int((self.transfer_timeout + CLAIM_MARGIN_S) * 1000)
+    async def _pull(self, rid: str, kv: pb.KVHandle, reserved: KVPages) -> None:
+        """Claim, READ, Release (services.worker.pull); PullFailed unless the pages read were
+        intact."""
+        prefill = grpc_api.PrefillStub(self.puller.channel(kv.address))
+        peer = await self.puller.peer(kv, prefill.Describe)
         try:
             await prefill.Claim(
-                pb.ClaimRequest(request_id=rid, hold_ms=hold_ms),
-                timeout=control_s,
-                metadata=self.metadata,
+                pb.ClaimRequest(request_id=rid, hold_ms=self.puller.hold_ms),
+                timeout=self.puller.control_s(kv),
+                metadata=self.puller.metadata,
             )
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
@@ -219,108 +210,63 @@ class DecodeService(RoleService, grpc_api.DecodeServicer):
                     "(its lease ran out); the request must be retried",
                 ) from None
             raise PullFailed(
-                "prefill_unreachable",
+                "peer_unreachable",
                 f"prefill worker {kv.worker_id} refused the claim: {e.details()}",
             ) from None
-        remote = {g: list(p.ids) for g, p in kv.pages.items()}
-        if STAGING in remote:
-            read = w.nixl_submit(self._pull_staged, peer, remote[STAGING], reserved)
-        else:
-            read = w.nixl_submit(
-                w.transfer.read, peer, remote, reserved.pages, timeout_s=self.transfer_timeout
-            )
-        self.reads[rid] = read
-        try:
-            stats = await asyncio.wrap_future(read)
-            del self.reads[rid]
-        except TransferError as e:
-            self.peers.pop(kv.worker_id, None)  # Describe it afresh next time
-            # free them there now, not at the lease's end
-            await self._release(prefill, rid, control_s)
-            raise PullFailed("transfer", f"KV transfer from {kv.worker_id} failed: {e}") from e
-        if not await self._release(prefill, rid, control_s):
-            raise PullFailed(
-                "lease_expired",
-                f"prefill worker {kv.worker_id} freed the KV of {rid} before the transfer "
-                "finished (its lease ran out); the request must be retried",
-            )
-        w.metrics.transfer_bytes.inc(stats.bytes)
-        w.metrics.transfer_seconds.observe(stats.seconds)
+        await self.puller.read(rid, peer, kv, reserved, prefill.Release)
 
-    def _pull_staged(self, peer: str, blocks: list[int], reserved: KVPages) -> TransferStats:
-        """Pull staged KV into our reserved pages (on the NIXL thread). The pool's geometry is
-        fixed and only these pages are written, which no step reads before the request joins,
-        so this thread may use the engine's pool."""
-        pool = self.w.engine.pool
-        unpack = pool.unpacker(reserved.pages)
-        return self.w.transfer.pull(
-            peer,
-            STAGING,
-            blocks,
-            pool.staging.ring,
-            unpack.nbytes,
-            unpack,
-            timeout_s=self.transfer_timeout,
+    # ---------------------------------------------------------------- lending
+
+    async def Lend(
+        self, request: pb.LendRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LendResponse:
+        """Hold for a prefill worker the state of the longest prefix of its prompt our cache
+        resumes past what its own does (engine.loans); an empty answer when there is none."""
+        w, loan = self.w, LOAN.format(request.request_id)
+        try:
+            salt = request.cache_salt if request.HasField("cache_salt") else None
+            lent = await w.loop.run(
+                w.engine.loans.lend, loan, list(request.prompt_token_ids), request.have_tokens, salt
+            )
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if lent is None:
+            return pb.LendResponse()
+        hold_s = min(request.hold_ms / 1000, MAX_HOLD_S)
+        self.loans.hold(loan, time.monotonic() + hold_s)
+        return pb.LendResponse(
+            kv=pb.KVHandle(
+                worker_id=w.worker_id,
+                agent_name=w.transfer.agent_name,
+                layout_hash=w.layout_hash,
+                layout=w.layout,
+                pages={g: pb.PageIds(ids=ids) for g, ids in lent.pages.items()},
+                num_tokens=lent.num_tokens,
+                lease_expires_unix_ms=now_ms() + int(hold_s * 1000),
+                address=w.address,
+                step_ms=w.loop.load().step_ms,
+            )
         )
 
-    async def _release(self, prefill: grpc_api.PrefillStub, rid: str, timeout_s: float) -> bool:
-        """Release the pages at the prefill worker; True if they were intact until now."""
-        try:
-            response = await prefill.Release(
-                pb.ReleaseRequest(request_id=rid), timeout=timeout_s, metadata=self.metadata
-            )
-        except grpc.aio.AioRpcError as e:  # unknown: the read cannot be trusted
-            log.warning("Release(%s) failed: %s", rid, e.code())
-            return False
-        return response.intact
+    async def Return(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        loan = LOAN.format(request.request_id)
+        intact = self.loans.drop(loan, time.monotonic())
+        self.w.loop.call(self.w.engine.handoff.release, loan)
+        return pb.ReleaseResponse(intact=intact)
 
-    def _prefill(self, address: str) -> grpc_api.PrefillStub:
-        if address not in self.prefill_stubs:
-            channel = connections.open_channel(address, self.tls)
-            self.prefill_stubs[address] = grpc_api.PrefillStub(channel)
-        return self.prefill_stubs[address]
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DescribeResponse:
+        # Both were computed when the agent was made: safe off the NIXL thread.
+        transfer = self.w.transfer
+        return pb.DescribeResponse(agent_name=transfer.agent_name, descriptor=transfer.descriptor())
 
-    async def _peer(
-        self,
-        kv: pb.KVHandle,
-        prefill: grpc_api.PrefillStub,
-        context: CallContext,
-        timeout_s: float,
-    ) -> str:
-        """The prefill worker's NIXL agent, loaded once per agent from the worker's Describe.
-
-        A restarted worker keeps its id but gets a new agent name: the old agent is dropped. A
-        handle naming another agent than the worker runs now was made before it restarted, and
-        the KV it names died with that process.
-        """
-        agent = kv.agent_name
-        if self.peers.get(kv.worker_id) == agent:
-            return agent
-        try:
-            described = await prefill.Describe(
-                pb.DescribeRequest(), timeout=timeout_s, metadata=self.metadata
-            )
-        except grpc.aio.AioRpcError as e:
-            raise PullFailed(
-                "prefill_unreachable",
-                f"prefill worker {kv.worker_id} did not describe its NIXL agent: {e.details()}",
-            ) from None
-        if described.agent_name != agent:
-            raise PullFailed(
-                "peer_unknown",
-                f"prefill worker {kv.worker_id} restarted: it runs NIXL agent "
-                f"{described.agent_name}, not {agent} which held the KV; the request must be "
-                "retried",
-            )
-        known = self.peers.get(kv.worker_id)  # again: another request may have loaded it since
-        if known == agent:
-            return agent
-        if known is not None:
-            await self.w.in_nixl_thread(self.w.transfer.remove_peer, known)
-        try:
-            await self.w.in_nixl_thread(self.w.transfer.add_peer, described.descriptor)
-        except TransferError as e:
-            self.w.metrics.fail("layout_mismatch")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        self.peers[kv.worker_id] = agent
-        return agent
+    async def background(self) -> None:
+        """Free loans whose lease ran out before their borrower returned them."""
+        while True:
+            await asyncio.sleep(LOAN_CHECK_S)
+            for loan in self.loans.expire(time.monotonic()):
+                self.w.loop.call(self.w.engine.handoff.release, loan)
+                log.warning("the loan %s ran out before its borrower returned it", loan)

@@ -24,6 +24,7 @@ import grpc
 from dsaserve.engine.engine_loop import OutputQueue
 from dsaserve.engine.load import step_deadline
 from dsaserve.engine.request import RequestError
+from dsaserve.services.prefill.borrow import Borrower
 from dsaserve.services.rpc import grpc_api, pb
 from dsaserve.services.worker.convert import (
     FINISH_REASONS,
@@ -31,10 +32,10 @@ from dsaserve.services.worker.convert import (
     sampling_from_proto,
     stop_reason_to_proto,
 )
+from dsaserve.services.worker.leases import LeaseTable
 from dsaserve.services.worker.process import RoleService, Worker, now_ms
+from dsaserve.services.worker.pull import KVPuller
 from dsaserve.services.worker.settings import PrefillSettings
-
-from .leases import LeaseTable
 
 log = logging.getLogger(__name__)
 LEASE_CHECK_S = 0.05  # how often held KV is checked for an expired lease
@@ -52,6 +53,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         self.lease_s = worker.settings.lease_seconds
         self.leases = LeaseTable()
         self.aborted: set[str] = set()  # aborted while their Prefill call ran: never held
+        self.borrower = Borrower(worker, KVPuller(worker, worker.settings.transfer_timeout))
 
     def register(self, server: grpc.aio.Server) -> None:
         grpc_api.add_PrefillServicer_to_server(self, server)
@@ -73,15 +75,21 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
         self.active.add(rid)
         try:
             grammar = await w.compile_grammar(params)
-            await w.loop.run(
-                w.engine.add_request,
-                rid,
-                prompt,
-                params,
-                prefill_only=True,
-                listener=outputs,
-                grammar=grammar,
+            source = request.kv_source if request.HasField("kv_source") else None
+            # (a conversation's state after its last answer, from the decode worker that kept it)
+            borrowed = source is not None and await self.borrower.borrow(
+                rid, prompt, params, grammar, outputs, source
             )
+            if not borrowed:
+                await w.loop.run(
+                    w.engine.add_request,
+                    rid,
+                    prompt,
+                    params,
+                    prefill_only=True,
+                    listener=outputs,
+                    grammar=grammar,
+                )
             out = await outputs.get()
             held = None
             if out.finish_reason is None:  # packed for the reader's pull, if there is room
@@ -94,7 +102,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except asyncio.CancelledError:  # the router gave up: nobody will read this KV
             self.leases.drop(rid, time.monotonic())
-            w.loop.call(w.engine.abort, rid)
+            w.abort(rid)
             raise
         finally:
             self.active.discard(rid)
@@ -135,6 +143,7 @@ class PrefillService(RoleService, grpc_api.PrefillServicer):
                     address=w.address,
                     step_ms=step_ms,
                     draft_token_ids=held.draft_token_ids,
+                    draft_confidences=held.draft_confidences,
                 )
             )
         return response

@@ -65,7 +65,8 @@ def create_app(
     watcher = RegistryWatcher(s.redis_url, s.cluster_token, s.registry_ttl_s)
     cache = (
         CacheIndex(
-            s.redis_url, lambda: [w.worker_id for w in watcher.workers("prefill", model.name)]
+            s.redis_url,
+            lambda: [w.worker_id for r in ROLES for w in watcher.workers(r, model.name)],
         )
         if s.policy == "cache_aware"
         else None
@@ -83,6 +84,7 @@ def create_app(
         on_mark=lambda worker, reason: metrics.marked_unhealthy.labels(worker.role, reason).inc(),
         cache=cache,
         balance_bound=s.balance_abs_threshold,
+        decode_kv_threshold=s.decode_kv_threshold,
     )
     key_limit = KeyLimit(s.key_limit)
     room = DecodeRoom(

@@ -76,7 +76,7 @@ _RETRYABLE = {
     "read it (its lease ran out); the request must be retried.",
     "transfer": "Moving the prompt's KV state to the decode worker failed; the request must be "
     "retried.",
-    "prefill_unreachable": "The decode worker could not reach the prefill worker for the "
+    "peer_unreachable": "The decode worker could not reach the prefill worker for the "
     "prompt's KV state; the request must be retried.",
     "peer_unknown": "The prefill worker restarted before the decode worker read the prompt's KV "
     "state; the request must be retried.",
@@ -156,9 +156,12 @@ class PDFlow:
                 return
             decode_worker, (call, response) = await self._retry_once(
                 "decode",
-                lambda exclude: self._selector.decode(prefill_worker.layout_hash, exclude),
+                lambda exclude: self._selector.decode(
+                    prefill_worker.layout_hash, exclude, gen.prompt_ids, gen.cache_salt
+                ),
                 lambda w: self._open_decode(w, gen, first),
             )
+            answer = [first.first_token_id]  # (what the decode worker keeps with the prompt)
             transit.leave()  # (its pages are reserved there: its records count them soon)
             # the stall bound: the worker's own steps, as it last reported them, or the flag
             stall_s = step_deadline(self._stall_timeout_s, STALL_STEPS, decode_worker.load.step_ms)
@@ -170,8 +173,12 @@ class PDFlow:
                         if isinstance(event, Finish):
                             finished = True
                             await self._drain(call)  # end the call cleanly, not by cancelling
+                            self._selector.decoded(
+                                decode_worker, gen.prompt_ids + answer, gen.cache_salt
+                            )
                             yield event
                             return
+                        answer += event.token_ids
                         yield event
                         response = await self._read(call, watch, decode_worker, gen)
                 raise worker_failure(
@@ -265,6 +272,12 @@ class PDFlow:
         request = pb.PrefillRequest(
             request_id=gen.request_id, prompt_token_ids=gen.prompt_ids, sampling=gen.sampling
         )
+        # (a conversation's last answer: its decode worker kept it, the prefill worker did not)
+        lender = self._selector.lender(worker, gen.prompt_ids, gen.cache_salt)
+        if lender is not None:
+            request.kv_source.CopyFrom(
+                pb.KVSource(worker_id=lender.worker_id, address=lender.address)
+            )
         timeout = gen.remaining("before prefill")
         with self._clients.busy(worker.worker_id):
             try:

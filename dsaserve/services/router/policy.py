@@ -88,19 +88,22 @@ class PowerOfTwo:
 
 
 class CacheAware:
-    """SGLang's cache_aware: the worker whose prefix cache holds the longest start of the prompt
-    in the request's namespace (services.kv_events), unless its load exceeds the least loaded
-    worker's by more than `bound`, so a hot prefix spreads instead of piling up; ties, no match
-    and unknown caches go to the least loaded. Every pick is remembered as cached there until
-    the worker says otherwise."""
+    """SGLang's cache_aware: of the workers with room (all of them when none has), the one whose
+    prefix cache holds the longest start of the prompt in the request's namespace
+    (services.kv_events), unless its load exceeds the least loaded one's by more than `bound`,
+    so a hot prefix spreads instead of piling up; ties, no match and unknown caches go to the
+    least loaded. Every pick is remembered as cached there until the worker says otherwise."""
 
     def __init__(
         self,
         index: CacheIndex | None,
         bound: int = DEFAULT_BALANCE_BOUND,
         rng: random.Random | None = None,
+        room: Callable[[WorkerRecord], bool] = lambda worker: True,
     ) -> None:
+        """room: whether a worker can take a request now (a decode worker: KV pages)."""
         self._index, self._bound, self._least = index, bound, LeastLoad(rng)
+        self._room = room
 
     def choose(
         self,
@@ -109,6 +112,7 @@ class CacheAware:
         prompt: Sequence[int] = (),
         cache_salt: str | None = None,
     ) -> WorkerRecord:
+        workers = [w for w in workers if self._room(w)] or workers  # (none has: all of them)
         if self._index is None or not prompt:
             return self._least.choose(workers, inflight)
         ids = [w.worker_id for w in workers]
@@ -123,12 +127,13 @@ class CacheAware:
         return pick
 
 
-# name -> make(rng, cache index, balance bound)
-POLICIES: dict[str, Callable[[random.Random | None, CacheIndex | None, int], Policy]] = {
-    "cache_aware": lambda rng, index, bound: CacheAware(index, bound, rng),
-    "round_robin": lambda rng, index, bound: RoundRobin(),
-    "least_load": lambda rng, index, bound: LeastLoad(rng),
-    "power_of_two": lambda rng, index, bound: PowerOfTwo(rng),
+Room = Callable[[WorkerRecord], bool]
+# name -> make(rng, cache index, balance bound, room)
+POLICIES: dict[str, Callable[[random.Random | None, CacheIndex | None, int, Room], Policy]] = {
+    "cache_aware": lambda rng, index, bound, room: CacheAware(index, bound, rng, room),
+    "round_robin": lambda rng, index, bound, room: RoundRobin(),
+    "least_load": lambda rng, index, bound, room: LeastLoad(rng),
+    "power_of_two": lambda rng, index, bound, room: PowerOfTwo(rng),
 }
 
 
@@ -137,9 +142,11 @@ def make_policy(
     rng: random.Random | None = None,
     index: CacheIndex | None = None,
     bound: int = DEFAULT_BALANCE_BOUND,
+    room: Room = lambda worker: True,
 ) -> Policy:
-    """index: what the prefill workers' caches hold (cache_aware; None: unknown)."""
+    """index: what the workers' caches hold (cache_aware; None: unknown); room: whether a worker
+    can take a request now (cache_aware sends it to the worker holding its prefix only then)."""
     try:
-        return POLICIES[name](rng, index, bound)
+        return POLICIES[name](rng, index, bound, room)
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None

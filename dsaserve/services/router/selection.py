@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dsaserve.services.kv_events import CacheIndex
 from dsaserve.services.registry import ROLES, RegistryWatcher, Role, WorkerRecord
 from dsaserve.services.router.api.errors import APIError
+from dsaserve.services.router.conversations import Conversations
 from dsaserve.services.router.policy import DEFAULT_BALANCE_BOUND, make_policy
 
 
@@ -34,15 +35,27 @@ class WorkerSelector:
         on_mark: Callable[[WorkerRecord, str], None] = lambda worker, reason: None,
         cache: CacheIndex | None = None,
         balance_bound: int = DEFAULT_BALANCE_BOUND,
+        decode_kv_threshold: float = 1.0,
     ) -> None:
-        """cache: what the prefill workers' prefix caches hold (for cache_aware)."""
+        """cache: what the workers' prefix caches hold (for cache_aware); decode_kv_threshold:
+        the share of a decode worker's KV pages in use above which a conversation's next turn
+        does not go to it for its cache."""
         self._watcher = watcher
         self._model = model
         self._inflight = inflight
         self._on_mark = on_mark
+        self._cache = cache
+        self._conversations = Conversations()  # (with the cache index: for cache_aware)
+
+        def room(worker: WorkerRecord) -> bool:
+            load = worker.load
+            used = load.total_pages - load.free_pages - load.cached_pages
+            return used <= decode_kv_threshold * load.total_pages
+
         # One policy state per role: round-robin over prefill workers must not skip decode ones.
         self._policies = {
-            role: make_policy(policy, rng, cache, balance_bound) for role in ("prefill", "decode")
+            "prefill": make_policy(policy, rng, cache, balance_bound),
+            "decode": make_policy(policy, rng, cache, balance_bound, room),
         }
         self._benched: dict[str, float] = {}  # worker id -> monotonic end of its cool-down
         # A 503 for want of workers lasts until at least the next registry refresh.
@@ -131,7 +144,16 @@ class WorkerSelector:
             raise self._unavailable()
         return self._choose("prefill", candidates, prompt, cache_salt)
 
-    def decode(self, layout_hash: str, exclude: Collection[str] = ()) -> WorkerRecord:
+    def decode(
+        self,
+        layout_hash: str,
+        exclude: Collection[str] = (),
+        prompt: Sequence[int] = (),
+        cache_salt: str | None = None,
+    ) -> WorkerRecord:
+        """A decode worker for a prompt prefilled on a worker of `layout_hash` (the policy may
+        route by its tokens, in the namespace `cache_salt`: the decode worker holding a
+        conversation's earlier turns pulls only the new pages)."""
         candidates = [
             w
             for w in self.live("decode")
@@ -146,7 +168,43 @@ class WorkerSelector:
                 cause="no_worker",
                 retry_after_s=self.retry_after_s,
             )
-        return self._choose("decode", candidates)
+        return self._choose("decode", candidates, prompt, cache_salt)
+
+    def lender(
+        self, prefill: WorkerRecord, prompt: Sequence[int], cache_salt: str | None = None
+    ) -> WorkerRecord | None:
+        """A decode worker to borrow from the state of the prompt's start the prefill worker
+        lacks (a conversation's last answer, which it never computed): the one that decoded the
+        generation the prompt continues, as this router recorded it, else one whose cache holds
+        more whole blocks of the prompt than the prefill worker's; None: none."""
+        if self._cache is None:
+            return None
+        benched = {w.worker_id for w in self.unhealthy("decode")}
+        decode = {
+            w.worker_id: w
+            for w in self.live("decode")
+            if w.layout_hash == prefill.layout_hash and w.worker_id not in benched
+        }
+        held = self._conversations.holder(prompt, cache_salt)
+        if held is not None and held[0] in decode:
+            return decode[held[0]]
+        # (what the prefill worker says it holds: this very prompt was just routed there)
+        have = self._cache.matched_tokens([prefill.worker_id], prompt, cache_salt, routed=False)
+        matched = self._cache.matched_tokens(list(decode), prompt, cache_salt)
+        best = max(decode.values(), key=lambda w: matched[w.worker_id], default=None)
+        if best is None or matched[best.worker_id] <= have[prefill.worker_id]:
+            return None
+        return best
+
+    def decoded(
+        self, worker: WorkerRecord, tokens: Sequence[int], cache_salt: str | None = None
+    ) -> None:
+        """`worker` decoded a generation to its end: these tokens (its prompt and answer) count
+        as cached there (in the namespace `cache_salt`), as the worker keeps them, before it
+        says so itself."""
+        if self._cache is not None:
+            self._cache.routed(worker.worker_id, tokens, cache_salt)
+            self._conversations.decoded(worker.worker_id, tokens, cache_salt)
 
     def _unavailable(self) -> APIError:
         reason = (

@@ -104,7 +104,7 @@ class PageIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms", "address", "step_ms", "draft_token_ids")
+    __slots__ = ("worker_id", "agent_name", "layout_hash", "layout", "pages", "num_tokens", "lease_expires_unix_ms", "address", "step_ms", "draft_token_ids", "draft_confidences")
     class PagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class KVHandle(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     agent_name: str
     layout_hash: str
@@ -132,17 +133,28 @@ class KVHandle(_message.Message):
     address: str
     step_ms: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., address: _Optional[str] = ..., step_ms: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, worker_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., layout_hash: _Optional[str] = ..., layout: _Optional[str] = ..., pages: _Optional[_Mapping[str, PageIds]] = ..., num_tokens: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ..., address: _Optional[str] = ..., step_ms: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    kv_source: KVSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+
+class KVSource(_message.Message):
+    __slots__ = ("worker_id", "address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "text", "finish_reason", "kv", "usage", "first_logprob", "prompt_logprobs", "stop_reason")
@@ -293,6 +305,26 @@ class DecodeStreamResponse(_message.Message):
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     updates: _containers.RepeatedCompositeFieldContainer[DecodeUpdate]
     def __init__(self, updates: _Optional[_Iterable[_Union[DecodeUpdate, _Mapping]]] = ...) -> None: ...
+
+class LendRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "have_tokens", "hold_ms", "cache_salt")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HAVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    have_tokens: int
+    hold_ms: int
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., have_tokens: _Optional[int] = ..., hold_ms: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class LendResponse(_message.Message):
+    __slots__ = ("kv",)
+    KV_FIELD_NUMBER: _ClassVar[int]
+    kv: KVHandle
+    def __init__(self, kv: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -381,6 +381,21 @@ class DecodeStub:
                 request_serializer=dsaserve__pb2.DecodeStreamRequest.SerializeToString,
                 response_deserializer=dsaserve__pb2.DecodeStreamResponse.FromString,
                 _registered_method=True)
+        self.Lend = channel.unary_unary(
+                '/dsaserve.v1.Decode/Lend',
+                request_serializer=dsaserve__pb2.LendRequest.SerializeToString,
+                response_deserializer=dsaserve__pb2.LendResponse.FromString,
+                _registered_method=True)
+        self.Return = channel.unary_unary(
+                '/dsaserve.v1.Decode/Return',
+                request_serializer=dsaserve__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=dsaserve__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/dsaserve.v1.Decode/Describe',
+                request_serializer=dsaserve__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=dsaserve__pb2.DescribeResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/dsaserve.v1.Decode/Abort',
                 request_serializer=dsaserve__pb2.AbortRequest.SerializeToString,
@@ -415,6 +430,25 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lend(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Return(self, request, context):
+        """a loan's end
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Describe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -445,6 +479,21 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.DecodeStream,
                     request_deserializer=dsaserve__pb2.DecodeStreamRequest.FromString,
                     response_serializer=dsaserve__pb2.DecodeStreamResponse.SerializeToString,
+            ),
+            'Lend': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lend,
+                    request_deserializer=dsaserve__pb2.LendRequest.FromString,
+                    response_serializer=dsaserve__pb2.LendResponse.SerializeToString,
+            ),
+            'Return': grpc.unary_unary_rpc_method_handler(
+                    servicer.Return,
+                    request_deserializer=dsaserve__pb2.ReleaseRequest.FromString,
+                    response_serializer=dsaserve__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=dsaserve__pb2.DescribeRequest.FromString,
+                    response_serializer=dsaserve__pb2.DescribeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -516,6 +565,87 @@ class Decode:
             '/dsaserve.v1.Decode/DecodeStream',
             dsaserve__pb2.DecodeStreamRequest.SerializeToString,
             dsaserve__pb2.DecodeStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsaserve.v1.Decode/Lend',
+            dsaserve__pb2.LendRequest.SerializeToString,
+            dsaserve__pb2.LendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Return(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsaserve.v1.Decode/Return',
+            dsaserve__pb2.ReleaseRequest.SerializeToString,
+            dsaserve__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsaserve.v1.Decode/Describe',
+            dsaserve__pb2.DescribeRequest.SerializeToString,
+            dsaserve__pb2.DescribeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,17 @@ class WorkerMetrics:
         self.transfer_bytes = Counter(
             "dsaserve_kv_transfer_bytes_total", "KV bytes pulled from prefill workers", registry=r
         )
+        self.pulled_pages = Counter(
+            "dsaserve_kv_pulled_pages_total",
+            "KV pages pulled from prefill workers (every pool group; slab rows not counted)",
+            registry=r,
+        )
+        self.reused_pages = Counter(
+            "dsaserve_kv_reused_pages_total",
+            "KV pages of pulled requests shared from this worker's prefix cache instead (a "
+            "conversation's earlier turns decoded here)",
+            registry=r,
+        )
         self.transfer_seconds = Histogram(
             "dsaserve_kv_transfer_seconds",
             "Duration of one KV pull",
@@ -149,14 +160,25 @@ class SpecDecodeCollector:
             family = CounterMetricFamily(f"dsaserve_spec_decode_{name}", doc, labels=["role"])
             family.add_metric([self._role], value)
             yield family
-        family = CounterMetricFamily(
-            "dsaserve_spec_decode_num_accepted_tokens_per_pos",
-            "Draft tokens accepted, by their position in the draft (0 = the first)",
-            labels=["role", "position"],
-        )
-        for position, value in enumerate(list(stats.accepted_per_pos)):
-            family.add_metric([self._role, str(position)], value)
-        yield family
+        for name, doc, values in (
+            (
+                "num_accepted_tokens_per_pos",
+                "Draft tokens accepted, by their position in the draft (0 = the first)",
+                stats.accepted_per_pos,
+            ),
+            (
+                "num_draft_tokens_per_pos",
+                "Draft tokens verified, by their position in the draft (fewer than the drafts "
+                "when adaptive verification cuts them)",
+                stats.drafts_per_pos,
+            ),
+        ):
+            family = CounterMetricFamily(
+                f"dsaserve_spec_decode_{name}", doc, labels=["role", "position"]
+            )
+            for position, value in enumerate(list(values)):
+                family.add_metric([self._role, str(position)], value)
+            yield family
 
 
 def _reader(load: Callable[[], Load], field: str) -> Callable[[], float]:

@@ -38,7 +38,7 @@ from dsaserve.services.auth import ClusterTokenCheck
 from dsaserve.services.kv_events import CacheEventPublisher
 from dsaserve.services.registry import Role, WorkerRecord, WorkerRegistration
 from dsaserve.services.rpc import pb
-from dsaserve.services.transfer import KVTransfer, Region
+from dsaserve.services.transfer import KVTransfer, Region, TransferStats
 from dsaserve.services.transfer.interfaces import bind_ucx_to
 from dsaserve.services.worker.convert import load_response
 from dsaserve.services.worker.metrics import WorkerMetrics
@@ -71,7 +71,7 @@ class RoleService:
         # Answered at once, never behind an engine step: the engine aborts the request (and frees
         # its pages) at its next command drain.
         found = self.let_go(rid)
-        self.w.loop.call(self.w.engine.abort, rid)
+        self.w.abort(rid)
         return pb.AbortResponse(found=found)
 
     def let_go(self, request_id: str) -> bool:
@@ -119,11 +119,6 @@ class Worker:
         if role == "decode" and engine_config.kv_staging_memory_bytes is None:
             # A decode worker never holds a request for a reader: no staging blocks to keep.
             engine_config = dataclasses.replace(engine_config, kv_staging_memory_bytes=0)
-        if role == "decode" and engine_config.prefix_cache_checkpoint_memory_bytes is None:
-            # Nor does it compute prompts (they arrive computed): no checkpoints to keep.
-            engine_config = dataclasses.replace(
-                engine_config, prefix_cache_checkpoint_memory_bytes=0
-            )
         self.engine = LLMEngine(model_dir, engine_config)
         self.loop = EngineLoop(self.engine)
         cache = self.engine.prefix_cache
@@ -167,6 +162,17 @@ class Worker:
         self._stop: asyncio.Event | None = None  # set by serve()
         # Set once serve() begins to stop: open DecodeStreams refuse new requests and end.
         self.stopping = asyncio.Event()
+        # READs in flight into a request's pages, by request id (services.worker.pull)
+        self.reads: dict[str, concurrent.futures.Future[TransferStats]] = {}
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request in the engine, freeing its pages, once no READ writes into them (at
+        once, or when the READ in flight ends: it cannot be stopped)."""
+        read = self.reads.pop(request_id, None)
+        if read is None:
+            self.loop.call(self.engine.abort, request_id)
+        else:  # (runs at once if the READ is over)
+            read.add_done_callback(lambda _: self.loop.call(self.engine.abort, request_id))
 
     async def in_nixl_thread(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         return await asyncio.wrap_future(self.nixl_submit(fn, *args, **kwargs))
@@ -257,9 +263,10 @@ class Worker:
             self._stop.set()
 
     def _cache_publisher(self) -> CacheEventPublisher | None:
-        """A prefill worker tells routers what its prefix cache holds (services.kv_events)."""
+        """A worker tells routers what its prefix cache holds (services.kv_events): a prefill
+        worker's resumes prompts, a decode worker's the conversations it decoded."""
         cache = self.engine.prefix_cache
-        if self.role != "prefill" or cache is None:
+        if cache is None:
             return None
         publisher = CacheEventPublisher(
             self.settings.redis_url,

@@ -35,6 +35,11 @@ class WorkerSettings:
         flag="--registry-ttl",
     )
     metrics_port: int = setting(9100, "HTTP port of /metrics, /live and /ready (0 = off)")
+    transfer_timeout: float = setting(
+        60.0,
+        "seconds one KV pull may take (a decode worker's of a prompt; a prefill worker's of a "
+        "conversation's state a decode worker lends it)",
+    )
 
     def __post_init__(self) -> None:
         if not self.cluster_token:
@@ -63,7 +68,6 @@ class DecodeSettings(WorkerSettings):
 
     port: int = setting(50052, "gRPC port")
     metrics_port: int = setting(9101, "HTTP port of /metrics, /live and /ready (0 = off)")
-    transfer_timeout: float = setting(60.0, "seconds one KV pull may take")
     stream_interval: int = setting(
         1,
         "new tokens per streamed message (SGLang's and vLLM's --stream-interval): above 1 the "

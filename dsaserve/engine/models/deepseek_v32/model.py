@@ -77,6 +77,8 @@ class MTPLayer(Block):
 
 class DeepseekV32(torch.nn.Module):
     cuda_graphs = True
+    # (dropped by the loader when the checkpoint stores none)
+    optional_modules: tuple[str, ...] = ("mtp",)
 
     def __init__(
         self, cfg: ModelConfig, quant: Quantization | None = None, tp: TensorParallel = SINGLE

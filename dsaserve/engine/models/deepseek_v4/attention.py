@@ -118,8 +118,14 @@ class Attention(torch.nn.Module):
             else:
                 ratio = pool.groups[group].ratio
                 hca = {"hca_ratio": ratio, "hca_width": hca_width(inp.max_position, ratio)}
+        # A DSpark block's rows all see what its last row would see with a window widened by
+        # the block: the W context rows before the block, then every row of the block.
+        keys_of, window = inp.positions, self.window
+        if inp.block:
+            keys_of = inp.req_past[inp.row_req] + inp.block - 1
+            window += inp.block
         indices, lengths = kernels.sparse_indices(
-            inp.positions,
+            keys_of,
             inp.row_req,
             inp.req_past,
             inp.req_row0,
@@ -127,7 +133,7 @@ class Attention(torch.nn.Module):
             ring_pages=pool.ring_pages,
             page_size=pool.page_size,
             scratch_base=pool.entry_slot_base(group),
-            window=self.window,
+            window=window,
             picked=picked,
             **hca,
         )  # [N, W (+ topk | hca_width)] int32 slots, -1 = none
@@ -141,7 +147,7 @@ class Attention(torch.nn.Module):
                 sinks=self.attn_sink,
                 lengths=lengths,
             )  # [N, H, D]
-        if inp.segments:
+        if inp.segments and not inp.block:
             # Prefill rows persist after attention: earlier queries of a long chunk still read
             # the old ring rows.
             decode = inp.num_decode
@@ -151,6 +157,22 @@ class Attention(torch.nn.Module):
         grouped = out.reshape(n, self.groups, -1).transpose(0, 1)  # [G, N, H*D/G]
         w = self.wo_a.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)  # [G, H*D/G, R]
         return self.wo_b(torch.bmm(grouped, w).transpose(0, 1).reshape(n, -1))
+
+
+def write_context(attn: Attention, main_x: torch.Tensor, step: StepState) -> None:
+    """A DSpark draft layer's context: the target's projected hidden states main_x [N, hidden]
+    of the step's rows become this layer's KV rows at their positions, RoPE(kv_norm(wkv(main_x)))
+    as its own rows would be, written to the step's scratch rows (where a prefix-cache capture
+    reads a step's window rows) and to the window ring."""
+    pool, inp = step.pool, step.inp
+    group = pool.group_of_layer[attn.layer]
+    cos, sin = step.rope(attn.rope_kind)
+    kv = kernels.apply_rope(
+        kernels.rms_norm(attn.wkv(main_x), attn.kv_norm.weight, attn.eps), cos, sin
+    )
+    slots = pool.groups[group].kv[attn.layer]
+    pool.write(slots, step.scratch_slots(group), kv)
+    pool.write(slots, step.persist_slots(group), kv[inp.persist_rows])
 
 
 def hca_width(max_position: int, ratio: int) -> int:

@@ -6,8 +6,9 @@ Accepts the field names HF transformers' `DeepseekV4Config` accepts, legacy ones
 fields (`quantization_config`, top-level `expert_dtype`). A config this engine cannot serve
 raises `ConfigError` naming the field.
 
-Layer indices past `num_layers` are the multi-token-prediction (MTP) layers, as in the release
-(`compress_ratios` has one entry per layer and then one per MTP layer).
+Layer indices past `num_layers` are the draft head's: the multi-token-prediction (MTP) layers, as
+in the release (`compress_ratios` has one entry per layer and then one per MTP layer), or a DSpark
+head's draft layers (`dspark_*` fields, engine.speculative.dspark_spec), sliding-window only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dsaserve.engine.model_dir import (
     read_config,
     require,
 )
+from dsaserve.engine.speculative.dspark_spec import DSparkSpec
 
 SLIDING, CSA, HCA = (
     "sliding_attention",
@@ -87,10 +89,18 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    mtp_layer_types: tuple[str, ...]  # attention kind of each MTP layer (layer num_layers + i)
+    # attention kind of each draft layer (layer num_layers + i): the MTP layers, or a DSpark
+    # head's (all sliding)
+    mtp_layer_types: tuple[str, ...]
     quantization: Quantization | None  # None: a dense (bf16/fp32) checkpoint
-    # MTP layers whose attention keeps KV state in the pools (speculative decoding runs them)
+    dspark: DSparkSpec | None = None  # the DSpark head the checkpoint bundles (mtp.* is it)
+    # draft layers whose attention keeps KV state in the pools (speculative decoding runs them)
     draft_layers: int = 0
+
+    @property
+    def draft_kind(self) -> str:
+        """The checkpoint's draft head: "dspark" or "mtp" (engine.speculative.config's)."""
+        return "dspark" if self.dspark is not None else "mtp"
 
     def attention_kind(self, layer: int) -> str:
         """The attention kind of `layer`, MTP layers (num_layers + i) included."""
@@ -156,6 +166,8 @@ class ModelConfig:
         }
         if self.draft_layers:
             fields["mtp_layer_types"] = list(self.mtp_layer_types[: self.draft_layers])
+            if self.dspark is not None:  # (an MTP layer's pages mean other bytes)
+                fields["draft_head"] = "dspark"
         return fields
 
     def check_tensor_parallel(self, size: int, fp8: bool) -> None:
@@ -351,11 +363,22 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
     for field in ("attention_bias", "mlp_bias"):
         require(not raw.get(field, False), field, "biases are not part of DeepSeek-V4")
 
+    vocab = get_field(raw, "vocab_size", 129280, int)
+    dspark = DSparkSpec.from_config(raw, n, vocab)
+    if dspark is not None:  # its draft layers attend to a sliding window only
+        mtp_layer_types = (SLIDING,) * dspark.num_layers
+        # (V4.1's heads have a smaller MoE; V4's draft layers are built with the target's)
+        for field, value, own in (
+            ("dspark_n_routed_experts", dspark.num_experts, "n_routed_experts"),
+            ("dspark_num_experts_per_tok", dspark.num_experts_per_tok, "num_experts_per_tok"),
+        ):
+            require(value in (None, raw.get(own, value)), field,
+                    f"DeepSeek-V4's draft layers have the target's MoE ({own})")  # fmt: skip
     eos = raw.get("eos_token_id", 1)
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     rope_main, rope_compress = rope_specs(raw)
     return ModelConfig(
-        vocab_size=get_field(raw, "vocab_size", 129280, int),
+        vocab_size=vocab,
         hidden_size=hidden,
         num_layers=n,
         num_heads=heads,
@@ -389,6 +412,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         mtp_layer_types=mtp_layer_types,
         quantization=_quantization(raw),
+        dspark=dspark,
     )
 
 

@@ -1,8 +1,10 @@
 """DeepSeek-V4 for causal LM over a flat batch of rows (prefill chunks and decode tokens).
 
 Parameter names follow DeepSeek's release (`layers.N.attn.wq_a.weight`, ...); weights.py
-maps HF `save_pretrained` names onto them. The multi-token-prediction layer (`mtp.0.*`) drafts
-tokens for speculative decoding (`draft`), fed by the streams `run` keeps.
+maps HF `save_pretrained` names onto them. The draft head of speculative decoding is the
+multi-token-prediction layer (`mtp.0.*`: `draft`, fed by the streams `run` keeps), or on a
+checkpoint that bundles one and when speculating with it, the DSpark head (`dspark`: every step
+writes its context, `draft_block` drafts).
 
 Under tensor parallelism (`tp`) every rank builds its shard: the vocabulary-parallel embedding
 and head (engine.layers.parallel), attention split by heads, MoE split by experts (their
@@ -16,11 +18,13 @@ from typing import cast
 import torch
 
 from dsaserve.engine.kv.pool import KVPool
+from dsaserve.engine.layers.dspark import draft_block
 from dsaserve.engine.layers.norm import RMSNorm
 from dsaserve.engine.layers.parallel import VocabParallelEmbedding, VocabParallelHead
 from dsaserve.engine.layers.rope import RotaryTable
 from dsaserve.engine.models.deepseek_v4.block import Block
 from dsaserve.engine.models.deepseek_v4.config import ModelConfig, Quantization
+from dsaserve.engine.models.deepseek_v4.dspark import DSparkHead
 from dsaserve.engine.models.deepseek_v4.mhc import HyperHead
 from dsaserve.engine.models.deepseek_v4.mtp import MTPLayer
 from dsaserve.engine.parallel.group import SINGLE, TensorParallel
@@ -30,6 +34,8 @@ from dsaserve.engine.step import StepInputs, StepState
 
 class DeepseekV4(torch.nn.Module):
     cuda_graphs = True
+    # draft heads the loader drops when the checkpoint stores none of their tensors
+    optional_modules: tuple[str, ...] = ("mtp", "dspark", "dspark.confidence_head")
 
     def __init__(
         self, cfg: ModelConfig, quant: Quantization | None = None, tp: TensorParallel = SINGLE
@@ -41,9 +47,12 @@ class DeepseekV4(torch.nn.Module):
         self.cfg, self.quant, self.tp = cfg, quant, tp
         self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = torch.nn.ModuleList(Block(cfg, i, quant, tp) for i in range(cfg.num_layers))
+        mtp = 0 if cfg.dspark is not None else len(cfg.mtp_layer_types)
         self.mtp = torch.nn.ModuleList(
-            MTPLayer(cfg, cfg.num_layers + i, quant, tp) for i in range(len(cfg.mtp_layer_types))
+            MTPLayer(cfg, cfg.num_layers + i, quant, tp) for i in range(mtp)
         )
+        # (built only to speculate with it: V4-Flash's head is three layers of 256 experts)
+        self.dspark = DSparkHead(cfg, quant, tp) if cfg.dspark and cfg.draft_layers else None
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = VocabParallelHead(cfg.hidden_size, cfg.vocab_size, tp)
@@ -74,8 +83,14 @@ class DeepseekV4(torch.nn.Module):
         streams = (
             x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         )  # [N, hc_mult, hidden]
-        for layer in self.layers:
+        taps = []
+        for i, layer in enumerate(self.layers):
             streams = layer(streams, step)
+            if self.dspark is not None and (tap := self.dspark.tap(i, streams)) is not None:
+                taps.append(tap)
+        if self.dspark is not None:
+            with profiled("draft"):
+                self.dspark.write_context(taps, step)
         with profiled("head"):
             return self.head(self.norm(self.hc_head(streams[logit_rows]))), streams
 
@@ -94,6 +109,29 @@ class DeepseekV4(torch.nn.Module):
             x = e.unsqueeze(1) + mtp.h_proj(mtp.hnorm(streams))  # every stream gets it
             out = mtp(x, step)
             return self.head(mtp.norm(mtp.hc_head(out[logit_rows]))), out
+
+    @torch.inference_mode()
+    def draft_block(
+        self, pool: KVPool, inputs: StepInputs, anchors: torch.Tensor, vocab: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The DSpark head over blocks of `inputs.block` rows (one span each: the anchor, then
+        noise tokens), anchors [B] their first tokens -> (drafts [B, gamma] among the first
+        `vocab` ids, their confidences [B, gamma] fp32, or None without a confidence head)."""
+        head = self.dspark
+        assert head is not None
+        step = self._step(pool, inputs)
+        with profiled("draft"):
+            h = head(self.embed(inputs.token_ids), step)  # [B * gamma, hidden]
+            base = self.head(head.norm(h))  # [B * gamma, V] fp32
+            b = anchors.shape[0]
+            return draft_block(
+                base.view(b, -1, base.shape[-1]),
+                h.view(b, -1, h.shape[-1]),
+                anchors,
+                head.markov_head,
+                head.confidence_head,
+                vocab,
+            )
 
     def _step(self, pool: KVPool, inputs: StepInputs) -> StepState:
         return StepState(

@@ -17,10 +17,16 @@ The built-in model users meet is the trained one (engine/demo_model.py). Two for
   hash table, one MTP layer (`mtp.0.*`), two shards behind model.safetensors.index.json, and
   a vocabulary larger than its tokenizer. The head's rows past the tokenizer are scaled up so
   that an engine which forgot to mask them would sample them nearly every step.
+
+`draft="dspark"` gives either format a DSpark head instead of an MTP layer, in the release's
+layout (V4-Flash-0731's): the `dspark_*` config fields, three sliding-window draft layers under
+`mtp.{0,1,2}`, `mtp.0.main_proj` (FP8 in the release format) and `main_norm`, the head stack
+(`norm`, `hc_head_*`, `markov_head.*`, `confidence_head.*`) under the last one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -49,11 +55,15 @@ RELEASE_VOCAB = 384  # model rows; the release-format tokenizer has 264 tokens
 # Stored FP8 in the release (the table in shared/reference/v4-release.md), wo_a included.
 _FP8_STORED = re.compile(
     r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|ffn\.shared_experts\.w[123]"
-    r"|e_proj|h_proj)\.weight$"
+    r"|e_proj|h_proj|main_proj)\.weight$"
 )
 _FP4_STORED = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 # Stored fp32: mHC parameters, sinks, compressor slot biases, router biases.
-_FP32_STORED = re.compile(r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|\.gate\.bias)$")
+_FP32_STORED = re.compile(
+    r"(hc_(attn|ffn|head)_(fn|base|scale)|attn_sink|\.ape|\.gate\.bias|confidence_head\.proj\.weight)$"
+)
+DRAFTS = ("mtp", "dspark")  # draft heads a tiny checkpoint can carry (mtp: the format's own)
+DSPARK_LAYERS = 3  # V4-Flash-0731's
 
 
 def _shared_fields() -> dict:
@@ -164,23 +174,51 @@ def release_tiny_config() -> dict:
     }
 
 
+def dspark_fields(raw: dict, tokens: int) -> dict:
+    """The config.json fields of a DSpark head on the model `raw` describes (V4-Flash-0731's,
+    in miniature): blocks of 5, the last three layers tapped, the tokenizer's last id as the
+    noise token, no MTP layer (the release's trailing compress_ratios entries are the draft
+    layers', all 0)."""
+    n = raw["num_hidden_layers"]
+    fields = {
+        "dspark_block_size": 5,
+        "dspark_markov_rank": 16,
+        "dspark_noise_token_id": tokens - 1,
+        "dspark_target_layer_ids": list(range(n - 3, n)),
+        "num_nextn_predict_layers": 1,  # (as 0731's config says; the head is read from dspark_*)
+    }
+    if "compress_ratios" in raw:
+        fields["compress_ratios"] = raw["compress_ratios"][:n] + [0] * DSPARK_LAYERS
+    return fields
+
+
 def make_tiny_model(
     out_dir: str | os.PathLike,
     seed: int = 0,
     fmt: str = "dense",
     overrides: dict[str, Any] | None = None,
+    draft: str = "mtp",
 ) -> Path:
     """Write a tiny checkpoint (config, weights, tokenizer) of format `fmt` (FORMATS) into
     out_dir; returns its path. `overrides` replaces config.json fields (a random model of any
-    shape: bench/disagg.py writes a V4-Flash-width slice)."""
+    shape: bench/disagg.py writes a V4-Flash-width slice); draft "dspark": a DSpark head
+    instead of the format's MTP layer."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if draft not in DRAFTS:
+        raise ValueError(f"draft must be one of {DRAFTS}, got {draft!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     release = fmt == "release"
     tokens = write_byte_tokenizer(out, release=release)
-    raw = (release_tiny_config() if release else tiny_config(tokens)) | (overrides or {})
-    model = build_model(ModelConfig.from_hf(raw), torch.float32, torch.device("cpu"))
+    raw = release_tiny_config() if release else tiny_config(tokens)
+    if draft == "dspark":
+        raw |= dspark_fields(raw, tokens)
+    raw |= overrides or {}
+    cfg = ModelConfig.from_hf(raw)
+    if cfg.dspark is not None:  # (the model builds the head only to draft with it)
+        cfg = dataclasses.replace(cfg, draft_layers=cfg.dspark.num_layers)
+    model = build_model(cfg, torch.float32, torch.device("cpu"))
     gen = torch.Generator().manual_seed(seed)
     tensors = {
         name: _init(name, t, gen, raw)
@@ -198,7 +236,8 @@ def make_tiny_model(
 
 def release_names(tensors: dict[str, torch.Tensor], raw: dict) -> dict[str, torch.Tensor]:
     """Our parameter names -> the release's, stacked experts split per expert."""
-    named = {release_name(name): t for name, t in tensors.items()}
+    draft = [int(n.split(".")[2]) for n in tensors if n.startswith("dspark.layers.")]
+    named = {release_name(name, 1 + max(draft, default=-1)): t for name, t in tensors.items()}
     return split_experts(named, raw["moe_intermediate_size"])
 
 
@@ -221,9 +260,16 @@ def _init(name: str, t: torch.Tensor, gen: torch.Generator, raw: dict) -> torch.
     return random_value(name, t, gen)
 
 
-def release_name(name: str) -> str:
-    """Our parameter name -> DeepSeek's release name (the inverse of weights.py's renames; V4.1
+def release_name(name: str, dspark_layers: int = 0) -> str:
+    """Our parameter name -> DeepSeek's release name (the inverse of weights.py's renames; a
+    DSpark head of `dspark_layers` layers under mtp.*, as models.deepseek_v4.dspark lists; V4.1
     names its tensors alike)."""
+    if name.startswith("dspark.layers."):
+        name = "mtp." + name.removeprefix("dspark.layers.")
+    elif name.startswith("dspark.main_"):
+        name = "mtp.0." + name.removeprefix("dspark.")
+    elif name.startswith("dspark."):
+        name = f"mtp.{dspark_layers - 1}." + name.removeprefix("dspark.")
     for ours, theirs in (
         (".hc_attn.", ".hc_attn_"),
         (".hc_ffn.", ".hc_ffn_"),

@@ -9,7 +9,10 @@ convert.py does) and FP8 routed experts too (no FP8 expert kernel here); the res
 checkpoint stays quantized when the model keeps it so.
 
 The MTP layers (`mtp.N.*`) load when the checkpoint has any of their tensors; HF's
-save_pretrained writes none, and a config.json with `num_nextn_predict_layers: 0` skips them.
+save_pretrained writes none, and a config.json with `num_nextn_predict_layers: 0` skips them. On a
+checkpoint that bundles a DSpark head (`dspark_*` fields) the same names are the head's
+(models.deepseek_v4.dspark: `mtp.i.<block>` its layer i, the rest at its own level, as vLLM
+maps them), loaded only when the model speculates with it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import re
 import torch
 
 from dsaserve.engine.models.deepseek_v4.config import ModelConfig
+from dsaserve.engine.models.deepseek_v4.dspark import HEAD_TENSORS
 from dsaserve.engine.models.deepseek_v4.model import DeepseekV4
 from dsaserve.engine.models.deepseek_v4.moe import Fp4Experts
 from dsaserve.engine.models.loading import Target, build, expert_target, load_checkpoint
@@ -29,21 +33,31 @@ _RENAMES = [
     (re.compile(r"^model\."), ""),
     (re.compile(r"^embed_tokens\."), "embed."),
     (re.compile(r"^lm_head\."), "head."),
-    (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head.\1"),
+    (re.compile(r"(^|\.)hc_head\.hc_(fn|base|scale)$"), r"\1hc_head.\2"),
     (re.compile(r"(^|\.)hc_head_(fn|base|scale)$"), r"\1hc_head.\2"),
     (re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$"), r".hc_\1.\2"),
     (re.compile(r"\.attn\.norm\."), ".attn.kv_norm."),
     (re.compile(r"\.attn\.wo_a\.weight$"), ".attn.wo_a"),
 ]
-_EXPERT = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(
+    r"^((?:layers|mtp|dspark\.layers)\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$"
+)
+_DRAFT = re.compile(r"^mtp\.(\d+)\.(.*)$")
 # Copies of the shared embedding and head that some MTP exports carry (convert.py skips them).
 _SKIP = re.compile(r"^mtp\.\d+\.(emb[^.]*|head)\.")
 
 
-def canonical_target(name: str, inter: int) -> Target:
-    """Map a checkpoint weight name onto (our parameter, slice)."""
+def canonical_target(name: str, inter: int, dspark: bool = False) -> Target:
+    """Map a checkpoint weight name onto (our parameter, slice); dspark: `mtp.*` is a DSpark
+    head."""
     for pattern, repl in _RENAMES:
         name = pattern.sub(repl, name)
+    m = _DRAFT.match(name) if dspark else None
+    if m:
+        stage, rest = m.groups()
+        name = (
+            f"dspark.{rest}" if rest.startswith(HEAD_TENSORS) else f"dspark.layers.{stage}.{rest}"
+        )
     m = _EXPERT.match(name)
     if m:
         return expert_target(m.group(1), int(m.group(2)), m.group(3), inter)
@@ -73,7 +87,7 @@ def load_weights(model: DeepseekV4, model_dir: str | os.PathLike) -> None:
     load_checkpoint(
         model,
         model_dir,
-        target=lambda name: canonical_target(name, cfg.moe_intermediate_size),
+        target=lambda name: canonical_target(name, cfg.moe_intermediate_size, bool(cfg.dspark)),
         skip=lambda name: _SKIP.match(name) is not None,
         num_experts=cfg.num_experts,
         tie_word_embeddings=cfg.tie_word_embeddings,

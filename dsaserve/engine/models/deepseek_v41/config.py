@@ -21,9 +21,10 @@ section 1.3; DeepSeek's inference/config.json carries the same under its own nam
 - Engram n-gram tables on `engram_layer_ids` (engine.models.deepseek_v41.engram).
 - MoE: sqrt-softplus scores with a selection bias on every layer (`topk_method: noaux_tc`, no
   hash-routed layers); FP8 weights in 32 x 32 blocks (activations quantized per 32), FP4 experts.
-- No MTP layer: `num_nextn_predict_layers` and `dspark_*` describe the DSpark draft head, which is
-  loaded by nobody here (speculative decoding refuses this family); the head reads the inputs of
-  `dspark_target_layer_ids`, recorded for it.
+- No MTP layer: `num_nextn_predict_layers` and `dspark_*` describe the DSpark draft head, read
+  into `dspark` (engine.speculative.dspark_spec, as V4's) and loaded by nobody yet: this config
+  has no `draft_layers`, so speculative decoding refuses the family (the seam a V4.1 DSpark
+  drafter fills: draft layers in the pools, the head's tensors under `mtp.*`).
 
 A config this engine cannot serve raises ConfigError naming the field.
 """
@@ -47,6 +48,7 @@ from dsaserve.engine.model_dir import (
     require,
 )
 from dsaserve.engine.models.deepseek_v4.config import MOE, Quantization, rope_specs
+from dsaserve.engine.speculative.dspark_spec import DSparkSpec
 
 MODEL_TYPE = "deepseek_v41"
 FP8_BLOCK = 32  # V4.1's FP8 weight tiles (32 x 32) and activation groups
@@ -121,7 +123,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
-    dspark_target_layers: tuple[int, ...]  # what a DSpark head would read (not run here)
+    # the DSpark head the checkpoint bundles (mtp.*), read and checked as V4's is; not run here:
+    # the config has no draft_layers, so speculative decoding refuses this family
+    dspark: DSparkSpec | None
     quantization: Quantization | None  # None: a dense checkpoint
 
     # ---------------------------------------------------------------- topology
@@ -437,6 +441,6 @@ def _parse(top: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", top.get("bos_token_id")),
         eos_token_ids=eos_ids,
-        dspark_target_layers=tuple(raw.get("dspark_target_layer_ids") or ()),
+        dspark=DSparkSpec.from_config(raw, n, get_field(raw, "vocab_size", None, int)),
         quantization=_quantization({**raw, **top}),
     )

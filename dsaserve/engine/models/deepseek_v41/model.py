@@ -40,6 +40,8 @@ from dsaserve.engine.step import StepInputs, StepState
 
 class DeepseekV41(torch.nn.Module):
     cuda_graphs = False  # (a step plans on the host: module docstring)
+    # none: the DSpark head's tensors (`mtp.*`) are skipped by name (weights._NOT_SERVED)
+    optional_modules: tuple[str, ...] = ()
 
     def __init__(
         self, cfg: ModelConfig, quant: Quantization | None = None, tp: TensorParallel = SINGLE

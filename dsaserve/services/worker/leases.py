@@ -1,4 +1,5 @@
-"""The prefill worker's lease table: whose held KV a reader may still read, decided at once.
+"""A worker's lease table: whose held KV a reader may still read, decided at once (a prefill
+worker's held prompts, a decode worker's loans: services.worker.pull).
 
 Claim, Release and Abort are answered here, on the worker's event loop, never behind an engine
 step: a slow step (a long prompt, a loaded machine) once made a reader's Claim miss its deadline
