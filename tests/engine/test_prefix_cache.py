@@ -23,6 +23,7 @@ from dsaserve.engine.prefix_cache.checkpoint import CopyPlan
 from dsaserve.engine.request import RequestOutput, Status
 from dsaserve.engine.sampling_params import SamplingParams
 from tests.engine_cases import assert_all_free, byte_ids, drain, move, move_staged
+from tests.model_fixtures import families
 from tests.release_reference import ENGINE, TOKENS, release_ids
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -224,12 +225,12 @@ def _on_path(node, tokens: list[int]) -> bool:  # type: ignore[no-untyped-def]
     return True
 
 
-@pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v32"])
-def test_a_cache_salt_resumes_only_from_prefixes_computed_under_it(tiny, tmp_path_factory, family):
+@families()
+def test_a_cache_salt_resumes_only_from_prefixes_computed_under_it(tiny):
     """Namespaces: the same prompt under another cache_salt (or none) computes everything; under
     its own it resumes. V3.2 resumes even inside a cached block's tokens, the case a shared root
     would leak through."""
-    model = tiny if family == "deepseek_v4" else make_v32(tmp_path_factory.mktemp("v32"))
+    model = tiny
     tight = dict(page_size=8, max_num_seqs=4, max_num_batched_tokens=40)
     engine = LLMEngine(model, EngineConfig(kv_cache_memory_bytes=8 << 20, **tight))
 
@@ -418,13 +419,12 @@ def test_a_resumed_prefill_only_request_moves_to_a_decode_engine_like_any_other(
     assert_all_free(decode)
 
 
-@pytest.fixture(scope="module")
-def v32(tmp_path_factory):
-    return make_v32(tmp_path_factory.mktemp("v32-turns"))
-
-
-@pytest.mark.parametrize("family, via", [("v4", "staging"), ("v4", "pages"), ("v32", "staging")])
-def test_a_conversations_next_turn_computes_and_moves_only_its_new_tokens(request, family, via):
+@pytest.mark.parametrize(
+    "family, via",
+    [("deepseek_v4", "staging"), ("deepseek_v4", "pages"), ("deepseek_v32", "staging")],
+    indirect=["family"],
+)
+def test_a_conversations_next_turn_computes_and_moves_only_its_new_tokens(tiny, via):
     """A decode engine keeps what a turn computed (prompt and answer) when it ends. The next
     turn's prefill engine borrows that state (a loan: the decode engine's checkpoint restored
     into pages it holds, pulled but for the pages the prefill engine's cache holds) and computes
@@ -433,7 +433,7 @@ def test_a_conversations_next_turn_computes_and_moves_only_its_new_tokens(reques
     conversation (its cache emptied) lends nothing and takes everything. Answers are those of an
     engine that never moved anything; every page comes back. DeepSeek-V3.2 (no per-position
     state, no ring) alike."""
-    model = request.getfixturevalue("tiny" if family == "v4" else "v32")
+    model = tiny
     config = EngineConfig(page_size=8, max_num_batched_tokens=64)
     prefill, decode = LLMEngine(model, config), LLMEngine(model, config)
     alone = LLMEngine(model, dataclasses.replace(config, enable_prefix_caching=False))
