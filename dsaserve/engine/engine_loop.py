@@ -5,7 +5,13 @@ release) is a command executed on the engine thread between two steps: a call of
 engine's methods (`loop.call(engine.abort, request_id)`); callers get the result through a
 future. Each request carries its own listener (an `OutputQueue`), which the
 engine calls with the request's outputs; the queue hands them to its event loop with
-`call_soon_threadsafe`, so services never block their event loop on the model.
+`call_soon_threadsafe`, so services never block their event loop on the model. `stream` merges a
+request's outputs to `interval` tokens each (a decode worker's --stream-interval), so the router,
+gRPC and the client's SSE parsing pay per N tokens, not per token.
+
+The loop also measures the step time a worker reports (engine.load.Load.step_ms). An engine that
+must step while idle (data-parallel lockstep) steps every LOCKSTEP_IDLE_S (20 ms): a request
+arriving at an idle group waits at most that for its first step.
 """
 
 from __future__ import annotations

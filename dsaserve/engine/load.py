@@ -1,6 +1,11 @@
 """The load of one engine: what a worker reports to the registry and over its Load RPC.
 
-Torch-free: the router reads it from registry records.
+Torch-free: the router reads it from registry records. `step_ms` (the moving average of the
+engine's steps, measured by EngineLoop) also stretches the deadlines that wait on a worker's
+steps (`step_deadline`: the longer of a floor and N steps), so a slow or loaded worker's healthy
+calls are not failed: the router's decode stall timeout (services.router.pd.STALL_STEPS) and its
+Aborts (services.router.clients), the prefill lease (services.prefill.service.LEASE_STEPS), and a
+puller's Claim, Release and Describe (services.worker.pull, from the peer's `KVHandle.step_ms`).
 """
 
 from __future__ import annotations

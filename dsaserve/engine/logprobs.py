@@ -10,6 +10,11 @@ One batch, on the device: one log_softmax over the rows that asked, one gather o
 tokens, one topk as wide as the widest request, into one table (`logprob_table`) that reaches
 the host with the sampled ids, without a wait of its own (engine.async_copy); `read_logprobs`
 turns the host copy into one entry per row.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`; the completions' `echo`) take the same
+measure over the prompt's tokens: the runner adds a prefill chunk's prompt rows to the step's
+logit rows and engine.outputs' `score_prompts` scores them; a prefill worker returns them with
+its first token.
 """
 
 from __future__ import annotations

@@ -4,10 +4,21 @@ its tokens (stop checks, text, listener).
 Async scheduling (on by default, as in SGLang; vLLM's --async-scheduling): `launch_ahead` queues
 step N+1 before it waits for step N's sampled ids, so the host's work (scheduling, inputs,
 detokenizing, stop checks, streaming) runs while the device computes. Step N+1's decode rows
-read step N's ids on the device (engine.step.sampled_ref). The price is one row: a request that
-stops at token t (EOS, a stop string) has already been scheduled for t + 1, whose id is dropped.
-Pages freed while a step runs may still be written by it, which matters only to writers outside
-the device's stream order (engine.handoff's `reserve` waits for the device first).
+read step N's ids on the device (engine.step.sampled_ref). What keeps it safe:
+- tokens in flight: a request sampled by a launched step counts the token
+  (`Request.num_inflight`) before its id is known; results reach pinned host memory behind one
+  event (engine.async_copy);
+- ends are learnt a step late: a request whose max_tokens-th token is in flight is not
+  scheduled again (`Request.ends_in_flight`); one that stops at token t (EOS, a stop string) has
+  already been scheduled for t + 1, whose id is dropped (the price: one row); a preempted
+  request is re-admitted only once its in-flight token is known; a prefill-only request is held
+  from the step that samples its token (`hold`: no later step touches its pages);
+- freed pages: pages freed while a step runs may still be written by it; every later step is
+  ordered after it on the stream, and the one writer outside that order, a KV transfer into
+  pages engine.handoff's `reserve` hands out, waits for the device first.
+A request whose sampling reads its own tokens (a grammar, a penalty) completes the step in flight
+only after this step's forward is launched (`_settle`). Speculative steps wait for each step
+instead (engine.speculative.speculator).
 """
 
 from __future__ import annotations

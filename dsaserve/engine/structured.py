@@ -13,7 +13,8 @@ grammar anywhere: the decode worker of a disaggregated request replays the first
 under the same grammar by the prefill worker) into a fresh matcher, as it replays it into the
 detokenizer. With async scheduling the newest token of a request may still be on the device when
 the next step is launched; the engine then waits for it after launching that step's forward (the
-mask is filled while the device runs the forward), never before.
+mask is filled while the device runs the forward), never before. Forced tokens (a call's tags)
+are decoded one step each; fast-forwarding them (llguidance's `compute_ff_tokens`) is not done.
 """
 
 from __future__ import annotations

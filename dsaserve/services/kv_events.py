@@ -1,4 +1,4 @@
-"""Which prefixes each prefill worker's cache holds: the worker publishes, the router indexes.
+"""Which prefixes each worker's cache holds: the worker publishes, the router indexes.
 
 A worker's prefix cache is a tree of token blocks, each named by a chained hash
 (engine.prefix_cache.block_hash). The worker appends what changes to a Redis stream of its own,
@@ -8,13 +8,16 @@ any entry that could not be written; an empty entry every KEEPALIVE_S when nothi
 entry carries the worker's incarnation (a new one each process start) and a sequence number, and
 every reset the hashing parameters (salt, block size), so a reader can tell a gap from silence.
 
-The router (`CacheIndex`) reads the streams of the live prefill workers with one blocking XREAD:
-a worker it has not met yet is read from its latest reset on; an entry that does not follow the
-one before it (a gap: entries trimmed away, a Redis outage) leaves that worker unknown until its
-next reset. A worker that is unknown, or whose last entry is older than STALE_S, matches nothing:
-routing falls back to load balancing, never to an error. Between a request and the entry that
-reports its blocks the router remembers where it sent them (ROUTED_S), so the next turn of a
-conversation finds its worker even before the worker has said so.
+The router (`CacheIndex`) reads the streams of the live workers (both roles) with one blocking
+XREAD: a worker it has not met yet is read from its latest reset on; an entry that does not
+follow the one before it (a gap: entries trimmed away, a Redis outage) leaves that worker
+unknown until its next reset. A worker that is unknown, or whose last entry is older than
+STALE_S, matches nothing: routing falls back to load balancing, never to an error. Between a
+request and the entry that reports its blocks the router remembers where it sent them
+(ROUTED_S), so the next turn of a conversation finds its worker even before the worker has said
+so. A decode worker's stream holds the conversations it decoded (engine.prefix_cache.cache's
+`keep`): the router sends a next turn to that decode worker while it has room (the policy's
+`room`), and its prefill worker borrows the last answer's state from it (engine.loans).
 
 Why a stream per worker rather than the Load/Describe RPCs or the registry record: changes reach
 every router within PUBLISH_S whatever their number, with no call per worker on the request path;
@@ -136,7 +139,7 @@ class _RedisTask:
 
 
 class CacheEventPublisher(_RedisTask):
-    """A prefill worker's side: its cache's changes into its stream while it runs."""
+    """A worker's side: its cache's changes into its stream while it runs."""
 
     def __init__(
         self,
@@ -213,10 +216,10 @@ class _Worker:
 
 
 class CacheIndex(_RedisTask):
-    """The router's side: what each live prefill worker's cache holds, by block hash."""
+    """The router's side: what each live worker's cache holds, by block hash."""
 
     def __init__(self, redis_url: str, workers: Callable[[], list[str]]) -> None:
-        """workers(): the ids of the prefill workers to follow (the registry's live ones)."""
+        """workers(): the ids of the workers to follow (the registry's live ones)."""
         timeout = READ_BLOCK_MS / 1000 + 2
         redis = aioredis.Redis.from_url(redis_url, socket_timeout=timeout, socket_connect_timeout=2)
         super().__init__(redis, "kv-events-index")

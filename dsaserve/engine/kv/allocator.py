@@ -4,7 +4,8 @@ A slab row is allocated, transferred and freed exactly like a page (of the group
 both use this one allocator. A page's references are a request's (its page table) or the prefix
 cache's (engine.prefix_cache.cache): one page may be in several requests' tables and in the cache at
 once, and returns to the free list when its last reference goes. The allocator counts the pages
-only the cache holds (`num_cached`): those are free for the asking, by an eviction.
+only the cache holds (`num_cached`): those are free for the asking, by an eviction. A worker
+exports them as `dsaserve_kv_pages_cached`: free + cached = total on an idle worker.
 """
 
 from __future__ import annotations

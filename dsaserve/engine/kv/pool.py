@@ -29,7 +29,17 @@ row, is a run of whole cells, and a request's KV state is a list of cells (`cell
 staging buffer (engine.kv.staging) gathers and scatters with one indexed copy. Each layer's pool
 is still a contiguous [slots, D] tensor, what the kernels read, so a decode step does not change.
 `regions()` lists what NIXL registers, `layout()` describes it and `layout_hash()` identifies it
-across workers.
+across workers: the family, dtype, KV cache dtype, page size, ring, layer kinds, head dims and
+every region's row shape, in order, and the staging block size, so two workers pair only when a
+page or block of one means the same bytes to the other. The tensor-parallel size enters only
+through this per-rank layout; DeepSeek's one KV head is whole on every rank, so groups of
+different sizes pair (the size is advertised beside the hash, in the layout description that
+KV handles and a mismatch's FAILED_PRECONDITION carry). A model whose KV heads split across
+ranks would change the regions with the size, and so the hash.
+
+Page tables live on the device too (`page_tables`, one row per slab row, written when pages are
+allocated), so a decode step gathers its rows there instead of rebuilding tables on the host:
+the host's work per decode token is O(1).
 
 FP8 (`kv_cache_dtype="fp8"`, `--kv-cache-dtype fp8`): the pools hold kernels.kv_quant's paged
 byte formats instead of model-dtype rows, as vLLM stores V4 with `--kv-cache-dtype fp8`:
@@ -48,7 +58,9 @@ byte formats instead of model-dtype rows, as vLLM stores V4 with `--kv-cache-dty
 Every write goes through kernels.store_rows / the fused glue's FP8 branches (quantize on write),
 every read through the kernels' FP8 loaders (sparse_mla_decode, indexer_topk). Budgets are in
 bytes, so the same --kv-cache-memory-bytes holds more tokens than in bf16 pages: how many is
-engine.kv.layout.bytes_per_token's ratio, recorded per model by bench/kv_cache_dtype.py.
+engine.kv.layout.bytes_per_token's ratio, recorded per model by bench/kv_cache_dtype.py. The
+layout names the KV cache dtype, so a bf16 and an FP8 worker never pair; transfers and
+`ModelRunner.share_pages` move the bytes as they are.
 """
 
 from __future__ import annotations

@@ -2,7 +2,10 @@
 
 A `Call` names a `ModelRunner` method, its arguments (a step's RowSpans, page ids: small host
 data, never tensors) and the page-table writes rank 0's scheduler made since the last call;
-each follower applies the writes, then runs the same method on its own shard. Messages are
+each follower applies the writes, then runs the same method on its own shard. Those writes
+and the steps' own KV writes are the only changes to KV state: frees need no message (a slab
+row's page table is rewritten when the row is given out again, a page's contents by its next
+owner's steps). Messages are
 pickled and broadcast over a gloo group (TCP on this host): one broadcast of a fixed-size head
 carries a whole decode step or most prefill chunks, a second one the rest of a longer message.
 Followers wait in that broadcast while the engine idles, so the group's timeout is unbounded; a

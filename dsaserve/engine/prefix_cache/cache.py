@@ -8,13 +8,22 @@ What is cached (engine.prefix_cache.checkpoint says why these are what resuming 
 - on the node whose prefix ends where an entry page closes (every P * ratio tokens of a compressed
   group), that full entry page, shared by reference with every request that resumes past it;
 - checkpoints (`Checkpoint`): a request's window ring and compressor rings at one position, copied
-  at the end of every prompt the engine computes and every `interval` tokens along it, kept on the
-  node of the block they fall in (with the tokens between the node's end and their position), plus
-  a reference to each group's open entry page.
+  at the end of every prompt the engine computes, every `interval` tokens along it
+  (--prefix-cache-checkpoint-interval, 512), where a prompt parts from a cached one (its
+  `branch_point`: a shared system prompt shorter than the interval is resumed there) and where a
+  request that ran to its end stops (`keep`: its prompt and answer, what a conversation's next
+  turn starts with), kept on the node of the block they fall in (with the tokens between the
+  node's end and their position), plus a reference to each group's open entry page. Where rows
+  run short a step captures its deepest positions first (a prompt's end before its intervals).
+  Checkpoint rows are a fixed share of the KV budget (engine.kv.layout.default_checkpoint_rows);
+  what one costs, and why this rather than every token's window rows, is in
+  engine.prefix_cache.checkpoint.
 A request resumes at the deepest checkpoint whose tokens it shares: at the checkpoint's position
 c, or at c - 1 when it shares only c - 1 of them (recomputing position c - 1 rewrites everything
 that position wrote, the state of the others at c is what it was at c - 1); a request must compute
-one token at least, so a prompt sent again resumes at its length minus one.
+one token at least, so a prompt sent again resumes at its length minus one, the next turn of a
+conversation computes only what follows its last answer (and that answer's last token, sampled
+but never computed), and any prompt sharing L tokens resumes at L - interval or later.
 
 Sharing: a page belongs to everyone who references it (engine.kv.allocator): requests' page
 tables, nodes, checkpoints. Full entry pages are never written again, so sharing them is safe; a
@@ -33,14 +42,16 @@ checkpoint goes.
 Timing: a checkpoint is registered when the step that computes it is scheduled, and its bytes
 are written on the engine's stream by that step; a request may resume from it from the next
 step on (every copy follows on the same stream). A request whose prefix another request is
-computing in the step being scheduled waits for it (`should_wait`) rather than computing it too.
+computing in the step being scheduled waits for it (`should_wait`) rather than computing it too;
+if that request is aborted, what its launched steps computed is still there.
 
 A family whose state at a position is nothing but the entries before it (no window ring, no
 compressor rings: DeepSeek-V3.2, one latent row and index key per token) needs no checkpoint to
 resume: it resumes at any node's end, or further into a child's full page or a checkpoint's open
 page (a copy of its first entries), so a prompt sharing L tokens with a cached one resumes at L.
 Its checkpoints (the end of every prompt, ...) own nothing: they keep the prefix's nodes (its
-pages) in the tree, the open page at their position, and the LRU order eviction follows.
+pages) in the tree, the open page at their position, and the LRU order eviction follows. A hit's
+nodes stay pinned until the step's copies have read them.
 
 Namespaces: a request's `SamplingParams.cache_salt` (vLLM's field, which the router also uses
 for the tenant of an API key) names a tree of its own, rooted at the cache's salt with it mixed

@@ -8,15 +8,22 @@ What resuming a request at position c needs, per pool group (engine.kv.pool):
 - the window rows of the last `sliding_window - 1` positions: the ring pages, copied;
 - every compressor's ring (raw projections of the open windows): the slab row, copied.
 A checkpoint owns copies of the last two (ring pages from the groups' allocators, a slab row from
-the pool's checkpoint rows) and references the open entry page.
+the pool's checkpoint rows) and references the open entry page. The first kind is most of the
+bytes and never changes once a page is full; the other two are small but exist only where kept.
+On DeepSeek-V4-Flash with FP8 pages a checkpoint is 9.9 MiB (6.5 of them the compressor rings,
+kept in bf16), against 1.8 MiB of compressed entries per 512 tokens; keeping every token's window
+rows instead would cost 12.3 MiB per 512 tokens (engine.kv.layout.checkpoint_bytes,
+bytes_per_token).
 
 Capturing at a position c inside a prefill chunk [s, e) (checkpoints fall every N tokens, a
 chunk may hold several): before the step, the request's ring pages and slab row are copied to the
 checkpoint's (their state at s); during it, every compressor also writes the rows of positions
 [max(s, c - rows), c) into the checkpoint's slab row (`Capture`, carried by the step's RowSpan);
 after it, the window rows of positions [max(s, c - ring_len), c) go from the step's scratch rows
-(where every layer keeps this step's rows) to the checkpoint's ring slots. Every device copy is on
-the engine's stream, so a checkpoint captured by step N is whole for every step after N.
+(where every layer keeps this step's rows) to the checkpoint's ring slots (kernels.copy_rows,
+which also copies FP8 pages' rows). Every device copy is on the engine's stream, so a checkpoint
+captured by step N is whole for every step after N. A step's other copies (to and from the host
+tier, page to page) are one `CopyPlan`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ newest token (the anchor, at position num_computed) and gamma - 1 noise tokens i
 the draft layers, then the Markov head's serial pass: gamma drafts and, with a confidence head,
 the chance each is accepted (Request.draft_confidences; engine.speculative.adaptive decides from
 them how many the next step verifies). A step computes at most max_num_batched_tokens rows (the
-pools' scratch rows), so a large batch drafts in several passes.
+pools' scratch rows), so a large batch drafts in several passes. The block writes no page (its
+rows stay in scratch rows), so the scheduler reserves no positions for it past a request's
+verified rows. tests/dspark_reference.py is a plain-torch head written from DeepSpec's
+description, the yardstick of what this drafts.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ draft pass 1  after verification, before the hand-out: the MTP layer over the SA
               draft
 passes 2..K   after the hand-out: one row per drafting request at the next position, its
               token the draft before, fed the MTP layer's own streams (the one MTP layer
-              applied K times)
+              applied K times); a request's pages cover the K positions past its drafts
+              that these passes write
 """
 
 from __future__ import annotations

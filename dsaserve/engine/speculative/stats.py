@@ -2,7 +2,9 @@
 that verified at least one draft in a step), draft tokens, accepted tokens, and acceptances per
 draft position; and, since a step may verify fewer drafts than the head proposed (adaptive),
 the drafts verified per position, so each position's acceptance rate is accepted / verified
-there. The worker exports them as `dsaserve_spec_decode_*`."""
+there. The worker exports them as `dsaserve_spec_decode_*` (mean acceptance length = 1 +
+accepted / drafts); the profiler ranges `verify` and `draft` (engine.profile.ranges) name its
+parts of a step."""
 
 from __future__ import annotations
 

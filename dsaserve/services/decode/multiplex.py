@@ -4,7 +4,14 @@
 started request runs it as a task with a `RequestContext` in place of its call's context, and a
 cancel (or the stream's end) cancels that task as cancelling a Decode call would, so the
 request's cleanup is the one Decode already has. Whatever the tasks produced since the last
-write leaves in one message: while a write waits for the router, the next batch grows.
+write leaves in one message: while a write waits for the router, the next batch grows, in
+practice one message a step, so gRPC's cost per message is paid once a step rather than once a
+token per request.
+
+Each request keeps its own deadline (`DecodeStart.timeout_ms`, and the router's on its side). A
+stopping worker refuses new requests on its streams (UNAVAILABLE, which the router retries on
+another worker) and ends a stream once its last request has ended. A router needs decode
+workers that serve DecodeStream (an older one answers UNIMPLEMENTED): upgrade workers first.
 """
 
 from __future__ import annotations

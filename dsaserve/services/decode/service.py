@@ -1,5 +1,6 @@
 """gRPC Decode service: reserve pages, pull the prefilled KV over NIXL, decode, stream.
 
+Pages are reserved first (waiting while the pools are full, no longer than the prefill lease).
 The pull is Claim (the prefill worker keeps the KV for the READ), READ, Release. Where the
 handle names staging blocks, the READ is a pull of those blocks, scattered into our pages as
 they land (KVTransfer.pull); else one READ of the prefill worker's pages. A READ is one-sided
@@ -11,7 +12,13 @@ A request whose prompt starts with a conversation this worker decoded before sha
 entry pages of that prefix from its prefix cache (`Handoff.reserve`) and pulls only the rest:
 the staged stream puts the newest pages first, so that is the stream's first blocks
 (KVPool.stream), or the pages past the shared ones. `dsaserve_kv_pulled_pages_total` and
-`dsaserve_kv_reused_pages_total` count both.
+`dsaserve_kv_reused_pages_total` count both. Only full entry pages are reused (a pulled request
+brings its state at the prompt's end: ring pages, slab row and open pages), and why the reader
+decides this and not the prefill side: the hit length would have to reach the prefill worker
+before it stages (and a reader that lost its prefix meanwhile could not recover), and a page
+READ of sliced lists pays for many small descriptors. So the prefill side is unchanged, the
+reader decides what it lacks when it reserves, from pages it then holds, and a reader that lost
+them pulls more of the same stream.
 
 Before the first pull from a prefill agent, the prefill worker's Describe (gRPC, at the handle's
 address) gives its NIXL descriptor. The registry is not asked: while Redis is down a decode

@@ -6,6 +6,10 @@ consumer closing it, cancellation) and never awaits, because it may run under ca
 an unfinished Decode is cancelled (the decode worker frees on cancellation; the router's
 requests share a DecodeStream per worker, decode_stream.py), and a prefill worker that may
 still hold the request's KV gets an `Abort`.
+
+A Decode that sends nothing for the stall timeout fails (the longer of --stall-timeout and
+STALL_STEPS of the decode worker's steps, engine.load.step_deadline), bounded with one timer per
+stall period rather than one per token (`_ReadWatch`).
 """
 
 from __future__ import annotations

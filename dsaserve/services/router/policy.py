@@ -3,6 +3,11 @@
 A worker's load is what the registry last heard from it (running + waiting) plus the requests
 this router has sent it since, which the registry cannot know yet: without that term a burst
 between two heartbeats would all land on the worker that looked idle.
+
+`CacheAware` (`--policy cache_aware`, the default) sends a prompt to the worker whose prefix cache
+holds the longest start of it (services.kv_events), unless that worker's load exceeds the least
+loaded one's by more than --balance-abs-threshold (4), so a hot prefix spreads instead of piling
+up; an unknown or stale cache matches nothing and the least loaded worker takes the request.
 """
 
 from __future__ import annotations

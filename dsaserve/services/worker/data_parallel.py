@@ -6,7 +6,12 @@ rank pulls the KV it decodes itself, so no KV ever moves between the ranks of on
 
 This process serves its node's first rank and starts the node's other ranks as processes of
 their own (each dies with it); ports count up from --port and --metrics-port by the rank's
-place on the node (0 stays 0: an ephemeral gRPC port, no probes).
+place on the node (0 stays 0: an ephemeral gRPC port, no probes). The price: D registry records
+and gRPC endpoints per worker, and a dead rank takes its whole group down (the ranks share the
+experts' all-to-alls). Across hosts (--nnodes, --node-rank, --master-addr, --master-port,
+torchrun's names) each node runs D / nnodes whole engines (tensor-parallel groups stay inside a
+node), node k serving ranks k * D / nnodes on, all meeting at node 0's store
+(deploy/k8s/overlays/lws runs a decode worker so).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ the gRPC server with its cluster-token check, the HTTP probes, and (prefill) the
 prefix cache's changes that routers route by.
 
 `dsaserve prefill` / `dsaserve decode` build a `Worker` with the role's service class and serve
-until SIGINT/SIGTERM (services/prefill/main.py, services/decode/main.py).
+until SIGINT/SIGTERM (services/prefill/main.py, services/decode/main.py). A worker whose engine
+thread or tensor-parallel rank dies leaves the registry and exits (`_watch_engine`,
+LLMEngine.group_alive) rather than fail every request.
 """
 
 from __future__ import annotations

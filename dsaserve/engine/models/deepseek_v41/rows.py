@@ -11,6 +11,11 @@ that no longer grows with the prompt: the decoder half computes ~26.5 K row-laye
 on V4.1-Flash instead of 20 per token (vLLM's and SGLang's "decoder SWA bounded replay"
 computes 128 rows per layer and is an approximation: its rows' windows are cut short).
 
+A checkpoint of the prefix cache is such an anchor: with one every 512 tokens and V4.1-Flash's
+halo of 2,414 rows, a long prompt's decoder rows are nearly all computed;
+--prefix-cache-checkpoint-interval well above the halo keeps the saving. (The 128-row replay is
+not the model: on the tiny model it changed a 40-token prompt's greedy tokens.)
+
 Decode rows (and a span without anchors: prompt logprobs, scoring) are computed everywhere.
 A step where every row is computed everywhere (every decode step) has no plan (`None` rows):
 nothing here costs a decode step anything.

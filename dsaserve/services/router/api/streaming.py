@@ -1,9 +1,11 @@
 """Turning a request's events into an HTTP answer: an SSE stream, or one JSON object.
 
 Both paths notice a client that goes away and close the event generator, which cancels the
-Decode call and aborts the prefill (see pd.py). A `StreamWriter` writes one API's events:
-OpenAI's (`OpenAIStream`) sends errors after the 200 went out as `data: {"error": ...}`
-followed by `data: [DONE]`, as vLLM does, in valid JSON.
+Decode call and aborts the prefill (see pd.py); one that leaves before its answer starts
+(tokenizing, queued for admission, in prefill) is noticed by `cancelled_on_disconnect`. A whole
+answer is written a choice at a time (`JSONParts`), so the router never holds a large one whole.
+A `StreamWriter` writes one API's events: OpenAI's (`OpenAIStream`) sends errors after the 200
+went out as `data: {"error": ...}` followed by `data: [DONE]`, as vLLM does, in valid JSON.
 """
 
 from __future__ import annotations

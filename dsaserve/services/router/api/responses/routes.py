@@ -4,11 +4,11 @@
 
 `input` (a text, or items: messages, `function_call`s, their `function_call_output`s and
 `reasoning` items, as the API returns them) becomes chat messages after `instructions` and, with
-`previous_response_id`, after the stored conversation of that response (response_store.py);
+`previous_response_id`, after the stored conversation of that response (store.py);
 function tools, tool choice, `reasoning.effort` and `max_output_tokens` become their chat
 fields. The reply is written as output items: a `reasoning` item (V4's thinking, as
 `reasoning_text` content), a `message` with `output_text`, one `function_call` per call, whole
-or streamed as the API's typed events (responses_output.py). With `store` (the default) the
+or streamed as the API's typed events (output.py). With `store` (the default) the
 response and its conversation are kept in Redis for `--response-ttl` seconds; `store: false`
 keeps nothing.
 
