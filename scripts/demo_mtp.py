@@ -108,8 +108,8 @@ class MTP(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The engine's passes over a sequence of T rows: streams [B, T, hc, H] of the main
         model at positions t, next_ids [B, T] tokens t+1. Pass 1 -> logits [B, T, V] of tokens
-        t+2. With `second`, pass 2 as the engine runs it (ARCHITECTURE.md, Speculative
-        decoding): at position t+1 the layer is fed its own pass-1 streams of t and token t+2,
+        t+2. With `second`, pass 2 as the engine runs it (engine.speculative.mtp_drafter):
+        at position t+1 the layer is fed its own pass-1 streams of t and token t+2,
         and attends to pass-1 rows before t+1 and to itself -> logits [B, T-2, V] of tokens
         t+3 (t < T-2); else None."""
         T = next_ids.shape[1]

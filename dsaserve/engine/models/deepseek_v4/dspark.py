@@ -10,8 +10,8 @@ Checkpoint tensors (the release's names; vLLM's DSparkDeepseekV4Model reads the 
     mtp.{n-1}.markov_head.markov_w{1,2}.weight       [V, r] each (engine.layers.dspark)
     mtp.{n-1}.confidence_head.proj.weight            [1, hidden + r] fp32 (optional)
 
-The embedding and LM head are the target's. How it runs (ARCHITECTURE.md, "Speculative
-decoding"):
+The embedding and LM head are the target's. How it runs (engine.speculative.dspark_drafter
+drives it):
 
 - context: every target step taps the streams after layers `dspark_target_layer_ids` (each
   row's mean over its hc_mult streams), main_x = main_norm(main_proj([tap_1 | ... | tap_L])),
