@@ -41,10 +41,11 @@ from typing import Any
 import httpx
 
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.ports import free_port
 from loadtest.bench_serving import describe
 from loadtest.openai_stream import StreamRecord, chat_payload
 from loadtest.prompts import make_prompt
-from loadtest.soak import Process, _free_port
+from loadtest.soak import Process
 
 BLOCK = 16  # tokens per block of the best-possible hit rate
 MOONCAKE_BLOCK = 512  # tokens per hash id in a Mooncake trace
@@ -151,7 +152,7 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> S
 class Cluster:
     def __init__(self, cfg: ClusterConfig, log_dir: Path) -> None:
         self.log_dir = log_dir
-        redis_port = _free_port()
+        redis_port = free_port()
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         cli = [sys.executable, "-m", "dsaserve.services.cli"]
         common = ["--redis-url", redis_url, "--model", cfg.model or str(DEMO_MODEL_DIR)]
@@ -161,7 +162,7 @@ class Cluster:
         self.workers = []
         for role, n in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             for i in range(n):
-                metrics = _free_port()
+                metrics = free_port()
                 argv = cli + [role, *common, "--port", "0", "--metrics-port", str(metrics),
                               "--worker-id", f"{role}-{i}", "--simulate", cfg.profile,
                               *WORKER_FLAGS]  # fmt: skip
@@ -172,7 +173,7 @@ class Cluster:
                 self.workers.append(Process(f"{role}-{i}", argv, metrics))
         self.router_urls, self.routers = [], []
         for i in range(cfg.routers):
-            port = _free_port()
+            port = free_port()
             argv = cli + ["router", *common, "--port", str(port), "--policy", cfg.policy]
             self.routers.append(Process(f"router-{i}", argv))
             self.router_urls.append(f"http://127.0.0.1:{port}")

@@ -44,11 +44,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dsaserve.engine.ports import free_port
 from dsaserve.engine.simulate import CostModel
 from loadtest.bench_serving import describe
 from loadtest.cluster import Cluster, ClusterConfig
 from loadtest.prompts import make_prompt
-from loadtest.soak import Process, _free_port
+from loadtest.soak import Process
 
 CONTENT = b'"delta":{"content":'  # a content chunk of a chat stream (the opening has "role")
 USAGE = re.compile(rb'"completion_tokens":(\d+)')
@@ -251,7 +252,7 @@ def run(cfg: RouterBenchConfig, profile_out: str | None = None) -> dict[str, Any
     candidate = cluster.routers[0]
     routers = {"candidate": (candidate, cluster.router_urls[0])}
     if cfg.baseline is not None:
-        port = _free_port()
+        port = free_port()
         argv = [*candidate.argv]
         argv[argv.index("--port") + 1] = str(port)
         baseline = Process("router-baseline", argv, cwd=str(_export(cfg.baseline, work)))

@@ -27,7 +27,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from dsaserve.engine.ports import free_port
 from loadtest.bench_serving import BenchConfig, describe, send_request
 from loadtest.prompts import make_prompt
 
@@ -71,12 +71,6 @@ def default_schedule(seconds: float) -> list[Fault]:
         Fault("stop-redis", 3 * step, 15.0),
         Fault("hang-decode", 4 * step, 20.0),
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -134,7 +128,7 @@ class LocalStack:
         role_env: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
         self.log_dir = log_dir
-        redis_port, self.router_port = _free_port(), _free_port()
+        redis_port, self.router_port = free_port(), free_port()
         self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
         cli = [sys.executable, "-m", "dsaserve.services.cli"]
         common = ["--model", model, "--redis-url", self.redis_url, "--registry-ttl", "3"]
@@ -143,8 +137,8 @@ class LocalStack:
                                        "127.0.0.1", "--save", "", "--appendonly", "no"]),
         }  # fmt: skip
         for role in ("prefill", "decode"):
-            metrics = _free_port()
-            argv = cli + [role, *common, "--port", str(_free_port()), "--metrics-port",
+            metrics = free_port()
+            argv = cli + [role, *common, "--port", str(free_port()), "--metrics-port",
                           str(metrics), "--worker-id", f"soak-{role}", *engine_flags]  # fmt: skip
             if role == "prefill":
                 argv += ["--lease-seconds", str(lease_s)]

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from dsaserve.engine.ports import free_port
 
 BANNER = re.compile(r"dsaserve is up: (\S+)")
 METRICS = re.compile(r"(\w+) worker metrics: (\S+)")
@@ -22,9 +23,7 @@ METRICS = re.compile(r"(\w+) worker metrics: (\S+)")
 class UpStack:
     def __init__(self, flags: Sequence[str], log: Path, timeout_s: float = 600.0) -> None:
         """flags: `dsaserve up`'s own (a free --port is added); log: where its output goes."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dsaserve.services.cli", "up", "--port", str(port), *flags],

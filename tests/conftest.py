@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -23,6 +22,7 @@ import redis
 # First of all: without CUDA, kernels.env must set TRITON_INTERPRET before any module imports
 # triton (triton reads it once), or every Triton kernel a test launches on CPU fails.
 from dsaserve import kernels  # noqa: F401
+from dsaserve.engine.ports import free_port
 from dsaserve.services import redis_server as redis_launcher
 from tests.model_fixtures import family, release, tiny  # noqa: F401  (fixtures, shared with GPU runs)
 
@@ -42,13 +42,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("e2e") is None and item.get_closest_marker("gpu") is None:
             item.add_marker(pytest.mark.unit)
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start_redis(log: Path, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:

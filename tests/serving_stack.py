@@ -23,10 +23,10 @@ import httpx
 import openai
 
 from dsaserve.engine.llm import LLM
+from dsaserve.engine.ports import free_port
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.services.auth import token_metadata
 from dsaserve.services.rpc import grpc_api, pb
-from tests.conftest import free_port
 
 TOKEN = "e2e-cluster-token"
 START_TIMEOUT_S = 120.0

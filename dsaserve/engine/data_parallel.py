@@ -19,7 +19,8 @@ import torch
 
 from dsaserve.engine.config import EngineConfig
 from dsaserve.engine.llm_engine import GroupStopped, LLMEngine
-from dsaserve.engine.parallel.launch import STOP_TIMEOUT_S, die_with_parent, free_port
+from dsaserve.engine.parallel.launch import STOP_TIMEOUT_S, die_with_parent
+from dsaserve.engine.ports import free_port
 from dsaserve.engine.request import RequestOutput
 from dsaserve.engine.sampling_params import SamplingParams
 

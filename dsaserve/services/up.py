@@ -19,7 +19,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 
 from dsaserve.engine.config import EngineConfig, setting
 from dsaserve.engine.demo_model import DEMO_MODEL_DIR
+from dsaserve.engine.ports import free_port
 from dsaserve.services import redis_server, settings
 
 log = logging.getLogger(__name__)
@@ -155,12 +155,6 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return argv
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Stack:
     def __init__(self) -> None:
         self.children: list[tuple[str, subprocess.Popen]] = []
@@ -214,7 +208,7 @@ def run(s: UpSettings) -> None:
     try:
         redis_url = s.redis_url
         if redis_url is None:
-            port, password = _free_port(), secrets.token_hex(16)
+            port, password = free_port(), secrets.token_hex(16)
             try:
                 argv = redis_server.command(port, "--loglevel", "warning", config_on_stdin=True)
             except redis_server.RedisNotFound as e:
@@ -232,7 +226,7 @@ def run(s: UpSettings) -> None:
         }
         visible = visible_gpus() if s.engine.device == "cuda" else []
         placements = place(s, visible, model_splits(model, s.engine))
-        metrics = {role: _free_port() for role in ROLES}
+        metrics = {role: free_port() for role in ROLES}
         for role in ROLES:
             where = placements[role]
             gpus = f"GPUs {','.join(where.devices)}" if where.devices else s.engine.device
@@ -248,7 +242,7 @@ def run(s: UpSettings) -> None:
                 + engine_flags(engine)
                 + own
                 + ["--host", "127.0.0.1"]
-                + ["--port", str(_free_port()), "--metrics-port", str(metrics[role])],
+                + ["--port", str(free_port()), "--metrics-port", str(metrics[role])],
                 {**env, **sees},
             )
         router = []

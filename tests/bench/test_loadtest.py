@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import math
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from dsaserve.engine.ports import free_port
 from loadtest import bench_serving as bench
 from loadtest import report
 from loadtest.openai_stream import StreamRecord, auth_headers, chat_payload
@@ -210,9 +210,7 @@ def test_calibration_from_server_token_counts() -> None:
 
 
 def test_run_benchmark_counts_connection_failures() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block exits: connections are refused
+    port = free_port()  # nothing listens there: connections are refused
     result = bench.run_benchmark(
         {
             "base_url": f"http://127.0.0.1:{port}",

@@ -29,12 +29,12 @@ import openai
 import pytest
 import redis
 
+from dsaserve.engine.ports import free_port
 from dsaserve.engine.text.chat_format import ChatOptions, V41Chat
 from dsaserve.services.auth import token_metadata
 from dsaserve.services.registry import unseal, worker_key
 from dsaserve.services.rpc import grpc_api, pb
 from tests import REPO_ROOT
-from tests.conftest import free_port
 from tests.engine_cases import byte_ids
 from tests.model_fixtures import DEFAULT_FAMILY, FAMILIES, families
 from tests.reference_v41 import ReferenceV41

@@ -15,10 +15,10 @@ import pytest
 import redis
 
 from dsaserve.engine.llm import LLM
+from dsaserve.engine.ports import free_port
 from dsaserve.engine.sampling_params import SamplingParams
 from dsaserve.engine.text.chat_format import chat_format
 from dsaserve.services.registry import worker_key
-from tests.conftest import free_port
 from tests.serving_stack import Stack, openai_client, wait_all_kv_free
 
 pytestmark = pytest.mark.e2e  # workers of several ranks as processes

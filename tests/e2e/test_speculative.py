@@ -16,8 +16,8 @@ import pytest
 
 from dsaserve.engine.demo_model import DEMO_DSPARK_MODEL_DIR, DEMO_MODEL_DIR
 from dsaserve.engine.llm import LLM
+from dsaserve.engine.ports import free_port
 from dsaserve.engine.sampling_params import SamplingParams
-from tests.conftest import free_port
 from tests.serving_stack import (
     START_TIMEOUT_S,
     StackSpec,

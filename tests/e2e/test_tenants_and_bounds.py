@@ -27,7 +27,7 @@ import openai
 import pytest
 import redis
 
-from tests.conftest import free_port
+from dsaserve.engine.ports import free_port
 from tests.serving_stack import START_TIMEOUT_S, http_status, wait_for
 
 pytestmark = pytest.mark.e2e  # the stack's processes

@@ -23,11 +23,11 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsaserve.engine.load import Load
+from dsaserve.engine.ports import free_port
 from dsaserve.engine.text.tokenizer import Tokenizer
 from dsaserve.services.registry import WorkerRecord, WorkerRegistration
 from dsaserve.services.router.settings import RouterSettings
 from tests import REPO_ROOT
-from tests.conftest import free_port
 from tests.scripted_worker import TOKEN
 
 MODEL = "tiny-router-model"

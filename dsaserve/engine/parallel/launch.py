@@ -21,7 +21,6 @@ import datetime
 import logging
 import multiprocessing
 import signal
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,13 +42,6 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 IDLE_TIMEOUT = datetime.timedelta(days=3650)
 STOP_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
-
-
-def free_port(host: str = HOST) -> int:
-    """A TCP port free on `host` now (for a rendezvous the processes started next will meet at)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def die_with_parent() -> None:

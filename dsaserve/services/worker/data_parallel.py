@@ -22,7 +22,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from dsaserve.engine.config import EngineConfig
-from dsaserve.engine.parallel.launch import die_with_parent, free_port
+from dsaserve.engine.parallel.launch import die_with_parent
+from dsaserve.engine.ports import free_port
 from dsaserve.services.worker.settings import WorkerSettings
 
 S = TypeVar("S", bound=WorkerSettings)
