@@ -49,6 +49,7 @@ from dsaserve.engine.prefix_cache.cache import PrefixCache
 from dsaserve.engine.profile.ranges import profiled
 from dsaserve.engine.rank import build_runner, device_of, follower_main, keeps_quantized, world_of
 from dsaserve.engine.request import Listener, Request, RequestError, RequestOutput, Status
+from dsaserve.engine.request_checks import check_fits, check_token_ids
 from dsaserve.engine.sampling_params import ContextLengthError, SamplingParams, resolve_max_tokens
 from dsaserve.engine.scheduler import Scheduler
 from dsaserve.engine.speculative.config import MTP
@@ -192,32 +193,13 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
-        # Rows of a padded embedding past the tokenizer are no tokens: refuse them too.
         vocab = min(self.model_config.vocab_size, self.tokenizer.vocab_size)
-        if n == 0:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        bad = [t for t in params.token_ids_in_use() if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(
-                f"token ids of stop_token_ids, logit_bias and allowed_token_ids must be in "
-                f"[0, {vocab}); got {bad[:5]}"
-            )
+        check_token_ids(prompt_token_ids, params, vocab)
         try:
             max_tokens = resolve_max_tokens(n, params.max_tokens, self.max_model_len)
         except ContextLengthError as e:
             raise RequestError(str(e)) from None
-        needed_tokens = n + max_tokens - 1 + 2 * self.scheduler.draft_tokens  # (drafts' rows)
-        for g, group in self.pool.groups.items():
-            need, have = self.pool.pages_for(g, needed_tokens), group.num_pages - 1
-            if need > have:
-                raise RequestError(
-                    f"{needed_tokens} tokens need {need} pages of the {g!r} KV pool, which has "
-                    f"{have}; lower max_tokens or give the worker more KV memory "
-                    "(--kv-cache-memory-bytes)"
-                )
+        check_fits(self.pool, n + max_tokens - 1 + 2 * self.scheduler.draft_tokens)  # (drafts)
         if params.grammar is not None and self.speculator is not None:
             # (drafts are neither proposed nor verified under a grammar's mask yet)
             raise RequestError("structured outputs are not served with --speculative-config yet")
