@@ -16,6 +16,7 @@ from pathlib import Path
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST = 20000  # (below: well-known services' registered ports)
 _HIGHEST = 65535 - 256  # (data-parallel ranks listen at port + rank)
+_rng = random.SystemRandom()  # (not the seeded module state: two seeded runs would collide)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -31,7 +32,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     low, high = _ephemeral_range()
     candidates = [*range(_LOWEST, low), *range(high + 1, _HIGHEST + 1)]
     for _ in range(200):
-        port = random.choice(candidates) if candidates else 0
+        port = _rng.choice(candidates) if candidates else 0
         with socket.socket() as s:
             try:
                 s.bind((host, port))

@@ -19,6 +19,6 @@ def test_a_port_someone_listens_on_is_never_returned(monkeypatch: pytest.MonkeyP
         taken.bind(("127.0.0.1", ports.free_port()))
         taken.listen()
         port = taken.getsockname()[1]
-        monkeypatch.setattr(ports.random, "choice", lambda candidates: port)
+        monkeypatch.setattr(ports._rng, "choice", lambda candidates: port)
         with pytest.raises(OSError, match="no free TCP port"):
             ports.free_port()
