@@ -66,7 +66,10 @@ def test_decode_stopped_past_the_lease_never_answers_from_freed_pages(tiny, redi
     s = stack_in_db(tiny, redis_server, tmp_path, db=3)
     try:
         prefill = s.worker("prefill", "--lease-seconds", "1")
-        decode = s.worker("decode")
+        # (a decode worker that kept the reference turns would be asked to lend them to the
+        # prefill worker, and a stopped one answers no Lend: each prefill would first wait out
+        # the call, ~8 s, which the decode stream's own keepalive does not outlast)
+        decode = s.worker("decode", "--no-enable-prefix-caching")
         router = s.router()
         s.wait_ready(prefill, decode)
         url = s.wait_healthy(router)
