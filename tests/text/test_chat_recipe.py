@@ -24,35 +24,10 @@ from dsaserve.engine.text.chat import V4_DSML, V41_DSML, encode_messages, parse_
 from dsaserve.engine.text.chat.dsml import Dialect, tool_calls_block
 from dsaserve.engine.text.chat_format import REASONING_EFFORTS, ChatOptions, V41Chat, chat_format
 from dsaserve.engine.text.tokenizer import Tokenizer
+from tests.text.test_chat_encoding_dsv4 import TOOLS
 
 V41 = "DeepSeek-V4.1-Flash"
 V4 = "DeepSeek-V4-Pro"
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_time",
-            "description": "Current time in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "convert",
-            "description": "Währung umrechnen",
-            "parameters": {
-                "type": "object",
-                "properties": {"amount": {"type": "number"}, "to": {"type": "string"}},
-            },
-        },
-    },
-]
 
 
 def call(i: int, name: str, arguments: Mapping[str, Any]) -> dict:
